@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtualenv and install everything the project needs.
+# Usage: bash scripts/setup_env.sh        (prints the python path of the venv on the last line)
+# Env: VENV (default: <repo>/.venv), PYTHON (default: python3).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$repo/.venv}"
+py="${PYTHON:-python3}"
+stamp="$venv/.megatron-latentmoe-installed"
+if [ ! -x "$venv/bin/python" ]; then
+  "$py" -m venv "$venv"
+fi
+vpy="$venv/bin/python"
+want="$(sha256sum "$repo/pyproject.toml" "$repo/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  pip=("$vpy" -m pip install --disable-pip-version-check -q)
+  # CPU torch from the local wheel; never let pip resolve an unpinned torch (multi-GB CUDA build).
+  if ! "$vpy" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" "torch>=2.6,<2.14"; else "${pip[@]}" torch==2.13.0; fi
+  fi
+  # megatron-core 0.19.2 declares Python>=3.12 but runs on 3.11 (see ../shared/MEGATRON_ON_CPU.md).
+  "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
+  extras="hf,plot,test"
+  "$vpy" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || extras="$extras,cpu"
+  "${pip[@]}" -e "$repo[$extras]"
+  echo "$want" > "$stamp"
+fi
+echo "$vpy"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the virtualenv and run the whole test suite: the README's test command.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+vpy="$(bash "$repo/scripts/setup_env.sh" | tail -n 1)"
+cd "$repo"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+exec "$vpy" -m pytest -q -p no:cacheprovider "${@:-tests}"

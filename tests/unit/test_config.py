@@ -1,0 +1,78 @@
+"""StableLatentMoEConfig: derived Megatron fields and one clear error per wrong value (SPEC §1-§4)."""
+
+import pytest
+import torch.nn.functional as F
+
+from megatron_latentmoe.config import (
+    QUANTILE_HISTOGRAM,
+    StableLatentMoEConfig,
+    k3_full_scale_config,
+    stable_latentmoe_fields,
+    tiny_config,
+)
+
+
+def test_situ_turns_on_gated_module_activation():
+    cfg = tiny_config()
+    assert cfg.gated_linear_unit and cfg.use_te_activation_func and not cfg.bias_activation_fusion
+    swiglu = tiny_config(hidden_act="swiglu")
+    assert swiglu.gated_linear_unit and swiglu.activation_func is F.silu
+    assert not swiglu.use_te_activation_func
+
+
+def test_first_k_dense_replace_sets_the_layer_pattern():
+    cfg = tiny_config(num_layers=4, first_k_dense_replace=1)
+    assert cfg.moe_layer_freq == [0, 1, 1, 1]
+    full = k3_full_scale_config()
+    assert full.moe_layer_freq == [0] + [1] * 92
+    assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
+
+
+def test_added_fields_are_listed():
+    assert set(stable_latentmoe_fields()) == {
+        "hidden_act",
+        "activation_situ_beta",
+        "activation_situ_linear_beta",
+        "latent_moe_use_norm",
+        "first_k_dense_replace",
+        "moe_qb_num_bins",
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, field, allowed",
+    [
+        (dict(moe_latent_size=33, tensor_model_parallel_size=2, sequence_parallel=True),
+         "moe_latent_size=33", "multiple of tensor_model_parallel_size=2"),
+        (dict(num_moe_experts=6, expert_model_parallel_size=4), "num_moe_experts=6",
+         "multiple of expert_model_parallel_size=4"),
+        (dict(num_moe_experts=4, moe_router_topk=4), "moe_router_topk=4", "[1, num_moe_experts=4)"),
+        (dict(activation_situ_beta=0.0), "activation_situ_beta=0.0", "positive"),
+        (dict(activation_situ_linear_beta=-1.0), "activation_situ_linear_beta=-1.0", "positive"),
+        (dict(moe_latent_size=None), "latent_moe_use_norm=True", "moe_latent_size is set"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'", "'situ'"),
+        (dict(first_k_dense_replace=2), "first_k_dense_replace=2", "num_layers=2"),
+        (dict(moe_router_score_function="softmax"), "moe_router_score_function='softmax'",
+         "'sigmoid'"),
+        (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias=True",
+         "QB router owns expert_bias"),
+        (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
+        (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1", "integer >= 2"),
+        (dict(moe_router_topk_scaling_factor=0.0), "moe_router_topk_scaling_factor=0.0",
+         "positive"),
+        (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True",
+         "full-width input"),
+    ],
+)
+def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
+    with pytest.raises(ValueError) as err:
+        tiny_config(**overrides)
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_qb_is_selected_by_the_load_balancing_type():
+    assert tiny_config().uses_quantile_balancing
+    assert tiny_config().moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+    plain = tiny_config(moe_router_load_balancing_type="none")
+    assert not plain.uses_quantile_balancing
+    assert isinstance(plain, StableLatentMoEConfig)
