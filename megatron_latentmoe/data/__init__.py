@@ -1,0 +1,1 @@
+"""Embedded default corpus + tokenizer, and JSONL -> Megatron indexed dataset preprocessing."""

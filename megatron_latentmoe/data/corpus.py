@@ -1,0 +1,175 @@
+"""The embedded default corpus and tokenizer, and its Megatron indexed dataset.
+
+The package ships, in ``megatron_latentmoe/data/assets/``:
+
+* ``default_corpus.jsonl.gz``: about 4.9 M characters of English text, one JSON object per line
+  (``{"id": ..., "text": ...}``), derived from the public-domain World English Bible (see
+  ``assets/SOURCES.md``). Nothing is downloaded at run time.
+* ``tokenizer/``: a byte-level BPE tokenizer trained on that corpus (4096 tokens in all;
+  ``<|endoftext|>`` = id 0 is EOS/EOD and BOS, ``<|pad|>`` = id 1 is padding), loadable with
+  ``transformers.AutoTokenizer.from_pretrained`` and with Megatron's
+  ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>``.
+
+``prepare_default_dataset(output_dir)`` tokenizes the corpus into Megatron's ``.bin``/``.idx``
+(once; later calls reuse it while corpus, tokenizer and format are unchanged) and returns the path
+prefix to give Megatron as ``--data-path``. From the shell::
+
+    python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+DEFAULT_CORPUS_PATH = ASSETS_DIR / "default_corpus.jsonl.gz"
+DEFAULT_TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+DEFAULT_DATASET_NAME = "default_corpus"
+EOD_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+# Bump when the way the default dataset is written changes: cached datasets are then rebuilt.
+_FORMAT_VERSION = 1
+
+
+def default_tokenizer_dir() -> str:
+    """The shipped tokenizer's folder (``--tokenizer-model`` for Megatron, a path for HF)."""
+    return str(DEFAULT_TOKENIZER_DIR)
+
+
+def default_cache_dir() -> Path:
+    """Where the default dataset goes when the caller names no folder.
+
+    ``$MEGATRON_LATENTMOE_CACHE`` if set, else ``$XDG_CACHE_HOME/megatron_latentmoe`` (or
+    ``~/.cache/megatron_latentmoe``), plus ``/data``.
+    """
+    root = os.environ.get("MEGATRON_LATENTMOE_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_latentmoe")
+    return Path(root) / "data"
+
+
+def iter_corpus_texts(path: Union[str, Path] = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
+    """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)[key]
+
+
+def _fingerprint(corpus: Path, tokenizer_dir: Path) -> dict:
+    h = hashlib.sha256()
+    for p in [corpus] + sorted(q for q in tokenizer_dir.iterdir() if q.is_file()):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return {"format": _FORMAT_VERSION, "sha256": h.hexdigest()}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Serialise concurrent preparations of the same dataset (e.g. every rank of a torchrun)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: atomic renames still keep the dataset whole
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_default_dataset(
+    output_dir: Union[str, Path, None] = None,
+    name: str = DEFAULT_DATASET_NAME,
+    *,
+    force: bool = False,
+    progress: bool = False,
+    workers: int = 1,
+) -> str:
+    """Write the embedded corpus as a Megatron indexed dataset and return its path prefix.
+
+    The prefix ``<output_dir>/<name>`` names ``<prefix>.bin`` and ``<prefix>.idx`` (Megatron's
+    ``--data-path <prefix>``); a ``<prefix>.json`` beside them records what they were built from.
+    If both exist and that record matches the shipped corpus and tokenizer, nothing is done (a
+    few milliseconds). Safe to call from several processes at once (a file lock serialises them)
+    and safe to kill (files are written under temporary names and renamed at the end).
+    """
+    from .indexed import preprocess_jsonl  # lazy: keeps `import corpus` light
+
+    out = Path(output_dir) if output_dir is not None else default_cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = out / name
+    stamp = prefix.with_name(name + ".json")
+    want = _fingerprint(DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR)
+
+    def up_to_date() -> bool:
+        if force or not (prefix.with_name(name + ".bin").exists() and prefix.with_name(name + ".idx").exists()):
+            return False
+        try:
+            have = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            return False
+        return all(have.get(k) == v for k, v in want.items())
+
+    if up_to_date():
+        return str(prefix)
+    with _file_lock(prefix.with_name(name + ".lock")):
+        if up_to_date():  # another process built it while we waited
+            return str(prefix)
+        with contextlib.suppress(FileNotFoundError):
+            stamp.unlink()
+        summary = preprocess_jsonl(
+            DEFAULT_CORPUS_PATH,
+            str(prefix),
+            tokenizer=DEFAULT_TOKENIZER_DIR,
+            json_keys=("text",),
+            append_eod=True,
+            workers=workers,
+            progress=progress,
+        )
+        record = dict(want, documents=summary.documents, tokens=summary.tokens, tokenizer=str(DEFAULT_TOKENIZER_DIR))
+        tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, stamp)
+    return str(prefix)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_latentmoe.data.corpus",
+        description="Write the embedded default corpus as a Megatron indexed dataset (.bin/.idx).",
+    )
+    p.add_argument(
+        "--output-prefix",
+        default=None,
+        help=f"path prefix of the dataset (default: {default_cache_dir() / DEFAULT_DATASET_NAME})",
+    )
+    p.add_argument("--force", action="store_true", help="rebuild even if an up-to-date dataset exists")
+    p.add_argument("--workers", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.output_prefix:
+        out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
+    else:
+        out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
+    prefix = prepare_default_dataset(out_dir, name, force=args.force, progress=True, workers=args.workers)
+    record = json.loads(Path(prefix + ".json").read_text())
+    print(f"default dataset: {record['documents']} documents, {record['tokens']:,} tokens")
+    print(f"  --data-path {prefix}")
+    print(f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {DEFAULT_TOKENIZER_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""JSONL -> Megatron indexed dataset (``.bin``/``.idx``), written with megatron-core's own builder.
+
+``preprocess_jsonl`` reads a JSONL file (optionally ``.gz``), one JSON object per line, tokenizes
+the string under each of ``json_keys`` with a Hugging Face tokenizer (the shipped one by default),
+optionally appends the tokenizer's EOS token as Megatron's end-of-document (EOD) token, and writes
+each key's documents with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` - the
+format Megatron's ``GPTDataset`` (``--data-path``) reads.
+
+Token ids are exactly ``tokenizer(text).input_ids`` (+ ``[eos_token_id]``), which is what
+Megatron's ``--tokenizer-type HuggingFaceTokenizer`` produces for the same text.
+
+Output names: with one key the dataset is ``<prefix>.bin`` / ``<prefix>.idx`` (``--data-path
+<prefix>``); with several keys each key gets ``<prefix>_<key>.bin`` / ``.idx``.
+
+Writes are atomic: everything goes to temporary names beside the target and is renamed only when
+all input was read without error; an old ``.idx`` is removed before its ``.bin`` is replaced and
+the new ``.idx`` is renamed last, so an interrupted run never leaves a readable half dataset
+(a ``kill -9`` may leave ``*.tmp<pid>`` files, which nothing reads).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy
+
+PathLike = Union[str, os.PathLike]
+
+# Lines handed to a worker (or tokenized in one batch call) at a time.
+_BATCH_LINES = 256
+
+
+class PreprocessError(Exception):
+    """Bad input or tokenizer: the message says what and where (file:line)."""
+
+
+@dataclass
+class PreprocessSummary:
+    """What a preprocessing run wrote."""
+
+    output_prefixes: List[str]
+    documents: int  # JSON objects read (non-blank lines)
+    tokens: int  # tokens written, EODs included, all keys together
+    skipped_empty: int  # (document, key) pairs whose text was empty or whitespace: not written
+    seconds: float
+    dtype: str = ""
+    per_key_tokens: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        lines = [
+            f"documents: {self.documents:,}  tokens: {self.tokens:,}  "
+            f"skipped empty: {self.skipped_empty:,}  time: {self.seconds:.2f} s  ({rate:,.0f} tokens/s)"
+        ]
+        for p in self.output_prefixes:
+            lines.append(f"  wrote {p}.bin / {p}.idx ({self.dtype})  ->  --data-path {p}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(tokenizer: Union[PathLike, Any, None] = None):
+    """A Hugging Face tokenizer from a folder (the shipped one when ``None``) or an object as is."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if tokenizer is None:
+        from .corpus import DEFAULT_TOKENIZER_DIR
+
+        tokenizer = DEFAULT_TOKENIZER_DIR
+    path = os.fspath(tokenizer)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is in the [hf] extra
+        raise PreprocessError("preprocessing needs `transformers` (pip install 'megatron-latentmoe[hf]')") from e
+    if not os.path.isdir(path):
+        # A hub name works only if it is already in the local HF cache: nothing is downloaded here.
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:
+            raise PreprocessError(f"tokenizer not found: {path!r} is not a folder (nor a cached HF name): {e}") from e
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:
+            raise PreprocessError(f"cannot load the tokenizer in {path}: {e}") from e
+    # Documents are longer than any model context; silence "sequence length is longer than" warnings.
+    tok.model_max_length = 1 << 62
+    return tok
+
+
+def _eod_id(tok) -> int:
+    eod = getattr(tok, "eos_token_id", None)
+    if eod is None:
+        raise PreprocessError("the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)")
+    return int(eod)
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers: parse + tokenize a batch of lines
+# ----------------------------------------------------------------------------------------------
+
+_W: dict = {}
+
+
+def _worker_init(tokenizer, json_keys, append_eod, input_name, subprocess_worker=False) -> None:
+    if subprocess_worker:  # N processes x Rust threads would oversubscribe the cores
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(tokenizer)
+    _W.update(
+        tok=tok,
+        keys=tuple(json_keys),
+        eod=_eod_id(tok) if append_eod else None,
+        name=input_name,
+    )
+
+
+def _encode_batch(batch: Tuple[int, List[bytes]]):
+    """-> (n_documents, {key: (lengths, flat ids)}, n_skipped) or ("error", message)."""
+    first_line, raw_lines = batch
+    keys, name = _W["keys"], _W["name"]
+    texts = {k: [] for k in keys}
+    n_docs = 0
+    for offset, raw in enumerate(raw_lines):
+        lineno = first_line + offset
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return ("error", f"{name}:{lineno}: not valid UTF-8 ({e})")
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return ("error", f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+        if not isinstance(obj, dict):
+            return ("error", f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        for k in keys:
+            if k not in obj:
+                present = ", ".join(repr(x) for x in list(obj)[:10]) or "none"
+                return ("error", f"{name}:{lineno}: missing JSON key {k!r} (keys present: {present})")
+            v = obj[k]
+            if not isinstance(v, str):
+                return ("error", f"{name}:{lineno}: JSON key {k!r} holds {type(v).__name__}, expected a string")
+            texts[k].append(v)
+        n_docs += 1
+
+    out = {}
+    skipped = 0
+    eod = _W["eod"]
+    for k in keys:
+        kept = [t for t in texts[k] if t.strip()]
+        skipped += len(texts[k]) - len(kept)
+        ids_list = _W["tok"](kept, add_special_tokens=True)["input_ids"] if kept else []
+        if eod is not None:
+            ids_list = [ids + [eod] for ids in ids_list]
+        lengths = [len(ids) for ids in ids_list]
+        flat = numpy.fromiter((i for ids in ids_list for i in ids), dtype=numpy.int64, count=sum(lengths))
+        out[k] = (lengths, flat)
+    return (n_docs, out, skipped)
+
+
+def _bounded_imap(pool, batches, max_pending: int):
+    """Ordered ``pool.imap`` that reads ahead only ``max_pending`` batches (``imap`` would queue
+    the whole input in memory)."""
+    pending: collections.deque = collections.deque()
+    for b in batches:
+        pending.append(pool.apply_async(_encode_batch, (b,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# ----------------------------------------------------------------------------------------------
+# Input
+# ----------------------------------------------------------------------------------------------
+
+
+def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[Tuple[int, List[bytes]]]:
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+    lineno, batch, first = 0, [], 1
+    try:
+        for line in stream:
+            lineno += 1
+            batch.append(line)
+            if len(batch) >= _BATCH_LINES:
+                yield first, batch
+                batch, first = [], lineno + 1
+    except (OSError, EOFError) as e:  # corrupt / truncated .gz
+        raise PreprocessError(f"{name}: cannot read the input after line {lineno}: {e}") from e
+    if batch:
+        yield first, batch
+
+
+def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> List[str]:
+    if len(keys) == 1:
+        return [output_prefix]
+    return [f"{output_prefix}_{k}" for k in keys]
+
+
+def _drop_stale_index_cache(prefix: str) -> None:
+    """Remove Megatron's sample-index cache of a replaced dataset.
+
+    Without ``--data-cache-path`` Megatron caches its GPT/blended sample indices in
+    ``<prefix>/cache/``, keyed by the dataset's path and config but not its contents: after the
+    ``.bin``/``.idx`` change those indices would be silently wrong.
+    """
+    cache = os.path.join(prefix, "cache")
+    if os.path.isdir(cache):
+        shutil.rmtree(cache, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(prefix)  # only if now empty
+
+
+# ----------------------------------------------------------------------------------------------
+# Main entry
+# ----------------------------------------------------------------------------------------------
+
+
+def preprocess_jsonl(
+    input: PathLike,
+    output_prefix: PathLike,
+    tokenizer: Union[PathLike, Any, None] = None,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = True,
+    workers: int = 1,
+    progress: Optional[bool] = None,
+) -> PreprocessSummary:
+    """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
+
+    Args:
+        input: the JSONL file, one object per line (``.gz`` is read as gzip). Blank lines are skipped.
+        output_prefix: path prefix of the output (folders are created).
+        tokenizer: HF tokenizer folder or object; ``None`` = the shipped default tokenizer.
+        json_keys: keys whose string values are tokenized; one dataset per key.
+        append_eod: append the tokenizer's EOS id to every document (Megatron's EOD).
+        workers: processes that parse and tokenize (1 = in this process).
+        progress: tqdm progress bar; ``None`` shows it only on a terminal.
+
+    Raises:
+        PreprocessError: missing input, malformed JSON (with line number), missing key, no documents.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    t0 = time.time()
+    input_path = Path(input)
+    if not input_path.exists():
+        raise PreprocessError(f"input file not found: {input_path}")
+    if not input_path.is_file():
+        raise PreprocessError(f"input is not a file: {input_path}")
+    keys = list(json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise PreprocessError(f"json_keys must be distinct and not empty: {keys}")
+    if workers < 1:
+        raise PreprocessError(f"workers must be >= 1, got {workers}")
+
+    tok = load_tokenizer(tokenizer)
+    if append_eod:
+        _eod_id(tok)
+    dtype = DType.optimal_dtype(len(tok))
+    tok_arg = tokenizer if isinstance(tokenizer, (str, os.PathLike)) or tokenizer is None else tok
+
+    prefixes = _output_prefixes(os.fspath(output_prefix), keys)
+    Path(prefixes[0]).parent.mkdir(parents=True, exist_ok=True)
+    tag = f".tmp{os.getpid()}"
+    tmp = {p: (p + ".bin" + tag, p + ".idx" + tag) for p in prefixes}
+    builders = {}
+    pool = None
+    committed = False
+    n_docs = n_skipped = 0
+    per_key = {k: 0 for k in keys}
+    try:
+        for k, p in zip(keys, prefixes):
+            builders[k] = IndexedDatasetBuilder(tmp[p][0], dtype=dtype)
+
+        if workers == 1:
+            _worker_init(tok, keys, append_eod, str(input_path))
+            encode = lambda batches: map(_encode_batch, batches)  # noqa: E731
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            pool = ctx.Pool(
+                workers, initializer=_worker_init, initargs=(tok_arg, keys, append_eod, str(input_path), True)
+            )
+            encode = lambda batches: _bounded_imap(pool, batches, 2 * workers)  # noqa: E731
+
+        from tqdm.auto import tqdm
+
+        size = input_path.stat().st_size
+        disable = None if progress is None else not progress
+        with open(input_path, "rb") as raw, tqdm(
+            total=size, unit="B", unit_scale=True, desc=f"tokenizing {input_path.name}", disable=disable
+        ) as bar:
+            done = 0
+            for result in encode(_batches(raw, input_path.suffix == ".gz", str(input_path))):
+                if result[0] == "error":
+                    raise PreprocessError(result[1])
+                docs, per_key_out, skipped = result
+                n_docs += docs
+                n_skipped += skipped
+                for k, (lengths, flat) in per_key_out.items():
+                    start = 0
+                    for n in lengths:  # one JSON object = one Megatron document of one sequence
+                        builders[k].add_document(flat[start : start + n], [n])
+                        start += n
+                    per_key[k] += int(flat.size)
+                pos = raw.tell()
+                bar.update(pos - done)
+                done = pos
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        for k in keys:
+            if not builders[k].sequence_lengths:
+                raise PreprocessError(
+                    f"{input_path}: no non-empty documents for key {k!r} ({n_docs} JSON objects read)"
+                )
+        for k, p in zip(keys, prefixes):
+            builders[k].finalize(tmp[p][1])
+        # commit: drop each old .idx first, then move the new .bin, then the new .idx (the marker)
+        for p in prefixes:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p + ".idx")
+            os.replace(tmp[p][0], p + ".bin")
+            os.replace(tmp[p][1], p + ".idx")
+            _drop_stale_index_cache(p)
+        committed = True
+    finally:
+        _W.clear()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for b in builders.values():
+            with contextlib.suppress(Exception):
+                b.data_file.close()
+        if not committed:
+            for pair in tmp.values():
+                for f in pair:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(f)
+
+    return PreprocessSummary(
+        output_prefixes=prefixes,
+        documents=n_docs,
+        tokens=sum(per_key.values()),
+        skipped_empty=n_skipped,
+        seconds=time.time() - t0,
+        dtype=numpy.dtype(dtype).name,
+        per_key_tokens=per_key,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron glue
+# ----------------------------------------------------------------------------------------------
+
+
+def ensure_dataset_helpers() -> None:
+    """Make ``megatron.training.initialize`` use the compiled dataset helpers shipped in the wheel.
+
+    ``initialize_megatron`` calls ``megatron.core.datasets.utils.compile_helpers()``, which runs
+    ``make`` in the installed package; the wheel has no Makefile (but does have the compiled
+    ``helpers_cpp`` extension), so ``make`` fails and Megatron calls ``sys.exit(1)``. This replaces
+    ``compile_helpers`` with a check that the compiled extension imports. Call it before
+    ``initialize_megatron`` / ``pretrain``; idempotent. (``GPTDataset`` itself never compiles: it
+    imports ``megatron.core.datasets.helpers`` directly.)
+    """
+    import importlib
+
+    import megatron.core.datasets.utils as mcore_data_utils
+
+    if getattr(mcore_data_utils.compile_helpers, "_latentmoe_checked", False):
+        return
+
+    def compile_helpers() -> None:
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError as e:
+            raise RuntimeError(
+                "megatron.core.datasets.helpers_cpp (Megatron's compiled dataset helpers) is missing "
+                "from this megatron-core install; reinstall the megatron-core wheel"
+            ) from e
+
+    compile_helpers._latentmoe_checked = True
+    mcore_data_utils.compile_helpers = compile_helpers

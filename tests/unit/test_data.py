@@ -1,0 +1,345 @@
+"""Embedded default data: corpus, tokenizer (HF + Megatron), JSONL -> .bin/.idx, GPTDataset on CPU."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import typing
+import warnings
+from pathlib import Path
+
+import numpy
+import pytest
+
+from megatron_latentmoe.data import corpus
+from megatron_latentmoe.data.corpus import (
+    DEFAULT_CORPUS_PATH,
+    DEFAULT_TOKENIZER_DIR,
+    iter_corpus_texts,
+    prepare_default_dataset,
+)
+from megatron_latentmoe.data.indexed import PreprocessError, ensure_dataset_helpers, preprocess_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = REPO / "tools" / "preprocess_data.py"
+OFFLINE_ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+SAMPLES = [
+    "In the beginning, God created the heavens and the earth.",
+    "Unicode: café, naïve, “quotes” — and 中文 too.\n\nTwo paragraphs\tand  spaces ",
+    "",  # empty: skipped
+    "A short one.",
+    "   ",  # whitespace only: skipped
+    "The last document <|endoftext|> has the EOD text inside it.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER_DIR))
+
+
+def _mcore_quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.datasets.indexed_dataset  # noqa: F401
+        import megatron.core.tokenizers  # noqa: F401
+
+
+def _write_jsonl(path, objs, raw_tail=""):
+    with open(path, "w", encoding="utf-8") as f:
+        for o in objs:
+            f.write(json.dumps(o, ensure_ascii=False) + "\n")
+        f.write(raw_tail)
+    return path
+
+
+def _load_tool(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", REPO / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _expected_ids(tok, texts, eod=True):
+    return [tok(t).input_ids + ([tok.eos_token_id] if eod else []) for t in texts if t.strip()]
+
+
+# ------------------------------------------------------------------------------------------------
+# corpus + tokenizer assets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_corpus_asset_is_real_text_of_useful_size():
+    size = DEFAULT_CORPUS_PATH.stat().st_size
+    assert 1_000_000 <= size <= 4_000_000
+    rows = [json.loads(line) for line in gzip.open(DEFAULT_CORPUS_PATH, "rt", encoding="utf-8")]
+    assert len(rows) > 1000
+    assert all(set(r) == {"id", "text"} and r["text"].strip() for r in rows)
+    assert sum(len(r["text"]) for r in rows) >= 1_000_000
+    text = "\n".join(r["text"] for r in rows)
+    for leftover in ("<w", "</", "strong:", "<note", "osisID", "&amp;", "\u00a0"):
+        assert leftover not in text, leftover
+    assert "In the beginning, God created the heavens and the earth." in text
+    assert (corpus.ASSETS_DIR / "SOURCES.md").read_text().count("public domain") >= 1
+
+
+def test_tokenizer_loads_offline_with_transformers_and_round_trips(hf_tok):
+    tok = hf_tok
+    assert len(tok) == 4096
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id, tok.pad_token, tok.pad_token_id) == (
+        "<|endoftext|>", 0, 0, "<|pad|>", 1,
+    )
+    texts = [s for s in SAMPLES if s] + list(iter_corpus_texts())[:50]
+    for t in texts:
+        ids = tok(t).input_ids
+        assert 0 not in ids or "<|endoftext|>" in t  # nothing added by the tokenizer itself
+        assert tok.decode(ids) == t
+    # same ids as the raw `tokenizers` file (what the HF export carries)
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+    assert raw.encode(SAMPLES[1]).ids == tok(SAMPLES[1]).input_ids
+    # compresses the corpus (byte-level would be 1 token per byte)
+    sample = "".join(texts[-50:])
+    assert len(tok(sample).input_ids) < len(sample.encode()) / 3
+
+
+def test_megatron_builds_the_tokenizer_from_the_flags(hf_tok):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model <assets/tokenizer>, via Megatron's parser."""
+    _mcore_quiet()
+    import typing_extensions
+
+    if not hasattr(typing, "override"):  # megatron.training uses typing.override (3.12)
+        typing.override = typing_extensions.override
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+        from megatron.training.arguments import parse_args
+
+    argv = sys.argv
+    sys.argv = ["pretrain", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(DEFAULT_TOKENIZER_DIR),
+                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                "--max-position-embeddings", "64", "--micro-batch-size", "1"]
+    try:
+        args = parse_args()
+    finally:
+        sys.argv = argv
+    args.rank = 0
+    tok = build_tokenizer(args)
+    assert (tok.vocab_size, args.padded_vocab_size, tok.eod, tok.pad) == (4096, 4096, 0, 1)
+    for s in SAMPLES[:2]:
+        assert tok.tokenize(s) == hf_tok(s).input_ids
+        assert tok.detokenize(tok.tokenize(s)) == s
+
+
+@pytest.mark.skipif(
+    not __import__("tokenizers").__version__.startswith("0.23."),
+    reason="the shipped tokenizer was trained with tokenizers 0.23; other versions may order merges differently",
+)
+def test_shipped_tokenizer_is_reproducible(capsys):
+    assert _load_tool("train_tokenizer").main(["--check"]) == 0, capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# JSONL -> .bin/.idx
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_exactly_the_tokenizer_ids_plus_eod(tmp_path, hf_tok):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": s, "meta": i} for i, s in enumerate(SAMPLES)], "\n\n")
+    prefix = tmp_path / "out" / "mine"
+    r = subprocess.run(
+        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix), "--json-keys", "text"],
+        capture_output=True, text=True, timeout=300, env=OFFLINE_ENV,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "documents: 6" in r.stdout and "skipped empty: 2" in r.stdout and f"--data-path {prefix}" in r.stdout
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(prefix))
+    want = _expected_ids(hf_tok, SAMPLES)
+    assert len(ds) == len(want) == 4
+    assert [ds[i].tolist() for i in range(len(ds))] == want
+    assert ds[0].dtype == numpy.uint16
+    assert ds.document_indices.tolist() == list(range(len(want) + 1))  # one document per JSON line
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["mine.bin", "mine.idx"]
+
+
+def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    objs = [{"title": f"T{i}", "body": s or "x"} for i, s in enumerate(SAMPLES)]
+    src = tmp_path / "in.jsonl.gz"
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(o) + "\n" for o in objs)
+    s = preprocess_jsonl(src, tmp_path / "p", json_keys=["title", "body"], append_eod=False, progress=False)
+    assert s.output_prefixes == [str(tmp_path / "p_title"), str(tmp_path / "p_body")]
+    assert s.documents == len(objs)
+    for key, prefix in zip(["title", "body"], s.output_prefixes):
+        ds = IndexedDataset(prefix)
+        want = _expected_ids(hf_tok, [o[key] for o in objs], eod=False)
+        assert [ds[i].tolist() for i in range(len(ds))] == want
+    assert s.tokens == sum(s.per_key_tokens.values())
+
+
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"text": "ok"}', '{"text": "broken', '{"text": "ok"}'], r"in\.jsonl:2: malformed JSON"),
+        (['{"text": "ok"}', "", '{"body": "no text key"}'], r"in\.jsonl:3: missing JSON key 'text' \(keys present: 'body'\)"),
+        (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds int"),
+        (['["a list"]'], r"in\.jsonl:1: expected a JSON object"),
+        (['{"text": ""}', "   "], r"no non-empty documents"),
+    ],
+)
+def test_bad_input_is_named_with_line_and_key(tmp_path, lines, match):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PreprocessError, match=match):
+        preprocess_jsonl(src, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written
+
+
+def test_missing_input_and_tokenizer(tmp_path):
+    with pytest.raises(PreprocessError, match="input file not found"):
+        preprocess_jsonl(tmp_path / "nope.jsonl", tmp_path / "out")
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    with pytest.raises(PreprocessError, match="tokenizer not found"):
+        preprocess_jsonl(src, tmp_path / "out", tokenizer=str(tmp_path / "no_tokenizer_here"))
+
+
+def test_cli_error_exit_and_message(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
+    cli = _load_tool("preprocess_data")
+    assert cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert f"error: {src}:3: malformed JSON" in capsys.readouterr().err
+    assert cli.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert "error: input file not found" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
+    good = _write_jsonl(tmp_path / "good.jsonl", [{"text": s} for s in SAMPLES])
+    prefix = tmp_path / "ds"
+    preprocess_jsonl(good, prefix, progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ds.*")}
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "new"}] * 600, "{not json}\n")  # fails in batch 3
+    with pytest.raises(PreprocessError, match=r"bad\.jsonl:601:"):
+        preprocess_jsonl(bad, prefix, progress=False)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*")} == before
+
+
+def test_killed_run_leaves_no_dataset(tmp_path):
+    """SIGKILL while tokenizing: no <prefix>.bin/.idx appear (only *.tmp<pid> files may stay)."""
+    src = tmp_path / "big.jsonl"
+    texts = list(iter_corpus_texts())
+    _write_jsonl(src, [{"text": t} for t in texts])
+    prefix = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=OFFLINE_ENV)
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob("killed.bin.tmp*")):
+            assert p.poll() is None, "finished before it could be killed"
+            assert time.time() < deadline
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# default dataset + Megatron GPTDataset on CPU without torch.distributed
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_prefix(tmp_path_factory):
+    return prepare_default_dataset(tmp_path_factory.mktemp("default_data"))
+
+
+def test_default_dataset_is_cached(default_prefix, hf_tok):
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    bin_path = Path(default_prefix + ".bin")
+    mtime = bin_path.stat().st_mtime_ns
+    t = time.time()
+    assert prepare_default_dataset(bin_path.parent) == default_prefix
+    assert time.time() - t < 2 and bin_path.stat().st_mtime_ns == mtime  # reused, not rewritten
+    record = json.loads(Path(default_prefix + ".json").read_text())
+    ds = IndexedDataset(default_prefix)
+    texts = list(iter_corpus_texts())
+    assert len(ds) == len(texts) == record["documents"]
+    assert int(ds.sequence_lengths.sum()) == record["tokens"]
+    assert ds[0].tolist() == hf_tok(texts[0]).input_ids + [0]
+    # a stale record makes it rebuild
+    Path(default_prefix + ".json").write_text(json.dumps(dict(record, sha256="stale")))
+    prepare_default_dataset(bin_path.parent)
+    assert bin_path.stat().st_mtime_ns != mtime
+
+
+def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monkeypatch):
+    _mcore_quiet()
+    import torch
+    import megatron.core.datasets.utils as mcore_data_utils
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    assert not torch.distributed.is_initialized()
+
+    def no_make():
+        raise AssertionError("compile_helpers (make) must not be needed")
+
+    monkeypatch.setattr(mcore_data_utils, "compile_helpers", no_make)
+    tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(DEFAULT_TOKENIZER_DIR),
+                                            metadata_path={"library": "huggingface"})
+    seq = 64
+    cfg = GPTDatasetConfig(
+        random_seed=1234, sequence_length=seq, blend=([default_prefix], None), split="98,1,1",
+        tokenizer=tok, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [200, 20, 20], lambda: True, cfg).build()
+    assert not [w for w in caught if "pad token" in str(w.message)]  # <|pad|> is distinct from EOD
+    assert isinstance(train, GPTDataset) and len(train) >= 200 and len(valid) >= 20 and len(test) >= 20
+    s = train[3]
+    assert s["tokens"].shape == s["labels"].shape == (seq,)
+    assert torch.equal(s["tokens"][1:], s["labels"][:-1])
+    assert int(s["tokens"].max()) < 4096 and float(s["loss_mask"].sum()) == seq
+    words = tok.detokenize(s["tokens"].tolist()).replace("<|endoftext|>", "\n").split()
+    corpus_text = " ".join(iter_corpus_texts())
+    assert " ".join(words[1:6]) in corpus_text
+    cache = Path(default_prefix) / "cache"  # Megatron's default index cache: <prefix>/cache/
+    assert cache.is_dir()
+    prepare_default_dataset(Path(default_prefix).parent, force=True)
+    assert not cache.exists()  # a rebuilt dataset drops the now stale sample indices
+
+
+def test_ensure_dataset_helpers_replaces_make(monkeypatch):
+    _mcore_quiet()
+    import megatron.core.datasets.utils as mcore_data_utils
+
+    monkeypatch.setattr(mcore_data_utils, "compile_helpers", mcore_data_utils.compile_helpers)
+    ensure_dataset_helpers()
+    ensure_dataset_helpers()
+    mcore_data_utils.compile_helpers()  # would run `make` and sys.exit(1) without the patch
+    from megatron.core.datasets import helpers
+
+    assert hasattr(helpers, "build_sample_idx")

@@ -1,0 +1,319 @@
+#!/usr/bin/env python
+"""Rebuild the embedded default corpus and train its tokenizer (how the shipped assets were made).
+
+The assets in ``megatron_latentmoe/data/assets/`` were produced by exactly this script::
+
+    # 1. the corpus, from Debian's ``sword-text-web`` package (World English Bible, public domain)
+    apt-get download sword-text-web            # sword-text-web_426.0-1_all.deb
+    python tools/train_tokenizer.py --rebuild-corpus sword-text-web_426.0-1_all.deb
+
+    # 2. the tokenizer alone, from the shipped corpus (what a plain run does)
+    python tools/train_tokenizer.py
+
+Both steps are deterministic: the same ``.deb`` gives a byte-identical ``default_corpus.jsonl.gz``,
+and the same corpus and ``tokenizers`` version give a byte-identical ``tokenizer.json``.
+``--check`` retrains into a temporary directory and compares with the shipped files.
+
+The ``.deb`` is read with the standard library alone (``ar`` + ``tar.xz`` + the SWORD zText
+format), so no ``dpkg`` or ``libsword`` is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import html
+import io
+import json
+import lzma
+import os
+import re
+import shutil
+import struct
+import sys
+import tarfile
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_latentmoe.data.corpus import (  # noqa: E402
+    DEFAULT_CORPUS_PATH,
+    DEFAULT_TOKENIZER_DIR,
+    EOD_TOKEN,
+    PAD_TOKEN,
+    iter_corpus_texts,
+)
+
+VOCAB_SIZE = 4096  # including the special tokens
+SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1
+
+SWORD_MODULE = "engWEB2015eb"
+SWORD_DIR_IN_DEB = f"usr/share/sword/modules/texts/ztext/{SWORD_MODULE}/"
+
+# ---------------------------------------------------------------------------------------------
+# Corpus: SWORD zText module -> documents (one per chapter, plus the preface and glossary)
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_deb_members(deb_path: Path) -> Dict[str, bytes]:
+    """Return {path: bytes} of the SWORD module files inside a Debian package."""
+    data = deb_path.read_bytes()
+    if data[:8] != b"!<arch>\n":
+        raise SystemExit(f"{deb_path}: not a Debian package (no ar header)")
+    off, payload = 8, None
+    while off + 60 <= len(data):
+        name = data[off : off + 16].decode().strip().rstrip("/")
+        size = int(data[off + 48 : off + 58])
+        if name.startswith("data.tar"):
+            payload = (name, data[off + 60 : off + 60 + size])
+            break
+        off += 60 + size + (size % 2)
+    if payload is None:
+        raise SystemExit(f"{deb_path}: no data.tar member")
+    name, blob = payload
+    if name.endswith(".xz"):
+        blob = lzma.decompress(blob)
+    elif name.endswith(".gz"):
+        blob = gzip.decompress(blob)
+    elif name.endswith(".zst"):
+        raise SystemExit(f"{deb_path}: zstd-compressed package; unpack it with dpkg -x and pass the folder")
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        for m in tar.getmembers():
+            path = m.name.lstrip("./")
+            if path.startswith(SWORD_DIR_IN_DEB) and m.isfile():
+                out[path[len(SWORD_DIR_IN_DEB) :]] = tar.extractfile(m).read()
+    if not out:
+        raise SystemExit(f"{deb_path}: no {SWORD_DIR_IN_DEB} in this package")
+    return out
+
+
+def _module_files(source: Path) -> Dict[str, bytes]:
+    if source.is_file():
+        return _read_deb_members(source)
+    hits = sorted(source.rglob("ot.bzs"))
+    if not hits:
+        raise SystemExit(f"{source}: no SWORD zText module (ot.bzs) below this folder")
+    folder = hits[0].parent
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _ztext_entries(files: Dict[str, bytes], testament: str) -> Iterator[str]:
+    """Yield the OSIS markup of every index entry of one testament, in order.
+
+    zText: ``.bzs`` = blocks (offset u32, size u32, uncompressed size u32), ``.bzz`` = zlib blocks,
+    ``.bzv`` = entries (block u32, offset in block u32, size u16).
+    """
+    bzs, bzv, bzz = (files[f"{testament}.{ext}"] for ext in ("bzs", "bzv", "bzz"))
+    blocks = [struct.unpack_from("<III", bzs, i) for i in range(0, len(bzs), 12)]
+    cached: Tuple[int, bytes] = (-1, b"")
+    for i in range(0, len(bzv), 10):
+        block, start, size = struct.unpack_from("<IIH", bzv, i)
+        if not size:
+            continue
+        if cached[0] != block:
+            off, csize, _ = blocks[block]
+            cached = (block, zlib.decompress(bzz[off : off + csize]))
+        yield cached[1][start : start + size].decode("utf-8")
+
+
+_W_TAG = re.compile(r"</?w\b[^<>]*>")
+_NOTE = re.compile(r"<note\b[^>]*>.*?</note>", re.S)
+_Q_TAG = re.compile(r"</?q\b[^<>]*>")
+_TAG = re.compile(r"<(/?)([A-Za-z]+)\b([^<>]*?)(/?)>")
+_ATTR = re.compile(r'(\w+)="([^"]*)"')
+_OPENERS = "“‘\"'("
+
+
+def _gap(m: re.Match) -> str:
+    """A removed footnote or quote tag sometimes stood where a space belongs ("God<note/>created")."""
+    s, e = m.string, m.end()
+    before = s[m.start() - 1] if m.start() else " "
+    after = s[e] if e < len(s) else " "
+    if not before.isspace() and (after.isalnum() or after in _OPENERS) and before not in _OPENERS:
+        return " "
+    return ""
+
+
+def _clean(text: str) -> str:
+    text = html.unescape(text).replace("\u00a0", " ")
+    text = re.sub(r"<d\s", " ", text)  # one stray "<d " in the source
+    lines = [re.sub(r"[ \t]+", " ", line).strip() for line in text.split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def osis_to_documents(markup: str) -> List[Dict[str, str]]:
+    """Turn the module's OSIS markup into plain-text documents.
+
+    One document per chapter (headed "Book N"), plus the preface and the glossary. Footnotes,
+    Strong's numbers and all markup are removed; paragraphs become blank lines, poetry lines
+    become lines. Book title pages (a few words) are put on top of the book's first chapter.
+    """
+    markup = _W_TAG.sub("", markup)
+    markup = _NOTE.sub(_gap, markup)
+    markup = _Q_TAG.sub(_gap, markup)
+
+    docs: List[Dict[str, str]] = []
+    cur: List[str] = []
+    state = {"id": "front", "head": None, "book": None, "title": ""}
+
+    def flush() -> None:
+        text = _clean("".join(cur))
+        cur.clear()
+        head, title = state["head"], state["title"]
+        # drop the one web-site pointer of the preface
+        text = "\n\n".join(p for p in text.split("\n\n") if "web site" not in p.lower())
+        if not text:
+            return
+        if head is None and len(text) < 200:
+            # a book's title page ("The Book of / Joshua"): put it on top of the first chapter
+            state["title"] = " ".join(text.split())
+            return
+        parts = [p for p in (title, head, text) if p]
+        docs.append({"id": state["id"], "text": "\n\n".join(parts)})
+        state["title"] = ""
+
+    pos = 0
+    for m in _TAG.finditer(markup):
+        cur.append(markup[pos : m.start()])
+        pos = m.end()
+        close, name, attrs, _ = m.groups()
+        a = dict(_ATTR.findall(attrs))
+        if name == "chapter" and "sID" in a:
+            flush()
+            osis = a.get("osisID", a["sID"])
+            book = state["book"] or osis.split(".")[0]
+            state.update(id=osis, head=f"{book} {a.get('n', osis.split('.')[-1])}")
+        elif name == "div" and "sID" in a and a.get("type") in ("book", "front", "glossary"):
+            flush()
+            state.update(id=a.get("osisID") or a.get("type"), head=None)
+            if a.get("type") == "book":
+                state["book"] = None
+        elif name == "milestone" and a.get("type") == "x-usfm-toc2":
+            state["book"] = a.get("n")
+        elif name == "div" and a.get("type") == "x-p":
+            cur.append("\n\n")
+        elif name == "lb":
+            cur.append("\n\n" if a.get("type") == "x-p" else "\n")
+        elif name == "l" and "sID" in a:
+            cur.append("\n")
+        elif name in ("lg", "title", "speaker"):
+            cur.append("\n\n")
+        elif name == "item" and not close:
+            cur.append("\n")
+    cur.append(markup[pos:])
+    flush()
+    return docs
+
+
+def build_corpus(source: Path, out_path: Path) -> Tuple[int, int]:
+    files = _module_files(source)
+    markup = " ".join(e for t in ("ot", "nt") for e in _ztext_entries(files, t))
+    docs = osis_to_documents(markup)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    # mtime=0 and no file name in the header: the .gz is byte-identical on every rebuild
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+        for d in docs:
+            gz.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
+    os.replace(tmp, out_path)
+    return len(docs), sum(len(d["text"]) for d in docs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: byte-level BPE, 4096 tokens in all
+# ---------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(corpus: Path, out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = list(iter_corpus_texts(corpus))
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    special = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "pad_token": PAD_TOKEN}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+    }
+    for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
+        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--rebuild-corpus",
+        metavar="DEB_OR_DIR",
+        type=Path,
+        help="sword-text-web .deb (or a folder holding the engWEB2015eb zText module): rewrite the corpus first",
+    )
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_PATH, help="corpus JSONL(.gz) to train on")
+    p.add_argument("--output-dir", type=Path, default=DEFAULT_TOKENIZER_DIR, help="where to write the tokenizer")
+    p.add_argument("--check", action="store_true", help="retrain into a temp dir and compare with --output-dir")
+    args = p.parse_args(argv)
+
+    if args.rebuild_corpus is not None:
+        n, chars = build_corpus(args.rebuild_corpus, args.corpus)
+        print(f"corpus: {args.corpus} ({n} documents, {chars:,} characters, {args.corpus.stat().st_size:,} bytes)")
+
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            train_tokenizer(args.corpus, Path(tmp))
+            bad = [f for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                   if _sha(Path(tmp) / f) != _sha(args.output_dir / f)]
+        print("tokenizer reproduces the shipped files" if not bad else f"DIFFERS: {bad}")
+        return 1 if bad else 0
+
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=args.output_dir.parent if args.output_dir.parent.exists() else None))
+    try:
+        train_tokenizer(args.corpus, tmp)
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, args.output_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"tokenizer: {args.output_dir} (vocab {VOCAB_SIZE}, specials {SPECIAL_TOKENS})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
