@@ -1,0 +1,583 @@
+"""Quantile Balancing math (SPEC §4). Pure PyTorch: this module never imports Megatron.
+
+Notation (SPEC §4): m tokens, n experts, top-k; sigmoid scores ``s`` [m, n] in [0, 1]; bias ``b`` [n]
+(selection only); token i's cutoff ``alpha_i`` = its (k+1)-th largest biased score; ``r_ij =
+alpha_i - s_ij``. Token i picks expert j under a bias b' iff ``r_ij < b'_j``. Target load
+``q = m·k/n``, ``Q = ceil(q)``. Suffixes name dimensions: T tokens, E experts, K top-k, B bins.
+
+The answer ("the" new bias before mean-centring) is the Q-th smallest r of each column,
+``r_(Q),j`` (the lower order statistic, ``torch.kthvalue(r, Q)``). The values that put exactly Q
+tokens strictly below them form the interval ``(r_(Q), r_(Q+1)]``; we take its left end, at which
+exactly Q tokens satisfy ``r <= b'`` (no ties): Q-1 select the expert strictly and the Q-th sits
+exactly on its cutoff. This is the statistic the histogram of SPEC §4 estimates (first bin whose
+cumulative count reaches Q), so histogram and exact answers agree within one bin width.
+(Megatron-Core's ``qb_dual_update`` takes the right end ``r_(Q+1)``: one token apart.)
+
+Every observed token contributes one r to EVERY expert's row, so each row of the count matrix sums
+to the number of observed tokens m: no expert is ever "under-observed"; an empty histogram
+(m = 0) returns the bias unchanged, and for tiny m (q < 1, so Q = 1) the answer is the smallest r.
+
+Two binnings, same API and same traffic (n·B int32 + a constant header per layer per step):
+``QuantileHistogram`` is SPEC §4's B uniform bins over ``[min b - 1, max b + 1]``;
+``CenteredQuantileHistogram`` centres each expert's bins on its current bias (asinh-spaced, still
+covering every possible r), several times finer where the answer lies once balancing has settled
+(benchmarks/bench_balancing.py: ~6x closer to the exact quantile at equal B).
+
+int32 bound: a cell counts at most the tokens observed in the window, so the all-reduced counts are
+exact while the GLOBAL tokens per layer per step <= 2**31 - 1 (~2.1e9; a 64M-token global batch
+uses 3% of it). Each rank checks its local total in ``observe`` (sync-free unless near the bound); the
+token total travels split in two words, so ``unpack_`` recovers it exactly even when it exceeds
+the bound and raises ``OverflowError`` instead of solving from wrapped counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "INT32_MAX",
+    "HEADER_FIELDS",
+    "MAX_RANKS",
+    "QuantileHistogram",
+    "CenteredQuantileHistogram",
+    "pack_all",
+    "unpack_all_",
+    "cutoff_route",
+    "exact_quantiles",
+    "exact_quantile_bias",
+    "sign_update_bias",
+    "topk_loads",
+    "max_violation",
+]
+
+INT32_MAX = 2**31 - 1
+# Trailing words of pack(): every word is a sum over the contributing ranks after the all-reduce.
+HEADER_FIELDS = (
+    "ranks",  # 1 per packed buffer -> number of buffers summed
+    "observers",  # 1 if this rank observed a bias window, else 0
+    "tokens_lo",  # observed tokens mod 2**16
+    "tokens_hi",  # observed tokens // 2**16  (exact global total = hi * 2**16 + lo)
+    "bias_fingerprint",  # 15-bit hash of the bias in force (0 if no window); sum = observers * fp
+    "bad_inputs",  # observe() calls with NaN/inf/out-of-[0,1] input seen in deferred mode
+    "bias_changes",  # observe() calls whose bias differed from the window's (deferred mode)
+)
+_TOKEN_SPLIT = 1 << 16
+_FP_PRIME = 32749  # < 2**15, so that sum over MAX_RANKS ranks fits in int32
+MAX_RANKS = 32767  # keeps every header word of the summed buffer inside int32
+
+_SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_BIAS_DTYPES = (torch.float32, torch.float64)
+
+
+# ----------------------------------------------------------------------------- validation
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}.dim()={t.dim()} (shape {tuple(t.shape)}); allowed: {ndim}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}.dtype={t.dtype}; allowed: {_names(dtypes)}")
+
+
+def _check_scores_bias(scores_TE, bias_E, topk: int, num_experts: Optional[int] = None):
+    _check_tensor("scores_TE", scores_TE, 2, _SCORE_DTYPES)
+    _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
+    n = scores_TE.shape[1]
+    if num_experts is not None and n != num_experts:
+        raise ValueError(f"scores_TE.shape[1]={n}; allowed: num_experts={num_experts}")
+    if bias_E.shape[0] != n:
+        raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({n},) = scores_TE.shape[1]")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < n:
+        raise ValueError(f"topk={topk!r}; allowed: int in [1, num_experts-1={n - 1}] (top-(k+1) must exist)")
+    if bias_E.device != scores_TE.device:
+        raise ValueError(f"bias_E.device={bias_E.device}; allowed: scores_TE.device={scores_TE.device}")
+
+
+def _check_valid(valid_T, m: int, device) -> None:
+    if valid_T is None:
+        return
+    _check_tensor("valid_T", valid_T, 1, (torch.bool,))
+    if valid_T.shape[0] != m:
+        raise ValueError(f"valid_T.shape={tuple(valid_T.shape)}; allowed: ({m},) = scores_TE.shape[0]")
+    if valid_T.device != device:
+        raise ValueError(f"valid_T.device={valid_T.device}; allowed: scores_TE.device={device}")
+
+
+def _raise_if_bad(scores_TE: torch.Tensor, bias_E: torch.Tensor) -> None:
+    """Eager finiteness / range check (one host sync for all three flags)."""
+    flags = torch.stack(
+        [
+            torch.isfinite(scores_TE).all(),
+            torch.isfinite(bias_E).all(),
+            ((scores_TE >= 0) & (scores_TE <= 1)).all(),
+        ]
+    ).tolist()
+    if not flags[0]:
+        raise ValueError("scores_TE contains NaN or inf; allowed: finite sigmoid scores in [0, 1]")
+    if not flags[1]:
+        raise ValueError("bias_E contains NaN or inf; allowed: finite values")
+    if not flags[2]:
+        lo, hi = scores_TE.min().item(), scores_TE.max().item()
+        raise ValueError(
+            f"scores_TE has values in [{lo:.4g}, {hi:.4g}]; allowed: [0, 1] (sigmoid scores, not logits)"
+        )
+
+
+# ----------------------------------------------------------------------------- routing helpers
+def cutoff_route(
+    scores_TE: torch.Tensor, bias_E: torch.Tensor, topk: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-(k+1) on fp32 ``s + b`` (SPEC §4 step 1): the first k indices [m, k] are the real routes
+    (best first), ``alpha_T`` [m] is the (k+1)-th biased score. No validation (hot path)."""
+    top = (scores_TE.float() + bias_E.float()).topk(topk + 1, dim=1, sorted=True)
+    return top.indices[:, :topk], top.values[:, topk].contiguous()
+
+
+def topk_loads(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
+    _check_scores_bias(scores_TE, bias_E, topk)
+    _check_valid(valid_T, scores_TE.shape[0], scores_TE.device)
+    n = scores_TE.shape[1]
+    idx_TK = (scores_TE.float() + bias_E.float()).topk(topk, dim=1, sorted=False).indices
+    loads_E = torch.zeros(n, dtype=torch.int64, device=scores_TE.device)
+    if valid_T is None:
+        src = torch.ones(1, dtype=torch.int64, device=idx_TK.device).expand(idx_TK.numel())
+    else:
+        src = valid_T.to(torch.int64)[:, None].expand_as(idx_TK).reshape(-1)
+    return loads_E.scatter_add_(0, idx_TK.reshape(-1), src)
+
+
+def max_violation(loads_E: torch.Tensor) -> float:
+    """MaxVio = (max load - mean load) / mean load (0.0 for an empty batch)."""
+    loads = loads_E.double()
+    mean = loads.mean().item()
+    return 0.0 if mean <= 0 else (loads.max().item() - mean) / mean
+
+
+def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3 baseline (SignSGD on the dual, SPEC §4): ``b += rate * sign(mean(load) - load)``."""
+    _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
+    if loads_E.shape != bias_E.shape:
+        raise ValueError(f"loads_E.shape={tuple(loads_E.shape)}; allowed: bias_E.shape={tuple(bias_E.shape)}")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate={rate!r}; allowed: finite float >= 0")
+    loads = loads_E.to(device=bias_E.device, dtype=torch.float64)
+    return (bias_E.float() + rate * torch.sign(loads.mean() - loads).float()).float()
+
+
+# ----------------------------------------------------------------------------- exact reference
+def exact_quantiles(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-expert Q-th smallest ``r = alpha - s`` (fp32, NOT mean-centred); bias unchanged if m = 0."""
+    return _exact_quantiles(scores_TE, bias_E, topk, valid_T)[0]
+
+
+def _exact_quantiles(scores_TE, bias_E, topk, valid_T):
+    _check_scores_bias(scores_TE, bias_E, topk)
+    _check_valid(valid_T, scores_TE.shape[0], scores_TE.device)
+    _raise_if_bad(scores_TE, bias_E)
+    s32, b32 = scores_TE.float(), bias_E.float()
+    n = s32.shape[1]
+    _, alpha_T = cutoff_route(s32, b32, topk)
+    r_TE = alpha_T[:, None] - s32
+    if valid_T is not None:
+        r_TE = r_TE[valid_T]
+    m = r_TE.shape[0]
+    if m == 0:
+        return b32.clone(), 0
+    big_q = -(-m * topk // n)  # ceil(m k / n), exact integer arithmetic
+    if 4 * big_q <= m:  # partial selection is much cheaper than kthvalue for the small k/n tail
+        return r_TE.topk(big_q, dim=0, largest=False, sorted=True).values[big_q - 1], m
+    return r_TE.kthvalue(big_q, dim=0).values, m
+
+
+def exact_quantile_bias(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exact sort-based QB update (SPEC §4 steps 2-3): column Q-th smallest r, minus its mean."""
+    q_E, m = _exact_quantiles(scores_TE, bias_E, topk, valid_T)
+    return q_E if m == 0 else q_E - q_E.mean()  # empty batch: bias unchanged
+
+
+# ----------------------------------------------------------------------------- fingerprint
+def _bias_fingerprint(bias32_E: torch.Tensor) -> torch.Tensor:
+    """Deterministic 15-bit hash of the bias bits (0-d int64, device-side, no sync)."""
+    bits = bias32_E.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    n = bits.shape[0]
+    weights = (torch.arange(n, device=bits.device, dtype=torch.int64) * 40503 + 1) % 65521 + 1
+    mixed = (bits % 65521) * weights + (bits // 65521) % 65521
+    return (mixed.sum() % _FP_PRIME).to(torch.int64)
+
+
+# ----------------------------------------------------------------------------- histogram
+class _QuantileHistogramBase:
+    """Shared machinery of the two binnings (SPEC §4, appendix D): window, observe, pack, solve.
+
+    ``observe`` scatter-adds every ``r_ij`` of a micro-batch into an int32 ``counts`` [n, B]; the
+    binning is a function of the bias in force only (fixed for the window, so every rank derives
+    the same bins). Counts add across micro-batches and ranks; ``pack()``/``unpack_()`` move counts
+    plus a constant header in ONE int32 buffer of ``n*B + len(HEADER_FIELDS)`` words, independent
+    of m. ``solve`` reads, per expert, the first bin whose cumulative count reaches Q = ceil(m k / n)
+    and interpolates linearly inside it, so the estimate lies in the bin of the exact ``r_(Q)``.
+
+    ``validate=True`` (default) raises at the offending ``observe`` call (one host sync per call).
+    ``validate=False`` is sync-free: bad input (NaN/inf, scores outside [0, 1], a changed bias) is
+    counted in device flags that travel in the header and raise in ``unpack_``/``solve``.
+    """
+
+    def __init__(
+        self, num_experts: int, topk: int, num_bins: int = 1000, device=None, *, validate: bool = True
+    ):
+        for name, v, low in (("num_experts", num_experts, 2), ("num_bins", num_bins, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name}={v!r}; allowed: int >= {low}")
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < num_experts:
+            raise ValueError(f"topk={topk!r}; allowed: int in [1, num_experts-1={num_experts - 1}]")
+        if num_experts * num_bins + len(HEADER_FIELDS) > INT32_MAX:
+            raise ValueError(f"num_experts*num_bins={num_experts * num_bins}; allowed: < 2**31")
+        self.num_experts, self.topk, self.num_bins = num_experts, topk, num_bins
+        self.validate = bool(validate)
+        self._device_fixed = device is not None
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=self._device)
+        self._num_tokens = torch.zeros((), dtype=torch.int64, device=self._device)
+        self._flags = torch.zeros(2, dtype=torch.int64, device=self._device)  # bad_inputs, bias_changes
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Start a new accumulation window (call after the step-end ``solve``)."""
+        self.counts.zero_()
+        self._num_tokens.zero_()
+        self._flags.zero_()
+        self._token_bound = 0  # python upper bound on local tokens (sync-free overflow check)
+        self._bias_E: Optional[torch.Tensor] = None  # fp32 copy of the bias in force
+        self._range = None  # window-fixed parameters of the binning
+        self._fingerprint = None
+        self._reduced = None  # header sums after unpack_()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """Observed (after ``unpack_``: global) tokens, 0-d int64 tensor; each counts row sums to it."""
+        return self._num_tokens
+
+    @property
+    def packed_numel(self) -> int:
+        """Words in ``pack()``: ``n*B + len(HEADER_FIELDS)`` (independent of m)."""
+        return self.num_experts * self.num_bins + len(HEADER_FIELDS)
+
+    # ------------------------------------------------------------------ binning (per subclass)
+    def _make_range(self, bias32_E: torch.Tensor):
+        """Window-fixed binning parameters, a function of the bias only."""
+        raise NotImplementedError
+
+    def _bin_index_(self, r_TE: torch.Tensor) -> torch.Tensor:
+        """Float (integer-valued) bin index in [0, B-1] of each r, computed in place on ``r_TE``."""
+        raise NotImplementedError
+
+    def _bounds(self, c_E: torch.Tensor):
+        raise NotImplementedError
+
+    def _window_range(self, bias_E: Optional[torch.Tensor]):
+        if bias_E is not None:
+            return self._make_range(bias_E.detach().float())
+        if self._range is None:
+            raise ValueError("bias_E=None with no open window; allowed: pass the bias in force")
+        return self._range
+
+    def bin_index(self, r_TE: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int64 bin of each ``r_TE`` [m, n] under the window's (or ``bias_E``'s) binning."""
+        saved, self._range = self._range, self._window_range(bias_E)
+        try:
+            return self._finite_clamp_(self._bin_index_(r_TE.detach().float().clone())).to(torch.int64)
+        finally:
+            self._range = saved
+
+    def bin_bounds(self, c_E: torch.Tensor, bias_E: Optional[torch.Tensor] = None):
+        """(lower edge, width) [n] fp32 of bin ``c_E[j]`` of each expert j."""
+        saved, self._range = self._range, self._window_range(bias_E)
+        try:
+            return self._bounds(c_E)
+        finally:
+            self._range = saved
+
+    def _finite_clamp_(self, idx: torch.Tensor) -> torch.Tensor:
+        if not self.validate:  # NaN input is only flagged in deferred mode: keep indices in range
+            idx.nan_to_num_(nan=0.0, posinf=self.num_bins - 1.0, neginf=0.0)
+        return idx.clamp_(0.0, self.num_bins - 1.0)
+
+    # ------------------------------------------------------------------ observe
+    def _adopt_device(self, device: torch.device, name: str) -> None:
+        """``device=None``: follow the first tensor seen while the histogram is pristine."""
+        if device == self._device:
+            return
+        if self._device_fixed or self._bias_E is not None or self._reduced is not None:
+            raise ValueError(f"{name}.device={device}; allowed: histogram device {self._device}")
+        self._device = device
+        self.counts = self.counts.to(device)
+        self._num_tokens = self._num_tokens.to(device)
+        self._flags = self._flags.to(device)
+
+    def _open_or_check_window(self, bias32: torch.Tensor) -> None:
+        if self._bias_E is None:
+            self._bias_E = bias32.detach().clone()
+            self._range = self._make_range(self._bias_E)
+            self._fingerprint = _bias_fingerprint(self._bias_E)
+            return
+        if self.validate:
+            if not torch.equal(bias32, self._bias_E):
+                raise ValueError(
+                    "bias_E differs from the bias in force when this accumulation window opened; "
+                    "allowed: the same bias for every observe() until reset() (SPEC §4 step 4)"
+                )
+        else:
+            self._flags[1] += (bias32 != self._bias_E).any().to(torch.int64)
+
+    def observe(
+        self,
+        scores_TE: torch.Tensor,
+        bias_E: torch.Tensor,
+        valid_T: Optional[torch.Tensor] = None,
+        *,
+        alpha_T: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Add one micro-batch (SPEC §4): cutoffs by top-(k+1) of fp32 ``s + b``, then one
+        scatter-add of every ``r_ij = alpha_i - s_ij`` into ``counts``. ``valid_T`` masks padding;
+        ``alpha_T`` may pass the cutoffs the router already computed (see ``cutoff_route``)."""
+        if self._reduced is not None:
+            raise ValueError("observe() after unpack_(); allowed: reset() first")
+        _check_scores_bias(scores_TE, bias_E, self.topk, self.num_experts)
+        m = scores_TE.shape[0]
+        _check_valid(valid_T, m, scores_TE.device)
+        if alpha_T is not None:
+            _check_tensor("alpha_T", alpha_T, 1, (torch.float32,))
+            if alpha_T.shape[0] != m or alpha_T.device != scores_TE.device:
+                raise ValueError(
+                    f"alpha_T.shape={tuple(alpha_T.shape)} on {alpha_T.device}; "
+                    f"allowed: ({m},) on {scores_TE.device}"
+                )
+        self._adopt_device(scores_TE.device, "scores_TE")
+        s32 = scores_TE.detach().float()
+        b32 = bias_E.detach().float()
+        if self.validate:
+            _raise_if_bad(s32, b32)
+        else:
+            bad = ~torch.isfinite(s32).all() | ~torch.isfinite(b32).all() | ~((s32 >= 0) & (s32 <= 1)).all()
+            self._flags[0] += bad.to(torch.int64)
+        self._open_or_check_window(b32)
+        if m == 0:
+            return
+        # Local overflow guard: python upper bound first, exact (synchronising) check only near 2**31.
+        self._token_bound += m
+        if self._token_bound > INT32_MAX:
+            extra = m if valid_T is None else int(valid_T.sum())
+            if int(self._num_tokens) + extra > INT32_MAX:
+                raise OverflowError(
+                    f"local tokens in this window would reach {int(self._num_tokens) + extra}; "
+                    f"allowed: <= 2**31-1 (int32 counts); solve and reset more often"
+                )
+        if alpha_T is None:
+            _, alpha_T = cutoff_route(s32, b32, self.topk)
+        n, nb = self.num_experts, self.num_bins
+        idx_TE = self._finite_clamp_(self._bin_index_(alpha_T[:, None] - s32))  # fp32, in [0, B-1]
+        if n * nb <= 2**24:  # flat index exact in fp32: add row offsets before the single cast
+            idx_TE.add_(torch.arange(n, device=idx_TE.device, dtype=torch.float32).mul_(nb))
+            flat = idx_TE.view(-1).to(torch.int64)
+        else:
+            flat = (idx_TE.to(torch.int64) + torch.arange(n, device=idx_TE.device) * nb).view(-1)
+        if valid_T is None:
+            src = torch.ones(1, dtype=torch.int32, device=flat.device).expand(flat.numel())
+            self._num_tokens += m
+        else:
+            src = valid_T.to(torch.int32)[:, None].expand(m, n).reshape(-1)
+            self._num_tokens += valid_T.sum()
+        self.counts.view(-1).scatter_add_(0, flat, src)
+
+    # ------------------------------------------------------------------ communication
+    def pack(self) -> torch.Tensor:
+        """1-D int32 ``[counts.flatten() (n*B), header (len(HEADER_FIELDS))]`` to be SUM-all-reduced
+        over the ranks that saw different tokens (concatenate layers: see ``pack_all``)."""
+        if self._reduced is not None:
+            raise ValueError("pack() after unpack_(); allowed: reset() first")
+        dev = self._device
+        tok = self._num_tokens
+        observed = self._bias_E is not None
+        fp = self._fingerprint if observed else torch.zeros((), dtype=torch.int64, device=dev)
+        header = torch.stack(
+            [
+                torch.ones((), dtype=torch.int64, device=dev),
+                torch.full((), int(observed), dtype=torch.int64, device=dev),
+                tok % _TOKEN_SPLIT,
+                tok // _TOKEN_SPLIT,
+                fp,
+                self._flags[0],
+                self._flags[1],
+            ]
+        ).to(torch.int32)
+        return torch.cat([self.counts.view(-1), header])
+
+    def unpack_(self, buffer: torch.Tensor) -> None:
+        """Load an all-reduced ``pack()`` buffer: counts and token total become global (one sync).
+        Raises on overflow, corruption (rows must sum to the token total), or flagged bad input."""
+        _check_tensor("buffer", buffer, 1, (torch.int32,))
+        if buffer.numel() != self.packed_numel:
+            raise ValueError(f"buffer.numel()={buffer.numel()}; allowed: packed_numel={self.packed_numel}")
+        self._adopt_device(buffer.device, "buffer")
+        nb_cells = self.num_experts * self.num_bins
+        head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist()))
+        if not 1 <= head["ranks"] <= MAX_RANKS or not 0 <= head["observers"] <= head["ranks"]:
+            raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}, observers <= ranks")
+        tokens = head["tokens_hi"] * _TOKEN_SPLIT + head["tokens_lo"]
+        if tokens > INT32_MAX:
+            raise OverflowError(
+                f"global tokens this step = {tokens}; allowed: <= 2**31-1 (int32 counts wrapped); "
+                "use fewer tokens per step"
+            )
+        if head["bad_inputs"] or head["bias_changes"]:
+            raise ValueError(
+                f"{head['bad_inputs']} observe() calls had NaN/inf or scores outside [0, 1], "
+                f"{head['bias_changes']} used a bias other than the window's (deferred checks)"
+            )
+        counts = buffer[:nb_cells].view(self.num_experts, self.num_bins)
+        rows_ok = bool((counts.sum(dim=1, dtype=torch.int64) == tokens).all())
+        if not rows_ok:
+            raise ValueError("every counts row must sum to the token total; buffer is corrupt or misaligned")
+        self.counts.copy_(counts)
+        self._num_tokens.fill_(tokens)
+        self._reduced = head
+
+    # ------------------------------------------------------------------ solve
+    def _check_solve_bias(self, bias_E: torch.Tensor) -> torch.Tensor:
+        _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
+        if bias_E.shape[0] != self.num_experts:
+            raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({self.num_experts},)")
+        if bias_E.device != self._device:
+            raise ValueError(f"bias_E.device={bias_E.device}; allowed: {self._device}")
+        b32 = bias_E.detach().float()
+        if not bool(torch.isfinite(b32).all()):
+            raise ValueError("bias_E contains NaN or inf; allowed: finite values")
+        if self._bias_E is not None and not torch.equal(b32, self._bias_E):
+            raise ValueError(
+                "bias_E differs from the bias of the accumulation window; allowed: the same bias"
+            )
+        if self._reduced is None and int(self._flags.sum()) > 0:
+            f = self._flags.tolist()
+            raise ValueError(
+                f"{f[0]} observe() calls had bad input, {f[1]} changed the bias (deferred checks)"
+            )
+        if self._reduced is not None and self._reduced["observers"]:
+            fp = int(_bias_fingerprint(b32))
+            if self._reduced["bias_fingerprint"] != self._reduced["observers"] * fp:
+                raise ValueError(
+                    "ranks observed with different biases (fingerprint mismatch); allowed: one bias"
+                )
+        return b32
+
+    def raw_quantiles(self, bias_E: torch.Tensor) -> torch.Tensor:
+        """Per-expert histogram estimate of the Q-th smallest r (fp32, NOT mean-centred)."""
+        b32 = self._check_solve_bias(bias_E)
+        m = int(self._num_tokens)
+        if m == 0:
+            return b32.clone()
+        if self._range is None:  # e.g. a rank that only unpacked: the range is a function of the bias
+            self._range = self._make_range(b32)
+        big_q = -(-m * self.topk // self.num_experts)  # ceil(q), exact
+        cum_EB = self.counts.cumsum(dim=1, dtype=torch.int64)
+        c_E = (cum_EB < big_q).sum(dim=1).clamp_(max=self.num_bins - 1)  # first bin with cum >= Q
+        in_bin_E = self.counts.gather(1, c_E[:, None]).squeeze(1).to(torch.int64)
+        before_E = cum_EB.gather(1, c_E[:, None]).squeeze(1) - in_bin_E
+        frac_E = ((big_q - before_E).double() / in_bin_E.clamp(min=1).double()).clamp_(0.0, 1.0).float()
+        edge_E, width_E = self._bounds(c_E)
+        return edge_E + frac_E * width_E
+
+    def solve(self, bias_E: torch.Tensor) -> torch.Tensor:
+        """New bias (SPEC §4 steps 2-3): histogram quantile per expert, minus the mean; fp32 [n].
+        Empty histogram -> ``bias_E`` unchanged. Call ``reset()`` afterwards."""
+        q_E = self.raw_quantiles(bias_E)
+        if int(self._num_tokens) == 0:
+            return q_E
+        return q_E - q_E.mean()
+
+
+class QuantileHistogram(_QuantileHistogramBase):
+    """SPEC §4 histogram: B uniform bins over ``[min(b) - 1, max(b) + 1]``, the range that provably
+    holds every r (``s`` in [0, 1] and ``alpha_i`` is some expert's biased score). Bin width
+    ``(max b - min b + 2) / B``; the estimate is within one bin width of ``exact_quantiles``."""
+
+    def _make_range(self, bias32_E):
+        lo = bias32_E.min() - 1.0
+        hi = bias32_E.max() + 1.0
+        return lo, self.num_bins / (hi - lo), (hi - lo) / self.num_bins
+
+    def _bin_index_(self, r_TE):
+        lo, inv_w, _ = self._range
+        return r_TE.sub_(lo).mul_(inv_w).floor_()
+
+    def _bounds(self, c_E):
+        lo, _, width = self._range
+        return lo + c_E.float() * width, width.expand(c_E.shape).clone()
+
+    def bin_width(self, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Uniform bin width of the window (or of ``bias_E``), 0-d fp32."""
+        return self._window_range(bias_E)[2]
+
+
+class CenteredQuantileHistogram(_QuantileHistogramBase):
+    """Same API and traffic as ``QuantileHistogram``; bins centred on each expert's bias in force.
+
+    Expert j's B bins (B even) are uniform in ``u = asinh((r - b_j) / sigma)`` over ``[-U, U]``,
+    ``U = asinh((max b - min b + 1) / sigma)``: they still cover every possible r (no overflow bin,
+    no lost information) but are finest where the answer lies once balancing has settled, near
+    the current ``b_j`` (width ``~ 2 sigma U / B``, about 10-20x finer than the uniform bins),
+    and coarser far away (a few x, only during the first steps from a bad start). ``b_j`` is a bin
+    edge, so the atom of tokens whose (k+1)-th choice is j (``r_ij = b_j`` exactly) starts a bin.
+    Every rank derives the bins from the bias alone. See benchmarks/bench_balancing.py for the
+    side-by-side accuracy (|bias - exact|) and MaxVio against the uniform bins.
+    """
+
+    def __init__(self, num_experts: int, topk: int, num_bins: int = 1000, device=None, *,
+                 sigma: float = 0.005, validate: bool = True):
+        if not isinstance(num_bins, int) or isinstance(num_bins, bool) or num_bins < 2 or num_bins % 2:
+            raise ValueError(f"num_bins={num_bins!r}; allowed: even int >= 2")
+        if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and 0 < sigma <= 1):
+            raise ValueError(f"sigma={sigma!r}; allowed: float in (0, 1]")
+        self.sigma = float(sigma)
+        super().__init__(num_experts, topk, num_bins, device, validate=validate)
+
+    def _make_range(self, bias32_E):
+        u_max = torch.asinh((bias32_E.max() - bias32_E.min() + 1.0) / self.sigma)
+        return bias32_E.clone(), self.num_bins / (2.0 * u_max), 2.0 * u_max / self.num_bins
+
+    def _bin_index_(self, r_TE):
+        centre_E, inv_du, _ = self._range
+        idx = r_TE.sub_(centre_E).mul_(1.0 / self.sigma).asinh_().mul_(inv_du).floor_()
+        return idx.add_(self.num_bins // 2)
+
+    def _bounds(self, c_E):
+        centre_E, _, du = self._range
+        u_lo = (c_E.double() - self.num_bins // 2) * du.double()
+        lower = centre_E.double() + self.sigma * torch.sinh(u_lo)
+        upper = centre_E.double() + self.sigma * torch.sinh(u_lo + du.double())
+        return lower.float(), (upper - lower).float()
+
+
+def pack_all(hists: Sequence[_QuantileHistogramBase]) -> torch.Tensor:
+    """One int32 buffer for all layers (one all-reduce per step): concatenation of ``pack()``."""
+    return torch.cat([h.pack() for h in hists])
+
+
+def unpack_all_(hists: Sequence[_QuantileHistogramBase], buffer: torch.Tensor) -> None:
+    """Inverse of ``pack_all`` after the SUM all-reduce."""
+    total = sum(h.packed_numel for h in hists)
+    if buffer.dim() != 1 or buffer.numel() != total:
+        raise ValueError(f"buffer.shape={tuple(buffer.shape)}; allowed: ({total},) = sum of packed_numel")
+    for h, part in zip(hists, torch.split(buffer, [h.packed_numel for h in hists])):
+        h.unpack_(part)

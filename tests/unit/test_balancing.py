@@ -1,0 +1,481 @@
+"""Quantile Balancing math (SPEC §4): histogram vs exact, coordinate descent, convergence,
+additivity / pack-unpack (the distributed test reuses these properties), masking, errors."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_latentmoe.balancing import (
+    HEADER_FIELDS,
+    INT32_MAX,
+    CenteredQuantileHistogram,
+    QuantileHistogram,
+    cutoff_route,
+    exact_quantile_bias,
+    exact_quantiles,
+    max_violation,
+    pack_all,
+    sign_update_bias,
+    topk_loads,
+    unpack_all_,
+)
+
+HIST_CLASSES = [QuantileHistogram, CenteredQuantileHistogram]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def router_scores(m, n, seed, d=16, gain=0.8, spread=0.5):
+    """Sigmoid scores of a small random linear router with per-expert popularity offsets."""
+    g = gen(seed)
+    w = torch.randn(d, n, generator=g)
+    x = torch.randn(m, d, generator=g)
+    return torch.sigmoid(gain * x @ w / math.sqrt(d) + spread * torch.randn(n, generator=g) - 1.0)
+
+
+def r_matrix(scores, bias, k):
+    _, alpha = cutoff_route(scores, bias, k)
+    return alpha[:, None] - scores.float()
+
+
+def assert_within_one_bin(hist, scores, bias, k):
+    """|histogram estimate - exact Q-th smallest r| <= width of the bin holding the exact answer."""
+    est = hist.raw_quantiles(bias)
+    ref = exact_quantiles(scores, bias, k)
+    c_ref = hist.bin_index(ref[None, :], bias)[0]
+    _, width = hist.bin_bounds(c_ref, bias)
+    err = (est - ref).abs()
+    assert torch.isfinite(est).all()
+    assert bool((err <= width * (1 + 1e-3) + 1e-6).all()), (err / width).max().item()
+    # centred outputs: each side shifts by its own mean, so at most two bin widths apart
+    diff = hist.solve(bias) - exact_quantile_bias(scores, bias, k)
+    assert diff.abs().max().item() <= 2 * width.max().item() * (1 + 1e-3) + 1e-6
+    return err, width
+
+
+# ----------------------------------------------------------------------------- one bin width
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+@pytest.mark.parametrize(
+    "m,n,k,seed",
+    [(1000, 896, 16, 0), (333, 896, 16, 1), (37, 4, 1, 2), (1001, 64, 4, 3), (1, 8, 2, 4), (5, 896, 16, 5)],
+)
+def test_histogram_within_one_bin_random(cls, m, n, k, seed):
+    assert (m * k) % n != 0 or m == 1000  # mostly non-divisible m·k
+    g = gen(seed)
+    scores = router_scores(m, n, seed)
+    bias = 0.3 * torch.randn(n, generator=g)
+    h = cls(n, k, 1000)
+    h.observe(scores, bias)
+    err, width = assert_within_one_bin(h, scores, bias, k)
+    if cls is QuantileHistogram:
+        w = (bias.max() - bias.min() + 2).item() / 1000
+        assert torch.allclose(width, torch.full_like(width, w), rtol=1e-5)
+        assert err.max().item() <= w * 1.001
+
+
+def adversarial_cases():
+    g = gen(7)
+    out = {}
+    # ties: scores on a 5-level grid -> many identical r
+    out["ties"] = ((torch.randint(0, 5, (777, 896), generator=g).float() / 4.0), 896, 16)
+    # every token prefers expert 0 (and all others nearly indifferent)
+    s = 0.2 + 0.01 * torch.rand(500, 64, generator=g)
+    s[:, 0] = 0.99
+    out["one_expert"] = (s, 64, 4)
+    # all scores identical
+    out["constant"] = (torch.full((123, 896), 0.5), 896, 16)
+    # tiny n
+    out["tiny"] = (torch.rand(11, 4, generator=g), 4, 1)
+    # saturated sigmoid (exact 0 and 1) in bf16, a handful preferred by every token
+    s = torch.rand(999, 896, generator=g) * 0.3
+    s[:, :5] = 1.0
+    s[:3] = 0.0
+    out["saturated_bf16"] = (s.bfloat16(), 896, 16)
+    return out
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+@pytest.mark.parametrize("case", list(adversarial_cases()))
+@pytest.mark.parametrize("bias_kind", ["zero", "spread"])
+def test_histogram_within_one_bin_adversarial(cls, case, bias_kind):
+    scores, n, k = adversarial_cases()[case]
+    bias = torch.zeros(n) if bias_kind == "zero" else 0.7 * torch.randn(n, generator=gen(3))
+    h = cls(n, k, 1000)
+    h.observe(scores, bias)
+    assert_within_one_bin(h, scores, bias, k)
+
+
+def test_exact_order_statistic_definition():
+    """exact = Q-th smallest r: Q-1 strictly below (no ties), >= Q at or below, Q = ceil(mk/n)."""
+    m, n, k = 333, 896, 16
+    scores = router_scores(m, n, 11)
+    bias = 0.1 * torch.randn(n, generator=gen(11))
+    r = r_matrix(scores, bias, k)
+    big_q = math.ceil(m * k / n)
+    assert big_q == 6  # 333*16/896 = 5.95
+    ref = exact_quantiles(scores, bias, k)
+    below = (r < ref).sum(0)
+    at_or_below = (r <= ref).sum(0)
+    assert int(below.max()) <= big_q - 1
+    assert int(at_or_below.min()) >= big_q
+    # Megatron-Core's qb_dual_update takes the next one, r_(Q+1): exactly Q strictly below.
+    nxt = r.sort(0).values[big_q]
+    assert bool((nxt >= ref).all())
+
+
+# ----------------------------------------------------------------------------- coordinate descent
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_coordinate_descent_property(cls):
+    """With this batch's alpha fixed, #(r_j < b'_j) = Q up to the tokens inside one bin."""
+    m, n, k = 4000, 896, 16
+    scores = router_scores(m, n, 21)
+    bias = 0.2 * torch.randn(n, generator=gen(21))
+    h = cls(n, k, 1000)
+    for part in scores.split(1000):
+        h.observe(part, bias)
+    new = h.raw_quantiles(bias)
+    r = r_matrix(scores, bias, k)
+    big_q = math.ceil(m * k / n)
+    below = (r < new).sum(0)
+    cum = h.counts.cumsum(1)
+    c = (cum < big_q).sum(1)
+    in_bin = h.counts.gather(1, c[:, None]).squeeze(1)
+    dev = (below - big_q).abs()
+    assert bool((dev <= in_bin).all()), (dev - in_bin).max()
+    # and the exact answer satisfies it to the token (ties at the answer aside)
+    ref = exact_quantiles(scores, bias, k)
+    assert int((r < ref).sum(0).max()) <= big_q - 1 and int((r <= ref).sum(0).min()) >= big_q
+    # the bins are fine enough that the typical miss is a small part of the target load q
+    assert dev.double().mean().item() < 0.1 * m * k / n
+
+
+# ----------------------------------------------------------------------------- convergence
+def _stationary_run(update, scores, k, steps):
+    n = scores.shape[1]
+    b, out = torch.zeros(n), []
+    for _ in range(steps):
+        out.append(max_violation(topk_loads(scores, b, k)))
+        b = update(scores, b)
+        assert torch.isfinite(b).all()
+    out.append(max_violation(topk_loads(scores, b, k)))
+    return out, b
+
+
+def _hist_update(cls, k):
+    def upd(s, b):
+        h = cls(s.shape[1], k, 1000)
+        h.observe(s, b)
+        upd.last = h
+        return h.solve(b)
+
+    return upd
+
+
+def test_stationary_batch_reaches_exact_level():
+    """Repeated updates on one batch: histogram MaxVio goes to the exact level, up to one bin of tokens."""
+    m, n, k = 3000, 64, 4
+    g = gen(1)
+    w, x = torch.randn(16, n, generator=g), torch.randn(m, 16, generator=g)
+    scores = torch.sigmoid(x @ w * 0.5 + torch.randn(n, generator=g) - 1)
+    mean_load = m * k / n
+    exact, _ = _stationary_run(lambda s, b: exact_quantile_bias(s, b, k), scores, k, 20)
+    assert exact[0] > 4.0 and exact[-1] < 0.03
+    for cls in HIST_CLASSES:
+        upd = _hist_update(cls, k)
+        mv, b = _stationary_run(upd, scores, k, 20)
+        h = upd.last
+        big_q = math.ceil(m * k / n)
+        c = (h.counts.cumsum(1) < big_q).sum(1)
+        bin_tokens = h.counts.gather(1, c[:, None]).max().item()
+        assert mv[3] < 0.3  # a few steps from MaxVio 5
+        bound = exact[-1] + bin_tokens / mean_load + 1e-9
+        assert mv[-1] <= bound, (cls.__name__, mv[-1], exact[-1], bin_tokens)
+        if cls is CenteredQuantileHistogram:  # finer bins near the bias: reaches the exact level itself
+            assert mv[-1] <= exact[-1] + 1e-9
+            centred_final = mv[-1]
+        else:
+            uniform_final = mv[-1]
+    assert centred_final < uniform_final
+
+
+def _pathological(m, n, g):
+    s = torch.rand(m, n, generator=g) * 0.6
+    s[:, :4] = 0.9 + 0.1 * torch.rand(m, 4, generator=g)  # 4 experts preferred by every token
+    return s
+
+
+@pytest.mark.parametrize("method", ["uniform", "centred", "sign"])
+def test_pathological_start_qb_vs_sign(method):
+    """From 4 experts taking every token (MaxVio 15), QB is below 1 after one step; sign needs hundreds."""
+    m, n, k = 2048, 64, 4
+    g = gen(5)
+    b, mvs = torch.zeros(n), []
+    steps = 400 if method == "sign" else 5
+    for _ in range(steps):
+        s = _pathological(m, n, g)  # next step's batch: fresh tokens, same distribution
+        loads = topk_loads(s, b, k)
+        mvs.append(max_violation(loads))
+        if method == "sign":
+            b = sign_update_bias(loads, b, 1e-3)
+        else:
+            h = (QuantileHistogram if method == "uniform" else CenteredQuantileHistogram)(n, k)
+            h.observe(s, b)
+            b = h.solve(b)
+    assert mvs[0] == pytest.approx(n / k - 1)
+    first_below_1 = next((i for i, v in enumerate(mvs) if v < 1), None)
+    if method == "sign":
+        assert first_below_1 is not None and first_below_1 >= 150, first_below_1
+    else:
+        assert first_below_1 == 1 and max(mvs[1:]) < 1.0 and mvs[-1] < 0.4
+
+
+# ----------------------------------------------------------------------------- additivity, packing
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_counts_additive_over_micro_batches(cls):
+    m, n, k = 1500, 896, 16
+    scores = router_scores(m, n, 31)
+    bias = 0.2 * torch.randn(n, generator=gen(31))
+    whole = cls(n, k)
+    whole.observe(scores, bias)
+    pieces = cls(n, k)
+    for part in torch.split(scores, [1, 499, 700, 300]):
+        pieces.observe(part, bias)
+    assert pieces.counts.dtype == torch.int32 and pieces.counts.shape == (n, 1000)
+    assert torch.equal(whole.counts, pieces.counts)
+    assert int(pieces.num_tokens) == m
+    assert bool((pieces.counts.sum(1) == m).all())  # one r per token in every expert's row
+    assert torch.equal(whole.solve(bias), pieces.solve(bias))
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_pack_unpack_and_two_rank_sum(cls):
+    n, k, nb = 128, 8, 500
+    s_a, s_b = router_scores(700, n, 41), router_scores(555, n, 42)
+    bias = 0.3 * torch.randn(n, generator=gen(41))
+    rank_a, rank_b, union = cls(n, k, nb), cls(n, k, nb), cls(n, k, nb)
+    rank_a.observe(s_a, bias)
+    rank_b.observe(s_b[:300], bias)
+    rank_b.observe(s_b[300:], bias)
+    union.observe(torch.cat([s_a, s_b]), bias)
+    buf_a, buf_b = rank_a.pack(), rank_b.pack()
+    assert buf_a.dtype == torch.int32 and buf_a.numel() == n * nb + len(HEADER_FIELDS) == rank_a.packed_numel
+    # round trip on one rank
+    solo = cls(n, k, nb)
+    solo.unpack_(buf_a.clone())
+    assert torch.equal(solo.counts, rank_a.counts) and int(solo.num_tokens) == 700
+    assert torch.equal(solo.solve(bias), rank_a.solve(bias))
+    # "all-reduce": sum of the two buffers == one histogram over the union of tokens
+    for h in (rank_a, rank_b):
+        h.unpack_(buf_a + buf_b)
+        assert torch.equal(h.counts, union.counts) and int(h.num_tokens) == 1255
+        assert torch.equal(h.solve(bias), union.solve(bias))
+    assert rank_a._reduced["ranks"] == 2 and rank_a._reduced["observers"] == 2
+    # a rank that saw no tokens still contributes a valid buffer and reads the global result
+    idle = cls(n, k, nb)
+    idle_buf = idle.pack()
+    assert idle_buf.numel() == buf_a.numel() and int(idle_buf.abs().sum()) == 1
+    reader = cls(n, k, nb)
+    reader.unpack_(buf_a + idle_buf)
+    assert reader._reduced["ranks"] == 2 and reader._reduced["observers"] == 1
+    assert torch.equal(reader.solve(bias), solo.solve(bias))
+
+
+def test_pack_size_independent_of_m_and_pack_all():
+    n, k, nb = 64, 4, 100
+    bias = torch.zeros(n)
+    sizes = set()
+    for m in (1, 10, 5000):
+        h = QuantileHistogram(n, k, nb)
+        h.observe(router_scores(m, n, m), bias)
+        sizes.add(h.pack().numel())
+    assert sizes == {n * nb + len(HEADER_FIELDS)}
+    # two layers, two ranks: one concatenated buffer per rank, one sum, split back
+    layers = lambda: [QuantileHistogram(n, k, nb), CenteredQuantileHistogram(n, k, nb)]  # noqa: E731
+    ranks = [layers(), layers()]
+    ref = layers()
+    for r, hs in enumerate(ranks):
+        for li, h in enumerate(hs):
+            s = router_scores(300 + 50 * r, n, 100 * r + li)
+            h.observe(s, bias)
+            ref[li].observe(s, bias)
+    total = pack_all(ranks[0]) + pack_all(ranks[1])
+    assert total.numel() == 2 * (n * nb + len(HEADER_FIELDS))
+    unpack_all_(ranks[0], total)
+    for got, want in zip(ranks[0], ref):
+        assert torch.equal(got.counts, want.counts) and int(got.num_tokens) == 650
+    with pytest.raises(ValueError, match="buffer"):
+        unpack_all_(layers(), total[:-1])
+
+
+def test_overflow_and_corruption_detected():
+    n, k = 16, 2
+    h = QuantileHistogram(n, k, 10)
+    bias = torch.zeros(n)
+    h.observe(router_scores(4, n, 0), bias)
+    buf = h.pack()
+    # a global token count beyond int32: the split header still recovers it exactly -> refuse
+    big = buf.clone()
+    big[-len(HEADER_FIELDS) + 3] = 40000  # tokens_hi -> 40000 * 65536 > 2**31
+    with pytest.raises(OverflowError, match="2\\*\\*31"):
+        QuantileHistogram(n, k, 10).unpack_(big)
+    # local guard (white box: pretend the window already holds almost 2**31 tokens)
+    h2 = QuantileHistogram(n, k, 10)
+    h2.observe(router_scores(4, n, 0), bias)
+    h2._num_tokens.fill_(INT32_MAX - 5)
+    h2._token_bound = INT32_MAX - 5
+    with pytest.raises(OverflowError, match="int32"):
+        h2.observe(router_scores(10, n, 1), bias)
+    # corrupt / misaligned counts: rows must sum to the token total
+    bad = buf.clone()
+    bad[0] += 1
+    with pytest.raises(ValueError, match="row"):
+        QuantileHistogram(n, k, 10).unpack_(bad)
+    # ranks with different biases: fingerprint mismatch on solve
+    other = QuantileHistogram(n, k, 10)
+    other.observe(router_scores(4, n, 0), bias + torch.linspace(0, 1, n))
+    mixed = QuantileHistogram(n, k, 10)
+    mixed.unpack_(buf + other.pack())
+    with pytest.raises(ValueError, match="fingerprint"):
+        mixed.solve(bias)
+
+
+# ----------------------------------------------------------------------------- masking, errors
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_valid_mask_excludes_padding(cls):
+    n, k = 896, 16
+    scores = router_scores(600, n, 51)
+    pad = torch.rand(150, n, generator=gen(52))
+    bias = 0.2 * torch.randn(n, generator=gen(51))
+    padded = torch.cat([scores[:300], pad[:100], scores[300:], pad[100:]])
+    valid = torch.cat([torch.ones(300), torch.zeros(100), torch.ones(300), torch.zeros(50)]).bool()
+    ref, got = cls(n, k), cls(n, k)
+    ref.observe(scores, bias)
+    got.observe(padded, bias, valid)
+    assert torch.equal(ref.counts, got.counts) and int(got.num_tokens) == 600
+    assert torch.equal(ref.solve(bias), got.solve(bias))
+    assert torch.equal(exact_quantile_bias(padded, bias, k, valid), exact_quantile_bias(scores, bias, k))
+    assert torch.equal(topk_loads(padded, bias, k, valid), topk_loads(scores, bias, k))
+    # all padding -> nothing observed -> bias unchanged
+    empty = cls(n, k)
+    empty.observe(pad, bias, torch.zeros(150, dtype=torch.bool))
+    assert int(empty.num_tokens) == 0 and torch.equal(empty.solve(bias), bias)
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_bad_input_raises(cls):
+    n, k = 32, 4
+    s = router_scores(20, n, 61)
+    b = torch.zeros(n)
+    h = cls(n, k)
+    bad = s.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="scores_TE.*NaN"):
+        h.observe(bad, b)
+    bad[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="scores_TE.*NaN or inf"):
+        h.observe(bad, b)
+    with pytest.raises(ValueError, match="bias_E.*NaN or inf"):
+        h.observe(s, torch.full((n,), float("inf")))
+    with pytest.raises(ValueError, match="scores_TE.*\\[0, 1\\]"):
+        h.observe(s * 3 - 1, b)  # logits, not sigmoid scores
+    with pytest.raises(ValueError, match="scores_TE.dtype=torch.int64; allowed"):
+        h.observe(torch.zeros(4, n, dtype=torch.long), b)
+    with pytest.raises(ValueError, match="scores_TE.shape\\[1\\]=31; allowed: num_experts=32"):
+        h.observe(s[:, :31], b[:31])
+    with pytest.raises(ValueError, match="bias_E.shape=\\(31,\\)"):
+        h.observe(s, b[:31])
+    with pytest.raises(ValueError, match="bias_E.dtype=torch.bfloat16"):
+        h.observe(s, b.bfloat16())
+    with pytest.raises(ValueError, match="valid_T.dtype"):
+        h.observe(s, b, torch.ones(20))
+    with pytest.raises(ValueError, match="valid_T.shape"):
+        h.observe(s, b, torch.ones(19, dtype=torch.bool))
+    with pytest.raises(ValueError, match="topk=32"):
+        cls(n, 32)
+    with pytest.raises(ValueError, match="num_bins"):
+        cls(n, k, 0)
+    with pytest.raises(ValueError, match="scores_TE.*NaN"):
+        exact_quantile_bias(torch.full((3, n), float("nan")), b, k)
+    assert int(h.num_tokens) == 0  # nothing was counted by the failed calls
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_bias_fixed_within_window(cls):
+    n, k = 32, 4
+    s = router_scores(50, n, 71)
+    b = 0.1 * torch.randn(n, generator=gen(71))
+    h = cls(n, k)
+    h.observe(s, b)
+    h.observe(s, b.clone())  # same values, other tensor: fine
+    with pytest.raises(ValueError, match="bias_E differs"):
+        h.observe(s, b + 1e-3)
+    with pytest.raises(ValueError, match="bias_E differs"):
+        h.solve(b + 1e-3)
+    new = h.solve(b)
+    h.reset()
+    h.observe(s, new)  # new window, new bias: fine
+    assert int(h.num_tokens) == 50
+    # deferred mode (sync-free): the same mistakes are counted and raised at solve / unpack
+    lazy = cls(n, k, validate=False)
+    lazy.observe(s, b)
+    lazy.observe(s, b + 1e-3)
+    nan = s.clone()
+    nan[0, 0] = float("nan")
+    lazy.observe(nan, b)
+    assert bool((lazy.counts.sum(1) == 150).all())  # NaN rows still land in a bin
+    with pytest.raises(ValueError, match="1 observe\\(\\) calls had bad input, 1 changed the bias"):
+        lazy.solve(b)
+    with pytest.raises(ValueError, match="deferred"):
+        cls(n, k).unpack_(lazy.pack())
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_update_never_nan(cls):
+    n, k = 64, 4
+    b = torch.zeros(n)
+    empty = cls(n, k)
+    assert torch.equal(empty.solve(b), b)  # empty histogram: bias unchanged
+    cases = [
+        torch.full((1, n), 0.5),  # one token: Q = 1
+        torch.zeros(7, n),
+        torch.ones(7, n),
+        torch.rand(3, n, generator=gen(81)).double(),
+    ]
+    for s in cases:
+        for bias in (b, 5.0 * torch.randn(n, generator=gen(82)), torch.linspace(-30, 30, n)):
+            h = cls(n, k)
+            h.observe(s, bias)
+            new = h.solve(bias)
+            assert new.dtype == torch.float32 and torch.isfinite(new).all()
+            assert abs(new.mean().item()) < 1e-4 * max(1.0, bias.abs().max().item())
+            assert torch.isfinite(exact_quantile_bias(s, bias, k)).all()
+
+
+# ----------------------------------------------------------------------------- small helpers
+def test_sign_update_loads_and_maxvio():
+    loads = torch.tensor([10, 2, 6, 6])
+    bias = torch.tensor([0.0, 0.5, -0.5, 1.0])
+    new = sign_update_bias(loads, bias, 0.01)
+    assert torch.allclose(new, torch.tensor([-0.01, 0.51, -0.5, 1.0]))
+    assert new.dtype == torch.float32
+    assert max_violation(loads) == pytest.approx((10 - 6) / 6)
+    assert max_violation(torch.zeros(4)) == 0.0
+    s = router_scores(200, 32, 91)
+    b = 0.1 * torch.randn(32, generator=gen(91))
+    ld = topk_loads(s, b, 4)
+    assert ld.dtype == torch.int64 and int(ld.sum()) == 800
+    idx, alpha = cutoff_route(s, b, 4)
+    assert torch.equal(torch.bincount(idx.reshape(-1), minlength=32), ld)
+    biased = s + b
+    assert torch.all(biased.gather(1, idx) >= alpha[:, None])  # routes beat the cutoff
