@@ -12,7 +12,7 @@ b1 / b2                                ``activation_situ_beta`` / ``activation_s
 ``routed_scaling_factor``              ``moe_router_topk_scaling_factor`` (Megatron's)
 ``first_k_dense_replace``              ``first_k_dense_replace`` (new; sets ``moe_layer_freq``)
 QB router (SPEC §4)                    ``moe_router_load_balancing_type = "quantile_histogram"``
-QB bins B                              ``moe_qb_num_bins`` (new)
+QB bins B / binning                    ``moe_qb_num_bins`` / ``moe_qb_binning`` (new)
 =====================================  =====================================================
 
 Every wrong value raises ``ValueError`` naming the field, the value and what is allowed, before
@@ -30,6 +30,7 @@ QUANTILE_HISTOGRAM = "quantile_histogram"
 """``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
 
 HIDDEN_ACTS = ("situ", "swiglu")
+QB_BINNINGS = ("uniform", "centered")
 
 
 def _fail(field: str, value, allowed: str) -> None:
@@ -58,6 +59,11 @@ class StableLatentMoEConfig(TransformerConfig):
 
     moe_qb_num_bins: int = 1000
     """Histogram bins B per expert for Quantile Balancing (SPEC §4, appendix D)."""
+
+    moe_qb_binning: str = "uniform"
+    """``"uniform"``: B equal bins over [min(b)-1, max(b)+1] (SPEC §4). ``"centered"``: per-expert
+    bins centred on that expert's bias, finer near it (same traffic; ~6x closer to the exact
+    quantile at equal B, see benchmarks/bench_balancing.py)."""
 
     def __post_init__(self):
         self._apply_stable_latentmoe_defaults()
@@ -150,6 +156,8 @@ class StableLatentMoEConfig(TransformerConfig):
             _fail("moe_router_num_groups", self.moe_router_num_groups, "None or 1 (SPEC §3)")
         if not (isinstance(self.moe_qb_num_bins, int) and self.moe_qb_num_bins >= 2):
             _fail("moe_qb_num_bins", self.moe_qb_num_bins, "an integer >= 2")
+        if self.moe_qb_binning not in QB_BINNINGS:
+            _fail("moe_qb_binning", self.moe_qb_binning, f"one of {QB_BINNINGS}")
         if self.moe_expert_capacity_factor is not None:
             _fail(
                 "moe_expert_capacity_factor",

@@ -36,6 +36,7 @@ def test_added_fields_are_listed():
         "latent_moe_use_norm",
         "first_k_dense_replace",
         "moe_qb_num_bins",
+        "moe_qb_binning",
     }
 
 
@@ -58,6 +59,7 @@ def test_added_fields_are_listed():
          "QB router owns expert_bias"),
         (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
         (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1", "integer >= 2"),
+        (dict(moe_qb_binning="log"), "moe_qb_binning='log'", "'centered'"),
         (dict(moe_router_topk_scaling_factor=0.0), "moe_router_topk_scaling_factor=0.0",
          "positive"),
         (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True",

@@ -1,0 +1,205 @@
+"""Megatron ``ModuleSpec``s for a GPT decoder with Stable LatentMoE blocks (SPEC §1, §2).
+
+Built by swapping submodules in Megatron's own GPT layer specs, never by forking them:
+
+* a backend spec provider that answers "which activation" with SiTU-GLU (when
+  ``hidden_act == "situ"``) and, for the local backend, "which norm" with our SP-capable RMSNorm;
+* Megatron's ``get_mlp_module_spec_for_backend`` / ``get_moe_module_spec_for_backend`` with that
+  provider give the dense MLP and the experts / shared experts;
+* the MoE layer becomes ``StableLatentMoELayer`` with the latent projections, the latent norm and
+  the QB router plugged in.
+
+Two variants with the same numerics: ``local`` (pure PyTorch / Megatron-Core modules; runs
+anywhere) and ``te`` (Transformer Engine linears, grouped GEMM experts, TE norms; usable under
+TE FP8 autocast). The first ``first_k_dense_replace`` layers are dense SiTU-GLU MLP layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import List, Optional
+
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_submodules,
+    get_gpt_layer_with_transformer_engine_submodules,
+    get_mlp_module_spec_for_backend,
+)
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+
+from megatron_latentmoe.config import StableLatentMoEConfig
+from megatron_latentmoe.moe.latent_projection import LatentProjection
+from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
+from megatron_latentmoe.moe.router import QuantileBalancingRouter
+from megatron_latentmoe.ops.rms_norm import RMSNorm
+from megatron_latentmoe.ops.situ import SiTUGLU
+
+BACKENDS = ("local", "te")
+
+
+class _LocalBackend(LocalSpecProvider):
+    """Megatron's local backend with SiTU-GLU and an RMSNorm that accepts sequence parallelism."""
+
+    def __init__(self, activation):
+        self._activation = activation
+
+    def activation_func(self):
+        return self._activation
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return RMSNorm
+
+
+def _te_backend(activation):
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    class _TEBackend(TESpecProvider):
+        """Megatron's TE backend with SiTU-GLU as the (fused-GEMM-compatible) activation."""
+
+        def activation_func(self):
+            return activation
+
+    return _TEBackend()
+
+
+def _check_backend(config: StableLatentMoEConfig, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: one of {BACKENDS}")
+    if backend == "te" and not HAVE_TE:
+        raise ValueError(
+            "backend='te' is not allowed here: Transformer Engine is not installed "
+            "(pip install 'megatron-latentmoe[te]' on a CUDA machine), use backend='local'"
+        )
+    if not isinstance(config, StableLatentMoEConfig):
+        raise ValueError(
+            f"config of type {type(config).__name__} is not allowed: a StableLatentMoEConfig"
+        )
+
+
+def _layer_submodules(config: StableLatentMoEConfig, backend: str, moe: bool):
+    """Megatron's GPT layer submodules for this backend (attention, norms), MLP still Megatron's."""
+    if backend == "local":
+        sub = get_gpt_layer_local_submodules(
+            num_experts=None, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+        )
+        attention = sub.self_attention
+        attention = dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(
+                attention.submodules,
+                q_layernorm=RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm,
+                k_layernorm=RMSNorm if config.qk_layernorm else attention.submodules.k_layernorm,
+            ),
+        )
+        return dataclasses.replace(
+            sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attention
+        )
+    return get_gpt_layer_with_transformer_engine_submodules(
+        num_experts=config.num_moe_experts if moe else None,
+        moe_grouped_gemm=moe,
+        qk_layernorm=config.qk_layernorm,
+        use_te_activation_func=config.use_te_activation_func,
+    )
+
+
+def get_stable_latentmoe_mlp_spec(config: StableLatentMoEConfig, backend: str = "local"):
+    """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``."""
+    _check_backend(config, backend)
+    activation = SiTUGLU if config.hidden_act == "situ" else None
+    provider = _LocalBackend(activation) if backend == "local" else _te_backend(activation)
+    megatron_moe = get_moe_module_spec_for_backend(
+        backend=provider,
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=backend == "te",
+        use_te_activation_func=config.use_te_activation_func,
+    )
+    if backend == "local":
+        down = up = LatentProjection
+        latent_norm = RMSNorm
+    else:
+        from megatron.core.extensions.transformer_engine import TELinear, TENorm
+
+        down = up = TELinear
+        latent_norm = TENorm
+    router = QuantileBalancingRouter if config.uses_quantile_balancing else TopKRouter
+    moe_sub = megatron_moe.keywords["submodules"]
+    return partial(
+        StableLatentMoELayer,
+        submodules=StableLatentMoESubmodules(
+            experts=moe_sub.experts,
+            shared_experts=moe_sub.shared_experts if config.moe_shared_expert_intermediate_size else None,
+            router=router,
+            latent_down_proj=down,
+            latent_up_proj=up,
+            latent_norm=latent_norm,
+        ),
+    )
+
+
+def get_dense_mlp_spec(config: StableLatentMoEConfig, backend: str = "local"):
+    """The dense (first_k_dense_replace) MLP builder, SiTU-GLU when ``hidden_act == "situ"``."""
+    _check_backend(config, backend)
+    activation = SiTUGLU if config.hidden_act == "situ" else None
+    provider = _LocalBackend(activation) if backend == "local" else _te_backend(activation)
+    return get_mlp_module_spec_for_backend(
+        backend=provider, num_experts=None, use_te_activation_func=config.use_te_activation_func
+    )
+
+
+def get_stable_latentmoe_layer_specs(
+    config: StableLatentMoEConfig, backend: str = "local"
+) -> List[ModuleSpec]:
+    """One ``TransformerLayer`` spec per layer of the whole model (dense first, then MoE)."""
+    _check_backend(config, backend)
+    dense = ModuleSpec(
+        module=TransformerLayer,
+        submodules=dataclasses.replace(
+            _layer_submodules(config, backend, moe=False), mlp=get_dense_mlp_spec(config, backend)
+        ),
+    )
+    if not config.num_moe_experts:
+        return [dense] * config.num_layers
+    moe = ModuleSpec(
+        module=TransformerLayer,
+        submodules=dataclasses.replace(
+            _layer_submodules(config, backend, moe=True),
+            mlp=get_stable_latentmoe_mlp_spec(config, backend),
+        ),
+    )
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):
+        pattern = [1 if i % pattern == 0 else 0 for i in range(config.num_layers)]
+    return [moe if is_moe else dense for is_moe in pattern]
+
+
+def get_stable_latentmoe_block_spec(
+    config: StableLatentMoEConfig,
+    backend: str = "local",
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """The decoder block spec for this pipeline stage (``GPTModel(transformer_layer_spec=...)``)."""
+    layer_specs = get_stable_latentmoe_layer_specs(config, backend)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if backend == "local":
+        final_norm = RMSNorm
+    else:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    return TransformerBlockSubmodules(
+        layer_specs=layer_specs[offset : offset + count], layer_norm=final_norm
+    )

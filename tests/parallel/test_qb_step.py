@@ -1,0 +1,137 @@
+"""The step-end QB update across real ranks (SPEC §4, appendix D).
+
+Several micro-batches of a global batch are routed by the QB routers of 2 MoE layers, each rank
+seeing its own share of the tokens (the share of the ranks that hold different tokens: DP, EP,
+and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the end
+of a Megatron step. Checked against ONE process that observed the whole global batch:
+
+* the all-reduced counts equal the single-process counts, as integers, for every layer;
+* every rank ends with the same bias, bit for bit, equal to the single-process solve;
+* exactly one all-reduce per step for all layers, of L·(n·B + header + n) integers, whatever the
+  number of tokens;
+* the second step bins with the new bias (the range moves) and still agrees.
+"""
+
+import pytest
+import torch
+
+from .launcher import run_distributed
+
+EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
+
+LAYOUTS = {
+    2: {"DP2": dict(), "TP2+SP": dict(tp=2), "EP2": dict(ep=2), "EP2-centered": dict(ep=2, binning="centered")},
+    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2)},
+}
+
+
+def _global_logits(step, layer, micro_batch, tokens):
+    g = torch.Generator().manual_seed(1000 * step + 100 * layer + micro_batch)
+    skew = torch.linspace(-1.5, 1.5, EXPERTS)  # unbalanced on purpose: bias has work to do
+    return torch.randn(tokens, EXPERTS, generator=g) + skew
+
+
+def _reference(tokens, binning="uniform"):
+    from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram
+
+    histogram = CenteredQuantileHistogram if binning == "centered" else QuantileHistogram
+    bias = [torch.zeros(EXPERTS) for _ in range(LAYERS)]
+    counts, biases = [], []
+    for step in range(STEPS):
+        step_counts = []
+        for layer in range(LAYERS):
+            hist = histogram(EXPERTS, TOPK, BINS)
+            for mb in range(MICRO_BATCHES):
+                hist.observe(torch.sigmoid(_global_logits(step, layer, mb, tokens)), bias[layer])
+            step_counts.append(hist.counts.clone())
+            bias[layer] = hist.solve(bias[layer])
+        counts.append(step_counts)
+        biases.append([b.clone() for b in bias])
+    return counts, biases
+
+
+def _run_layout(rank, world_size, layout, tokens):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe.balance_step import token_parallel_group, update_quantile_balancing
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+    ps.destroy_model_parallel()
+    initialize_parallel_cpu(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    cfg = tiny_config(
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_qb_num_bins=BINS,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+        moe_qb_binning=layout.get("binning", "uniform"),
+    )
+    layers = torch.nn.ModuleList(
+        [get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=i + 1) for i in range(LAYERS)]
+    )
+    layers.train()
+    group = token_parallel_group(cfg)
+    share, index = dist.get_world_size(group), dist.get_rank(group)
+    mine = slice(index * tokens // share, (index + 1) * tokens // share)
+
+    reduced = []
+    original_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        result = original_all_reduce(tensor, *args, **kwargs)
+        reduced.append(tensor.clone())
+        return result
+
+    per_step = []
+    for step in range(STEPS):
+        for layer_idx, layer in enumerate(layers):
+            for mb in range(MICRO_BATCHES):
+                logits = _global_logits(step, layer_idx, mb, tokens)[mine]
+                layer.router.routing(logits.requires_grad_())
+        reduced.clear()
+        dist.all_reduce = recording_all_reduce
+        try:
+            update_quantile_balancing([layers], group)
+        finally:
+            dist.all_reduce = original_all_reduce
+        n_bins = EXPERTS * BINS
+        per_layer = len(reduced[0]) // LAYERS if reduced else 0
+        counts = [reduced[0][i * per_layer : i * per_layer + n_bins].view(EXPERTS, BINS).clone()
+                  for i in range(LAYERS)] if reduced else []
+        per_step.append(dict(
+            all_reduces=len(reduced),
+            numel=reduced[0].numel() if reduced else 0,
+            counts=counts,
+            bias=[layer.router.expert_bias.clone() for layer in layers],
+        ))
+    return per_step
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS))
+def test_all_reduced_counts_and_bias_equal_one_process(world_size):
+    tokens = 48
+    for name, layout in LAYOUTS[world_size].items():
+        ref_counts, ref_bias = _reference(tokens, layout.get("binning", "uniform"))
+        per_rank = run_distributed(_run_layout, world_size, layout, tokens)
+        for step in range(STEPS):
+            for rank, steps in enumerate(per_rank):
+                got = steps[step]
+                assert got["all_reduces"] == 1, f"{name}: {got['all_reduces']} all-reduces"
+                for layer in range(LAYERS):
+                    assert torch.equal(got["counts"][layer], ref_counts[step][layer]), (
+                        f"{name} step {step} rank {rank} layer {layer}: counts differ"
+                    )
+                    assert torch.equal(got["bias"][layer], ref_bias[step][layer]), (
+                        f"{name} step {step} rank {rank} layer {layer}: bias not bit-identical"
+                    )
+
+
+def test_all_reduce_size_is_independent_of_the_batch():
+    from megatron_latentmoe.balancing import HEADER_FIELDS
+
+    sizes = set()
+    for tokens in (16, 96):
+        per_rank = run_distributed(_run_layout, 2, {"ep": 2}, tokens)
+        sizes |= {s["numel"] for steps in per_rank for s in steps}
+    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + EXPERTS)}

@@ -1,0 +1,111 @@
+"""The QB router (SPEC §3, §4): what it routes, and which forwards it observes.
+
+Observed: every non-padding token of a training forward, exactly once, also under activation
+recompute. Not observed: padding tokens, eval forwards, forwards without autograd.
+"""
+
+import pytest
+import torch
+
+from tests.parallel.launcher import run_distributed
+
+SEQ, BATCH = 10, 4
+
+
+def _layer(**overrides):
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    cfg = tiny_config(**overrides)
+    return get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1), cfg
+
+
+def _observed(layer):
+    hist = layer.router.qb_histogram
+    return int(hist.num_tokens), hist.counts.clone(), layer.router.step_loads_E.clone()
+
+
+def _run(rank, world_size):
+    from megatron_latentmoe.balancing import QuantileHistogram
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+
+    initialize_parallel_cpu()
+    out = {}
+    torch.manual_seed(3)
+    x = torch.randn(SEQ, BATCH, 64)
+
+    # 1. one training forward + backward: every token observed once; loads = routed copies
+    layer, cfg = _layer()
+    layer.train()
+    y, _ = layer(x.clone().requires_grad_())
+    y.sum().backward()
+    out["train"] = _observed(layer)
+    logits = x.reshape(-1, 64) @ layer.router.weight.detach().T
+    expected = QuantileHistogram(cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_qb_num_bins)
+    expected.observe(torch.sigmoid(logits), layer.router.expert_bias)
+    out["expected_counts"] = expected.counts.clone()
+
+    # 2. padding: tokens flagged True in padding_mask ([batch, seq], Megatron's layout) are skipped
+    layer.router.qb_histogram.reset()
+    layer.router.step_loads_E.zero_()
+    padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    padding[:, -3:] = True
+    y, _ = layer(x.clone().requires_grad_(), padding_mask=padding)
+    y.sum().backward()
+    out["padded"] = _observed(layer)
+    keep = ~padding.T.reshape(-1)
+    expected.reset()
+    expected.observe(torch.sigmoid(logits[keep]), layer.router.expert_bias)
+    out["expected_padded_counts"] = expected.counts.clone()
+
+    # 3. eval and no-grad forwards are not observed
+    layer.router.qb_histogram.reset()
+    layer.router.step_loads_E.zero_()
+    layer.eval()
+    layer(x)
+    layer.train()
+    with torch.no_grad():
+        layer(x)
+    out["eval"] = _observed(layer)
+
+    # 4. activation recompute of the whole MoE layer: observed once, not twice, not zero times
+    layer_rc, _ = _layer(recompute_granularity="selective", recompute_modules=["moe"])
+    layer_rc.load_state_dict(layer.state_dict())
+    layer_rc.train()
+    y, _ = layer_rc(x.clone().requires_grad_())
+    out["recompute_after_forward"] = _observed(layer_rc)
+    y.sum().backward()
+    out["recompute"] = _observed(layer_rc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    (r,) = run_distributed(_run, 1)
+    return r
+
+
+def test_training_forward_observes_every_token_once(result):
+    tokens, counts, loads = result["train"]
+    assert tokens == SEQ * BATCH
+    assert torch.equal(counts, result["expected_counts"])
+    assert int(loads.sum()) == SEQ * BATCH * 2  # top-2 copies
+
+
+def test_padding_tokens_are_not_observed(result):
+    tokens, counts, loads = result["padded"]
+    assert tokens == SEQ * BATCH - 3 * BATCH
+    assert torch.equal(counts, result["expected_padded_counts"])
+    assert int(loads.sum()) == (SEQ - 3) * BATCH * 2
+
+
+def test_eval_and_no_grad_forwards_are_not_observed(result):
+    tokens, counts, loads = result["eval"]
+    assert tokens == 0 and int(counts.sum()) == 0 and int(loads.sum()) == 0
+
+
+def test_recomputed_forward_is_observed_exactly_once(result):
+    assert result["recompute_after_forward"][0] == 0  # first pass runs without autograd
+    tokens, counts, _ = result["recompute"]
+    assert tokens == SEQ * BATCH
+    assert torch.equal(counts, result["expected_counts"])
