@@ -92,6 +92,7 @@ def update_quantile_balancing(
         router.qb_histogram.unpack_(hist_part)
         num_tokens = int(router.qb_histogram.num_tokens)
         router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None
+        router.last_loads_E = loads_E.clone() if num_tokens else None
         if router.last_balance is not None:
             metrics.append(router.last_balance)
         router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))

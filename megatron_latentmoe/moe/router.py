@@ -51,6 +51,7 @@ class QuantileBalancingRouter(TopKRouter):
         histogram = CenteredQuantileHistogram if config.moe_qb_binning == "centered" else QuantileHistogram
         self.qb_histogram = histogram(n, self.topk, num_bins=config.moe_qb_num_bins, device=device)
         self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
+        self.last_loads_E = None  # global routed tokens per expert of the last step
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
