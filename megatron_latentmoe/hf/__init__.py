@@ -1,0 +1,86 @@
+"""Hugging Face side of Stable LatentMoE: config + modeling code that ships with exported checkpoints.
+
+``configuration_stable_latentmoe.py`` and ``modeling_stable_latentmoe.py`` import only torch and
+transformers (and each other); :func:`copy_remote_code` puts them next to a checkpoint so that
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` resolves the ``auto_map``
+that :class:`StableLatentMoEConfig` writes into config.json by default.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .configuration_stable_latentmoe import AUTO_MAP, StableLatentMoEConfig
+from .modeling_stable_latentmoe import (
+    MoERouting,
+    StableLatentMoEBlock,
+    StableLatentMoEForCausalLM,
+    StableLatentMoEModel,
+    StableLatentMoEPreTrainedModel,
+)
+
+REMOTE_CODE_FILES = ("configuration_stable_latentmoe.py", "modeling_stable_latentmoe.py")
+"""The files an exported model directory needs for ``trust_remote_code`` loading."""
+
+_HERE = Path(__file__).resolve().parent
+
+
+def remote_code_paths() -> list[Path]:
+    """Absolute paths of the two remote-code files in this package."""
+    return [_HERE / name for name in REMOTE_CODE_FILES]
+
+
+def copy_remote_code(save_directory: str | os.PathLike) -> list[Path]:
+    """Copy the two remote-code files into ``save_directory`` (created if needed); returns the copies.
+
+    The ``auto_map`` in config.json comes from :class:`StableLatentMoEConfig` (``AUTO_MAP``) unless
+    the config was built with another one.
+    """
+    dst = Path(save_directory)
+    dst.mkdir(parents=True, exist_ok=True)
+    out = []
+    for src in remote_code_paths():
+        target = dst / src.name
+        shutil.copyfile(src, target)
+        out.append(target)
+    return out
+
+
+def save_pretrained_with_code(model, save_directory: str | os.PathLike, **kwargs) -> None:
+    """``model.save_pretrained(save_directory, **kwargs)`` plus the remote-code files."""
+    model.save_pretrained(save_directory, **kwargs)
+    copy_remote_code(save_directory)
+
+
+def register_auto_classes() -> None:
+    """Register the classes with AutoConfig / AutoModel / AutoModelForCausalLM in this process, so
+    that ``from_pretrained`` works without ``trust_remote_code`` (idempotent)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    for register in (
+        lambda: AutoConfig.register(StableLatentMoEConfig.model_type, StableLatentMoEConfig),
+        lambda: AutoModel.register(StableLatentMoEConfig, StableLatentMoEModel),
+        lambda: AutoModelForCausalLM.register(StableLatentMoEConfig, StableLatentMoEForCausalLM),
+    ):
+        try:
+            register()
+        except ValueError:  # already registered
+            pass
+
+
+__all__ = [
+    "AUTO_MAP",
+    "MoERouting",
+    "REMOTE_CODE_FILES",
+    "StableLatentMoEBlock",
+    "StableLatentMoEConfig",
+    "StableLatentMoEForCausalLM",
+    "StableLatentMoEModel",
+    "StableLatentMoEPreTrainedModel",
+    "copy_remote_code",
+    "register_auto_classes",
+    "remote_code_paths",
+    "save_pretrained_with_code",
+]

@@ -1,0 +1,736 @@
+# Copyright 2026 The megatron-latentmoe authors. Licensed under the Apache License, Version 2.0.
+"""Stable LatentMoE causal LM for Hugging Face ``transformers`` (model_type ``"stable_latentmoe"``).
+
+This file is copied next to the weights of every exported checkpoint and loaded with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``; it imports only torch,
+transformers and ``configuration_stable_latentmoe``. It is also the project's pure-PyTorch
+reference of the block (re-exported by ``megatron_latentmoe.reference``), so it is written to be
+numerically faithful to Megatron-Core's ``GPTModel`` built with the project's specs:
+
+* token embedding (no scaling, no padding row) -> pre-norm decoder layers -> final RMSNorm ->
+  ``lm_head`` (untied unless ``tie_word_embeddings``);
+* RMSNorm: fp32 math (fp64 stays fp64), weight applied in fp32, cast back to the input dtype;
+* attention: Megatron's ``SelfAttention`` with GQA, no biases, causal, softmax scale
+  1/sqrt(head_dim), RoPE over the full head dim, non-interleaved (rotate-half) convention;
+* dense layers (the first ``first_k_dense_replace``): gated MLP ``mlp.{gate,up,down}_proj``;
+* MoE layers: the Stable LatentMoE block (SPEC §1) under ``block_sparse_moe``:
+
+      s = sigmoid(x W_r^T)  (fp32)        S = TopK(s + e_score_correction_bias)
+      p_j = s_j / (sum_{S} s + 1e-20) * routed_scaling_factor       (raw scores; bias never in p)
+      z = routed_expert_down_proj(x)      u = sum_{j in S} p_j * E_j(z)     (latent combine)
+      y = routed_expert_up_proj(routed_expert_norm(u)) + shared_experts(x)
+
+  with E_j(z) = w2(act(w1 z, w3 z)) and act = SiTU-GLU (SPEC §2) or SwiGLU.
+
+Getting the routing out of a block: ``block(x, return_routing=True)`` returns ``(y, MoERouting)``;
+or set ``block.record_routing = True`` (``StableLatentMoEModel.set_record_routing(True)`` for all
+layers) and read ``block.last_routing`` after a forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_stable_latentmoe import StableLatentMoEConfig
+
+ROUTER_PROB_EPS = 1e-20
+"""Guard in the renormalisation denominator (Megatron-Core ``topk_routing_with_score_function``)."""
+
+
+# ====================================================================================== functional
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the "fp32 math": fp32 for fp32 / bf16 / fp16 inputs; fp64 stays fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU (SPEC §2): ``[beta*tanh(g/beta) * sigmoid(g)] * [linear_beta*tanh(u/linear_beta)]``.
+
+    Computed in fp32 (fp64 for fp64 inputs), returned in ``gate.dtype``. |out| < beta*linear_beta.
+    """
+    cd = compute_dtype(gate.dtype)
+    g, u = gate.to(cd), up.to(cd)
+    out = (beta * torch.tanh(g / beta)) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU ``silu(g) * u``, with the same fp32-math / cast-back convention as ``situ_glu``."""
+    cd = compute_dtype(gate.dtype)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
+
+
+def get_glu_activation(config: StableLatentMoEConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``act(gate, up)`` selected by ``config.hidden_act`` ("situ" or "silu")."""
+    if config.hidden_act == "situ":
+        return partial(
+            situ_glu,
+            beta=float(config.activation_situ_beta),
+            linear_beta=float(config.activation_situ_linear_beta),
+        )
+    if config.hidden_act == "silu":
+        return swiglu
+    raise ValueError(f"hidden_act={config.hidden_act!r} is not allowed; expected 'situ' or 'silu'")
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; fp32 math, cast back to ``x.dtype``."""
+    cd = compute_dtype(x.dtype)
+    h = x.to(cd)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        h = h * weight.to(cd)
+    return h.to(x.dtype)
+
+
+class MoERouting(NamedTuple):
+    """Routing of T tokens over n experts, top-k (all [T, ...], tokens flattened in input order).
+
+    topk_indices: [T, k] int64, selected experts, by descending biased score ``s + b``.
+    topk_probs:   [T, k] fp32 (fp64 for fp64 inputs), mixing weights p: raw scores of the selected
+                  experts, renormalised (if ``moe_renormalize`` and k > 1), times
+                  ``routed_scaling_factor``. The bias never enters p.
+    scores:       [T, n] raw sigmoid scores s (same dtype as ``topk_probs``).
+    """
+
+    topk_indices: torch.Tensor
+    topk_probs: torch.Tensor
+    scores: torch.Tensor
+
+    def routing_map(self) -> torch.Tensor:
+        """[T, n] bool, True where token t is routed to expert e (Megatron's ``routing_map``)."""
+        out = torch.zeros_like(self.scores, dtype=torch.bool)
+        return out.scatter_(1, self.topk_indices, True)
+
+    def dense_probs(self) -> torch.Tensor:
+        """[T, n] probabilities, zero outside the selection (Megatron's ``probs``)."""
+        return torch.zeros_like(self.scores).scatter_(1, self.topk_indices, self.topk_probs)
+
+
+def noaux_tc_routing(
+    logits: torch.Tensor,
+    e_score_correction_bias: Optional[torch.Tensor],
+    top_k: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> MoERouting:
+    """Sigmoid routing with a selection-only bias (SPEC §3, formula 13), on [T, n] router logits.
+
+    Computed in ``compute_dtype(logits.dtype)``. Matches Megatron-Core's sigmoid path of
+    ``topk_routing_with_score_function`` with ``expert_bias``: topk of (scores + bias), probs =
+    gathered raw scores / (sum + 1e-20) when k > 1, times the scaling factor.
+    """
+    cd = compute_dtype(logits.dtype)
+    scores = torch.sigmoid(logits.to(cd))
+    scores_for_choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(cd)
+    _, topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1)
+    topk_probs = scores.gather(-1, topk_indices)
+    if renormalize and top_k > 1:
+        topk_probs = topk_probs / (topk_probs.sum(dim=-1, keepdim=True) + ROUTER_PROB_EPS)
+    topk_probs = topk_probs * routed_scaling_factor
+    return MoERouting(topk_indices, topk_probs, scores)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim (non-interleaved RoPE, as Megatron's ``_rotate_half``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin of shape [B, S, head_dim] for integer ``position_ids`` [B, S], cast to ``dtype``.
+
+    fp32 math as Megatron (fp64 when ``dtype`` is fp64): inv_freq = 1 / theta^(arange(0, d, 2) / d),
+    freqs = pos * inv_freq, emb = cat(freqs, freqs)."""
+    cd = compute_dtype(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=cd, device=position_ids.device) / head_dim))
+    freqs = position_ids.to(cd)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t * cos + rotate_half(t) * sin`` for q, k of shape [B, H, S, D] (cos/sin [B, S, D])."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, KV, S, D] -> [B, KV * n_rep, S, D]; query head h uses kv head h // n_rep (Megatron GQA)."""
+    if n_rep == 1:
+        return x
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
+
+
+def build_attention_mask(
+    query_positions: torch.Tensor,
+    kv_length: int,
+    padding_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Boolean mask [B or 1, 1, S, kv_length], True = may attend.
+
+    ``query_positions`` [S]: cache positions of the queries (past length + arange(S)); key j is
+    visible to query i iff j <= query_positions[i] and ``padding_mask[b, j]`` (2D, 1 = real token).
+    Rows with nothing visible (queries at padding positions) are opened completely so that the
+    softmax stays finite; their outputs are never read by real tokens.
+    """
+    kv_pos = torch.arange(kv_length, device=query_positions.device)
+    allowed = (kv_pos[None, :] <= query_positions[:, None])[None, None]  # [1, 1, S, L]
+    if padding_mask is not None:
+        pm = padding_mask.to(device=query_positions.device, dtype=torch.bool)
+        if pm.shape[-1] < kv_length:  # e.g. a preallocated cache: the tail is already causally masked
+            pm = F.pad(pm, (0, kv_length - pm.shape[-1]), value=True)
+        allowed = allowed & pm[:, None, None, :kv_length]
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+# ========================================================================================= modules
+class StableLatentMoERMSNorm(nn.Module):
+    """RMSNorm with fp32 math (see ``rms_norm``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class StableLatentMoEMLP(nn.Module):
+    """Gated MLP ``down_proj(act(gate_proj x, up_proj x))``: the dense FFN and the shared experts."""
+
+    def __init__(self, config: StableLatentMoEConfig, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = get_glu_activation(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class StableLatentMoEExpert(nn.Module):
+    """One routed expert on the latent width (Kimi names): ``w2(act(w1 z, w3 z))``; w1 gate, w3 up."""
+
+    def __init__(self, config: StableLatentMoEConfig, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = get_glu_activation(config)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w1(z), self.w3(z)))
+
+
+class StableLatentMoEGate(nn.Module):
+    """Router: ``weight`` [n, d] on the full-width input and the selection-only bias
+    ``e_score_correction_bias`` [n] (a persistent fp32 buffer: it stays fp32 through
+    ``.to(bf16)`` / ``.half()``; only an fp64 cast changes its dtype)."""
+
+    def __init__(self, config: StableLatentMoEConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_token
+        self.num_experts = config.num_experts
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True
+        )
+        nn.init.normal_(self.weight, mean=0.0, std=config.initializer_range)
+
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, n] logits ``x W^T`` computed in fp32 (fp64 for fp64)."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        cd = compute_dtype(x.dtype)
+        return F.linear(x.to(cd), self.weight.to(cd))
+
+    def forward(self, hidden_states: torch.Tensor) -> MoERouting:
+        return noaux_tc_routing(
+            self.router_logits(hidden_states),
+            self.e_score_correction_bias,
+            self.top_k,
+            renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def _apply(self, fn, recurse: bool = True):
+        # Keep the bias in fp32 under half-precision casts: restore it from the fp32 original
+        # (a bf16 round trip would lose bits), moved to wherever ``fn`` put the converted copy.
+        bias = self._buffers.get("e_score_correction_bias")
+        out = super()._apply(fn, recurse)
+        new = self._buffers.get("e_score_correction_bias")
+        if (
+            bias is not None
+            and new is not None
+            and bias.dtype in (torch.float32, torch.float64)
+            and new.dtype in (torch.float16, torch.bfloat16)
+        ):
+            if bias.device.type == "meta" or new.device.type == "meta":
+                self._buffers["e_score_correction_bias"] = new.to(torch.float32)
+            else:
+                self._buffers["e_score_correction_bias"] = bias.to(device=new.device, dtype=torch.float32)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, " \
+               f"routed_scaling_factor={self.routed_scaling_factor}"
+
+
+class StableLatentMoEBlock(nn.Module):
+    """The Stable LatentMoE block (SPEC §1, formula 11) — HF name ``block_sparse_moe``.
+
+    Submodules (checkpoint names): ``gate`` (``weight`` [n, d], ``e_score_correction_bias`` [n]),
+    ``routed_expert_down_proj`` [l, d], ``experts.{j}.{w1,w3}`` [m_e, l] / ``w2`` [l, m_e],
+    ``routed_expert_norm`` [l] (only if ``latent_moe_use_norm``), ``routed_expert_up_proj`` [d, l],
+    ``shared_experts.{gate,up,down}_proj`` (only if ``num_shared_experts > 0``).
+
+    ``forward(x, return_routing=False)`` takes [..., d] and returns y of the same shape, or
+    ``(y, MoERouting)`` with the routing of the flattened tokens. If ``record_routing`` is True the
+    routing (detached) is also kept in ``last_routing``.
+    """
+
+    def __init__(self, config: StableLatentMoEConfig):
+        super().__init__()
+        d, lat, m_e = config.hidden_size, config.routed_expert_hidden_size, config.moe_intermediate_size
+        self.hidden_size = d
+        self.latent_size = lat
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_token
+        self.gate = StableLatentMoEGate(config)
+        self.routed_expert_down_proj = nn.Linear(d, lat, bias=False)
+        self.experts = nn.ModuleList(
+            [StableLatentMoEExpert(config, lat, m_e) for _ in range(config.num_experts)]
+        )
+        self.routed_expert_norm = (
+            StableLatentMoERMSNorm(lat, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
+        )
+        self.routed_expert_up_proj = nn.Linear(lat, d, bias=False)
+        shared = config.num_shared_experts * m_e
+        self.shared_experts = StableLatentMoEMLP(config, d, shared) if shared > 0 else None
+        self.record_routing = False
+        self.last_routing: Optional[MoERouting] = None
+
+    def moe_infer(self, z: torch.Tensor, topk_indices: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+        """``u_t = sum_i p_{t,i} * E_{idx_{t,i}}(z_t)`` for latent tokens z [T, l].
+
+        Tokens are grouped by expert with one stable sort; each expert runs once on its token
+        group (a loop over experts, never over tokens) and the weighted outputs are scattered
+        back with ``index_add_``. The sum is accumulated in fp32 (fp64 for fp64) and cast to
+        ``z.dtype``.
+        """
+        num_tokens, k = topk_indices.shape
+        acc_dtype = compute_dtype(z.dtype)
+        out = torch.zeros((num_tokens, z.shape[-1]), dtype=acc_dtype, device=z.device)
+        if num_tokens == 0:
+            return out.to(z.dtype)
+        flat_experts = topk_indices.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_ids = order // k
+        probs = topk_probs.reshape(-1)[order].to(acc_dtype)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            tok = token_ids[rows]
+            expert_out = self.experts[expert_id](z[tok])
+            out.index_add_(0, tok, expert_out.to(acc_dtype) * probs[rows, None])
+        return out.to(z.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, return_routing: bool = False):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        routing = self.gate(x)  # router on the FULL width
+        z = self.routed_expert_down_proj(x)  # d -> l, once per token
+        u = self.moe_infer(z, routing.topk_indices, routing.topk_probs)  # combine in latent space
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u)  # l -> d, once per token
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)  # shared experts see the full-width x
+        y = y.reshape(shape)
+        if self.record_routing:
+            self.last_routing = MoERouting(*(t.detach() for t in routing))
+        return (y, routing) if return_routing else y
+
+
+class StableLatentMoEAttention(nn.Module):
+    """Causal GQA self-attention with RoPE (Megatron ``SelfAttention`` math), no biases."""
+
+    def __init__(self, config: StableLatentMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
+        mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if attention_mask is not None and attention_mask.shape[-1] != k.shape[-2] and mask_builder is not None:
+            attention_mask = mask_builder(k.shape[-2])
+        k = repeat_kv(k, self.num_key_value_groups)
+        v = repeat_kv(v, self.num_key_value_groups)
+        dropout = self.attention_dropout if self.training else 0.0
+        if getattr(self.config, "_attn_implementation", None) == "eager":
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+            if attention_mask is not None:
+                scores = scores.masked_fill(~attention_mask, float("-inf"))
+            probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
+            probs = F.dropout(probs, p=dropout, training=self.training)
+            out = torch.matmul(probs, v)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=self.scaling
+            )
+        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class StableLatentMoEDecoderLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then h + ffn(norm(h)); ffn = ``mlp`` (dense) or
+    ``block_sparse_moe`` (layer_idx >= first_k_dense_replace)."""
+
+    def __init__(self, config: StableLatentMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.input_layernorm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = StableLatentMoEAttention(config, layer_idx)
+        self.post_attention_layernorm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.is_moe:
+            self.block_sparse_moe = StableLatentMoEBlock(config)
+        else:
+            self.mlp = StableLatentMoEMLP(config, config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
+        mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        h = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            mask_builder=mask_builder,
+        )
+        hidden_states = residual + h
+        residual = hidden_states
+        h = self.post_attention_layernorm(hidden_states)
+        h = self.block_sparse_moe(h) if self.is_moe else self.mlp(h)
+        return residual + h
+
+
+# ================================================================================ HF model classes
+def _cache_field(output_cls) -> str:
+    """Name of the cache field of a transformers ModelOutput class (``cache`` in recent 5.x,
+    ``past_key_values`` before)."""
+    names = {f.name for f in dataclasses.fields(output_cls)}
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _output_with_cache(output_cls, cache, **fields):
+    """Build a ModelOutput with the cache under the field name this transformers version uses."""
+    return output_cls(**{_cache_field(output_cls): cache}, **fields)
+
+
+def _cache_of(output) -> Optional[Cache]:
+    """The cache carried by a ModelOutput, whichever field name this transformers version uses."""
+    return getattr(output, _cache_field(type(output)), None)
+
+
+class StableLatentMoEPreTrainedModel(PreTrainedModel):
+    config_class = StableLatentMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["StableLatentMoEDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    # The selection bias stays fp32 when the model is loaded in bf16/fp16 (SPEC §3: fp32 QB bias).
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # torch.nn.init is looked up at call time so transformers can guard it during loading.
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, StableLatentMoERMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, StableLatentMoEGate):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.zeros_(module.e_score_correction_bias)
+
+
+class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
+    """Embedding + decoder layers + final norm. Returns ``BaseModelOutputWithPast``."""
+
+    def __init__(self, config: StableLatentMoEConfig):
+        super().__init__(config)
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [StableLatentMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # -------------------------------------------------------------------- routing introspection
+    def moe_blocks(self) -> dict[int, StableLatentMoEBlock]:
+        """{layer index: block} for the MoE layers."""
+        return {i: layer.block_sparse_moe for i, layer in enumerate(self.layers) if layer.is_moe}
+
+    def set_record_routing(self, enabled: bool = True) -> None:
+        """Make every MoE block keep its last routing in ``block.last_routing``."""
+        for block in self.moe_blocks().values():
+            block.record_routing = enabled
+            block.last_routing = None
+
+    def recorded_routing(self) -> dict[int, Optional[MoERouting]]:
+        """{layer index: MoERouting of the last forward} (after ``set_record_routing(True)``)."""
+        return {i: block.last_routing for i, block in self.moe_blocks().items()}
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        cache: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        past_key_values: Optional[Cache] = None,
+        **kwargs,
+    ):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("StableLatentMoEModel: pass exactly one of input_ids or inputs_embeds")
+        if cache is None:
+            cache = past_key_values
+        if cache is not None and not isinstance(cache, Cache):
+            raise ValueError(
+                f"StableLatentMoEModel: the cache must be a transformers Cache (e.g. DynamicCache); "
+                f"got {type(cache).__name__}"
+            )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        bsz, q_len = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        if use_cache and cache is None:
+            try:
+                cache = DynamicCache(config=self.config)
+            except TypeError:  # older DynamicCache signatures
+                cache = DynamicCache()
+        past_len = cache.get_seq_length() if cache is not None else 0
+        query_positions = torch.arange(past_len, past_len + q_len, device=device)
+        if position_ids is None:
+            position_ids = query_positions[None].expand(bsz, -1)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(bsz, -1)
+
+        mask_builder = None
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask
+            if not mask.dtype == torch.bool:  # additive float mask: 0 = attend, very negative = not
+                mask = mask > torch.finfo(mask.dtype).min / 2
+            mask = mask | ~mask.any(dim=-1, keepdim=True)  # keep fully masked rows finite
+        else:
+            padding_mask = attention_mask
+            if padding_mask is not None and bool(padding_mask.all()):
+                padding_mask = None
+            mask_builder = partial(build_attention_mask, query_positions, padding_mask=padding_mask)
+            mask = mask_builder(past_len + q_len)
+
+        position_embeddings = rope_cos_sin(
+            position_ids, self.config.head_dim, float(self.config.rope_theta), inputs_embeds.dtype
+        )
+        hidden_states = inputs_embeds
+        all_hidden_states = () if output_hidden_states else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=mask,
+                cache=cache,
+                mask_builder=mask_builder,
+            )
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        out = _output_with_cache(
+            BaseModelOutputWithPast,
+            cache if use_cache else None,
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+        )
+        return out if return_dict else out.to_tuple()
+
+
+class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin):
+    """``model`` + ``lm_head`` (untied unless ``config.tie_word_embeddings``)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: StableLatentMoEConfig):
+        super().__init__(config)
+        self.model = StableLatentMoEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        cache: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Optional[Cache] = None,
+        **kwargs,
+    ):
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep > 0:
+                hidden_states = hidden_states[:, -logits_to_keep:]
+        else:
+            hidden_states = hidden_states[:, logits_to_keep]
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        out = _output_with_cache(
+            CausalLMOutputWithPast,
+            _cache_of(outputs),
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+        )
+        return out if return_dict else out.to_tuple()
+
+
+__all__ = [
+    "MoERouting",
+    "StableLatentMoEAttention",
+    "StableLatentMoEBlock",
+    "StableLatentMoEDecoderLayer",
+    "StableLatentMoEExpert",
+    "StableLatentMoEForCausalLM",
+    "StableLatentMoEGate",
+    "StableLatentMoEMLP",
+    "StableLatentMoEModel",
+    "StableLatentMoEPreTrainedModel",
+    "StableLatentMoERMSNorm",
+    "apply_rotary_pos_emb",
+    "build_attention_mask",
+    "compute_dtype",
+    "get_glu_activation",
+    "noaux_tc_routing",
+    "repeat_kv",
+    "rms_norm",
+    "rope_cos_sin",
+    "rotate_half",
+    "situ_glu",
+    "swiglu",
+]
