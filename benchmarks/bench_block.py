@@ -1,0 +1,171 @@
+"""Forward+backward throughput of the Stable LatentMoE block vs Megatron's own MoE layer, one run.
+
+Variants (single process, same tokens, same n / k / shared experts):
+
+* ``megatron_moe``: Megatron-Core's MoELayer. With TE on a GPU: its ``moe_latent_size`` layer
+  (TE latent projections, no norm, SwiGLU). Without TE: a plain full-width MoELayer whose expert
+  width is chosen for EQUAL ACTIVATED PARAMETERS per token (k·3·d·m' = k·3·l·m_e + 2·d·l).
+* ``stable``: our block (W_down, latent SiTU-GLU experts, latent RMSNorm, W_up, QB router).
+* ``stable_no_norm``, ``stable_swiglu``, ``stable_no_norm_swiglu``: our block with the latent
+  norm and / or SiTU-GLU switched off (SwiGLU instead).
+
+Prints a table of tokens/s and the ratio to ``megatron_moe``; writes JSON (default
+``benchmarks/results/bench_block.json``). Run: ``python benchmarks/bench_block.py [--help]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512, help="d")
+    p.add_argument("--latent", type=int, default=256, help="l")
+    p.add_argument("--expert-ffn", type=int, default=384, help="m_e")
+    p.add_argument("--experts", type=int, default=16, help="n")
+    p.add_argument("--topk", type=int, default=4, help="k")
+    p.add_argument("--shared-ffn", type=int, default=768, help="N_s * m_e (0 = none)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_block.json"))
+    return p.parse_args()
+
+
+def init_single_process():
+    import torch.distributed as dist
+
+    from megatron_latentmoe.compat import apply_cpu_compat, initialize_parallel_cpu
+
+    apply_cpu_compat()
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="bench_block_"), "store")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if torch.cuda.is_available():
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(1234)
+    else:
+        initialize_parallel_cpu()
+
+
+def build_variants(a, dtype):
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    on_gpu = torch.cuda.is_available()
+    te = HAVE_TE and on_gpu
+    common = dict(
+        hidden_size=a.hidden, num_attention_heads=8, ffn_hidden_size=4 * a.hidden,
+        num_moe_experts=a.experts, moe_router_topk=a.topk,
+        moe_shared_expert_intermediate_size=a.shared_ffn or None,
+        moe_token_dispatcher_type=a.dispatcher, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, moe_router_dtype="fp32",
+        use_cpu_initialization=not on_gpu,
+    )
+    variants, notes = {}, {}
+    if te:
+        cfg = tiny_config(**common, moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
+                          latent_moe_use_norm=False, hidden_act="swiglu",
+                          moe_router_load_balancing_type="none", moe_grouped_gemm=True)
+        variants["megatron_moe"] = get_moe_module_spec(True, a.experts, True)(config=cfg, layer_number=1)
+        notes["megatron_moe"] = "Megatron MoELayer with moe_latent_size (TE)"
+    else:
+        activated = a.topk * 3 * a.latent * a.expert_ffn + 2 * a.hidden * a.latent
+        wide_ffn = round(activated / (3 * a.hidden * a.topk))
+        cfg = tiny_config(**common, moe_ffn_hidden_size=wide_ffn, moe_latent_size=None,
+                          latent_moe_use_norm=False, hidden_act="swiglu",
+                          moe_router_load_balancing_type="none")
+        variants["megatron_moe"] = get_moe_module_spec(False, a.experts, False)(config=cfg, layer_number=1)
+        notes["megatron_moe"] = f"plain Megatron MoELayer, full width, expert ffn {wide_ffn} (equal activated params)"
+    backend = "te" if te else "local"
+    for name, extra in {
+        "stable": dict(),
+        "stable_no_norm": dict(latent_moe_use_norm=False),
+        "stable_swiglu": dict(hidden_act="swiglu"),
+        "stable_no_norm_swiglu": dict(latent_moe_use_norm=False, hidden_act="swiglu"),
+    }.items():
+        cfg = tiny_config(**common, moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
+                          moe_grouped_gemm=te, **extra)
+        variants[name] = get_stable_latentmoe_mlp_spec(cfg, backend)(config=cfg, layer_number=1)
+        notes[name] = f"ours ({backend} spec) " + (", ".join(f"{k}={v}" for k, v in extra.items()) or "full")
+    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+    return {k: v.to(device).train() for k, v in variants.items()}, notes, device
+
+
+def time_variants(variants, x, grad, iters, warmup):
+    """Median seconds per fwd+bwd; variants are interleaved so machine noise hits all alike."""
+
+    def step(layer):
+        inp = x.detach().requires_grad_()
+        out, _ = layer(inp)
+        out.backward(grad)
+        layer.zero_grad(set_to_none=True)
+
+    times = {name: [] for name in variants}
+    for i in range(warmup + iters):
+        for name, layer in variants.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(layer)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    a = parse_args()
+    torch.manual_seed(0)
+    init_single_process()
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    variants, notes, device = build_variants(a, dtype)
+    x = torch.randn(a.tokens, 1, a.hidden, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    rows = {}
+    for name, seconds in time_variants(variants, x, grad, a.iters, a.warmup).items():
+        layer = variants[name]
+        rows[name] = dict(seconds=seconds, tokens_per_s=a.tokens / seconds, note=notes[name],
+                          params=sum(p.numel() for p in layer.parameters()))
+    base = rows["megatron_moe"]["tokens_per_s"]
+    print(f"\nfwd+bwd, {a.tokens} tokens, d={a.hidden} l={a.latent} m_e={a.expert_ffn} "
+          f"n={a.experts} k={a.topk} shared={a.shared_ffn}, {a.dtype}, {device.type}")
+    print(f"{'variant':<24}{'ms/iter':>10}{'tokens/s':>12}{'vs megatron':>13}{'params':>11}  note")
+    for name, r in rows.items():
+        r["ratio_vs_megatron_moe"] = r["tokens_per_s"] / base
+        print(f"{name:<24}{1e3 * r['seconds']:>10.2f}{r['tokens_per_s']:>12.0f}"
+              f"{r['ratio_vs_megatron_moe']:>12.2f}x{r['params']:>11d}  {r['note']}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(args=vars(a), device=device.type,
+                                   torch=torch.__version__, results=rows), indent=2))
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

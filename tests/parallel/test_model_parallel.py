@@ -1,0 +1,142 @@
+"""A GPT model with Stable LatentMoE blocks under every parallel layout == one process (SPEC §1).
+
+The model (2 layers: a dense SiTU-GLU layer, then a Stable LatentMoE layer with shared experts,
+latent norm and the QB router) is built once in a 1-process world; its full state dict is sliced
+into each layout (``shard_state_dict_for_rank``), for both the ``allgather`` and ``alltoall``
+dispatchers. Each layout runs one Megatron training step (DDP, forward-backward schedule, 1F1B
+for PP, ``finalize_model_grads`` + the QB step-end update, Adam with clipping) on the same global
+batch and must reproduce the single process's loss, every parameter gradient (this rank's shard),
+the optimizer's gradient norm, and the loss after the step to ``RTOL`` (fp32 round-off; fp64
+router), and the QB bias after the step to one histogram bin (the bias is recomputed from r values
+that carry fp32 round-off of the layout; typically it is identical).
+
+Layouts: TP2+SP, EP2, PP2 (world 2); EP4, TP2+SP x EP2 with ETP1 and ETP2, PP2 x EP2 (world 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .launcher import run_distributed, shard_state_dict_for_rank
+from .test_megatron_on_cpu import SEQ, VOCAB, _check, _rel, _train_step
+
+pytestmark = pytest.mark.slow
+
+DISPATCHERS = ("allgather", "alltoall")
+BINS = 1000
+LAYOUTS_2 = {
+    "TP2+SP": dict(tp=2, pp=1, ep=1, etp=2),
+    "EP2": dict(tp=1, pp=1, ep=2, etp=1),
+    "PP2": dict(tp=1, pp=2, ep=1, etp=1),
+}
+LAYOUTS_4 = {
+    "EP4": dict(tp=1, pp=1, ep=4, etp=1),
+    "TP2xEP2-ETP1": dict(tp=2, pp=1, ep=2, etp=1),
+    "TP2xEP2-ETP2": dict(tp=2, pp=1, ep=2, etp=2),
+    "PP2xEP2": dict(tp=1, pp=2, ep=2, etp=1),
+}
+
+
+def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.model import build_gpt_model
+    from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
+
+    ps.destroy_model_parallel()
+    initialize_parallel_cpu(tp, pp, ep, etp, seed=seed)
+    config = tiny_config(
+        num_layers=2, first_k_dense_replace=1, moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp64", moe_qb_num_bins=BINS,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1, pipeline_dtype=torch.float32,
+    )
+    model = build_gpt_model(
+        config, vocab_size=VOCAB, max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    )
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(), module=model
+    )
+    config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
+    return model, ddp, optimizer
+
+
+def _biases(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.expert_bias")}
+
+
+def _reference(rank, world_size):
+    import torch
+
+    out = {}
+    for dispatcher in DISPATCHERS:
+        model, ddp, optimizer = _build(dispatcher)
+        full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+        loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+        out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
+                               loss_after=loss_after, bias=_biases(model))
+    return out
+
+
+def _layouts(rank, world_size, layouts, reference):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    results = {}
+    for name, layout in layouts.items():
+        for dispatcher in DISPATCHERS:
+            ref = reference[dispatcher]
+            model, ddp, optimizer = _build(dispatcher, **layout)
+            model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
+            loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+            err = {"grad_norm": _rel(grad_norm, ref["grad_norm"]), "grads": 0.0}
+            if loss is not None:
+                err["loss"] = _rel(loss, ref["loss"])
+                err["loss_after"] = _rel(loss_after, ref["loss_after"])
+            expected = shard_state_dict_for_rank(ref["grads"], model)
+            for pname, grad in grads.items():
+                want = expected[pname]
+                err["grads"] = max(err["grads"], (grad - want).norm().item() / max(want.norm().item(), 1e-30))
+            # QB bias after the step, in units of bins (the histogram range is 2 + spread wide)
+            want_bias = shard_state_dict_for_rank({**ref["state"], **ref["bias"]}, model)
+            bin_width = 2.0 / BINS
+            err["bias_bins"] = max(
+                [((v - want_bias[k]).abs().max().item()) / bin_width for k, v in _biases(model).items()]
+                or [0.0]
+            )
+            results[(name, dispatcher)] = err
+    ps.destroy_model_parallel()
+    torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    (ref,) = run_distributed(_reference, 1)
+    for r in ref.values():
+        assert r["loss_after"] < r["loss"]
+        assert any(b.abs().max() > 0 for b in r["bias"].values()), "QB should move the bias"
+    return ref
+
+
+def _check_with_bias(per_rank):
+    bias = [max(e.pop("bias_bins") for e in rank_result.values()) for rank_result in per_rank]
+    print("max |bias - single process| in bins:", max(bias))
+    assert max(bias) <= 1.0
+    _check(per_rank)
+
+
+def test_world2_matches_single_process(reference):
+    _check_with_bias(run_distributed(_layouts, 2, LAYOUTS_2, reference))
+
+
+def test_world4_matches_single_process(reference):
+    _check_with_bias(run_distributed(_layouts, 4, LAYOUTS_4, reference))
