@@ -1,0 +1,273 @@
+"""Megatron-Core's own GPT-MoE (local spec) on CPU + gloo matches a single process exactly.
+
+A tiny GPTModel (2 layers, hidden 64, 8 experts, top-2, SwiGLU experts, seq 32, vocab 128, fp32,
+fp64 router, aux-loss balancing) is built once in a 1-process world; its full state dict is then
+sharded (``shard_state_dict_for_rank``) into every parallel layout below, for both the
+``allgather`` and ``alltoall`` dispatchers. Each layout runs one training step the way
+``megatron.training`` does -- mcore DDP, the forward-backward schedule (1F1B for PP),
+``finalize_model_grads``, the Megatron Adam optimizer with grad clipping -- on the same global
+batch (4 sequences, micro-batch 1), and must reproduce the single-process
+
+* loss before the step,
+* every parameter's gradient (this rank's shard, compared with the sliced full gradient),
+* gradient norm computed by the optimizer (across TP/PP/EP groups),
+* loss after the Adam step
+
+to fp32 round-off (``RTOL``). All layouts of one world size run inside one spawned world.
+
+Not covered: the ``flex`` dispatcher (needs DeepEP: GPU only), context parallelism, virtual
+pipeline stages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from .launcher import run_distributed, shard_state_dict_for_rank
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typically ~1e-7)
+GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
+DISPATCHERS = ("allgather", "alltoall")
+
+# Keyword arguments of _build: tp/pp/ep/etp sizes (etp defaults to tp), distopt (Megatron's
+# distributed optimizer), overlap (overlapped grad reduce / param gather), anything else goes to
+# the TransformerConfig.
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+LAYOUTS_2 = {
+    "EP2": dict(ep=2),
+    "TP2+SP": dict(tp=2),
+    "PP2": dict(pp=2),
+    "TP2+SP recompute": dict(tp=2, **RECOMPUTE),
+    "EP2 distopt overlap": dict(ep=2, distopt=True, overlap=True),
+}
+LAYOUTS_4 = {
+    "TP2xEP2 ETP1": dict(tp=2, ep=2, etp=1),
+    "TP2xEP2 ETP2": dict(tp=2, ep=2, etp=2),
+    "EP4": dict(ep=4),
+    "PP2xEP2": dict(pp=2, ep=2),
+    "TP2xPP2": dict(tp=2, pp=2),
+}
+
+
+# ---------------------------------------------------------------------------- model + one step
+def _config(dispatcher, tp=1, pp=1, ep=1, etp=None, **extra):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp64",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp or tp,
+        sequence_parallel=tp > 1,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
+
+
+def _build(dispatcher, full_state=None, tp=1, pp=1, ep=1, etp=None, distopt=False, overlap=False,
+           **extra):
+    """Parallel state + GPTModel (Megatron's local spec) + DDP + Megatron Adam, for this rank.
+
+    ``full_state``: single-process weights to shard into this rank's model (else Megatron's
+    seeded init). ``overlap``: overlapped grad reduce (+ param gather with ``distopt``), wired
+    into the schedule as ``megatron.training`` does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.timers import Timers
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+
+    ps.destroy_model_parallel()
+    initialize_parallel_cpu(tp, pp, ep, etp or tp, seed=1234)
+    config = _config(dispatcher, tp, pp, ep, etp, **extra)
+    config.timers = Timers(log_level=2, log_option="minmax")  # as megatron.training does
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if full_state is not None:
+        model.load_state_dict(shard_state_dict_for_rank(full_state, model), strict=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and distopt,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    if overlap:
+        config.no_sync_func, config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            clip_grad=1.0,
+            use_distributed_optimizer=distopt,
+            timers=config.timers,
+        ),
+        [ddp],
+    )
+    return model, ddp, optimizer
+
+
+def _batch():
+    import torch
+
+    g = torch.Generator().manual_seed(42)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _forward_step(data_iterator, model):
+    import torch
+
+    tokens, labels = next(data_iterator)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, _loss_func
+
+
+def _loss_func(per_token_loss):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.clone().detach()}
+
+
+def _run_schedule(ddp, forward_only):
+    """Run this DP rank's micro-batches (size 1); return the global-batch loss on last stages."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tokens, labels = _batch()
+    per_rank = GLOBAL_BATCH // dp
+    mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    micro_batches = iter([(tokens[i : i + 1], labels[i : i + 1]) for i in mine])
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=micro_batches,
+        model=[ddp],
+        num_microbatches=per_rank,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    if not ps.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([d["lm loss"] for d in losses]).mean()
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return loss.item() / dp
+
+
+def _train_step(model, ddp, optimizer):
+    """One step; returns loss before, {name: reduced grad}, grad norm, loss after."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = _run_schedule(ddp, forward_only=False)
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    ok, grad_norm, _ = optimizer.step()
+    assert ok
+    return loss, grads, grad_norm, _run_schedule(ddp, forward_only=True)
+
+
+# ---------------------------------------------------------------------------- rank functions
+def _reference(rank, world_size):
+    """1 process: initial full weights + the step's results, per dispatcher."""
+    import torch
+
+    out = {}
+    for dispatcher in DISPATCHERS:
+        model, ddp, optimizer = _build(dispatcher)
+        full = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+        loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+        out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
+                               loss_after=loss_after)
+    return out
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _layouts(rank, world_size, layouts, reference):
+    """Every layout x dispatcher on this rank; returns {(layout, dispatcher): relative errors}."""
+    results = {}
+    for name, layout in layouts.items():
+        for dispatcher in DISPATCHERS:
+            ref = reference[dispatcher]
+            model, ddp, optimizer = _build(dispatcher, ref["state"], **layout)
+            loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+            err = {"grad_norm": _rel(grad_norm, ref["grad_norm"])}
+            if loss is not None:
+                err["loss"] = _rel(loss, ref["loss"])
+                err["loss_after"] = _rel(loss_after, ref["loss_after"])
+            if not layout.get("distopt"):  # distopt keeps only this rank's reduced grad shard
+                expected = shard_state_dict_for_rank(ref["grads"], model)
+                err["grads"] = max(
+                    (g - expected[n]).norm().item() / max(expected[n].norm().item(), 1e-30)
+                    for n, g in grads.items()
+                )
+            results[(name, dispatcher)] = err
+    return results
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def reference():
+    (ref,) = run_distributed(_reference, 1)
+    for dispatcher, r in ref.items():
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert r["loss_after"] < r["loss"], "the Adam step should lower the loss"
+    return ref
+
+
+def _check(per_rank):
+    worst = {}
+    for rank_result in per_rank:
+        for key, errors in rank_result.items():
+            for what, value in errors.items():
+                worst.setdefault(key, {})[what] = max(worst.get(key, {}).get(what, 0.0), value)
+    for key, errors in sorted(worst.items()):
+        print(f"{key[0]:>22s} {key[1]:>9s} " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    bad = {k: e for k, e in worst.items() if max(e.values()) > RTOL or "loss" not in e}
+    assert not bad, f"layouts off the single-process run by more than {RTOL}: {bad}"
+
+
+def test_world2_matches_single_process(reference):
+    _check(run_distributed(_layouts, 2, LAYOUTS_2, reference))
+
+
+def test_world4_matches_single_process(reference):
+    _check(run_distributed(_layouts, 4, LAYOUTS_4, reference))

@@ -1,0 +1,323 @@
+"""Each CPU shim of megatron_latentmoe.compat does its job, and megatron-core fails without it.
+
+The shims are applied in this process only for the duration of a test (``compat`` fixture) and
+reverted afterwards, so other tests see torch as it was. The two-rank checks (uneven all-gather,
+``initialize_parallel_cpu``) run in one spawned gloo world.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+
+import pytest
+import torch
+
+from megatron_latentmoe.compat import cpu
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU shims are inert when CUDA is available"
+)
+
+
+@pytest.fixture
+def compat():
+    """Shims applied for this test only (re-applied afterwards if they were on before)."""
+    was_applied = bool(cpu._patched)
+    cpu.revert_cpu_compat()
+    assert cpu.apply_cpu_compat()
+    yield cpu
+    cpu.revert_cpu_compat()
+    if was_applied:
+        cpu.apply_cpu_compat()
+
+
+@pytest.fixture
+def no_compat():
+    """Shims off for this test (re-applied afterwards if they were on before)."""
+    was_applied = bool(cpu._patched)
+    cpu.revert_cpu_compat()
+    yield
+    if was_applied:
+        cpu.apply_cpu_compat()
+
+
+def _mode_on():
+    from torch.overrides import _get_current_function_mode_stack
+
+    return sum(isinstance(m, cpu.CudaToCpuDeviceMode) for m in _get_current_function_mode_stack())
+
+
+# ------------------------------------------------------------------ apply / version / revert
+def test_apply_is_idempotent(compat):
+    patched = list(cpu._patched)
+    assert cpu.apply_cpu_compat() and cpu.apply_cpu_compat()
+    assert cpu._patched == patched and _mode_on() == 1
+
+
+def test_noop_when_cuda_is_available(no_compat, monkeypatch):
+    original_current_device = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu.apply_cpu_compat() is False
+    assert not cpu._patched and _mode_on() == 0
+    assert torch.cuda.current_device is original_current_device
+
+
+def test_revert_restores_torch(no_compat):
+    originals = (torch.cuda.Stream, torch.cuda.current_device, torch.autograd._engine_run_backward)
+    cpu.apply_cpu_compat()
+    cpu.revert_cpu_compat()
+    assert (torch.cuda.Stream, torch.cuda.current_device,
+            torch.autograd._engine_run_backward) == originals
+    assert not cpu._patched and _mode_on() == 0
+
+
+def test_version_check(no_compat, monkeypatch):
+    import megatron.core
+
+    monkeypatch.delenv(cpu.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.2+abc1234")  # git suffix: fine
+    assert cpu.check_megatron_core_version() == "0.19.2"
+    monkeypatch.setattr(megatron.core, "__version__", "0.18.0")
+    with pytest.raises(RuntimeError, match="0.19.2, found 0.18.0"):
+        cpu.check_megatron_core_version()
+    with pytest.raises(RuntimeError, match="MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"):
+        cpu.apply_cpu_compat()
+    assert not cpu._patched  # refused before patching anything
+    monkeypatch.setenv(cpu.ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="found 0.18.0"):
+        assert cpu.check_megatron_core_version() == "0.18.0"
+
+
+# ------------------------------------------------------------------ streams and device queries
+def test_streams(compat):
+    stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+    assert stream != current and torch.cuda.current_stream() is current
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        event = stream.record_event()
+    event.synchronize()
+    assert event.query()
+
+
+def test_streams_fail_without_shim(no_compat):
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.Stream()
+
+
+def test_device_queries(compat):
+    from megatron.core.parallel_state import GlobalMemoryBuffer
+
+    assert torch.cuda.current_device() == torch.device("cpu")
+    torch.cuda.synchronize()
+    buffer = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "test")  # uses current_device
+    assert buffer.device.type == "cpu" and buffer.shape == (2, 3)
+
+
+def test_device_queries_fail_without_shim(no_compat):
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_device()
+
+
+# ------------------------------------------------------------------ device="cuda" literals
+def test_mode_maps_cuda_to_cpu(compat):
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(2).to(device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.nn.Linear(2, 2).cuda().weight.device.type == "cpu"
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"  # what megatron's optimizers check
+    assert torch.ones(2).type(torch.float64).dtype == torch.float64
+    mask = get_default_causal_mask(4)  # builds with device="cuda"
+    assert torch.equal(mask, torch.ones(4, 4).triu(1).bool())
+
+
+def test_mode_fails_without_shim(no_compat):
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+
+
+def test_mode_stays_on_in_backward(compat):
+    """Activation recompute re-runs the forward (with its device="cuda" mask) inside backward."""
+    from megatron.core.tensor_parallel import checkpoint
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    def attention_like(x):
+        return x.masked_fill(get_default_causal_mask(x.shape[-1]), 0.0).sum(-1)
+
+    x = torch.randn(3, 3, requires_grad=True)
+    checkpoint(attention_like, False, x).sum().backward()
+    assert torch.equal(x.grad, (~get_default_causal_mask(3)).float())
+
+
+# ------------------------------------------------------------------ RNG
+def test_rng_tracker_fork(compat):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def draws(tracker, name, n=2):
+        out = []
+        for _ in range(n):
+            with tracker.fork(name):
+                out.append(torch.rand(4))
+        return out
+
+    before = torch.get_rng_state()
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("a", 11)
+    tracker.add("b", 12)
+    a1, a2 = draws(tracker, "a")
+    (b1,) = draws(tracker, "b", 1)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default generator"
+    assert not torch.equal(a1, a2) and not torch.equal(a1, b1), "streams advance and differ"
+    again = mrandom.CudaRNGStatesTracker()
+    again.add("a", 11)
+    assert all(map(torch.equal, draws(again, "a"), [a1, a2])), "same seed, same stream"
+    with tracker.fork("a"), tracker.fork("b"):  # nested: each name keeps its own stream
+        b2 = torch.rand(4)
+    with tracker.fork("a"):
+        a3 = torch.rand(4)
+    twin = mrandom.CudaRNGStatesTracker()
+    twin.add("a", 11)
+    twin.add("b", 12)
+    ta, tb = draws(twin, "a", 3), draws(twin, "b", 2)
+    assert torch.equal(a3, ta[2]) and torch.equal(b2, tb[1])
+    with pytest.raises(Exception, match="already exists"):
+        tracker.add("c", 11)
+
+
+def test_model_parallel_seed_uses_cpu_tracker(compat):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def expert_draw(ep_rank):
+        model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=ep_rank, etp_rank=0)
+        with get_cuda_rng_tracker().fork(mrandom.get_expert_parallel_rng_tracker_name()):
+            return torch.rand(4)
+
+    assert torch.equal(expert_draw(0), expert_draw(0))
+    assert not torch.equal(expert_draw(0), expert_draw(1)), "EP ranks get distinct streams"
+    assert isinstance(get_cuda_rng_tracker(), cpu._cpu_rng_tracker_class())
+
+
+def test_recompute_replays_dropout_mask(compat):
+    """CheckpointFunction saves/restores the "CUDA" RNG state: the recomputed mask must match."""
+    from megatron.core.tensor_parallel import checkpoint, model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0)
+    x = torch.ones(64, requires_grad=True)
+    out = checkpoint(lambda t: torch.nn.functional.dropout(t, 0.5, training=True), False, x)
+    out.sum().backward()
+    assert 0 < int((out == 0).sum()) < 64
+    assert torch.equal(x.grad, out.detach()), "recompute drew a different dropout mask"
+
+
+def test_cuda_rng_state_functions_use_cpu_generator(compat):
+    """torch.cuda.{get,set}_rng_state (megatron.training checkpointing, rerun state machine) and
+    megatron's _get/_set_cuda_rng_state (activation recompute) save and restore the CPU stream."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for get, set_ in [(torch.cuda.get_rng_state, torch.cuda.set_rng_state),
+                      (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)]:
+        state = get()
+        first = torch.rand(3)
+        set_(state)
+        assert torch.equal(torch.rand(3), first)
+
+
+def test_rng_fails_without_shim(no_compat):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        mrandom.CudaRNGStatesTracker().add("x", 1)
+
+
+# ------------------------------------------------------------------ MoE dispatch / norm
+def test_alltoall_split_sizes_become_numpy(compat):
+    import numpy as np
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    splits = torch.tensor([3, 5])
+    assert torch.is_tensor(moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True))  # unpatched
+    converted = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert isinstance(converted, np.ndarray) and converted.tolist() == [3, 5]
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits
+
+
+def _sp_config():
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+        sequence_parallel=True, normalization="RMSNorm",
+    )
+
+
+def test_torch_norm_accepts_sequence_parallel(compat):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = _sp_config()
+    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm) and config.sequence_parallel
+    assert all(p.sequence_parallel for p in norm.parameters())  # grads all-reduced over TP
+    x = torch.randn(3, 8)
+    assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-5))
+
+
+def test_torch_norm_refuses_sequence_parallel_without_shim(no_compat):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config=_sp_config(), hidden_size=8)
+
+
+# ------------------------------------------------------------------ two ranks
+def _two_rank_checks(rank, world_size):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, mappings
+
+    cpu.initialize_parallel_cpu(tensor_model_parallel_size=2, seed=3)
+    tp_group = ps.get_tensor_model_parallel_group()
+    backend = torch.distributed.get_backend(tp_group)
+    states = sorted(get_cuda_rng_tracker().get_states())
+    # uneven all-gather (alltoall dispatcher with TP/ETP > 1): rank r sends r + 2 rows
+    sizes = [2, 3]
+    local = torch.full((sizes[rank], 4), float(rank + 1))
+    gathered = mappings._gather_along_first_dim(local, tp_group, output_split_sizes=sizes)
+    (megatrons,) = [
+        f for o, n, f in cpu._patched if o is mappings and n == "_gather_along_first_dim"
+    ]
+    try:
+        megatrons(local, tp_group, output_split_sizes=sizes)
+        unpadded_error = None
+    except RuntimeError as err:
+        unpadded_error = str(err)
+    return backend, states, gathered, unpadded_error
+
+
+@pytest.mark.slow
+def test_two_ranks_initialize_and_uneven_all_gather():
+    from tests.parallel.launcher import run_distributed
+
+    for backend, states, gathered, unpadded_error in run_distributed(_two_rank_checks, 2):
+        assert backend == "gloo"
+        assert states == ["data-parallel-rng", "expert-parallel-rng", "model-parallel-rng"]
+        expected = torch.cat([torch.full((2, 4), 1.0), torch.full((3, 4), 2.0)])
+        assert torch.equal(gathered, expected)
+        assert "invalid tensor size" in unpadded_error  # what gloo says without the padding
+
+
+def test_python311_override_alias():
+    import sys
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    if sys.version_info >= (3, 12):
+        assert apply_python311_compat() is False
+        return
+    assert apply_python311_compat() is True
+    import typing_extensions
+
+    assert typing.override is typing_extensions.override
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.training.models.gpt  # noqa: F401  (uses `from typing import override`)
