@@ -1,0 +1,392 @@
+"""Parameter ledger of a Stable LatentMoE model (SPEC §5): where the FFN parameters are, and how
+many of them one token activates.
+
+Counted per MoE layer (SPEC §1):
+  routed experts   n x 3 l m_e        (W1 gate, W3 up: m_e x l each; W2 down: l x m_e)
+  shared experts   3 d S              (one gated MLP of intermediate S = N_s m_e; S = 0: none)
+  projections      2 d l (+ l)        (W_down d -> l, W_up l -> d, + RMSNorm(l) weight if used)
+  router           n d                (+ n bias values: a non-trainable buffer, listed apart)
+Activated per token per MoE layer: k routed experts, the shared experts, the projections and the
+whole router (every token is scored against all n experts).
+Dense layers (the first `first_k_dense_replace`): one gated MLP, 3 d dense_ffn_hidden_size.
+Embedding V d and LM head V d (none when tied).
+
+NOT counted: attention (model-specific: K3 mixes KDA and MLA layers), the per-layer norms outside
+the MoE block, MTP / vision modules. Every FFN is taken to be 3-matrix gated (SiTU-GLU) and
+bias-free, as in SPEC §1-2.
+
+No Megatron import at module level: the CLI (tools/ledger.py) and the HF side use this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = [
+    "K3_FULL_SCALE",
+    "LatentMoEShape",
+    "format_ledger",
+    "parameter_ledger",
+]
+
+NOT_COUNTED = (
+    "attention (model-specific; K3: KDA + MLA layers), norms outside the MoE block, MTP and "
+    "vision modules are not counted"
+)
+
+
+@dataclass(frozen=True)
+class LatentMoEShape:
+    """The dimensions the ledger needs. Sizes are element counts (d, l, m_e, ...)."""
+
+    hidden_size: int  # d
+    latent_size: int  # l (W_down: d -> l)
+    moe_ffn_hidden_size: int  # m_e, per routed expert
+    num_experts: int  # n
+    topk: int  # k
+    shared_ffn_hidden_size: int = 0  # N_s * m_e; 0 = no shared experts
+    num_layers: int = 1
+    first_k_dense_replace: int = 0  # the first this-many layers are dense
+    dense_ffn_hidden_size: int = 0  # intermediate of the dense layers' gated MLP
+    vocab_size: int = 0  # 0 = embedding / LM head not counted
+    latent_norm: bool = True  # RMSNorm(l) between combine and W_up (latent_moe_use_norm)
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("hidden_size", "latent_size", "moe_ffn_hidden_size", "num_experts", "topk",
+                     "num_layers"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("shared_ffn_hidden_size", "first_k_dense_replace", "dense_ffn_hidden_size",
+                     "vocab_size"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("latent_norm", "tie_word_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool; got {v!r} of type {type(v).__name__}")
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"topk must be in [1, num_experts={self.num_experts}]; got {self.topk}")
+        if self.first_k_dense_replace > self.num_layers:
+            raise ValueError(
+                f"first_k_dense_replace must be in [0, num_layers={self.num_layers}]; "
+                f"got {self.first_k_dense_replace}")
+        if self.first_k_dense_replace > 0 and self.dense_ffn_hidden_size == 0:
+            raise ValueError(
+                f"dense_ffn_hidden_size must be > 0 when first_k_dense_replace="
+                f"{self.first_k_dense_replace} layers are dense; got 0")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_megatron_config(cls, cfg: Any) -> "LatentMoEShape":
+        """From a Megatron TransformerConfig (or this project's extension of it), duck-typed.
+
+        Reads hidden_size, moe_latent_size, moe_ffn_hidden_size, num_moe_experts,
+        moe_router_topk, moe_shared_expert_intermediate_size (None -> 0), num_layers,
+        first_k_dense_replace (if absent: derived from a list moe_layer_freq of the form
+        [0]*k + [1]*rest, or 0 for moe_layer_freq == 1), ffn_hidden_size (the dense layers'),
+        latent_moe_use_norm (absent -> False, upstream LatentMoE has no latent norm), and
+        optionally padded_vocab_size / vocab_size and share_embeddings_and_output_weights /
+        tie_word_embeddings.
+        """
+        def req(name):
+            v = getattr(cfg, name, None)
+            if v is None:
+                raise ValueError(f"Megatron config field {name} is required for the ledger "
+                                 f"(got None or missing)")
+            return v
+
+        if getattr(cfg, "gated_linear_unit", True) is False:
+            raise ValueError("gated_linear_unit=False: the ledger counts 3-matrix gated FFNs "
+                             "(SiTU-GLU) only")
+        num_layers = req("num_layers")
+        k_dense = getattr(cfg, "first_k_dense_replace", None)
+        if k_dense is None:
+            k_dense = _first_k_dense_from_layer_freq(getattr(cfg, "moe_layer_freq", 1), num_layers)
+        shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0
+        vocab = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", None) or 0
+        if getattr(cfg, "share_embeddings_and_output_weights", None) is not None:
+            tie = bool(cfg.share_embeddings_and_output_weights)
+        elif getattr(cfg, "untie_embeddings_and_output_weights", None) is not None:
+            tie = not bool(cfg.untie_embeddings_and_output_weights)
+        else:
+            tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        dense_ffn = getattr(cfg, "ffn_hidden_size", None) or 0
+        return cls(
+            hidden_size=req("hidden_size"),
+            latent_size=req("moe_latent_size"),
+            moe_ffn_hidden_size=req("moe_ffn_hidden_size"),
+            num_experts=req("num_moe_experts"),
+            topk=req("moe_router_topk"),
+            shared_ffn_hidden_size=shared,
+            num_layers=num_layers,
+            first_k_dense_replace=k_dense,
+            dense_ffn_hidden_size=dense_ffn if k_dense > 0 else 0,
+            vocab_size=vocab,
+            latent_norm=bool(getattr(cfg, "latent_moe_use_norm", False)),
+            tie_word_embeddings=tie,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "LatentMoEShape":
+        """From an HF config dict with the SPEC §6 keys (a nested ``text_config`` is used when the
+        top level has no ``hidden_size``, as in multimodal configs).
+
+        Required: hidden_size, routed_expert_hidden_size (l), moe_intermediate_size (m_e),
+        num_experts, num_experts_per_token, num_hidden_layers. Optional (default): num_shared_experts
+        (0), first_k_dense_replace (0), intermediate_size (dense layers; required if
+        first_k_dense_replace > 0), vocab_size (0), latent_moe_use_norm (False),
+        tie_word_embeddings (False, as in Kimi / DeepSeek-V3 configs).
+        """
+        if not isinstance(config, Mapping):
+            raise ValueError(f"HF config must be a mapping; got {type(config).__name__}")
+        if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+
+        def req(key):
+            if config.get(key) is None:
+                raise ValueError(f"HF config key {key!r} is required for the ledger (missing)")
+            return config[key]
+
+        m_e = req("moe_intermediate_size")
+        num_shared = config.get("num_shared_experts") or 0
+        _check_int("num_shared_experts", num_shared, minimum=0)
+        k_dense = config.get("first_k_dense_replace") or 0
+        dense_ffn = config.get("intermediate_size") or 0
+        if k_dense and not dense_ffn:
+            raise ValueError("HF config key 'intermediate_size' is required when "
+                             f"first_k_dense_replace={k_dense} (missing)")
+        return cls(
+            hidden_size=req("hidden_size"),
+            latent_size=req("routed_expert_hidden_size"),
+            moe_ffn_hidden_size=m_e,
+            num_experts=req("num_experts"),
+            topk=req("num_experts_per_token"),
+            shared_ffn_hidden_size=num_shared * m_e,
+            num_layers=req("num_hidden_layers"),
+            first_k_dense_replace=k_dense,
+            dense_ffn_hidden_size=dense_ffn if k_dense else 0,
+            vocab_size=config.get("vocab_size") or 0,
+            latent_norm=bool(config.get("latent_moe_use_norm", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r} "
+                         f"of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
+
+
+def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq == 1:
+            return 0
+        raise ValueError(f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout; "
+                         "set first_k_dense_replace")
+    pattern = list(freq)
+    k = 0
+    while k < len(pattern) and pattern[k] == 0:
+        k += 1
+    if len(pattern) != num_layers or any(p != 1 for p in pattern[k:]):
+        raise ValueError(f"moe_layer_freq={pattern}: the ledger needs [0]*k + [1]*(num_layers-k) "
+                         f"with num_layers={num_layers}; set first_k_dense_replace")
+    return k
+
+
+# Kimi K3 (SPEC §5). The dense layer's FFN intermediate is not in the SPEC: seed 000 says the
+# layer-1 dense FFN has about 0.7 B parameters; 32768 gives 3 * 7168 * 32768 = 0.705 B.
+K3_FULL_SCALE = LatentMoEShape(
+    hidden_size=7168,
+    latent_size=3584,
+    moe_ffn_hidden_size=3072,
+    num_experts=896,
+    topk=16,
+    shared_ffn_hidden_size=2 * 3072,
+    num_layers=93,
+    first_k_dense_replace=1,
+    dense_ffn_hidden_size=32768,
+    vocab_size=163840,
+    latent_norm=True,
+    tie_word_embeddings=False,
+)
+
+
+def parameter_ledger(shape: LatentMoEShape) -> dict:
+    """Parameter counts (plain ints, plus a few ratios) for ``shape``; see the module docstring."""
+    if not isinstance(shape, LatentMoEShape):
+        raise TypeError(f"shape must be a LatentMoEShape; got {type(shape).__name__}")
+    d, l, m = shape.hidden_size, shape.latent_size, shape.moe_ffn_hidden_size
+    n, k, S = shape.num_experts, shape.topk, shape.shared_ffn_hidden_size
+    L_moe, L_dense = shape.num_moe_layers, shape.num_dense_layers
+
+    expert = 3 * l * m
+    routed = n * expert
+    shared = 3 * d * S
+    down, up = d * l, l * d
+    norm = l if shape.latent_norm else 0
+    proj = down + up + norm
+    router = n * d
+    layer_total = routed + shared + proj + router
+
+    act_routed = k * expert
+    act_excl_router = act_routed + shared + proj
+    act_total = act_excl_router + router
+
+    dense_layer = 3 * d * shape.dense_ffn_hidden_size if L_dense else 0
+    dense_all = L_dense * dense_layer
+
+    emb = shape.vocab_size * d
+    head = 0 if shape.tie_word_embeddings else shape.vocab_size * d
+
+    moe_all = L_moe * layer_total
+    ffn_all = moe_all + dense_all  # > 0: with no MoE layer, the dense layers have a dense FFN
+    counted = ffn_all + emb + head
+    return {
+        "shape": dataclasses.asdict(shape),
+        "num_moe_layers": L_moe,
+        "num_dense_layers": L_dense,
+        "per_moe_layer": {
+            "routed_expert_params_each": expert,
+            "routed_expert_params": routed,
+            "shared_expert_params": shared,
+            "latent_down_proj_params": down,
+            "latent_up_proj_params": up,
+            "latent_norm_params": norm,
+            "projection_params": proj,
+            "router_params": router,
+            "router_bias_buffer": n,  # e_score_correction_bias: non-trainable, not in totals
+            "total_params": layer_total,
+        },
+        "activated_per_token_per_moe_layer": {
+            "routed_experts": act_routed,
+            "shared_experts": shared,
+            "projections": proj,
+            "router": router,
+            "total_excl_router": act_excl_router,
+            "total": act_total,
+        },
+        "all_moe_layers": {
+            "routed_expert_params": L_moe * routed,
+            "shared_expert_params": L_moe * shared,
+            "projection_params": L_moe * proj,
+            "router_params": L_moe * router,
+            "router_bias_buffer": L_moe * n,
+            "total_params": moe_all,
+            "activated_per_token": L_moe * act_total,
+            "activated_per_token_excl_router": L_moe * act_excl_router,
+        },
+        "dense_layers": {
+            "ffn_params_per_layer": dense_layer,
+            "ffn_params": dense_all,
+            "activated_per_token": dense_all,
+        },
+        "embedding": {
+            "input_embedding_params": emb,
+            "lm_head_params": head,
+            "total_params": emb + head,
+        },
+        "totals": {
+            "ffn_params": ffn_all,
+            "moe_share_of_ffn": moe_all / ffn_all,
+            "routed_share_of_ffn": L_moe * routed / ffn_all,
+            "counted_params": counted,
+            "routed_share_of_counted": L_moe * routed / counted,
+            "activated_per_token": L_moe * act_total + dense_all + emb + head,
+            "ffn_activated_per_token": L_moe * act_total + dense_all,
+        },
+        "not_counted": NOT_COUNTED,
+    }
+
+
+def _human(x: float) -> str:
+    """3 significant digits with a T / B / M / K suffix."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= div:
+            v = x / div
+            digits = max(0, 2 - int(math.floor(math.log10(abs(v)))))
+            return f"{v:.{digits}f} {suffix}"
+    return f"{x:g}"
+
+
+def format_ledger(ledger: Mapping[str, Any]) -> str:
+    """A human table (values with T / B / M units and exact counts)."""
+    s = ledger["shape"]
+    p, a, al = ledger["per_moe_layer"], ledger["activated_per_token_per_moe_layer"], \
+        ledger["all_moe_layers"]
+    dn, e, t = ledger["dense_layers"], ledger["embedding"], ledger["totals"]
+    L_moe, L_dense = ledger["num_moe_layers"], ledger["num_dense_layers"]
+    n_shared_note = f"3·d·{s['shared_ffn_hidden_size']}" if s["shared_ffn_hidden_size"] else "none"
+    rows: list = [
+        ("per MoE layer", None, None),
+        ("  routed expert (one)", p["routed_expert_params_each"], "3·l·m_e"),
+        ("  routed experts (all n)", p["routed_expert_params"], "n·3·l·m_e"),
+        ("  shared experts", p["shared_expert_params"], n_shared_note),
+        ("  W_down + W_up (+ norm)", p["projection_params"],
+         "2·d·l" + (" + l" if s["latent_norm"] else "")),
+        ("  router", p["router_params"], "n·d"),
+        ("  router bias (buffer)", p["router_bias_buffer"], "n, non-trainable, not in totals"),
+        ("  layer total", p["total_params"], None),
+        ("activated per token, per MoE layer", None, None),
+        (f"  {s['topk']} routed experts", a["routed_experts"], "k·3·l·m_e"),
+        ("  shared experts", a["shared_experts"], None),
+        ("  W_down + W_up (+ norm)", a["projections"], None),
+        ("  subtotal (experts+shared+proj)", a["total_excl_router"], None),
+        ("  router (all n scores)", a["router"], None),
+        ("  total", a["total"], None),
+        (f"all {L_moe} MoE layers", None, None),
+        ("  routed experts", al["routed_expert_params"], None),
+        ("  shared experts", al["shared_expert_params"], None),
+        ("  W_down + W_up (+ norm)", al["projection_params"], None),
+        ("  routers", al["router_params"], None),
+        ("  total", al["total_params"], None),
+        ("  activated per token (excl. router)", al["activated_per_token_excl_router"], None),
+        ("  activated per token", al["activated_per_token"], None),
+        (f"{L_dense} dense layer(s)", None, None),
+        ("  FFN per layer", dn["ffn_params_per_layer"], "3·d·dense_ffn"),
+        ("  FFN all dense layers", dn["ffn_params"], None),
+        ("embedding / LM head", None, None),
+        ("  input embedding", e["input_embedding_params"], "V·d"),
+        ("  LM head", e["lm_head_params"], "tied" if s["tie_word_embeddings"] else "V·d"),
+        ("totals (attention not counted)", None, None),
+        ("  FFN (MoE + dense)", t["ffn_params"], None),
+        ("  MoE share of FFN", None, _pct(t["moe_share_of_ffn"])),
+        ("  routed share of FFN", None, _pct(t["routed_share_of_ffn"])),
+        ("  counted (FFN + embeddings)", t["counted_params"], None),
+        ("  activated per token (counted)", t["activated_per_token"],
+         "FFN + embedding + LM head"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    out = [
+        f"Stable LatentMoE parameter ledger: d={s['hidden_size']} l={s['latent_size']} "
+        f"m_e={s['moe_ffn_hidden_size']} n={s['num_experts']} k={s['topk']} "
+        f"shared={s['shared_ffn_hidden_size']} layers={s['num_layers']} "
+        f"(dense {L_dense}, MoE {L_moe}) dense_ffn={s['dense_ffn_hidden_size']} "
+        f"vocab={s['vocab_size']} latent_norm={s['latent_norm']} "
+        f"tied={s['tie_word_embeddings']}",
+    ]
+    for label, value, note in rows:
+        if value is None and note is None:
+            out.append(label)
+            continue
+        vs = f"{_human(value):>9}  {value:>17,}" if value is not None else " " * 28
+        out.append(f"{label:<{w}}  {vs}" + (f"  {note}" if note else ""))
+    out.append(f"note: {ledger['not_counted']}")
+    return "\n".join(out)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"

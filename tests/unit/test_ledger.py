@@ -1,0 +1,313 @@
+"""Parameter ledger (SPEC §5): the K3 numbers, a hand-built module, config readers, the CLI."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_latentmoe.ledger import (
+    K3_FULL_SCALE,
+    LatentMoEShape,
+    format_ledger,
+    parameter_ledger,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = os.path.join(REPO, "tools", "ledger.py")
+
+
+def sig(x, digits=3):
+    return float(f"{x:.{digits}g}")
+
+
+# ---------------------------------------------------------------------------- SPEC §5
+
+
+def test_k3_preset_reproduces_spec_numbers():
+    led = parameter_ledger(K3_FULL_SCALE)
+    assert led["num_moe_layers"] == 92 and led["num_dense_layers"] == 1
+    allm, act = led["all_moe_layers"], led["activated_per_token_per_moe_layer"]
+    # routed expert params over all MoE layers: 2.72 T, 98 % of the model's 2.78 T
+    assert sig(allm["routed_expert_params"]) == 2.72e12
+    assert round(100 * allm["routed_expert_params"] / 2.78e12) == 98
+    # activated per token per layer: 528 M (16 experts) / 132 M (shared) / 51 M (W_down + W_up)
+    assert sig(act["routed_experts"]) == 528e6
+    assert sig(act["shared_experts"]) == 132e6
+    assert sig(act["projections"], 2) == 51e6
+    # "≈ 711 M": the sum of the rounded items; the exact sum is 711.99 M
+    assert 528 + 132 + 51 == 711
+    assert 711e6 <= act["total_excl_router"] < 712e6
+    # "≈ 65 B" over the 92 MoE layers
+    assert 65e9 <= allm["activated_per_token_excl_router"] < 66e9
+    assert allm["activated_per_token_excl_router"] == 92 * act["total_excl_router"]
+    # the router is not in those figures: all n scores are computed for every token
+    assert act["total"] == act["total_excl_router"] + 896 * 7168
+
+
+def test_k3_remaining_activated_params_are_attention():
+    """Seed 000: 104.2 B activated = ~65 B MoE + dense FFN 0.7 B + embedding and LM head 1.2 B
+    each + attention (KDA ~30 B + MLA ~6 B). The ledger's part leaves ~36 B for attention."""
+    led = parameter_ledger(K3_FULL_SCALE)
+    assert round(led["dense_layers"]["ffn_params"] / 1e9, 1) == 0.7
+    assert round(led["embedding"]["input_embedding_params"] / 1e9, 1) == 1.2
+    assert round(led["embedding"]["lm_head_params"] / 1e9, 1) == 1.2
+    ours = (led["all_moe_layers"]["activated_per_token_excl_router"]
+            + led["dense_layers"]["ffn_params"] + led["embedding"]["total_params"])
+    assert abs((104.2e9 - ours) - 36e9) < 1e9
+
+
+def test_k3_exact_counts():
+    p = parameter_ledger(K3_FULL_SCALE)["per_moe_layer"]
+    assert p["routed_expert_params_each"] == 3 * 3584 * 3072
+    assert p["shared_expert_params"] == 3 * 7168 * 6144
+    assert p["projection_params"] == 2 * 7168 * 3584 + 3584
+    assert p["router_params"] == 896 * 7168
+    assert p["router_bias_buffer"] == 896
+
+
+# ---------------------------------------------------------------------------- hand-built module
+
+TINY = LatentMoEShape(
+    hidden_size=8, latent_size=4, moe_ffn_hidden_size=6, num_experts=5, topk=2,
+    shared_ffn_hidden_size=2 * 6, num_layers=3, first_k_dense_replace=1,
+    dense_ffn_hidden_size=10, vocab_size=11, latent_norm=True, tie_word_embeddings=False,
+)
+
+
+def gated_mlp(d_in, ff, d_out):
+    return nn.ModuleDict(dict(gate=nn.Linear(d_in, ff, bias=False),
+                              up=nn.Linear(d_in, ff, bias=False),
+                              down=nn.Linear(ff, d_out, bias=False)))
+
+
+class TinyMoELayer(nn.Module):
+    def __init__(self, s: LatentMoEShape):
+        super().__init__()
+        d, l = s.hidden_size, s.latent_size
+        self.router = nn.Linear(d, s.num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(s.num_experts))
+        self.down = nn.Linear(d, l, bias=False)
+        self.experts = nn.ModuleList(gated_mlp(l, s.moe_ffn_hidden_size, l)
+                                     for _ in range(s.num_experts))
+        self.norm = nn.RMSNorm(l) if s.latent_norm else nn.Identity()
+        self.up = nn.Linear(l, d, bias=False)
+        self.shared = gated_mlp(d, s.shared_ffn_hidden_size, d) if s.shared_ffn_hidden_size else None
+
+
+class TinyModel(nn.Module):
+    def __init__(self, s: LatentMoEShape):
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(
+            gated_mlp(s.hidden_size, s.dense_ffn_hidden_size, s.hidden_size)
+            if i < s.first_k_dense_replace else TinyMoELayer(s)
+            for i in range(s.num_layers))
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        if s.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("shared", [12, 0])
+def test_tiny_config_matches_module(tied, norm, shared):
+    s = dataclasses.replace(TINY, tie_word_embeddings=tied, latent_norm=norm,
+                            shared_ffn_hidden_size=shared)
+    model = TinyModel(s)
+    led = parameter_ledger(s)
+    assert led["totals"]["counted_params"] == n_params(model)  # parameters() dedups the tie
+    moe = [m for m in model.layers if isinstance(m, TinyMoELayer)]
+    dense = [m for m in model.layers if not isinstance(m, TinyMoELayer)]
+    assert len(moe) == led["num_moe_layers"] and len(dense) == led["num_dense_layers"]
+    layer = moe[0]
+    p = led["per_moe_layer"]
+    assert p["routed_expert_params_each"] == n_params(layer.experts[0])
+    assert p["routed_expert_params"] == n_params(layer.experts)
+    assert p["shared_expert_params"] == (n_params(layer.shared) if layer.shared else 0)
+    assert p["projection_params"] == n_params(layer.down) + n_params(layer.up) + n_params(layer.norm)
+    assert p["router_params"] == n_params(layer.router)
+    assert p["router_bias_buffer"] == layer.expert_bias.numel()
+    assert p["total_params"] == n_params(layer)
+    assert led["all_moe_layers"]["total_params"] == sum(n_params(m) for m in moe)
+    assert led["dense_layers"]["ffn_params"] == sum(n_params(m) for m in dense)
+    assert led["embedding"]["total_params"] == n_params(model.embed) + (
+        0 if tied else n_params(model.lm_head))
+    # activated: the k chosen experts, shared, projections, router
+    act = led["activated_per_token_per_moe_layer"]
+    chosen = [layer.experts[j] for j in (3, 1)]  # any k = 2 experts
+    assert act["routed_experts"] == sum(n_params(e) for e in chosen)
+    assert act["total"] == n_params(layer) - sum(
+        n_params(e) for j, e in enumerate(layer.experts) if j not in (3, 1))
+    assert led["all_moe_layers"]["router_bias_buffer"] == sum(m.expert_bias.numel() for m in moe)
+
+
+def test_tiny_hand_computed():
+    led = parameter_ledger(TINY)
+    # expert 3*4*6 = 72; routed 5*72 = 360; shared 3*8*12 = 288; proj 2*8*4 + 4 = 68; router 40
+    assert led["per_moe_layer"]["routed_expert_params"] == 360
+    assert led["per_moe_layer"]["shared_expert_params"] == 288
+    assert led["per_moe_layer"]["projection_params"] == 68
+    assert led["per_moe_layer"]["router_params"] == 40
+    assert led["per_moe_layer"]["total_params"] == 756
+    assert led["activated_per_token_per_moe_layer"]["total"] == 2 * 72 + 288 + 68 + 40
+    assert led["dense_layers"]["ffn_params"] == 3 * 8 * 10
+    assert led["embedding"]["total_params"] == 2 * 11 * 8
+    assert led["totals"]["counted_params"] == 2 * 756 + 240 + 176
+
+
+def test_format_ledger_units():
+    text = format_ledger(parameter_ledger(K3_FULL_SCALE))
+    for needle in ("2.72 T", "528 M", "132 M", "51.4 M", "65.5 B", "712 M", "705 M", "1.17 B",
+                   "attention"):
+        assert needle in text, needle
+    assert "2,722,740,830,208" in text
+    small = format_ledger(parameter_ledger(TINY))
+    assert "756" in small and "not counted" in small
+
+
+# ---------------------------------------------------------------------------- config readers
+
+K3_HF = {
+    "hidden_size": 7168, "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072,
+    "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
+    "first_k_dense_replace": 1, "intermediate_size": 32768, "num_hidden_layers": 93,
+    "vocab_size": 163840, "latent_moe_use_norm": True, "tie_word_embeddings": False,
+    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+}
+
+
+def test_from_hf_config():
+    assert LatentMoEShape.from_hf_config(K3_HF) == K3_FULL_SCALE
+    assert LatentMoEShape.from_hf_config({"text_config": K3_HF, "vision_config": {}}) == K3_FULL_SCALE
+    no_shared = dict(K3_HF, num_shared_experts=0)
+    assert LatentMoEShape.from_hf_config(no_shared).shared_ffn_hidden_size == 0
+    for key in ("routed_expert_hidden_size", "num_experts_per_token", "num_hidden_layers"):
+        bad = {k: v for k, v in K3_HF.items() if k != key}
+        with pytest.raises(ValueError, match=key):
+            LatentMoEShape.from_hf_config(bad)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        LatentMoEShape.from_hf_config({k: v for k, v in K3_HF.items() if k != "intermediate_size"})
+
+
+def _mcore_ns(**over):
+    base = dict(hidden_size=7168, moe_latent_size=3584, moe_ffn_hidden_size=3072,
+                num_moe_experts=896, moe_router_topk=16, moe_shared_expert_intermediate_size=6144,
+                num_layers=93, first_k_dense_replace=1, ffn_hidden_size=32768,
+                latent_moe_use_norm=True, padded_vocab_size=163840)
+    base.update(over)
+    return types.SimpleNamespace(**base)
+
+
+def test_from_megatron_config_namespace():
+    assert LatentMoEShape.from_megatron_config(_mcore_ns()) == K3_FULL_SCALE
+    s = LatentMoEShape.from_megatron_config(
+        _mcore_ns(moe_shared_expert_intermediate_size=None, padded_vocab_size=None,
+                  vocab_size=1000, share_embeddings_and_output_weights=True))
+    assert s.shared_ffn_hidden_size == 0 and s.vocab_size == 1000 and s.tie_word_embeddings
+    ns = _mcore_ns()
+    del ns.first_k_dense_replace
+    ns.moe_layer_freq = [0] * 3 + [1] * 90
+    assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == 3
+    ns.moe_layer_freq = [0, 1] * 46 + [1]
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        LatentMoEShape.from_megatron_config(ns)
+    with pytest.raises(ValueError, match="moe_latent_size"):
+        LatentMoEShape.from_megatron_config(_mcore_ns(moe_latent_size=None))
+    with pytest.raises(ValueError, match="gated_linear_unit"):
+        LatentMoEShape.from_megatron_config(_mcore_ns(gated_linear_unit=False))
+
+
+def test_from_real_transformer_config():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=3, hidden_size=8, num_attention_heads=1, ffn_hidden_size=10,
+        num_moe_experts=5, moe_router_topk=2, moe_ffn_hidden_size=6, moe_latent_size=4,
+        moe_shared_expert_intermediate_size=12, moe_layer_freq=[0, 1, 1],
+        gated_linear_unit=True, add_bias_linear=False,
+    )
+    cfg.latent_moe_use_norm = True
+    cfg.padded_vocab_size = 11
+    assert LatentMoEShape.from_megatron_config(cfg) == TINY
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_size", 0), ("latent_size", -1), ("moe_ffn_hidden_size", 2.5), ("num_experts", 0),
+    ("topk", 0), ("topk", 897), ("shared_ffn_hidden_size", -1), ("num_layers", 0),
+    ("first_k_dense_replace", 94), ("first_k_dense_replace", -1), ("vocab_size", -5),
+    ("dense_ffn_hidden_size", -1), ("latent_norm", 1), ("tie_word_embeddings", "no"),
+    ("hidden_size", True), ("num_experts", "896"),
+])
+def test_bad_fields_raise_with_field_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(K3_FULL_SCALE, **{field: value})
+
+
+def test_dense_layers_need_dense_ffn():
+    with pytest.raises(ValueError, match="dense_ffn_hidden_size"):
+        dataclasses.replace(K3_FULL_SCALE, dense_ffn_hidden_size=0)
+    s = dataclasses.replace(K3_FULL_SCALE, first_k_dense_replace=0, dense_ffn_hidden_size=0)
+    assert parameter_ledger(s)["dense_layers"]["ffn_params"] == 0
+    with pytest.raises(TypeError):
+        parameter_ledger({"hidden_size": 1})
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True,
+                          cwd="/", timeout=120)
+
+
+def test_cli_default_prints_k3_numbers():
+    r = run_cli()
+    assert r.returncode == 0, r.stderr
+    for needle in ("2.72 T", "528 M", "132 M", "51.4 M", "712 M", "65.5 B", "attention"):
+        assert needle in r.stdout, needle
+
+
+def test_cli_json_overrides_and_hf_config(tmp_path):
+    r = run_cli("--json")
+    assert r.returncode == 0, r.stderr
+    led = json.loads(r.stdout)
+    assert led == json.loads(json.dumps(parameter_ledger(K3_FULL_SCALE)))
+    r = run_cli("--json", "--topk", "8", "--num-experts", "448", "--no-latent-norm")
+    led = json.loads(r.stdout)
+    assert led["shape"]["topk"] == 8 and led["per_moe_layer"]["router_bias_buffer"] == 448
+    assert led["per_moe_layer"]["latent_norm_params"] == 0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(K3_HF, num_experts=64, num_experts_per_token=4)))
+    r = run_cli("--hf-config", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["shape"]["num_experts"] == 64
+
+
+def test_cli_errors():
+    r = run_cli("--topk", "1000")
+    assert r.returncode == 2 and "topk" in r.stderr
+    r = run_cli("--hf-config", "/nonexistent/config.json")
+    assert r.returncode == 2 and "config.json" in r.stderr
+
+
+def test_ledger_module_does_not_import_megatron():
+    code = (
+        "import sys, megatron_latentmoe.ledger\n"
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -1,0 +1,427 @@
+"""SiTU-GLU (SPEC §2): formula, gradients, dtype handling, bound, SwiGLU limit, memory, layout."""
+
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_latentmoe.ops.situ import (
+    DEFAULT_SITU_BETA,
+    DEFAULT_SITU_LINEAR_BETA,
+    SiTUGLU,
+    situ_glu,
+    situ_glu_packed,
+    situ_glu_reference,
+)
+
+B1, B2 = DEFAULT_SITU_BETA, DEFAULT_SITU_LINEAR_BETA
+
+
+def formula_fp64(g, u, b1=B1, b2=B2):
+    """SPEC §2 written out directly, in fp64."""
+    g, u = g.double(), u.double()
+    return (b1 * torch.tanh(g / b1)) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))
+
+
+def swiglu_fp64(g, u):
+    g, u = g.double(), u.double()
+    return g * torch.sigmoid(g) * u
+
+
+def _inputs(shape, scale=1.0, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    u = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    return g, u
+
+
+def saved_bytes(fn, *tensors):
+    """Bytes autograd keeps for backward while running fn(*tensors) (via saved_tensors_hooks)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*tensors)
+    # count each storage once (two views of one buffer are one allocation)
+    seen, total = set(), 0
+    for t in saved:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return out, saved, total
+
+
+# ---------------------------------------------------------------------------- formula
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
+def test_formula_matches_direct_fp64(scale):
+    g, u = _inputs((257, 33), scale)
+    out = situ_glu(g, u)
+    assert out.dtype == torch.float32 and out.shape == g.shape
+    torch.testing.assert_close(out.double(), formula_fp64(g, u), rtol=2e-6, atol=1e-6)
+    g64, u64 = g.double(), u.double()
+    torch.testing.assert_close(situ_glu(g64, u64), formula_fp64(g64, u64), rtol=1e-13, atol=1e-13)
+
+
+def test_formula_custom_betas_and_hf_situandmul():
+    g, u = _inputs((64, 16), 5.0, torch.float64)
+    torch.testing.assert_close(situ_glu(g, u, 2.0, 7.0), formula_fp64(g, u, 2.0, 7.0))
+    # The HF reference (seed 000, SituAndMul): split the packed tensor, fp32 math, cast back.
+    x = torch.cat([g, u], -1).to(torch.bfloat16)
+    gate, up = x[..., :16].float(), x[..., 16:].float()
+    hf = ((B1 * torch.tanh(gate / B1) * torch.sigmoid(gate))
+          * (B2 * torch.tanh(up / B2))).to(x.dtype)
+    assert torch.equal(situ_glu_packed(x), hf)
+
+
+def test_reference_matches_function():
+    g, u = _inputs((100, 10), 4.0)
+    assert torch.equal(situ_glu(g, u), situ_glu_reference(g, u))
+
+
+# ---------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("scale", [0.5, 4.0, 40.0])
+def test_gradcheck_fp64_both_inputs(scale):
+    g, u = _inputs((6, 5), scale, torch.float64, seed=1)
+    g.requires_grad_(True)
+    u.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b), (g, u))
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 1.5, 3.0), (g, u))
+
+
+def test_gradcheck_packed_and_single_input():
+    x = (torch.randn(3, 4, 10, dtype=torch.float64) * 3).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a: situ_glu_packed(a), (x,))
+    g, u = _inputs((5, 4), 3.0, torch.float64)
+    g.requires_grad_(True)  # u needs no grad
+    assert torch.autograd.gradcheck(lambda a: situ_glu(a, u), (g,))
+    g2 = g.detach()
+    u.requires_grad_(True)  # g needs no grad
+    assert torch.autograd.gradcheck(lambda b: situ_glu(g2, b), (u,))
+
+
+def test_grad_matches_autograd_of_reference_fp32():
+    g, u = _inputs((300, 20), 6.0)
+    g1, u1 = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    g2, u2 = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    w = torch.randn(300, 20)
+    (situ_glu(g1, u1) * w).sum().backward()
+    (situ_glu_reference(g2, u2) * w).sum().backward()
+    torch.testing.assert_close(g1.grad, g2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u1.grad, u2.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_in_out_fp32_inside(dtype):
+    g, u = _inputs((512, 24), 8.0, dtype)
+    out = situ_glu(g, u)
+    assert out.dtype == dtype
+    # fp32 internal math: exactly the fp32 path on the same (upcast) values, rounded once.
+    assert torch.equal(out, situ_glu(g.float(), u.float()).to(dtype))
+    # ... which is closer to the exact value than the same formula computed natively in `dtype`.
+    exact = formula_fp64(g, u)
+    native = (B1 * torch.tanh(g / B1)) * torch.sigmoid(g) * (B2 * torch.tanh(u / B2))
+    assert (out.double() - exact).abs().sum() < (native.double() - exact).abs().sum()
+    # gradients: returned in the input dtype, equal to the fp32 path's gradients rounded once.
+    gl, ul = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    gf, uf = g.float().requires_grad_(True), u.float().requires_grad_(True)
+    grad = torch.randn(512, 24).to(dtype)
+    situ_glu(gl, ul).backward(grad)
+    situ_glu(gf, uf).backward(grad.float())
+    assert gl.grad.dtype == dtype and ul.grad.dtype == dtype
+    assert torch.equal(gl.grad, gf.grad.to(dtype))
+    assert torch.equal(ul.grad, uf.grad.to(dtype))
+
+
+# ---------------------------------------------------------------------------- bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_output_bounded_on_huge_inputs(dtype):
+    vals = torch.tensor([-1e4, -1e3, -50.0, -5.0, 0.0, 5.0, 50.0, 1e3, 1e4], dtype=dtype)
+    g, u = torch.meshgrid(vals, vals, indexing="ij")
+    g, u = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    out = situ_glu(g, u)
+    assert torch.isfinite(out).all()
+    # mathematically |out| < b1*b2; in floating point tanh/sigmoid round to 1 at +-1e4
+    assert out.abs().max().item() <= B1 * B2
+    assert out.abs().max().item() >= 0.999 * B1 * B2  # ... and the bound is approached
+    out.sum().backward()
+    assert torch.isfinite(g.grad).all() and torch.isfinite(u.grad).all()
+    # random huge inputs
+    gr, ur = _inputs((4096,), 1e4, dtype)
+    assert situ_glu(gr, ur).abs().max().item() <= B1 * B2
+
+
+def test_strict_bound_fp64_and_infinities():
+    g, u = _inputs((10000,), 10.0, torch.float64)
+    assert situ_glu(g, u).abs().max().item() < B1 * B2
+    inf = torch.tensor([math.inf, -math.inf, math.inf, -math.inf])
+    out = situ_glu(inf, torch.tensor([math.inf, math.inf, -math.inf, -math.inf]))
+    assert torch.equal(out, torch.tensor([100.0, 0.0, -100.0, 0.0]))
+
+
+def test_bound_with_custom_betas():
+    g, u = _inputs((5000,), 1e3)
+    assert situ_glu(g, u, 2.0, 3.0).abs().max().item() <= 6.0
+
+
+# ---------------------------------------------------------------------------- SwiGLU relations
+
+
+def test_swiglu_limit_monotone():
+    g, u = _inputs((2000,), 3.0, torch.float64)
+    ref = swiglu_fp64(g, u)
+    errs = []
+    for beta in [3.0, 10.0, 1e2, 1e3, 1e4, 1e5, 1e6]:
+        errs.append((situ_glu(g, u, beta, beta) - ref).abs().max().item())
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < 1e-6, errs
+
+
+def test_first_order_equal_to_swiglu_near_zero():
+    g, u = _inputs((500,), 1.0, torch.float64)
+    rel_errs = []
+    for eps in [1e-1, 1e-2, 1e-3]:
+        ge, ue = g * eps, u * eps
+        a, b = situ_glu(ge, ue), swiglu_fp64(ge, ue)
+        rel_errs.append(((a - b).abs() / b.abs().clamp_min(1e-300)).max().item())
+        # softcap(x, b) = x - x^3 / (3 b^2) + ...: the gate factor and silu agree to first order
+        gate_factor = B1 * torch.tanh(ge / B1) * torch.sigmoid(ge)
+        # silu(g) - softcap(g, b1) sigmoid(g) = sigmoid(g) (g - b1 tanh(g / b1)),
+        # and |g - b1 tanh(g / b1)| <= |g|^3 / (3 b1^2)
+        bound = torch.sigmoid(ge) * ge.abs() ** 3 / (3 * B1 ** 2)
+        assert ((gate_factor - F.silu(ge)).abs() <= bound * (1 + 1e-6) + 1e-18).all()
+    # relative error falls like eps^2 (i.e. the difference is third order in the inputs)
+    assert rel_errs[1] < rel_errs[0] / 50 and rel_errs[2] < rel_errs[1] / 50, rel_errs
+    assert rel_errs[2] < 1e-6
+    # Jacobian near 0 agrees with SwiGLU's
+    x0g, x0u = g[:8] * 1e-3, u[:8] * 1e-3
+    jg = torch.autograd.functional.jacobian(lambda a, b: situ_glu(a, b), (x0g, x0u))
+    js = torch.autograd.functional.jacobian(swiglu_fp64, (x0g, x0u))
+    for a, b in zip(jg, js):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_memory_lean_saves_only_inputs(dtype):
+    n, f = 256, 64
+    g, u = _inputs((n, f), 2.0, dtype)
+    g.requires_grad_(True)
+    u.requires_grad_(True)
+    out, saved, nbytes = saved_bytes(situ_glu, g, u)
+    assert len(saved) == 2
+    assert {t.data_ptr() for t in saved} == {g.data_ptr(), u.data_ptr()}
+    assert all(t.dtype == dtype for t in saved)
+    in_bytes = 2 * n * f * g.element_size()
+    assert nbytes == in_bytes
+    # a naive autograd composition keeps the fp32 upcasts and intermediates
+    out_naive, saved_naive, nbytes_naive = saved_bytes(situ_glu_reference, g, u)
+    torch.testing.assert_close(out, out_naive)
+    assert len(saved_naive) > len(saved)
+    assert nbytes_naive >= 3 * nbytes, (nbytes_naive, nbytes)
+    # and the node holds nothing else: the gradient flows straight to the inputs
+    assert out.grad_fn.next_functions[0][0].variable is g
+    assert out.grad_fn.next_functions[1][0].variable is u
+
+
+def test_memory_lean_packed_saves_only_x():
+    x = torch.randn(128, 2 * 48, dtype=torch.bfloat16, requires_grad=True)
+    out, saved, nbytes = saved_bytes(situ_glu_packed, x)
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr()
+    assert nbytes == x.numel() * x.element_size()
+    # fewer bytes than SwiGLU itself (silu(g) * u saves g, silu(g) and u)
+    x2 = x.detach().clone().requires_grad_(True)
+    _, _, nbytes_swiglu = saved_bytes(lambda t: F.silu(t[..., :48]) * t[..., 48:], x2)
+    assert nbytes <= nbytes_swiglu
+
+
+def test_inplace_modification_of_saved_input_is_detected():
+    g, u = _inputs((8, 4), 1.0)
+    g.requires_grad_(True)
+    h = g * 1.0
+    out = situ_glu(h, u)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------------------- packed layout
+
+
+def test_packed_layout_gate_first_then_up():
+    g, u = _inputs((2, 3, 5, 7), 4.0, torch.float64)
+    x = torch.cat([g, u], dim=-1).requires_grad_(True)
+    out = situ_glu_packed(x)
+    assert out.shape == (2, 3, 5, 7)
+    torch.testing.assert_close(out, formula_fp64(g, u), rtol=1e-14, atol=1e-14)
+    gg, uu = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    situ_glu(gg, uu).backward(grad)
+    torch.testing.assert_close(x.grad, torch.cat([gg.grad, uu.grad], -1), rtol=1e-14, atol=1e-14)
+    # swapping the halves is a different function (guards against an up|gate mix-up)
+    assert not torch.allclose(situ_glu_packed(torch.cat([u, g], -1)), out)
+
+
+def test_packed_non_contiguous_and_empty():
+    base = torch.randn(10, 3, 8)
+    x = base.transpose(0, 1)  # non-contiguous
+    torch.testing.assert_close(situ_glu_packed(x), situ_glu(x[..., :4], x[..., 4:]),
+                               rtol=1e-6, atol=1e-6)
+    e = torch.zeros(0, 8, requires_grad=True)  # an expert that received no tokens
+    out = situ_glu_packed(e)
+    assert out.shape == (0, 4)
+    out.sum().backward()
+    assert e.grad.shape == (0, 8)
+    z = torch.zeros(3, 0, requires_grad=True)  # zero-width (F = 0)
+    situ_glu_packed(z).sum().backward()
+    assert z.grad.shape == (3, 0)
+
+
+def test_packed_bad_shapes():
+    with pytest.raises(ValueError, match="even"):
+        situ_glu_packed(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="even"):
+        situ_glu_packed(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="same shape"):
+        situ_glu(torch.randn(3, 4), torch.randn(3, 5))
+    with pytest.raises(ValueError, match="same dtype"):
+        situ_glu(torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="floating-point"):
+        situ_glu(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------- betas
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, math.inf, math.nan, "4", None, True])
+@pytest.mark.parametrize("which", ["beta", "linear_beta"])
+def test_bad_beta_raises(bad, which):
+    g, u = _inputs((3,), 1.0)
+    kwargs = {which: bad}
+    with pytest.raises(ValueError) as ei:
+        situ_glu(g, u, **kwargs)
+    msg = str(ei.value)
+    assert which in msg and repr(bad) in msg and "(0, inf)" in msg
+    with pytest.raises(ValueError, match=which):
+        situ_glu_packed(torch.cat([g, u]), **kwargs)
+
+
+# ---------------------------------------------------------------------------- module
+
+
+def test_module_reads_config_and_kwargs_override():
+    cfg = types.SimpleNamespace(activation_situ_beta=2.0, activation_situ_linear_beta=9.0)
+    m = SiTUGLU(config=cfg)
+    assert (m.beta, m.linear_beta) == (2.0, 9.0)
+    assert list(m.parameters()) == [] and list(m.buffers()) == []
+    x = torch.randn(4, 6, 10, dtype=torch.float64)
+    torch.testing.assert_close(m(x), formula_fp64(x[..., :5], x[..., 5:], 2.0, 9.0))
+    assert SiTUGLU(config=cfg, beta=3.0).beta == 3.0
+    assert SiTUGLU(config=cfg, linear_beta=3.0).linear_beta == 3.0
+    d = SiTUGLU()
+    assert (d.beta, d.linear_beta) == (B1, B2)
+    # a config without the fields (plain TransformerConfig) falls back to the SPEC defaults
+    assert SiTUGLU(config=types.SimpleNamespace()).beta == B1
+    assert "beta=2.0" in repr(m)
+
+
+def test_module_bad_config_beta():
+    with pytest.raises(ValueError, match="activation_situ_beta.*-1"):
+        SiTUGLU(config=types.SimpleNamespace(activation_situ_beta=-1.0))
+    with pytest.raises(ValueError, match="activation_situ_linear_beta"):
+        SiTUGLU(linear_beta=0.0)
+
+
+def test_module_in_megatron_mlp():
+    """Megatron builds it as submodules.activation_func(config=config) and calls it on the packed
+    fc1 output (use_te_activation_func=True; config.activation_func must stay F.silu to pass
+    TransformerConfig's validation)."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    class LocalLinear(torch.nn.Linear):
+        def __init__(self, in_f, out_f, *, config, init_method, bias, **kwargs):
+            super().__init__(in_f, out_f, bias=False)
+
+        def forward(self, x):
+            return super().forward(x), None
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=1,
+        gated_linear_unit=True, activation_func=F.silu, use_te_activation_func=True,
+        bias_activation_fusion=False, add_bias_linear=False,
+    )
+    cfg.activation_situ_beta, cfg.activation_situ_linear_beta = 2.0, 3.0
+    mlp = MLP(cfg, MLPSubmodules(linear_fc1=LocalLinear, linear_fc2=LocalLinear,
+                                 activation_func=SiTUGLU), ffn_hidden_size=6)
+    assert isinstance(mlp.activation_func, SiTUGLU) and mlp.activation_func.beta == 2.0
+    x = torch.randn(5, 2, 8)
+    y, _ = mlp(x)
+    h = mlp.linear_fc1(x)[0]
+    ref = mlp.linear_fc2(situ_glu(h[..., :6], h[..., 6:], 2.0, 3.0))[0]
+    torch.testing.assert_close(y, ref)
+
+
+def test_situ_module_does_not_import_megatron():
+    code = (
+        "import sys, megatron_latentmoe.ops.situ, megatron_latentmoe.ops\n"
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- blocking, autocast
+
+
+@pytest.mark.parametrize("block", [1, 7, 16, 64, 1 << 18])
+def test_blocked_math_matches_unblocked(monkeypatch, block):
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    x = (torch.randn(3, 11, 2 * 9, dtype=torch.float64) * 4).requires_grad_(True)
+    g, u = x.detach()[..., :9].clone(), x.detach()[..., 9:].clone()
+    g.requires_grad_(True)
+    u.requires_grad_(True)
+    grad = torch.randn(3, 11, 9, dtype=torch.float64)
+    monkeypatch.setattr(situ_mod, "CPU_BLOCK_ELEMS", block)
+    out_p, out_s = situ_glu_packed(x), situ_glu(g, u)
+    out_p.backward(grad)
+    out_s.backward(grad)
+    ref = formula_fp64(g.detach(), u.detach())
+    torch.testing.assert_close(out_p, ref, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(out_s, ref, rtol=1e-14, atol=1e-14)
+    gg, uu = g.detach().clone().requires_grad_(True), u.detach().clone().requires_grad_(True)
+    formula_fp64(gg, uu).backward(grad)
+    torch.testing.assert_close(x.grad, torch.cat([gg.grad, uu.grad], -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g.grad, gg.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(u.grad, uu.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_autocast_does_not_lower_the_math():
+    g, u = _inputs((64, 32), 5.0)
+    ref = situ_glu(g, u)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = situ_glu(g, u)
+        outp = situ_glu_packed(torch.cat([g, u], -1))
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    torch.testing.assert_close(outp, ref, rtol=1e-6, atol=1e-6)
