@@ -26,12 +26,10 @@ import math
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
+from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, rel, train_step
 
 pytestmark = pytest.mark.slow
 
-RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typically ~1e-7)
-GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
-DISPATCHERS = ("allgather", "alltoall")
 
 # Keyword arguments of _build: tp/pp/ep/etp sizes (etp defaults to tp), distopt (Megatron's
 # distributed optimizer), overlap (overlapped grad reduce / param gather), anything else goes to
@@ -142,66 +140,6 @@ def _build(dispatcher, full_state=None, tp=1, pp=1, ep=1, etp=None, distopt=Fals
     return model, ddp, optimizer
 
 
-def _batch():
-    import torch
-
-    g = torch.Generator().manual_seed(42)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _forward_step(data_iterator, model):
-    import torch
-
-    tokens, labels = next(data_iterator)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None, labels=labels)
-    return output, _loss_func
-
-
-def _loss_func(per_token_loss):
-    loss = per_token_loss.float().mean()
-    return loss, {"lm loss": loss.clone().detach()}
-
-
-def _run_schedule(ddp, forward_only):
-    """Run this DP rank's micro-batches (size 1); return the global-batch loss on last stages."""
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    tokens, labels = _batch()
-    per_rank = GLOBAL_BATCH // dp
-    mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    micro_batches = iter([(tokens[i : i + 1], labels[i : i + 1]) for i in mine])
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=micro_batches,
-        model=[ddp],
-        num_microbatches=per_rank,
-        seq_length=SEQ,
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
-    if not ps.is_pipeline_last_stage():
-        return None
-    loss = torch.stack([d["lm loss"] for d in losses]).mean()
-    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    return loss.item() / dp
-
-
-def _train_step(model, ddp, optimizer):
-    """One step; returns loss before, {name: reduced grad}, grad norm, loss after."""
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = _run_schedule(ddp, forward_only=False)
-    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-    ok, grad_norm, _ = optimizer.step()
-    assert ok
-    return loss, grads, grad_norm, _run_schedule(ddp, forward_only=True)
-
-
 # ---------------------------------------------------------------------------- rank functions
 def _reference(rank, world_size):
     """1 process: initial full weights + the step's results, per dispatcher."""
@@ -211,14 +149,10 @@ def _reference(rank, world_size):
     for dispatcher in DISPATCHERS:
         model, ddp, optimizer = _build(dispatcher)
         full = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-        loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+        loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
         out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
                                loss_after=loss_after)
     return out
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def _layouts(rank, world_size, layouts, reference):
@@ -228,11 +162,11 @@ def _layouts(rank, world_size, layouts, reference):
         for dispatcher in DISPATCHERS:
             ref = reference[dispatcher]
             model, ddp, optimizer = _build(dispatcher, ref["state"], **layout)
-            loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
-            err = {"grad_norm": _rel(grad_norm, ref["grad_norm"])}
+            loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
+            err = {"grad_norm": rel(grad_norm, ref["grad_norm"])}
             if loss is not None:
-                err["loss"] = _rel(loss, ref["loss"])
-                err["loss_after"] = _rel(loss_after, ref["loss_after"])
+                err["loss"] = rel(loss, ref["loss"])
+                err["loss_after"] = rel(loss_after, ref["loss_after"])
             if not layout.get("distopt"):  # distopt keeps only this rank's reduced grad shard
                 expected = shard_state_dict_for_rank(ref["grads"], model)
                 err["grads"] = max(
@@ -253,21 +187,9 @@ def reference():
     return ref
 
 
-def _check(per_rank):
-    worst = {}
-    for rank_result in per_rank:
-        for key, errors in rank_result.items():
-            for what, value in errors.items():
-                worst.setdefault(key, {})[what] = max(worst.get(key, {}).get(what, 0.0), value)
-    for key, errors in sorted(worst.items()):
-        print(f"{key[0]:>22s} {key[1]:>9s} " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
-    bad = {k: e for k, e in worst.items() if max(e.values()) > RTOL or "loss" not in e}
-    assert not bad, f"layouts off the single-process run by more than {RTOL}: {bad}"
-
-
 def test_world2_matches_single_process(reference):
-    _check(run_distributed(_layouts, 2, LAYOUTS_2, reference))
+    check_layouts(run_distributed(_layouts, 2, LAYOUTS_2, reference))
 
 
 def test_world4_matches_single_process(reference):
-    _check(run_distributed(_layouts, 4, LAYOUTS_4, reference))
+    check_layouts(run_distributed(_layouts, 4, LAYOUTS_4, reference))

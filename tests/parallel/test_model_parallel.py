@@ -10,7 +10,9 @@ the optimizer's gradient norm, and the loss after the step to ``RTOL`` (fp32 rou
 router), and the QB bias after the step to one histogram bin (the bias is recomputed from r values
 that carry fp32 round-off of the layout; typically it is identical).
 
-Layouts: TP2+SP, EP2, PP2 (world 2); EP4, TP2+SP x EP2 with ETP1 and ETP2, PP2 x EP2 (world 4).
+Layouts: TP2+SP, EP2, PP2, EP2 with full activation recompute (world 2); EP4, TP2+SP x EP2 with
+ETP1 and ETP2, PP2 x EP2 (world 4). With recompute the QB router must still count every token
+once: the bias after the step proves it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from __future__ import annotations
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .test_megatron_on_cpu import SEQ, VOCAB, _check, _rel, _train_step
+from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, rel, train_step
 
 pytestmark = pytest.mark.slow
 
-DISPATCHERS = ("allgather", "alltoall")
 BINS = 1000
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 LAYOUTS_2 = {
     "TP2+SP": dict(tp=2, pp=1, ep=1, etp=2),
     "EP2": dict(tp=1, pp=1, ep=2, etp=1),
     "PP2": dict(tp=1, pp=2, ep=1, etp=1),
+    "EP2 recompute": dict(tp=1, pp=1, ep=2, etp=1, **RECOMPUTE),
 }
 LAYOUTS_4 = {
     "EP4": dict(tp=1, pp=1, ep=4, etp=1),
@@ -37,7 +40,7 @@ LAYOUTS_4 = {
 }
 
 
-def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234):
+def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234, **extra):
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -55,7 +58,7 @@ def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234):
         moe_router_dtype="fp64", moe_qb_num_bins=BINS,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1, pipeline_dtype=torch.float32,
+        sequence_parallel=tp > 1, pipeline_dtype=torch.float32, **extra,
     )
     model = build_gpt_model(
         config, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -80,7 +83,7 @@ def _reference(rank, world_size):
     for dispatcher in DISPATCHERS:
         model, ddp, optimizer = _build(dispatcher)
         full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-        loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
+        loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
         out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
                                loss_after=loss_after, bias=_biases(model))
     return out
@@ -96,11 +99,11 @@ def _layouts(rank, world_size, layouts, reference):
             ref = reference[dispatcher]
             model, ddp, optimizer = _build(dispatcher, **layout)
             model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
-            loss, grads, grad_norm, loss_after = _train_step(model, ddp, optimizer)
-            err = {"grad_norm": _rel(grad_norm, ref["grad_norm"]), "grads": 0.0}
+            loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
+            err = {"grad_norm": rel(grad_norm, ref["grad_norm"]), "grads": 0.0}
             if loss is not None:
-                err["loss"] = _rel(loss, ref["loss"])
-                err["loss_after"] = _rel(loss_after, ref["loss_after"])
+                err["loss"] = rel(loss, ref["loss"])
+                err["loss_after"] = rel(loss_after, ref["loss_after"])
             expected = shard_state_dict_for_rank(ref["grads"], model)
             for pname, grad in grads.items():
                 want = expected[pname]
@@ -131,7 +134,7 @@ def _check_with_bias(per_rank):
     bias = [max(e.pop("bias_bins") for e in rank_result.values()) for rank_result in per_rank]
     print("max |bias - single process| in bins:", max(bias))
     assert max(bias) <= 1.0
-    _check(per_rank)
+    check_layouts(per_rank)
 
 
 def test_world2_matches_single_process(reference):

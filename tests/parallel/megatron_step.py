@@ -1,0 +1,89 @@
+"""One Megatron training step on any parallel layout, and its comparison with a single process.
+
+Shared by the parallel equivalence tests: a fixed global batch (``GLOBAL_BATCH`` sequences of
+``SEQ`` tokens, vocab ``VOCAB``), split over data-parallel ranks in micro-batches of 1 and run
+through Megatron's forward-backward schedule (1F1B with PP); ``train_step`` returns the loss, the
+reduced gradients (``main_grad``), the optimizer's grad norm and the loss after the step.
+"""
+
+from __future__ import annotations
+
+RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typically ~1e-7)
+GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def batch():
+    import torch
+
+    g = torch.Generator().manual_seed(42)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def forward_step(data_iterator, model):
+    import torch
+
+    tokens, labels = next(data_iterator)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, loss_func
+
+
+def loss_func(per_token_loss):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.clone().detach()}
+
+
+def run_schedule(ddp, forward_only):
+    """Run this DP rank's micro-batches (size 1); return the global-batch loss on last stages."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tokens, labels = batch()
+    per_rank = GLOBAL_BATCH // dp
+    mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    micro_batches = iter([(tokens[i : i + 1], labels[i : i + 1]) for i in mine])
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=micro_batches,
+        model=[ddp],
+        num_microbatches=per_rank,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    if not ps.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([d["lm loss"] for d in losses]).mean()
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return loss.item() / dp
+
+
+def train_step(model, ddp, optimizer):
+    """One step; returns loss before, {name: reduced grad}, grad norm, loss after."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = run_schedule(ddp, forward_only=False)
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    ok, grad_norm, _ = optimizer.step()
+    assert ok
+    return loss, grads, grad_norm, run_schedule(ddp, forward_only=True)
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def check_layouts(per_rank):
+    worst = {}
+    for rank_result in per_rank:
+        for key, errors in rank_result.items():
+            for what, value in errors.items():
+                worst.setdefault(key, {})[what] = max(worst.get(key, {}).get(what, 0.0), value)
+    for key, errors in sorted(worst.items()):
+        print(f"{key[0]:>22s} {key[1]:>9s} " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    bad = {k: e for k, e in worst.items() if max(e.values()) > RTOL or "loss" not in e}
+    assert not bad, f"layouts off the single-process run by more than {RTOL}: {bad}"
