@@ -1,0 +1,145 @@
+"""Command line of the converter: ``python -m megatron_latentmoe.convert`` / ``tools/convert_checkpoint.py``.
+
+    export   Megatron torch_dist checkpoint (any layout) -> HF directory   [--verify]
+    import   HF directory -> Megatron torch_dist checkpoint at --tp/--pp/--ep/--etp   [--verify]
+    verify   compare a Megatron checkpoint with an HF directory (logits + greedy generation)
+
+Exit status: 0 success, 2 bad input (the message names the file / tensor / key / field),
+3 verification outside tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+EXIT_BAD_INPUT = 2
+EXIT_VERIFY_FAILED = 3
+
+
+def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
+    if flag:
+        p.add_argument("--verify", action="store_true",
+                       help="afterwards, run both models on the same tokens and compare")
+    p.add_argument("--verify-atol", type=float, default=1e-4,
+                   help="max |delta logits| allowed (fp32 both sides; default 1e-4)")
+    p.add_argument("--verify-tokens", type=int, default=32, help="greedy tokens to generate (default 32)")
+    p.add_argument("--verify-seq-len", type=int, default=64, help="prompt length in tokens (default 64)")
+    p.add_argument("--verify-batch", type=int, default=2, help="prompts (default 2)")
+    p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_latentmoe.convert",
+        description="Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("export", help="Megatron torch_dist -> HF")
+    ex.add_argument("--checkpoint", "--load", required=True,
+                    help="torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the iteration)")
+    ex.add_argument("--output", required=True, help="HF output directory (must not exist or be empty)")
+    ex.add_argument("--megatron-config", default=None,
+                    help="model description (JSON/YAML of StableLatentMoEConfig fields + vocab_size, "
+                         "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
+                         "an HF config.json); default: from the checkpoint")
+    ex.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                    help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32")
+    ex.add_argument("--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)")
+    ex.add_argument("--tokenizer", default="default",
+                    help="tokenizer directory to ship ('default' = the package's, 'none' = no tokenizer)")
+    ex.add_argument("--read-batch-mb", type=int, default=256, help="checkpoint read batch (MiB, default 256)")
+    _common(ex)
+    _add_verify_args(ex)
+
+    im = sub.add_parser("import", help="HF -> Megatron torch_dist")
+    im.add_argument("--hf", "--input", dest="hf", required=True, help="HF model directory")
+    im.add_argument("--output", required=True, help="Megatron save root to create (--load it)")
+    im.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for")
+    im.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    im.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    im.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    im.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                    help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32")
+    im.add_argument("--iteration", type=int, default=None,
+                    help="write iter_XXXXXXX instead of a 'release' checkpoint")
+    im.add_argument("--no-te-aliases", action="store_true",
+                    help="do not also write MoE layers' pre-MLP norm under the TE spec's key")
+    _common(im)
+    _add_verify_args(im)
+
+    vf = sub.add_parser("verify", help="compare a Megatron checkpoint with an HF directory")
+    vf.add_argument("--checkpoint", "--load", required=True)
+    vf.add_argument("--hf", required=True)
+    vf.add_argument("--megatron-config", default=None)
+    vf.add_argument("--summary-json", default=None, help="also write the report as JSON")
+    _add_verify_args(vf, flag=False)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--summary-json", default=None, help="also write the summary (and verify report) as JSON")
+
+
+def _verify(args, checkpoint: str, hf_dir: str, config_file: Optional[str]):
+    from .verify import verify_export
+
+    report = verify_export(checkpoint, hf_dir, config_file=config_file, atol=args.verify_atol,
+                           new_tokens=args.verify_tokens, batch=args.verify_batch,
+                           seq_len=args.verify_seq_len, text=args.verify_text)
+    print(report.format())
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's version string without git
+    args = build_parser().parse_args(argv)
+    from .errors import ConversionError
+
+    result: dict = {}
+    try:
+        if args.command == "export":
+            from .export import export_checkpoint
+
+            summary = export_checkpoint(
+                args.checkpoint, args.output, config_file=args.megatron_config, dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                tokenizer_dir=None if args.tokenizer == "none" else args.tokenizer,
+                overwrite=args.overwrite, progress=not args.no_progress,
+                read_batch_bytes=args.read_batch_mb << 20)
+            print(summary.format())
+            result["summary"] = summary.to_dict()
+            report = _verify(args, args.checkpoint, args.output, args.megatron_config) if args.verify else None
+        elif args.command == "import":
+            from .importer import import_checkpoint
+
+            summary = import_checkpoint(
+                args.hf, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
+                iteration=args.iteration, te_aliases=not args.no_te_aliases, overwrite=args.overwrite,
+                progress=not args.no_progress)
+            print(summary.format())
+            result["summary"] = summary.to_dict()
+            report = _verify(args, args.output, args.hf, None) if args.verify else None
+        else:
+            report = _verify(args, args.checkpoint, args.hf, args.megatron_config)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if report is not None:
+        result["verify"] = report.to_dict()
+    if getattr(args, "summary_json", None):
+        with open(args.summary_json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    if report is not None and not report.passed:
+        print("error: verification failed (see above)", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Megatron ``torch_dist`` checkpoint (any parallel layout) -> Hugging Face model directory.
+
+Output (written into a temporary directory next to the target, renamed at the end)::
+
+    config.json                      model_type stable_latentmoe, SPEC §6 + attention keys, auto_map
+    generation_config.json           bos / eos / pad ids
+    configuration_stable_latentmoe.py, modeling_stable_latentmoe.py   (trust_remote_code)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json    (the shipped tokenizer)
+    model-00001-of-0000N.safetensors ...  + model.safetensors.index.json
+
+Streaming: the safetensors headers are planned up front from the model config (every tensor's
+name, shape and dtype is known before any data is read), then tensors are read from the
+checkpoint in small batches (``read_batch_bytes``), converted, and appended to the open shard.
+Peak memory is about one read batch plus the largest tensor, independent of the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .arch import ModelArch, resolve_arch
+from .dist_reader import DistCheckpointReader
+from .errors import ConversionError
+from .names import TensorMap, checkpoint_locations, hf_dtype_for, iter_tensor_maps
+from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+DEFAULT_READ_BATCH_BYTES = 256 << 20
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' / '500MB' / '2GiB' / 1000000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            try:
+                return int(float(s[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise ConversionError(f"size {text!r} is not understood: use e.g. 5GB, 500MB, 2GiB") from None
+
+
+def parse_dtype(name: str) -> Optional[torch.dtype]:
+    if name in (None, "auto"):
+        return None
+    if name not in DTYPES:
+        raise ConversionError(f"dtype={name!r} is not supported: one of auto, bf16, fp32, fp16")
+    return DTYPES[name]
+
+
+# ------------------------------------------------------------------------- safetensors writer
+
+
+class ShardedSafetensorsWriter:
+    """Writes a planned list of tensors into size-capped safetensors shards, one tensor at a time.
+
+    ``plan``: [(name, shape, dtype)] in the order the tensors will be written. Each shard's
+    header (names, dtypes, shapes, byte offsets) is written when the shard is opened, so nothing
+    but the tensor being written is held in memory.
+    """
+
+    def __init__(self, directory: Path, plan: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int):
+        self.directory = Path(directory)
+        self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        seen = set()
+        for name, shape, dtype in plan:
+            if name in seen:
+                raise ConversionError(f"tensor {name!r} planned twice")
+            seen.add(name)
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            if self.shards[-1] and size + n > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, tuple(shape), dtype, n))
+            size += n
+        count = len(self.shards)
+        self.files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self.weight_map = {name: self.files[i] for i, shard in enumerate(self.shards) for name, *_ in shard}
+        self.total_bytes = sum(n for shard in self.shards for *_, n in shard)
+        self._order = [(i, entry) for i, shard in enumerate(self.shards) for entry in shard]
+        self._pos = 0
+        self._file = None
+        self._shard = -1
+        self.bytes_written = 0
+
+    def _open(self, i: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype, n in self.shards[i]:
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        self._file = open(self.directory / self.files[i], "wb")
+        self._file.write(struct.pack("<Q", len(blob)))
+        self._file.write(blob)
+        self._shard = i
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        if self._pos >= len(self._order):
+            raise ConversionError(f"tensor {name!r} was not planned")
+        i, (want, shape, dtype, n) = self._order[self._pos]
+        if name != want:
+            raise ConversionError(f"tensor {name!r} written out of order (expected {want!r})")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ConversionError(f"tensor {name!r}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"planned {shape} {dtype}")
+        if i != self._shard:
+            self._open(i)
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
+        self._pos += 1
+        self.bytes_written += n
+        return n
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._pos != len(self._order):
+            missing = self._order[self._pos][1][0]
+            raise ConversionError(f"only {self._pos} of {len(self._order)} tensors were written "
+                                  f"(next expected: {missing!r})")
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------------- checking
+
+
+def _expected_lead(key: str, arch: ModelArch) -> tuple[int, ...]:
+    """Sizes of the stacked leading axes of a checkpoint key (layers, experts)."""
+    lead = []
+    if key.startswith("decoder.layers.") and not key[len("decoder.layers."):].split(".", 1)[0].isdigit():
+        lead.append(arch.num_layers)
+    if "mlp.experts.experts." in key:
+        tail = key.split("mlp.experts.experts.", 1)[1]
+        if not tail.split(".", 1)[0].isdigit():
+            lead.append(arch.num_experts)
+    return tuple(lead)
+
+
+def match_checkpoint(reader: DistCheckpointReader, arch: ModelArch, ckpt_name: str):
+    """Locate every canonical tensor; raise one ConversionError listing missing tensors, shape
+    mismatches and unexpected model tensors. Returns the number of canonical tensors."""
+    missing, mismatched, used = [], [], set()
+    count = 0
+    for tm in iter_tensor_maps(arch):
+        count += 1
+        loc = reader.locate(tm)
+        if loc is None:
+            missing.append(tm.megatron)
+            continue
+        for other in checkpoint_locations(tm):  # every alias present counts as used
+            if all(k in reader.tensors for k in other.keys):
+                used.update(other.keys)
+        for key, lead in loc.parts:
+            want_lead = _expected_lead(key, arch)
+            have = reader.shape(key)
+            if have[: len(lead)] != want_lead[: len(lead)]:
+                mismatched.append(f"{key}: stacked axes {have[:len(lead)]} but the config implies "
+                                  f"{want_lead[:len(lead)]} (num_layers / num_experts)")
+        found = reader.location_shape(loc)
+        if found != tm.shape:
+            mismatched.append(f"{tm.megatron} (checkpoint key {loc.keys[0]!r}): shape {found}, config "
+                              f"implies {tm.shape}")
+        elif not reader.dtype(loc.keys[0]).is_floating_point:
+            mismatched.append(f"{tm.megatron}: dtype {reader.dtype(loc.keys[0])} is not floating point")
+    unexpected = [k for k in reader.model_keys() if k not in used]
+    problems = []
+    if missing:
+        problems.append(f"missing tensor(s) ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if mismatched:
+        problems.append(f"shape mismatch ({len(mismatched)}):\n    " + "\n    ".join(mismatched[:8])
+                        + ("\n    ..." if len(mismatched) > 8 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensor(s) not described by the config ({len(unexpected)}): "
+                        f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if problems:
+        raise ConversionError(f"checkpoint {ckpt_name!r} does not match the model config:\n  "
+                              + "\n  ".join(problems))
+    return count
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+def _batches(maps: Iterable[TensorMap], budget: int) -> Iterable[list[TensorMap]]:
+    batch, size = [], 0
+    for tm in maps:
+        n = tm.numel() * 4
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(tm)
+        size += n
+    if batch:
+        yield batch
+
+
+def default_tokenizer_dir() -> str:
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir as shipped
+
+    return shipped()
+
+
+HF_CODE_DIR = Path(__file__).resolve().parent.parent / "hf"
+REMOTE_CODE_FILES = ("configuration_stable_latentmoe.py", "modeling_stable_latentmoe.py")
+
+
+def _hf_config_class():
+    """The HF config class, loaded from its file alone: importing the ``megatron_latentmoe.hf``
+    package would also import the modeling code and with it most of transformers (~3 s)."""
+    import importlib.util
+
+    name = "_stable_latentmoe_configuration"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, HF_CODE_DIR / "configuration_stable_latentmoe.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module.StableLatentMoEConfig
+
+
+def write_hf_metadata(directory: Path, arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str]) -> None:
+    """config.json, generation_config.json, the remote-code files and the tokenizer files."""
+    from transformers import GenerationConfig
+
+    StableLatentMoEConfig = _hf_config_class()
+    try:
+        config = StableLatentMoEConfig(**arch.to_hf_config_kwargs(), dtype=_HF_DTYPE_NAMES[dtype],
+                                       architectures=["StableLatentMoEForCausalLM"])
+    except ValueError as e:
+        raise ConversionError(f"the model config cannot be expressed as an HF config: {e}") from None
+    config.save_pretrained(directory)
+    GenerationConfig(bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
+                     pad_token_id=arch.pad_token_id).save_pretrained(directory)
+    for name in REMOTE_CODE_FILES:
+        shutil.copyfile(HF_CODE_DIR / name, directory / name)
+    if tokenizer_dir:
+        src = Path(tokenizer_dir)
+        if not src.is_dir():
+            raise ConversionError(f"tokenizer directory {str(src)!r} does not exist")
+        files = [p for p in src.iterdir() if p.is_file()]
+        if not files:
+            raise ConversionError(f"tokenizer directory {str(src)!r} is empty")
+        for p in files:
+            shutil.copyfile(p, directory / p.name)
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    config_file: Optional[str] = None,
+    dtype: str = "auto",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer_dir: Optional[str] = "default",
+    overwrite: bool = False,
+    progress: bool = True,
+    read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+) -> ConversionSummary:
+    """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
+
+    ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp32`` or ``fp16``;
+    ``e_score_correction_bias`` is always fp32. ``tokenizer_dir``: ``"default"`` = the shipped
+    tokenizer, None = none. Raises :class:`ConversionError` on bad input; never leaves a partial
+    output directory.
+    """
+    timer = Timer()
+    check_output_dir(output, overwrite)
+    out_dtype = parse_dtype(dtype)
+    max_shard = parse_size(max_shard_size)
+    if max_shard <= 0:
+        raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
+    tok = default_tokenizer_dir() if tokenizer_dir == "default" else tokenizer_dir
+    reader = DistCheckpointReader(checkpoint)
+    name = str(reader.path)
+    try:
+        common = reader.common_state()
+    except ConversionError:
+        if not config_file:
+            raise
+        common = {}
+    arch, config_source = resolve_arch(common, config_file, checkpoint=name)
+    n_maps = match_checkpoint(reader, arch, name)
+
+    # dtype and the header plan
+    locs_dtype = reader.dtype(reader.locate(next(iter_tensor_maps(arch))).keys[0])
+    model_dtype = out_dtype or locs_dtype
+    if model_dtype not in _HF_DTYPE_NAMES:
+        raise ConversionError(f"checkpoint dtype {model_dtype} cannot be exported; pass --dtype bf16/fp32")
+    plan, largest = [], 0
+    for tm in iter_tensor_maps(arch):
+        dt = hf_dtype_for(tm, model_dtype)
+        for hf_name, shape in tm.hf:
+            plan.append((hf_name, shape, dt))
+        largest = max(largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize))
+
+    summary = ConversionSummary("export", name, str(output), config_source=config_source,
+                                largest_tensor_bytes=largest)
+    with atomic_output_dir(output, overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, plan, max_shard)
+        bar = Progress(writer.total_bytes, "export", enabled=progress)
+        stream = Timer()
+        try:
+            budget = max(read_batch_bytes, 1)
+            for batch in _batches(iter_tensor_maps(arch), budget):
+                locs = [reader.locate(tm) for tm in batch]
+                tensors = reader.read_locations(locs)
+                for tm, t in zip(batch, tensors):
+                    for hf_name, hf_t in tm.to_hf(t).items():
+                        hf_t = hf_t.to(hf_dtype_for(tm, model_dtype))
+                        bar.update(writer.write(hf_name, hf_t))
+                        summary.tensors += 1
+                del tensors
+            writer.close()
+        finally:
+            bar.close()
+        stream_s = stream.elapsed()
+        write_hf_metadata(tmp, arch, model_dtype, tok)
+        summary.files = sum(1 for _ in tmp.iterdir())
+    summary.bytes_written = writer.bytes_written
+    summary.bytes_read = reader.bytes_read
+    summary.seconds = timer.elapsed()
+    summary.peak_rss_bytes = peak_rss_bytes()
+    summary.max_rss_growth_bytes = bar.max_growth
+    summary.extra.update(dtype=str(model_dtype).replace("torch.", ""), shards=len(writer.files),
+                         megatron_tensors=n_maps, stream_seconds=round(stream_s, 3),
+                         stream_mb_per_s=round(writer.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
+    return summary
+
+
+__all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
+           "parse_dtype", "write_hf_metadata", "INDEX_FILE"]

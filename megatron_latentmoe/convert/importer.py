@@ -1,0 +1,444 @@
+"""Hugging Face model directory -> Megatron ``torch_dist`` checkpoint, sharded for a given layout.
+
+Output (a ``megatron.training`` save root)::
+
+    OUTPUT/latest_checkpointed_iteration.txt      "release" (or the --iteration number)
+    OUTPUT/release/                               (or iter_XXXXXXX/)
+        .metadata  __0_0.distcp  __1_0.distcp ...  metadata.json
+
+Loading it with ``megatron.training``: ``--load OUTPUT --ckpt-format torch_dist`` plus the model
+flags of the same architecture (the checkpoint's ``args`` are checked against them; or use
+``--use-checkpoint-args``). A ``release`` checkpoint starts at iteration 0 with a fresh
+optimizer and RNG, so no extra flags are needed; with ``--iteration N`` add ``--finetune`` (or
+``--no-load-optim --no-load-rng``) because the checkpoint holds no optimizer / RNG state. Runs
+built with the Transformer Engine spec also find their ``pre_mlp_layernorm.weight`` (written
+as an alias); they need ``--dist-ckpt-strictness log_all`` (or ``ignore_all``) because TE
+modules ask for ``_extra_state`` objects that a converted checkpoint cannot contain.
+
+Keys and global shapes are Megatron's (independent of the layout: any layout can load the
+result, Megatron reshards on load). The layout decides the CHUNKS: each tensor is cut exactly as
+a run with (TP, PP, EP, ETP) would save it -- column-parallel rows / row-parallel columns per TP
+rank, gated fc1 halves separately, routed experts per expert and per ETP rank -- and each
+model-parallel rank's chunks go to its own ``__{rank}_0.distcp`` file, so loading at that layout
+reads whole chunks only. Tensors are read from the safetensors files slice by slice
+(memory-mapped) and written chunk by chunk: peak memory is about one chunk.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
+from .dist_reader import TRACKER_FILE
+from .errors import ConversionError
+from .export import INDEX_FILE, parse_dtype
+from .names import (
+    TensorMap,
+    alias_checkpoint_keys,
+    check_shape,
+    extra_state_key,
+    iter_tensor_maps,
+    primary_checkpoint_key,
+)
+from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
+
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+# ------------------------------------------------------------------------------ HF reading
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class SafetensorsFile:
+    """Reads row ranges of the tensors of one .safetensors file with ``pread`` (no mmap: the
+    resident memory stays the rows asked for, not the pages of the whole file)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(self.fd).st_size
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            if n > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(os.pread(self.fd, n, 8))
+        except (OSError, ValueError, struct.error) as e:
+            raise ConversionError(f"safetensors file {str(path)!r} cannot be read: {e}") from None
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries = {}
+        for name, info in header.items():
+            dt = _ST_DTYPES.get(info.get("dtype"))
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            if dt is None:
+                raise ConversionError(f"{str(path)!r}: tensor {name!r} has dtype {info.get('dtype')}: "
+                                      "not a supported float type (F32, BF16, F16, F64)")
+            if end - begin != numel * dt.itemsize or self.base + end > size:
+                raise ConversionError(f"{str(path)!r}: tensor {name!r} has inconsistent offsets "
+                                      "(truncated or corrupt file)")
+            self.entries[name] = (dt, shape, self.base + begin)
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        dt, shape, offset = self.entries[name]
+        row = dt.itemsize
+        for d in shape[1:]:
+            row *= d
+        nbytes = (r1 - r0) * row
+        raw = torch.empty(nbytes, dtype=torch.uint8)  # no zero-fill, unlike bytearray
+        view, done = memoryview(raw.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + r0 * row + done)
+            if got <= 0:
+                raise ConversionError(f"{str(self.path)!r}: unexpected end of file reading {name!r}")
+            done += got
+        t = raw.view(dt)
+        return t.view((r1 - r0, *shape[1:]))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class HFCheckpointReader:
+    """Slices of the tensors of an HF safetensors checkpoint (index or single file)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise ConversionError(f"HF model directory {str(self.dir)!r} does not exist")
+        cfg = self.dir / "config.json"
+        if not cfg.is_file():
+            raise ConversionError(f"HF model directory {str(self.dir)!r} has no config.json")
+        self.arch = arch_from_config_file(cfg)
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ConversionError(f"{str(index)!r} is not a valid safetensors index: {e}") from None
+        elif (self.dir / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise ConversionError(f"HF model directory {str(self.dir)!r} has neither {INDEX_FILE} "
+                                  "nor model.safetensors")
+        self._files: dict[str, SafetensorsFile] = {}
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.names: dict[str, str] = {}
+        for f in files:
+            path = self.dir / f
+            if not path.is_file():
+                raise ConversionError(f"safetensors file {str(path)!r} (named by the index) is missing")
+            self._files[f] = SafetensorsFile(path)
+            for k in self._files[f].entries:
+                self.names[k] = f
+        if weight_map:
+            lost = sorted(k for k, f in weight_map.items() if self.names.get(k) != f)
+            if lost:
+                raise ConversionError(f"{str(index)!r} names tensor(s) not found in their files: {lost[:5]}")
+        self.bytes_read = 0
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._files[self.names[name]].entries[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files[self.names[name]].entries[name][1]
+
+    def get(self, name: str, r0: int, r1: int, cols: slice = slice(None)) -> torch.Tensor:
+        t = self._files[self.names[name]].read_rows(name, r0, r1)
+        self.bytes_read += t.numel() * t.element_size()
+        return t[:, cols] if t.dim() > 1 else t
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def check(self, arch: ModelArch) -> int:
+        """Every expected HF tensor present with the right shape and nothing else (lm_head
+        of a tied model is ignored). Returns the number of Megatron tensors."""
+        expected, problems, count = set(), [], 0
+        for tm in iter_tensor_maps(arch):
+            count += 1
+            for name, shape in tm.hf:
+                expected.add(name)
+                if name not in self.names:
+                    problems.append(f"missing tensor {name!r}")
+                    continue
+                try:
+                    check_shape(name, self.shape(name), shape, source=str(self.dir))
+                except ConversionError as e:
+                    problems.append(str(e))
+        ignored = {"lm_head.weight"} if arch.tie_embeddings else set()
+        unexpected = sorted(set(self.names) - expected - ignored)
+        if unexpected:
+            problems.append(f"unexpected tensor(s) not described by config.json ({len(unexpected)}): "
+                            f"{unexpected[:8]}")
+        if problems:
+            raise ConversionError(f"HF checkpoint {str(self.dir)!r} does not match its config.json:\n  "
+                                  + "\n  ".join(problems[:12]))
+        return count
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def _owner(tm: TensorMap, arch: ModelArch, layout: dict, part: int) -> tuple:
+    """(pp stage, ep rank, tp/etp rank) of the rank that saves this chunk."""
+    pp = layout["pp"]
+    stage = 0 if tm.layer is None else min(tm.layer * pp // arch.num_layers, pp - 1)
+    if tm.megatron == "output_layer.weight":
+        stage = pp - 1
+    if tm.megatron == "decoder.final_layernorm.weight":
+        stage = pp - 1
+    ep_rank = 0
+    if tm.expert is not None:
+        ep_rank = tm.expert // (arch.num_experts // layout["ep"])
+    return stage, ep_rank, part
+
+
+def chunk_tensor(tm: TensorMap, arch: ModelArch, layout: dict) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """[(offsets, sizes, tp-rank)] of the canonical tensor ``tm`` as the layout saves it."""
+    sh = tm.sharding
+    if sh.dim is None:
+        return [((0,) * len(tm.shape), tm.shape, 0)]
+    g = layout["etp"] if sh.group == "etp" else layout["tp"]
+    dim, size = sh.dim, tm.shape[sh.dim]
+    halves = 2 if sh.glu else 1
+    part = size // halves
+    if part % g:
+        raise ConversionError(f"tensor {tm.megatron!r}: dimension {dim} of size {size}"
+                              f"{' (two gated halves)' if sh.glu else ''} cannot be split into "
+                              f"{g} {'expert-' if sh.group == 'etp' else ''}tensor-parallel parts")
+    step = part // g
+    out = []
+    for r in range(g):
+        for h in range(halves):
+            off = [0] * len(tm.shape)
+            sizes = list(tm.shape)
+            off[dim] = h * part + r * step
+            sizes[dim] = step
+            out.append((tuple(off), tuple(sizes), r))
+    return out
+
+
+def check_layout(arch: ModelArch, layout: dict) -> None:
+    for k in ("tp", "pp", "ep", "etp"):
+        v = layout[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConversionError(f"--{k}={v!r} must be a positive integer")
+    tp, ep, etp, pp = layout["tp"], layout["ep"], layout["etp"], layout["pp"]
+    if arch.num_query_groups % tp:
+        raise ConversionError(f"--tp={tp}: num_query_groups={arch.num_query_groups} (num_key_value_heads) "
+                              "must be divisible by the tensor-parallel size")
+    if arch.num_attention_heads % tp:
+        raise ConversionError(f"--tp={tp}: num_attention_heads={arch.num_attention_heads} must be divisible by it")
+    if arch.vocab_size % tp:
+        raise ConversionError(f"--tp={tp}: vocab_size={arch.vocab_size} must be divisible by it")
+    if arch.num_experts % ep:
+        raise ConversionError(f"--ep={ep}: num_experts={arch.num_experts} must be divisible by it")
+    if pp > arch.num_layers:
+        raise ConversionError(f"--pp={pp}: more pipeline stages than num_layers={arch.num_layers}")
+    if arch.moe_latent_size % tp:
+        raise ConversionError(f"--tp={tp}: moe_latent_size={arch.moe_latent_size} must be divisible by it "
+                              "(StableLatentMoEConfig)")
+
+
+# ------------------------------------------------------------------------------ DCP writing
+
+
+class _StreamingSavePlanner(SavePlanner):
+    """Hands DCP's FileSystemWriter one chunk at a time, computed when it is written."""
+
+    def __init__(self, resolvers: dict):
+        self.resolvers = resolvers
+
+    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = True) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:  # plans are built by the importer
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans):
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        return self.resolvers.pop((write_item.index.fqn, tuple(write_item.index.offset or ())))()
+
+
+def _bytes_of(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save([obj], buf)  # Megatron stores ShardedObject data as a list of the local objects
+    buf.seek(0)
+    return buf
+
+
+def import_checkpoint(
+    hf_dir: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    dtype: str = "auto",
+    iteration: Optional[int] = None,
+    te_aliases: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConversionSummary:
+    """Convert an HF Stable LatentMoE directory into a Megatron ``torch_dist`` save root.
+
+    ``etp`` defaults to ``tp`` (Megatron's default expert tensor parallel size). ``dtype``:
+    ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32. ``iteration``: None
+    writes a ``release`` checkpoint. ``te_aliases``: also write MoE layers' pre-MLP norm under
+    the Transformer Engine spec's key.
+    """
+    timer = Timer()
+    check_output_dir(output, overwrite)
+    if iteration is not None and (isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0):
+        raise ConversionError(f"--iteration={iteration!r} must be a non-negative integer")
+    out_dtype = parse_dtype(dtype)
+    hf = HFCheckpointReader(hf_dir)
+    try:
+        return _import(hf, output, timer, out_dtype, dict(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp),
+                       iteration, te_aliases, overwrite, progress)
+    finally:
+        hf.close()
+
+
+def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dict, iteration, te_aliases: bool,
+            overwrite: bool, progress: bool) -> ConversionSummary:
+    arch = hf.arch
+    check_layout(arch, layout)
+    n_maps = hf.check(arch)
+
+    # ---- plan: write items per owner rank, metadata per key
+    state_md: dict = {}
+    per_rank: dict[tuple, list[WriteItem]] = {}
+    resolvers: dict = {}
+    total, largest = 0, 0
+
+    def add_tensor(key, lead, key_shape, tm, chunk_off, chunk_size, dt, owner):
+        nonlocal total
+        offsets = torch.Size((*lead, *chunk_off))
+        sizes = torch.Size((1,) * len(lead) + tuple(chunk_size))
+        props = TensorProperties(dtype=dt)
+        md = state_md.get(key)
+        if md is None:
+            md = state_md[key] = TensorStorageMetadata(props, torch.Size(key_shape), [])
+        md.chunks.append(ChunkStorageMetadata(offsets, sizes))
+        item = WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD,
+                         tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props, torch.Size(key_shape)))
+        per_rank.setdefault(owner, []).append(item)
+
+        def resolve(tm=tm, chunk_off=chunk_off, chunk_size=chunk_size, dt=dt, sizes=sizes):
+            r0, r1 = chunk_off[0], chunk_off[0] + chunk_size[0]
+            cols = slice(chunk_off[1], chunk_off[1] + chunk_size[1]) if len(chunk_size) > 1 else slice(None)
+            t = tm.megatron_rows(hf.get, r0, r1, cols).to(dt).reshape(sizes).contiguous()
+            bar.update(t.numel() * t.element_size())
+            return t
+
+        resolvers[(key, tuple(offsets))] = resolve
+        total += int(torch.Size(chunk_size).numel()) * dt.itemsize
+
+    def add_bytes(key, obj, owner=(0, 0, 0)):
+        state_md[key] = BytesStorageMetadata()
+        per_rank.setdefault(owner, []).append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
+                                                        bytes_io_data=BytesIOWriteData(0)))
+        resolvers[(key, ())] = lambda obj=obj: _bytes_of(obj)
+
+    for tm in iter_tensor_maps(arch):
+        dt = torch.float32 if tm.fp32 else (out_dtype or hf.dtype(tm.hf[0][0]))
+        largest = max(largest, tm.numel() * dt.itemsize)
+        keys = [primary_checkpoint_key(tm, arch)] + (alias_checkpoint_keys(tm, arch) if te_aliases else [])
+        for key, lead, key_shape in keys:
+            for off, size, part in chunk_tensor(tm, arch, layout):
+                add_tensor(key, lead, key_shape, tm, off, size, dt, _owner(tm, arch, layout, part))
+        es = extra_state_key(tm, arch)
+        if es is not None and es not in state_md:
+            add_bytes(es, None, _owner(tm, arch, layout, 0))
+
+    common = {
+        "args": arch.megatron_args_namespace(**layout),
+        "checkpoint_version": 3.0,
+        "iteration": 0 if iteration is None else iteration,
+        "num_floating_point_operations_so_far": 0,
+        "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+        ARCH_STATE_KEY: arch.to_dict(),
+    }
+    add_bytes(COMMON_STATE_KEY, common)
+
+    summary = ConversionSummary("import", str(hf.dir), str(output), config_source=f"{hf.dir}/config.json",
+                                largest_tensor_bytes=largest)
+    owners = sorted(per_rank)
+    sub = "release" if iteration is None else f"iter_{iteration:07d}"
+    with atomic_output_dir(output, overwrite) as tmp:
+        ckpt = tmp / sub
+        writer = FileSystemWriter(str(ckpt), single_file_per_rank=True, thread_count=1, sync_files=False)
+        writer.set_up_storage_writer(True)
+        plans = [writer.prepare_local_plan(SavePlan(per_rank[o])) for o in owners]
+        plans = writer.prepare_global_plan(plans)
+        planner = _StreamingSavePlanner(resolvers)
+        bar = Progress(total, "import", enabled=progress)
+        stream = Timer()
+        try:
+            results = []
+            for plan in plans:
+                fut = writer.write_data(planner.finish_plan(plan), planner)
+                fut.wait()
+                results.append(fut.value())
+            metadata = Metadata(state_dict_metadata=state_md)
+            writer.finish(metadata, results)
+        finally:
+            bar.close()
+        stream_s = stream.elapsed()
+        (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
+                                                       "sharded_backend_version": 1}))
+        (tmp / TRACKER_FILE).write_text("release" if iteration is None else str(iteration))
+        summary.files = sum(1 for _ in ckpt.iterdir())
+        summary.bytes_written = sum(p.stat().st_size for p in ckpt.iterdir())
+    summary.tensors = sum(1 for k in state_md if isinstance(state_md[k], TensorStorageMetadata))
+    summary.bytes_read = hf.bytes_read
+    summary.seconds = timer.elapsed()
+    summary.peak_rss_bytes = peak_rss_bytes()
+    summary.max_rss_growth_bytes = bar.max_growth
+    summary.extra.update(layout=layout, checkpoint_dir=f"{output}/{sub}", megatron_tensors=n_maps,
+                         chunks=sum(len(md.chunks) for md in state_md.values()
+                                    if isinstance(md, TensorStorageMetadata)),
+                         rank_files=len(owners), stream_seconds=round(stream_s, 3),
+                         stream_mb_per_s=round(summary.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
+    return summary
+
+
+__all__ = ["import_checkpoint", "HFCheckpointReader", "chunk_tensor", "check_layout"]

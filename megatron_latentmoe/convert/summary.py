@@ -1,0 +1,148 @@
+"""Progress bar, end-of-run summary and output-directory handling shared by export and import."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import resource
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .errors import ConversionError
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux ``ru_maxrss`` is in KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+@dataclass
+class ConversionSummary:
+    """What a conversion did (printed at the end; returned by the API; JSON-able)."""
+
+    direction: str
+    source: str
+    output: str
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    peak_rss_bytes: int = 0
+    max_rss_growth_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    config_source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_written / 1e6 / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["mb_per_s"] = self.mb_per_s
+        return out
+
+    def format(self) -> str:
+        gib = 1 << 30
+        lines = [
+            f"{self.direction}: {self.source} -> {self.output}",
+            f"  model config from: {self.config_source}",
+            f"  tensors: {self.tensors}   files: {self.files}",
+            f"  read: {self.bytes_read / 1e6:.1f} MB   written: {self.bytes_written / 1e6:.1f} MB",
+            f"  time: {self.seconds:.2f} s   throughput: {self.mb_per_s:.1f} MB/s (written)",
+            f"  peak RSS: {self.peak_rss_bytes / gib:.3f} GiB   RSS growth during conversion: "
+            f"{self.max_rss_growth_bytes / gib:.3f} GiB   largest tensor: "
+            f"{self.largest_tensor_bytes / gib:.3f} GiB",
+        ]
+        lines += [f"  {k}: {v}" for k, v in self.extra.items()]
+        return "\n".join(lines)
+
+
+class Progress:
+    """A tqdm bar over bytes (silent when ``enabled`` is False) that also tracks RSS growth."""
+
+    def __init__(self, total_bytes: int, desc: str, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                            dynamic_ncols=True, file=sys.stderr)
+        self.rss0 = current_rss_bytes()
+        self.max_growth = 0
+        self._n = 0
+
+    def update(self, nbytes: int) -> None:
+        self._n += 1
+        if self._n % 16 == 1:
+            self.max_growth = max(self.max_growth, current_rss_bytes() - self.rss0)
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def close(self) -> None:
+        self.max_growth = max(self.max_growth, current_rss_bytes() - self.rss0)
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_output_dir(output: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse an existing non-empty output directory (or a file) unless ``overwrite``."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"output directory {str(out)!r} exists and is not empty; pass "
+                              "--overwrite to replace it")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise ConversionError(f"the parent directory of the output, {str(parent)!r}, does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConversionError(f"the parent directory of the output, {str(parent)!r}, is not writable")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``
+    (by rename), on any error it is deleted: a failed conversion never leaves a partial output."""
+    out = check_output_dir(output, overwrite).resolve()
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old: Optional[Path] = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class Timer:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0

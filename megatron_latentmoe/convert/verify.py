@@ -1,0 +1,277 @@
+"""``--verify``: run the Megatron model and the exported HF model on the same tokens and compare.
+
+* Megatron side: ``build_gpt_model`` (local spec, fp32, one process, TP = EP = PP = 1) with the
+  weights loaded from the ``torch_dist`` checkpoint by Megatron's own ``dist_checkpointing.load``
+  (an independent path from the converter's reader, so a mapping bug cannot cancel out).
+* HF side: ``AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True,
+  dtype=float32)`` -- the files a user downloads, the remote code included.
+* Tokens: real text from the shipped corpus, tokenised by the exported tokenizer (falls back to
+  seeded random ids, reported, if the tokenizer's ids do not fit the model's vocabulary).
+
+Reported: max |delta logits|, mean |delta|, cosine similarity of the flattened logits, and whether
+greedy generation of N tokens (Megatron: full re-forward each step; HF: ``generate`` with its KV
+cache) gives the same tokens; at the first difference, the top-1/top-2 margin of both models
+(a tiny margin means a near-tie flipped by round-off, not a conversion bug).
+Both models run in fp32 whatever the checkpoint dtype, so a bf16 export is compared exactly too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from .arch import ModelArch, resolve_arch
+from .dist_reader import DistCheckpointReader
+from .errors import ConversionError
+
+DEFAULT_ATOL = 1e-4
+
+
+@dataclass
+class VerifyReport:
+    max_abs_diff: float
+    mean_abs_diff: float
+    cosine: float
+    tokens_source: str
+    batch_shape: tuple
+    new_tokens: int
+    greedy_identical: bool
+    min_margin: float = float("nan")
+    """Smallest top-1 minus top-2 logit over the Megatron greedy steps (near-tie detector)."""
+    first_mismatch: Optional[int] = None
+    megatron_margin_at_mismatch: Optional[float] = None
+    hf_margin_at_mismatch: Optional[float] = None
+    megatron_tokens: list = field(default_factory=list)
+    hf_tokens: list = field(default_factory=list)
+    atol: float = DEFAULT_ATOL
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.atol and self.greedy_identical and math.isfinite(self.max_abs_diff)
+
+    def format(self) -> str:
+        lines = [
+            f"verify ({self.tokens_source}, batch {list(self.batch_shape)}):",
+            f"  logits max |delta| = {self.max_abs_diff:.3e} (tolerance {self.atol:.1e})   "
+            f"mean |delta| = {self.mean_abs_diff:.3e}   cosine = {self.cosine:.9f}",
+            f"  greedy generation of {self.new_tokens} tokens: "
+            + (f"identical (smallest top-1/top-2 logit margin {self.min_margin:.3e})"
+               if self.greedy_identical else
+               f"DIFFERS at step {self.first_mismatch} (top1-top2 margin: Megatron "
+               f"{self.megatron_margin_at_mismatch:.3e}, HF {self.hf_margin_at_mismatch:.3e})"),
+            f"  result: {'PASS' if self.passed else 'FAIL'}   ({self.seconds:.1f} s)",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["passed"] = self.passed
+        return out
+
+
+# ------------------------------------------------------------------------------ Megatron side
+
+
+def _ensure_single_process_world() -> None:
+    """A 1-process gloo world + Megatron's parallel state (TP = EP = PP = 1) if none exists."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NO_VCS_VERSION", "1")
+    if not dist.is_initialized():
+        store = tempfile.mkdtemp(prefix="latentmoe_verify_")
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        from megatron_latentmoe.compat import initialize_parallel_cpu
+
+        initialize_parallel_cpu()
+    else:
+        from megatron_latentmoe.compat import apply_cpu_compat
+
+        apply_cpu_compat()
+
+
+def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
+    """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader)."""
+    _ensure_single_process_world()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from megatron_latentmoe.model import build_gpt_model
+
+    from .names import NORM_ALIASES
+
+    reader = DistCheckpointReader(checkpoint)
+    path = reader.path
+    config = arch.to_megatron_config(perform_initialization=False)
+    model = build_gpt_model(config, **arch.builder_kwargs())
+    model.eval()
+    sharded = model.sharded_state_dict()
+    present = set(reader.metadata.state_dict_metadata)
+    dropped = []
+    for name in list(sharded):
+        sh = sharded[name]
+        if isinstance(sh, ShardedTensor) and sh.key not in present:
+            for a, b in ((a, b) for names in NORM_ALIASES.values() for a in names for b in names):
+                if sh.key.endswith(a) and sh.key[: -len(a)] + b in present:
+                    sh.key = sh.key[: -len(a)] + b  # the other spec's name of the same norm
+                    break
+        elif isinstance(sh, ShardedObject) and sh.unique_key not in present and name.endswith("_extra_state"):
+            dropped.append(name)  # local-spec linears' extra state is None; a TE save has its own
+            del sharded[name]
+    loaded = dist_checkpointing.load(sharded, str(path))
+    own = set(model.state_dict())
+    loaded = {k: v for k, v in loaded.items() if k in own}  # drop the common state (args, ...)
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"Megatron model load: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    b, s = tokens.shape
+    position_ids = torch.arange(s, dtype=torch.long)[None].expand(b, s)
+    return model(tokens, position_ids, None).float()
+
+
+@torch.no_grad()
+def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
+    """Greedy continuation (full re-forward per step); returns new ids [b, n] and per-step margins."""
+    seq, margins = tokens, []
+    for _ in range(n):
+        last = megatron_logits(model, seq)[:, -1]
+        top2 = last.topk(2, dim=-1).values
+        margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
+    return seq[:, tokens.shape[1]:], margins
+
+
+# ----------------------------------------------------------------------------------- HF side
+
+
+def load_hf_model(hf_dir: str | os.PathLike):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
+    out = model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n,
+                         min_new_tokens=n, do_sample=False, num_beams=1, eos_token_id=None,
+                         pad_token_id=model.config.pad_token_id, output_scores=True,
+                         return_dict_in_generate=True)
+    margins = []
+    for scores in out.scores:
+        top2 = scores.float().topk(2, dim=-1).values
+        margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+    return out.sequences[:, tokens.shape[1]:], margins
+
+
+# ------------------------------------------------------------------------------------ tokens
+
+
+def sample_tokens(hf_dir: str | os.PathLike, vocab_size: int, batch: int = 2, seq_len: int = 64,
+                  text: Optional[str] = None, seed: int = 0) -> tuple[torch.Tensor, str]:
+    """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
+        texts = [text] * batch if text else _corpus_texts(batch, seq_len)
+        rows = []
+        for t in texts:
+            ids = tok(t, add_special_tokens=False)["input_ids"]
+            if len(ids) < seq_len:
+                raise ValueError("text too short")
+            rows.append(ids[:seq_len])
+        tokens = torch.tensor(rows, dtype=torch.long)
+        if int(tokens.max()) < vocab_size:
+            return tokens, "real text, exported tokenizer"
+        reason = f"tokenizer ids up to {int(tokens.max())} exceed vocab_size={vocab_size}"
+    except Exception as e:  # noqa: BLE001 - no tokenizer / too short text: fall back, and say so
+        reason = f"no usable tokenizer/text ({type(e).__name__}: {e})"
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
+
+
+def _corpus_texts(batch: int, seq_len: int) -> list[str]:
+    from megatron_latentmoe.data.corpus import iter_corpus_texts
+
+    out = []
+    for t in iter_corpus_texts():
+        if len(t) >= 8 * seq_len:
+            out.append(t)
+            if len(out) == batch:
+                break
+    return out
+
+
+# ------------------------------------------------------------------------------------- verify
+
+
+def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    d = (a.double() - b.double()).abs()
+    cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)
+    return float(d.max()), float(d.mean()), float(cos)
+
+
+def verify_export(
+    checkpoint: str | os.PathLike,
+    hf_dir: str | os.PathLike,
+    *,
+    config_file: Optional[str] = None,
+    atol: float = DEFAULT_ATOL,
+    new_tokens: int = 32,
+    batch: int = 2,
+    seq_len: int = 64,
+    text: Optional[str] = None,
+) -> VerifyReport:
+    """Compare the Megatron checkpoint with its HF export (see module docstring)."""
+    import time
+
+    t0 = time.perf_counter()
+    reader = DistCheckpointReader(checkpoint)
+    try:
+        common = reader.common_state()
+    except ConversionError:
+        if not config_file:
+            raise
+        common = {}
+    arch, _ = resolve_arch(common, config_file, checkpoint=str(reader.path))
+    torch.manual_seed(0)
+    mg = load_megatron_model(reader.path, arch)
+    hf = load_hf_model(hf_dir)
+    tokens, source = sample_tokens(hf_dir, arch.vocab_size, batch, seq_len, text)
+    lm = megatron_logits(mg, tokens)
+    with torch.no_grad():
+        lh = hf(tokens).logits.float()
+    max_d, mean_d, cos = compare_logits(lm, lh)
+    gm, mm = megatron_greedy(mg, tokens, new_tokens)
+    gh, mh = hf_greedy(hf, tokens, new_tokens)
+    same = torch.equal(gm, gh)
+    report = VerifyReport(max_d, mean_d, cos, source, tuple(tokens.shape), new_tokens, same,
+                          megatron_tokens=gm.tolist(), hf_tokens=gh.tolist(), atol=atol,
+                          min_margin=min(mm) if mm else float("nan"))
+    if not same:
+        step = int((gm != gh).any(0).nonzero()[0])
+        report.first_mismatch = step
+        report.megatron_margin_at_mismatch = mm[step]
+        report.hf_margin_at_mismatch = mh[step] if step < len(mh) else float("nan")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["VerifyReport", "verify_export", "load_megatron_model", "load_hf_model",
+           "megatron_logits", "megatron_greedy", "hf_greedy", "sample_tokens", "compare_logits"]

@@ -1,0 +1,228 @@
+"""Rank functions for the converter tests (run in spawned gloo worlds by tests.parallel.launcher).
+
+They must be importable at module level. Each builds the real Megatron model with
+``build_gpt_model`` under a parallel layout and saves / loads REAL ``torch_dist`` checkpoints with
+``megatron.core.dist_checkpointing`` -- exactly what ``megatron.training`` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_latentmoe.convert.arch import ModelArch, arch_common_state
+
+# A small model that still exercises every mapping: GQA (4 heads, 2 groups: the fused-QKV
+# de-interleave is per group), one dense first layer (non-homogeneous checkpoint keys), 8 experts
+# top-2, latent l=32 with the latent norm, 2 shared experts, vocab = the shipped tokenizer's 4096.
+TEST_ARCH = dict(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    vocab_size=4096,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_latent_size=32,
+    latent_moe_use_norm=True,
+    moe_shared_expert_intermediate_size=64,
+    first_k_dense_replace=1,
+    max_position_embeddings=256,
+    rotary_base=10000.0,
+    layernorm_epsilon=1e-5,
+    activation_situ_beta=4.0,
+    activation_situ_linear_beta=25.0,
+)
+
+# Homogeneous variant (no dense layer: Megatron stacks the layers on one checkpoint axis), with
+# tied embeddings and SwiGLU, to cover the other key layout and config paths.
+HOMOGENEOUS_ARCH = dict(TEST_ARCH, num_layers=2, first_k_dense_replace=0, tie_embeddings=True,
+                        hidden_act="swiglu", routed_scaling_factor=2.5)
+
+SEED = 1234
+INIT_STD = 0.12
+"""Weights ~ N(0, 0.12^2), untrained. Chosen (with SEED) so that greedy generation on the verify
+prompts is varied (27 and 31 distinct tokens out of 32) and far from near-ties: the smallest
+top-1/top-2 logit margin over the 64 greedy steps is 5.8e-3, vs ~5e-6 max |delta logits| between
+Megatron and HF. (Measured alternatives: std 0.08 gave a 3e-4 margin; a few Adam steps on the
+corpus made the model repeat one token.) The verify test asserts margin > 100 x delta."""
+
+
+def arch(kind: str = "main") -> ModelArch:
+    return ModelArch(**(TEST_ARCH if kind == "main" else HOMOGENEOUS_ARCH))
+
+
+def _build(a: ModelArch, tp=1, pp=1, ep=1, etp=1):
+    from megatron.core import parallel_state as ps
+
+    from megatron_latentmoe.model import build_gpt_model
+
+    config = a.to_megatron_config(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1, init_method_std=INIT_STD,
+        pipeline_dtype=torch.float32 if pp > 1 else None)
+    model = build_gpt_model(config, **a.builder_kwargs(),
+                            pre_process=ps.is_pipeline_first_stage(),
+                            post_process=ps.is_pipeline_last_stage())
+    return model
+
+
+def _randomise(model, seed: int) -> None:
+    """Non-trivial weights everywhere: norms 1 + noise, expert bias N(0, 0.05) (it changes the
+    selection, and a mapping error in it would show)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("layernorm.weight", "latent_norm.weight", "layer_norm_weight")):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _full_state(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()
+            if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def _save(model, a: ModelArch, path: str, extra_common=None, metadata=None) -> None:
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # Megatron's writer collects its results through a multiprocessing.Manager queue, i.e. a
+    # child process, which the launcher's daemonic ranks may not start; the writer threads only
+    # put/get on it, so an in-process queue does the same job here.
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    sharded = model.sharded_state_dict(metadata=metadata) if metadata else model.sharded_state_dict()
+    state = {"model": sharded, **arch_common_state(a), **(extra_common or {})}
+    dist_checkpointing.save(state, path)
+    torch.distributed.barrier()
+
+
+def _save_with_te_norm_names(model, a: ModelArch, path: str) -> None:
+    """The same weights with the MoE layers' pre-MLP norm under the Transformer Engine spec's
+    key (``pre_mlp_layernorm.weight``, a separate TENorm there) instead of the local spec's
+    ``mlp.linear_fc1.layer_norm_weight``: what a TE-spec training run writes for it."""
+    import re
+
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict()
+    renamed = 0
+    for sh in sharded.values():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight", getattr(sh, "key", ""))
+        if m and a.is_moe_layer(int(m.group(1))):
+            sh.key = f"decoder.layers.{m.group(1)}.pre_mlp_layernorm.weight"
+            renamed += 1
+    assert renamed == a.num_layers - a.first_k_dense_replace
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save({"model": sharded, **arch_common_state(a)}, path)
+
+
+def _load_and_diff(model, path: str, full: dict, strict: str = "assume_ok_unexpected") -> list:
+    """Load ``path`` into ``model`` with Megatron's loader; names whose values differ from the
+    expected shard of ``full``."""
+    from megatron.core import dist_checkpointing
+
+    from tests.parallel.launcher import shard_state_dict_for_rank
+
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), path, strict=strict)
+    if isinstance(loaded, tuple):
+        loaded = loaded[0]
+    expected = shard_state_dict_for_rank(full, model)
+    bad = []
+    for k, v in expected.items():
+        if k.endswith("_extra_state"):
+            continue
+        if k not in loaded or not torch.equal(loaded[k].to(v.dtype), v):
+            bad.append(k)
+    return bad
+
+
+# ------------------------------------------------------------------------------------ rank fns
+
+
+def make_reference(rank, world, out_dir: str) -> dict:
+    """1 rank: the reference model (random weights), saved single-rank, plus its full state dict.
+    Also the homogeneous variant end to end (save -> export -> import -> strict load)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.convert import export_checkpoint, import_checkpoint
+
+    initialize_parallel_cpu(seed=SEED)
+    a = arch("main")
+    model = _build(a)
+    _randomise(model, SEED)
+    full = _full_state(model)
+    torch.save(full, os.path.join(out_dir, "full.pt"))
+    _save(model, a, os.path.join(out_dir, "ck_single"))
+    _save_with_te_norm_names(model, a, os.path.join(out_dir, "ck_te_names"))
+    _save(model, a, os.path.join(out_dir, "ck_singleton"), metadata={"singleton_local_shards": True})
+    # the dense+MoE model again, as a bf16 checkpoint (params bf16, the QB bias stays fp32)
+    bf16 = _build(a)
+    bf16.load_state_dict({**full, **{k: v for k, v in bf16.state_dict().items() if k.endswith("_extra_state")}})
+    bf16 = bf16.to(torch.bfloat16)
+    for name, buf in bf16.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.data = full[name].float().clone()
+    _save(bf16, a, os.path.join(out_dir, "ck_bf16"))
+
+    # homogeneous variant: stacked-layer keys, tied embeddings, swiglu, routed scaling
+    h = arch("homogeneous")
+    hm = _build(h)
+    _randomise(hm, SEED + 1)
+    hfull = _full_state(hm)
+    hpath = os.path.join(out_dir, "ck_homog")
+    _save(hm, h, hpath)
+    export_checkpoint(hpath, os.path.join(out_dir, "hf_homog"), progress=False)
+    import_checkpoint(os.path.join(out_dir, "hf_homog"), os.path.join(out_dir, "mg_homog"),
+                      te_aliases=False, progress=False)
+    fresh = _build(h)
+    # raise_all: the imported checkpoint has exactly the keys Megatron asks for, no more, no less
+    bad_homog = _load_and_diff(fresh, os.path.join(out_dir, "mg_homog", "release"), hfull, strict="raise_all")
+    ps.destroy_model_parallel()
+    return {"bad_homog": bad_homog}
+
+
+def save_and_load(rank, world, layouts: dict, checkpoints: list, out_dir: str) -> dict:
+    """For each layout (one gloo world, layouts in turn): save the reference weights as
+    ``ck_<layout>``, then load each of ``checkpoints`` ([(path, strictness)]) into that layout's
+    model with Megatron's loader. Returns {layout: {checkpoint name: [names that differ]}}."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from tests.parallel.launcher import shard_state_dict_for_rank
+
+    full = torch.load(os.path.join(out_dir, "full.pt"))
+    a = arch("main")
+    out = {}
+    for name, lay in layouts.items():
+        initialize_parallel_cpu(tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"],
+                                expert_model_parallel_size=lay["ep"], expert_tensor_parallel_size=lay["etp"],
+                                seed=SEED)
+        model = _build(a, **lay)
+        missing, unexpected = model.load_state_dict(shard_state_dict_for_rank(full, model), strict=False)
+        assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
+        _save(model, a, os.path.join(out_dir, f"ck_{name}"))
+        with torch.no_grad():  # make sure the loads below really overwrite the weights
+            for p in model.parameters():
+                p.zero_()
+        out[name] = {os.path.basename(os.path.dirname(path)): _load_and_diff(model, path, full, strict)
+                     for path, strict in checkpoints}
+        ps.destroy_model_parallel()
+    return out

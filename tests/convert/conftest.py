@@ -1,0 +1,74 @@
+"""One shared workspace of REAL checkpoints for the converter tests (built once per session).
+
+1. 1 rank: the reference model (random, non-trivial weights) saved single-rank (fp32 and bf16);
+   the homogeneous variant end to end (save -> export -> import -> strict Megatron load).
+2. parent: export the single-rank checkpoint to HF; import that HF dir back at several layouts.
+3. 2 ranks: the same weights saved under TP2+SP, EP2 and PP2; the imported checkpoints loaded
+   into those layouts with Megatron's loader.
+4. 4 ranks: the same under TP2 x EP2 (ETP1).
+5. parent: every layout's checkpoint exported to HF.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.parallel.launcher import run_distributed
+
+from . import _workers
+
+LAYOUTS_2 = {
+    "tp2sp": dict(tp=2, pp=1, ep=1, etp=2),
+    "ep2": dict(tp=1, pp=1, ep=2, etp=1),
+    "pp2": dict(tp=1, pp=2, ep=1, etp=1),
+}
+LAYOUTS_4 = {"tp2ep2": dict(tp=2, pp=1, ep=2, etp=1)}
+IMPORT_LAYOUTS = {  # HF -> Megatron at these layouts (then loaded into the layouts above)
+    "rt": dict(tp=1, pp=1, ep=1),
+    "imp_tp2ep2": dict(tp=2, pp=1, ep=2, etp=1),
+    "imp_pp2ep2": dict(tp=1, pp=2, ep=2),
+}
+MAX_SHARD = "300KB"  # several safetensors shards even for the tiny model
+
+
+class Workspace:
+    def __init__(self, root: str):
+        self.root = root
+        self.timings: dict[str, float] = {}
+        self.results: dict = {}
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.root, *parts)
+
+
+def _timed(ws: Workspace, name: str, fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    ws.timings[name] = time.perf_counter() - t0
+    return out
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Workspace:
+    from megatron_latentmoe.convert import export_checkpoint, import_checkpoint
+
+    ws = Workspace(str(tmp_path_factory.mktemp("convert")))
+    ws.results["reference"] = _timed(ws, "1 rank", run_distributed, _workers.make_reference, 1, ws.root,
+                                     timeout=600)[0]
+    ws.results["export_main"] = _timed(ws, "export", export_checkpoint, ws.path("ck_single"), ws.path("hf_main"),
+                                       max_shard_size=MAX_SHARD, progress=False)
+    for name, lay in IMPORT_LAYOUTS.items():
+        ws.results[f"import_{name}"] = import_checkpoint(ws.path("hf_main"), ws.path(f"mg_{name}"),
+                                                         te_aliases=name != "rt", progress=False, **lay)
+    # the round-trip import has no TE alias keys: load it with Megatron's strictest check
+    imported = [(ws.path(f"mg_{name}", "release"), "raise_all" if name == "rt" else "assume_ok_unexpected")
+                for name in IMPORT_LAYOUTS]
+    for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
+        ws.results[f"load_{world}"] = _timed(ws, f"{world} ranks", run_distributed, _workers.save_and_load,
+                                             world, layouts, imported, ws.root, timeout=600)
+    for name in (*LAYOUTS_2, *LAYOUTS_4):
+        export_checkpoint(ws.path(f"ck_{name}"), ws.path(f"hf_{name}"), max_shard_size=MAX_SHARD, progress=False)
+    return ws

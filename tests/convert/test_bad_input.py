@@ -1,0 +1,186 @@
+"""Bad input gives one clear error naming the path / tensor / key / field, and never a partial
+output directory (conversions write into a temporary sibling and rename at the end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_latentmoe.convert import ConversionError, export_checkpoint, import_checkpoint
+
+
+pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MEGATRON_CFG = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                    kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+                    moe_latent_size=32, moe_shared_expert_intermediate_size=64, first_k_dense_replace=1,
+                    hidden_act="situ", vocab_size=4096, max_sequence_length=256)
+
+
+def no_leftovers(parent) -> bool:
+    return not [n for n in os.listdir(parent) if ".partial-" in n or ".old-" in n]
+
+
+def export_fails(ckpt, out, match, **kw):
+    with pytest.raises(ConversionError, match=match) as info:
+        export_checkpoint(ckpt, out, progress=False, **kw)
+    assert not os.path.exists(out), "a failed export left an output directory"
+    assert no_leftovers(os.path.dirname(str(out)))
+    return str(info.value)
+
+
+def copy_ckpt(workspace, tmp_path, name="ck_single"):
+    dst = tmp_path / name
+    shutil.copytree(workspace.path(name), dst)
+    return dst
+
+
+# -------------------------------------------------------------------------- unreadable checkpoint
+def test_missing_or_not_a_checkpoint(tmp_path):
+    export_fails(tmp_path / "nope", tmp_path / "out", r"checkpoint '.*nope' does not exist")
+    (tmp_path / "empty").mkdir()
+    export_fails(tmp_path / "empty", tmp_path / "out", r"'.*empty' is not a torch_dist checkpoint: no '.metadata'")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "latest_checkpointed_iteration.txt").write_text("100")
+    export_fails(tmp_path / "root", tmp_path / "out", r"the tracker names 'iter_0000100'")
+
+
+def test_corrupt_metadata(workspace, tmp_path):
+    ck = copy_ckpt(workspace, tmp_path)
+    (ck / ".metadata").write_bytes(b"\x80\x04garbage")
+    export_fails(ck, tmp_path / "out", r"'.metadata' cannot be read")
+
+
+def test_missing_data_file(workspace, tmp_path):
+    ck = copy_ckpt(workspace, tmp_path)
+    os.remove(ck / "__0_0.distcp")
+    export_fails(ck, tmp_path / "out", r"incomplete: data file\(s\) \['__0_0.distcp'\] are missing")
+
+
+def test_truncated_data_file_fails_midway_without_output(workspace, tmp_path):
+    ck = copy_ckpt(workspace, tmp_path)
+    data = ck / "__0_0.distcp"
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        f.truncate(size // 2)
+    export_fails(ck, tmp_path / "out", r"reading failed .*truncated or corrupt")
+
+
+# ------------------------------------------------------------------------ config vs the weights
+@pytest.mark.parametrize("change,match", [
+    (dict(moe_latent_size=16), r"local_experts.0.linear_fc1.weight .*shape \(64, 32\), config implies \(64, 16\)"),
+    (dict(num_layers=5), r"missing tensor\(s\) .*decoder\.layers\.4\."),
+    (dict(num_layers=3), r"unexpected tensor\(s\).*decoder\.layers\.3\."),
+    (dict(num_moe_experts=16), r"stacked axes \(8,\) but the config implies \(16,\)"),
+    (dict(num_query_groups=4), r"linear_qkv.weight.*shape \(128, 64\).*implies \(192, 64\)"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    (dict(first_k_dense_replace=2), r"missing tensor\(s\).*decoder.layers.1.mlp.linear_fc1.weight"),
+])
+def test_config_not_matching_the_weights(workspace, tmp_path, change, match):
+    cfg = tmp_path / "megatron.json"
+    cfg.write_text(json.dumps(dict(MEGATRON_CFG, **change)))
+    export_fails(workspace.path("ck_single"), tmp_path / "out", match, config_file=str(cfg))
+
+
+def test_correct_config_file_gives_the_same_export(workspace, tmp_path):
+    cfg = tmp_path / "megatron.json"
+    cfg.write_text(json.dumps(MEGATRON_CFG))
+    s = export_checkpoint(workspace.path("ck_single"), tmp_path / "out", config_file=str(cfg), progress=False,
+                          max_shard_size="300KB")
+    assert s.config_source.startswith("config file")
+    for f in sorted(os.listdir(workspace.path("hf_main"))):
+        assert (tmp_path / "out" / f).read_bytes() == open(workspace.path("hf_main", f), "rb").read(), f
+
+
+def test_checkpoint_without_model_description(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(4, 4)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    export_fails(tmp_path / "ck", tmp_path / "out", r"carries no model description.*--megatron-config")
+
+
+# ----------------------------------------------------------------------------------- output dir
+def test_existing_output_needs_overwrite(workspace, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(ConversionError, match=r"output directory '.*out' exists and is not empty; pass --overwrite"):
+        export_checkpoint(workspace.path("ck_single"), out, progress=False)
+    assert (out / "keep.txt").read_text() == "precious"
+    # with overwrite, but failing (corrupt checkpoint): the old output stays as it was
+    ck = copy_ckpt(workspace, tmp_path)
+    os.truncate(ck / "__0_0.distcp", 100)
+    with pytest.raises(ConversionError):
+        export_checkpoint(ck, out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "precious" and no_leftovers(tmp_path)
+    # with overwrite and good input: replaced
+    export_checkpoint(workspace.path("ck_single"), out, overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file() and no_leftovers(tmp_path)
+    with pytest.raises(ConversionError, match="exists and is not empty"):
+        import_checkpoint(workspace.path("hf_main"), out, progress=False)
+
+
+# ----------------------------------------------------------------------------------- HF import
+def _hf_copy(workspace, tmp_path):
+    dst = tmp_path / "hf"
+    shutil.copytree(workspace.path("hf_main"), dst)
+    return dst
+
+
+def _import_fails(src, out, match, **kw):
+    with pytest.raises(ConversionError, match=match):
+        import_checkpoint(src, out, progress=False, **kw)
+    assert not os.path.exists(out) and no_leftovers(os.path.dirname(str(out)))
+
+
+def test_import_bad_hf_input(workspace, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_copy(workspace, tmp_path)
+    out = tmp_path / "mg"
+    _import_fails(hf, out, r"--ep=3: num_experts=8 must be divisible", ep=3)
+    _import_fails(hf, out, r"--tp=4: num_query_groups=2", tp=4)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
+    _import_fails(hf, out, r"experts.0.w1.weight' has shape \(32, 32\) but the model config implies \(16, 32\)")
+    (hf / "config.json").write_text(json.dumps(dict(cfg, hidden_act="relu")))
+    _import_fails(hf, out, r"hidden_act='relu' is not supported")
+    (hf / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    save_file({"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, str(hf / "extra.safetensors"))
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = "extra.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    _import_fails(hf, out, r"unexpected tensor\(s\).*model.layers.9.mlp.up_proj.weight")
+    del index["weight_map"]["model.layers.9.mlp.up_proj.weight"]
+    os.remove(hf / "extra.safetensors")
+    name = "model.layers.2.block_sparse_moe.gate.weight"
+    shard = index["weight_map"].pop(name)
+    kept = load_file(str(hf / shard))
+    del kept[name]
+    save_file(kept, str(hf / shard))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    _import_fails(hf, out, r"missing tensor 'model.layers.2.block_sparse_moe.gate.weight'")
+    os.remove(hf / shard)
+    _import_fails(hf, out, r"safetensors file '.*' \(named by the index\) is missing")
+    _import_fails(tmp_path / "nothing", out, r"HF model directory '.*nothing' does not exist")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
+    cfg = tmp_path / "megatron.json"
+    cfg.write_text(json.dumps(dict(MEGATRON_CFG, num_layers=3)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), "export", "--checkpoint",
+         workspace.path("ck_single"), "--output", str(tmp_path / "out"), "--megatron-config", str(cfg)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: checkpoint" in proc.stderr and "decoder.layers.3." in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
