@@ -13,53 +13,7 @@ Typical use in tests::
 """
 
 from megatron_latentmoe.hf.configuration_stable_latentmoe import StableLatentMoEConfig
-from megatron_latentmoe.hf.modeling_stable_latentmoe import (
-    ROUTER_PROB_EPS,
-    MoERouting,
-    StableLatentMoEAttention,
-    StableLatentMoEBlock,
-    StableLatentMoEDecoderLayer,
-    StableLatentMoEExpert,
-    StableLatentMoEForCausalLM,
-    StableLatentMoEGate,
-    StableLatentMoEMLP,
-    StableLatentMoEModel,
-    StableLatentMoERMSNorm,
-    apply_rotary_pos_emb,
-    build_attention_mask,
-    compute_dtype,
-    get_glu_activation,
-    noaux_tc_routing,
-    repeat_kv,
-    rms_norm,
-    rope_cos_sin,
-    rotate_half,
-    situ_glu,
-    swiglu,
-)
+from megatron_latentmoe.hf.modeling_stable_latentmoe import *  # noqa: F401,F403 (its __all__)
+from megatron_latentmoe.hf.modeling_stable_latentmoe import __all__ as _modeling_all
 
-__all__ = [
-    "ROUTER_PROB_EPS",
-    "MoERouting",
-    "StableLatentMoEAttention",
-    "StableLatentMoEBlock",
-    "StableLatentMoEConfig",
-    "StableLatentMoEDecoderLayer",
-    "StableLatentMoEExpert",
-    "StableLatentMoEForCausalLM",
-    "StableLatentMoEGate",
-    "StableLatentMoEMLP",
-    "StableLatentMoEModel",
-    "StableLatentMoERMSNorm",
-    "apply_rotary_pos_emb",
-    "build_attention_mask",
-    "compute_dtype",
-    "get_glu_activation",
-    "noaux_tc_routing",
-    "repeat_kv",
-    "rms_norm",
-    "rope_cos_sin",
-    "rotate_half",
-    "situ_glu",
-    "swiglu",
-]
+__all__ = ["StableLatentMoEConfig", *_modeling_all]

@@ -1,21 +1,2 @@
-"""Elementwise ops of Stable LatentMoE (no Megatron imports here)."""
-
-from megatron_latentmoe.ops.situ import (
-    DEFAULT_SITU_BETA,
-    DEFAULT_SITU_LINEAR_BETA,
-    SiTUGLU,
-    situ_glu,
-    situ_glu_packed,
-    situ_glu_reference,
-    validate_situ_beta,
-)
-
-__all__ = [
-    "DEFAULT_SITU_BETA",
-    "DEFAULT_SITU_LINEAR_BETA",
-    "SiTUGLU",
-    "situ_glu",
-    "situ_glu_packed",
-    "situ_glu_reference",
-    "validate_situ_beta",
-]
+"""Elementwise ops of Stable LatentMoE (no Megatron imports here): ``situ`` (SPEC §2) and
+``rms_norm`` (SPEC §1 latent norm)."""
