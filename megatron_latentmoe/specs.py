@@ -103,8 +103,15 @@ def _layer_submodules(config: StableLatentMoEConfig, backend: str, moe: bool):
                 k_layernorm=RMSNorm if config.qk_layernorm else attention.submodules.k_layernorm,
             ),
         )
+        keys_map = dict(sub.sharded_state_dict_keys_map)
+        if moe:  # TE MoE layers keep a separate pre-MLP norm: checkpoint it under the same name
+            keys_map.pop("pre_mlp_layernorm.", None)
         return dataclasses.replace(
-            sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attention
+            sub,
+            input_layernorm=RMSNorm,
+            pre_mlp_layernorm=RMSNorm,
+            self_attention=attention,
+            sharded_state_dict_keys_map=keys_map,
         )
     return get_gpt_layer_with_transformer_engine_submodules(
         num_experts=config.num_moe_experts if moe else None,

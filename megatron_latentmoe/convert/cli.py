@@ -66,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32")
     im.add_argument("--iteration", type=int, default=None,
                     help="write iter_XXXXXXX instead of a 'release' checkpoint")
-    im.add_argument("--no-te-aliases", action="store_true",
-                    help="do not also write MoE layers' pre-MLP norm under the TE spec's key")
     _common(im)
     _add_verify_args(im)
 
@@ -120,8 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             summary = import_checkpoint(
                 args.hf, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
-                iteration=args.iteration, te_aliases=not args.no_te_aliases, overwrite=args.overwrite,
-                progress=not args.no_progress)
+                iteration=args.iteration, overwrite=args.overwrite, progress=not args.no_progress)
             print(summary.format())
             result["summary"] = summary.to_dict()
             report = _verify(args, args.output, args.hf, None) if args.verify else None

@@ -29,7 +29,7 @@ import torch
 from .arch import ModelArch, resolve_arch
 from .dist_reader import DistCheckpointReader
 from .errors import ConversionError
-from .names import TensorMap, checkpoint_locations, hf_dtype_for, iter_tensor_maps
+from .names import TensorMap, hf_dtype_for, iter_tensor_maps
 from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -174,11 +174,10 @@ def match_checkpoint(reader: DistCheckpointReader, arch: ModelArch, ckpt_name: s
         count += 1
         loc = reader.locate(tm)
         if loc is None:
-            missing.append(tm.megatron)
+            missing.append(tm.megatron if tm.checkpoint_name is None
+                           else f"{tm.megatron} (saved as {tm.checkpoint_name})")
             continue
-        for other in checkpoint_locations(tm):  # every alias present counts as used
-            if all(k in reader.tensors for k in other.keys):
-                used.update(other.keys)
+        used.update(loc.keys)
         for key, lead in loc.parts:
             want_lead = _expected_lead(key, arch)
             have = reader.shape(key)

@@ -11,9 +11,9 @@ flags of the same architecture (the checkpoint's ``args`` are checked against th
 ``--use-checkpoint-args``). A ``release`` checkpoint starts at iteration 0 with a fresh
 optimizer and RNG, so no extra flags are needed; with ``--iteration N`` add ``--finetune`` (or
 ``--no-load-optim --no-load-rng``) because the checkpoint holds no optimizer / RNG state. Runs
-built with the Transformer Engine spec also find their ``pre_mlp_layernorm.weight`` (written
-as an alias); they need ``--dist-ckpt-strictness log_all`` (or ``ignore_all``) because TE
-modules ask for ``_extra_state`` objects that a converted checkpoint cannot contain.
+built with the Transformer Engine spec find every tensor under the same keys; they need
+``--dist-ckpt-strictness log_all`` (or ``ignore_all``) because TE modules ask for
+``_extra_state`` objects that a converted checkpoint cannot contain.
 
 Keys and global shapes are Megatron's (independent of the layout: any layout can load the
 result, Megatron reshards on load). The layout decides the CHUNKS: each tensor is cut exactly as
@@ -58,7 +58,6 @@ from .errors import ConversionError
 from .export import INDEX_FILE, parse_dtype
 from .names import (
     TensorMap,
-    alias_checkpoint_keys,
     check_shape,
     extra_state_key,
     iter_tensor_maps,
@@ -313,7 +312,6 @@ def import_checkpoint(
     etp: Optional[int] = None,
     dtype: str = "auto",
     iteration: Optional[int] = None,
-    te_aliases: bool = True,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConversionSummary:
@@ -321,8 +319,7 @@ def import_checkpoint(
 
     ``etp`` defaults to ``tp`` (Megatron's default expert tensor parallel size). ``dtype``:
     ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32. ``iteration``: None
-    writes a ``release`` checkpoint. ``te_aliases``: also write MoE layers' pre-MLP norm under
-    the Transformer Engine spec's key.
+    writes a ``release`` checkpoint.
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -332,13 +329,13 @@ def import_checkpoint(
     hf = HFCheckpointReader(hf_dir)
     try:
         return _import(hf, output, timer, out_dtype, dict(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp),
-                       iteration, te_aliases, overwrite, progress)
+                       iteration, overwrite, progress)
     finally:
         hf.close()
 
 
-def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dict, iteration, te_aliases: bool,
-            overwrite: bool, progress: bool) -> ConversionSummary:
+def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dict, iteration, overwrite: bool,
+            progress: bool) -> ConversionSummary:
     arch = hf.arch
     check_layout(arch, layout)
     n_maps = hf.check(arch)
@@ -381,10 +378,9 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dic
     for tm in iter_tensor_maps(arch):
         dt = torch.float32 if tm.fp32 else (out_dtype or hf.dtype(tm.hf[0][0]))
         largest = max(largest, tm.numel() * dt.itemsize)
-        keys = [primary_checkpoint_key(tm, arch)] + (alias_checkpoint_keys(tm, arch) if te_aliases else [])
-        for key, lead, key_shape in keys:
-            for off, size, part in chunk_tensor(tm, arch, layout):
-                add_tensor(key, lead, key_shape, tm, off, size, dt, _owner(tm, arch, layout, part))
+        key, lead, key_shape = primary_checkpoint_key(tm, arch)
+        for off, size, part in chunk_tensor(tm, arch, layout):
+            add_tensor(key, lead, key_shape, tm, off, size, dt, _owner(tm, arch, layout, part))
         es = extra_state_key(tm, arch)
         if es is not None and es not in state_md:
             add_bytes(es, None, _owner(tm, arch, layout, 0))

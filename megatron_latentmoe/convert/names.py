@@ -15,11 +15,11 @@ Three name spaces meet here:
   - routed experts are stacked on an expert axis (``mlp.experts.experts.linear_fc1.weight``,
     [n, 2 m_e, l]) -- ``singleton_local_shards`` checkpoints use ``experts.experts.{j}.`` keys and
     store gated fc1 halves as ``..._w`` / ``..._v``;
-  - norms fused into the next linear in Transformer Engine naming, which Megatron's local spec
-    also uses on disk: ``input_layernorm.weight`` is saved as
-    ``self_attention.linear_qkv.layer_norm_weight`` and ``pre_mlp_layernorm.weight`` as
-    ``mlp.linear_fc1.layer_norm_weight``; the TE spec saves an MoE layer's pre-MLP norm as
-    ``pre_mlp_layernorm.weight`` (a separate TENorm). Readers accept every alias.
+  - the layer kind, for the norms: both of our specs save them under the Transformer Engine
+    spec's names (the local one maps them, ``specs.py``): ``input_layernorm.weight`` as
+    ``self_attention.linear_qkv.layer_norm_weight``, a dense layer's ``pre_mlp_layernorm.weight``
+    as ``mlp.linear_fc1.layer_norm_weight``, while an MoE layer's stays ``pre_mlp_layernorm.weight``
+    (a separate norm in TE too). ``TensorMap.checkpoint_name`` holds the renamed ones.
 * **HF names** (SPEC §6): Llama-style attention and norms, ``mlp.{gate,up,down}_proj`` for dense
   layers, ``block_sparse_moe.*`` (Kimi names) for MoE layers.
 
@@ -88,6 +88,7 @@ class TensorMap:
     expert: Optional[int] = None
     sharding: Sharding = field(default_factory=Sharding)
     extra_state: bool = False  # the Megatron module has an ``_extra_state`` (ShardedObject)
+    checkpoint_name: Optional[str] = None  # saved under this name, not ``megatron`` (fused norms)
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -192,13 +193,16 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     d, hd = arch.hidden_size, arch.kv_channels
     mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
     lk = dict(layer=i)
-    yield _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight", (d,), **lk)
+    moe_layer = arch.is_moe_layer(i)
+    yield _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight", (d,),
+                checkpoint_name=mg + "self_attention.linear_qkv.layer_norm_weight", **lk)
     yield _qkv(mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch, sharding=COL,
                extra_state=True, **lk)
     yield _copy(mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight",
                 (d, arch.num_attention_heads * hd), sharding=ROW, extra_state=True, **lk)
-    yield _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", (d,), **lk)
-    if not arch.is_moe_layer(i):
+    yield _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", (d,),
+                checkpoint_name=None if moe_layer else mg + "mlp.linear_fc1.layer_norm_weight", **lk)
+    if not moe_layer:
         f = arch.ffn_hidden_size
         yield _glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
                    f, d, sharding=GLU_COL, extra_state=True, **lk)
@@ -250,12 +254,6 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
-NORM_ALIASES = {
-    "input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-    "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-}
-"""Canonical norm name -> checkpoint names (first = what Megatron's local spec writes)."""
-
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Checkpoint tensor keys starting with these belong to the model (the rest: optimizer, ...)."""
 
@@ -273,9 +271,9 @@ class Location:
 
 
 def checkpoint_locations(tm: TensorMap) -> list[Location]:
-    """Every checkpoint layout a canonical tensor may be stored in (see the module docstring),
-    the one Megatron's local spec writes first."""
-    name = tm.megatron
+    """Every checkpoint layout a canonical tensor may be stored in: per-layer or stacked keys,
+    and the ``singleton_local_shards`` expert keys (see the module docstring)."""
+    name = tm.checkpoint_name or tm.megatron
     m = _LAYER_RE.match(name)
     if not m:
         return [Location(((name, ()),))]
@@ -286,8 +284,6 @@ def checkpoint_locations(tm: TensorMap) -> list[Location]:
         j, tail = int(e.group(1)), e.group(2)
         rests.append((f"mlp.experts.experts.{tail}", (j,)))
         rests.append((f"mlp.experts.experts.{j}.{tail}", ()))
-    elif rest in NORM_ALIASES:
-        rests.extend((alias, ()) for alias in NORM_ALIASES[rest])
     else:
         rests.append((rest, ()))
     out = []
@@ -305,7 +301,7 @@ def checkpoint_locations(tm: TensorMap) -> list[Location]:
 def primary_checkpoint_key(tm: TensorMap, arch: ModelArch) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, leading indices, global shape of the key) that Megatron's local spec writes for this
     tensor with ``singleton_local_shards=False`` (what ``megatron.training`` uses)."""
-    name = tm.megatron
+    name = tm.checkpoint_name or tm.megatron
     m = _LAYER_RE.match(name)
     if not m:
         return name, (), tm.shape
@@ -315,24 +311,9 @@ def primary_checkpoint_key(tm: TensorMap, arch: ModelArch) -> tuple[str, tuple[i
     if e:
         rest = f"mlp.experts.experts.{e.group(2)}"
         lead, lead_shape = (int(e.group(1)),), (arch.num_experts,)
-    elif rest in NORM_ALIASES:
-        rest = NORM_ALIASES[rest][0]
     if arch.homogeneous_layers:
         return f"decoder.layers.{rest}", (layer, *lead), (arch.num_layers, *lead_shape, *tm.shape)
     return f"decoder.layers.{layer}.{rest}", lead, (*lead_shape, *tm.shape)
-
-
-def alias_checkpoint_keys(tm: TensorMap, arch: ModelArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """Extra keys the importer also writes so that both Megatron specs find the tensor: the TE
-    spec's ``pre_mlp_layernorm.weight`` of MoE layers (the local spec saves it as
-    ``mlp.linear_fc1.layer_norm_weight``)."""
-    m = _LAYER_RE.match(tm.megatron)
-    if not m or m.group(2) != "pre_mlp_layernorm.weight" or not arch.is_moe_layer(int(m.group(1))):
-        return []
-    layer = int(m.group(1))
-    if arch.homogeneous_layers:
-        return [("decoder.layers.pre_mlp_layernorm.weight", (layer,), (arch.num_layers, *tm.shape))]
-    return [(f"decoder.layers.{layer}.pre_mlp_layernorm.weight", (), tm.shape)]
 
 
 def extra_state_key(tm: TensorMap, arch: ModelArch) -> Optional[str]:
@@ -359,8 +340,8 @@ def hf_dtype_for(tm: TensorMap, dtype: torch.dtype) -> torch.dtype:
 
 __all__ = [
     "COL", "EXPERT_GLU_COL", "EXPERT_ROW", "GLU_COL", "Location", "MODEL_KEY_PREFIXES",
-    "NORM_ALIASES", "REPLICATED", "ROW", "Segment", "Sharding", "TensorMap",
-    "alias_checkpoint_keys", "check_shape", "checkpoint_locations", "extra_state_key",
+    "REPLICATED", "ROW", "Segment", "Sharding", "TensorMap",
+    "check_shape", "checkpoint_locations", "extra_state_key",
     "hf_dtype_for", "hf_tensor_names", "is_model_key", "iter_layer_maps", "iter_tensor_maps",
     "primary_checkpoint_key",
 ]

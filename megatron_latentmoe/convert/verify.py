@@ -102,11 +102,9 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
     """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader)."""
     _ensure_single_process_world()
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_latentmoe.model import build_gpt_model
-
-    from .names import NORM_ALIASES
 
     reader = DistCheckpointReader(checkpoint)
     path = reader.path
@@ -118,12 +116,7 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
     dropped = []
     for name in list(sharded):
         sh = sharded[name]
-        if isinstance(sh, ShardedTensor) and sh.key not in present:
-            for a, b in ((a, b) for names in NORM_ALIASES.values() for a in names for b in names):
-                if sh.key.endswith(a) and sh.key[: -len(a)] + b in present:
-                    sh.key = sh.key[: -len(a)] + b  # the other spec's name of the same norm
-                    break
-        elif isinstance(sh, ShardedObject) and sh.unique_key not in present and name.endswith("_extra_state"):
+        if isinstance(sh, ShardedObject) and sh.unique_key not in present and name.endswith("_extra_state"):
             dropped.append(name)  # local-spec linears' extra state is None; a TE save has its own
             del sharded[name]
     loaded = dist_checkpointing.load(sharded, str(path))

@@ -113,26 +113,6 @@ def _save(model, a: ModelArch, path: str, extra_common=None, metadata=None) -> N
     torch.distributed.barrier()
 
 
-def _save_with_te_norm_names(model, a: ModelArch, path: str) -> None:
-    """The same weights with the MoE layers' pre-MLP norm under the Transformer Engine spec's
-    key (``pre_mlp_layernorm.weight``, a separate TENorm there) instead of the local spec's
-    ``mlp.linear_fc1.layer_norm_weight``: what a TE-spec training run writes for it."""
-    import re
-
-    from megatron.core import dist_checkpointing
-
-    sharded = model.sharded_state_dict()
-    renamed = 0
-    for sh in sharded.values():
-        m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight", getattr(sh, "key", ""))
-        if m and a.is_moe_layer(int(m.group(1))):
-            sh.key = f"decoder.layers.{m.group(1)}.pre_mlp_layernorm.weight"
-            renamed += 1
-    assert renamed == a.num_layers - a.first_k_dense_replace
-    os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save({"model": sharded, **arch_common_state(a)}, path)
-
-
 def _load_and_diff(model, path: str, full: dict, strict: str = "assume_ok_unexpected") -> list:
     """Load ``path`` into ``model`` with Megatron's loader; names whose values differ from the
     expected shard of ``full``."""
@@ -171,7 +151,6 @@ def make_reference(rank, world, out_dir: str) -> dict:
     full = _full_state(model)
     torch.save(full, os.path.join(out_dir, "full.pt"))
     _save(model, a, os.path.join(out_dir, "ck_single"))
-    _save_with_te_norm_names(model, a, os.path.join(out_dir, "ck_te_names"))
     _save(model, a, os.path.join(out_dir, "ck_singleton"), metadata={"singleton_local_shards": True})
     # the dense+MoE model again, as a bf16 checkpoint (params bf16, the QB bias stays fp32)
     bf16 = _build(a)
@@ -190,8 +169,7 @@ def make_reference(rank, world, out_dir: str) -> dict:
     hpath = os.path.join(out_dir, "ck_homog")
     _save(hm, h, hpath)
     export_checkpoint(hpath, os.path.join(out_dir, "hf_homog"), progress=False)
-    import_checkpoint(os.path.join(out_dir, "hf_homog"), os.path.join(out_dir, "mg_homog"),
-                      te_aliases=False, progress=False)
+    import_checkpoint(os.path.join(out_dir, "hf_homog"), os.path.join(out_dir, "mg_homog"), progress=False)
     fresh = _build(h)
     # raise_all: the imported checkpoint has exactly the keys Megatron asks for, no more, no less
     bad_homog = _load_and_diff(fresh, os.path.join(out_dir, "mg_homog", "release"), hfull, strict="raise_all")

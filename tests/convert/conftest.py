@@ -62,10 +62,9 @@ def workspace(tmp_path_factory) -> Workspace:
                                        max_shard_size=MAX_SHARD, progress=False)
     for name, lay in IMPORT_LAYOUTS.items():
         ws.results[f"import_{name}"] = import_checkpoint(ws.path("hf_main"), ws.path(f"mg_{name}"),
-                                                         te_aliases=name != "rt", progress=False, **lay)
-    # the round-trip import has no TE alias keys: load it with Megatron's strictest check
-    imported = [(ws.path(f"mg_{name}", "release"), "raise_all" if name == "rt" else "assume_ok_unexpected")
-                for name in IMPORT_LAYOUTS]
+                                                         progress=False, **lay)
+    # imports write exactly the keys Megatron asks for: load them with its strictest check
+    imported = [(ws.path(f"mg_{name}", "release"), "raise_all") for name in IMPORT_LAYOUTS]
     for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
         ws.results[f"load_{world}"] = _timed(ws, f"{world} ranks", run_distributed, _workers.save_and_load,
                                              world, layouts, imported, ws.root, timeout=600)

@@ -4,8 +4,10 @@
   bit-identical HF tensors;
 * Megatron -> HF -> Megatron: every checkpoint tensor bit-identical (fp32), and the imported
   checkpoints (written for TP1, TP2xEP2, PP2xEP2) load with Megatron's own loader into every
-  layout above with exactly the original weights (the TP1 one under strictness ``raise_all``:
-  no missing and no unexpected keys);
+  layout above with exactly the original weights, under strictness ``raise_all`` (no missing
+  and no unexpected keys);
+* the norms are checkpointed under the Transformer Engine spec's names, so TE and local
+  checkpoints are interchangeable;
 * the exported directory is complete (config keys of SPEC §6, auto_map, tokenizer, remote code,
   shard index) and ``--dtype bf16`` is the exact bf16 rounding with the bias left fp32;
 * HF (transformers, fp32, trust_remote_code) logits match Megatron's to <= 1e-4 on real text
@@ -199,17 +201,37 @@ def test_bf16_export(workspace, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- verify
-def test_te_spec_norm_names_export_identically(workspace):
-    """A checkpoint naming the MoE layers' pre-MLP norm the TE way exports to the same tensors."""
-    from megatron_latentmoe.convert import export_checkpoint
+def test_local_spec_checkpoints_norms_under_te_spec_names(workspace):
+    """A local-spec checkpoint names the norms as a Transformer Engine spec run does, so the two are
+    interchangeable. The TE names, from megatron-core 0.19.2
+    ``megatron/core/models/gpt/gpt_layer_specs.py``:
 
-    r = DistCheckpointReader(workspace.path("ck_te_names"))
-    assert "decoder.layers.2.pre_mlp_layernorm.weight" in r.tensors
-    assert "decoder.layers.2.mlp.linear_fc1.layer_norm_weight" not in r.tensors
-    export_checkpoint(workspace.path("ck_te_names"), workspace.path("hf_te_names"), max_shard_size="300KB",
-                      progress=False)
-    assert_bit_identical(load_hf_tensors(workspace.path("hf_main")), load_hf_tensors(workspace.path("hf_te_names")),
-                         "export of the TE-named checkpoint")
+    * ``get_gpt_layer_with_transformer_engine_submodules`` (non-MLA branch) builds
+      ``linear_qkv=backend.column_parallel_layer_norm_linear()`` (TELayerNormColumnParallelLinear:
+      the input norm is its ``layer_norm_weight``) and
+      ``pre_mlp_layernorm=backend.layer_norm(has_residual=True) if num_experts else IdentityOp``:
+      MoE layers keep a separate TENorm (``pre_mlp_layernorm.weight``);
+    * ``get_mlp_module_spec_for_backend``, dense branch: ``linear_fc1 =
+      backend.column_parallel_layer_norm_linear()`` when the backend fuses norm and linear (TE
+      does), so a dense layer's pre-MLP norm is ``mlp.linear_fc1.layer_norm_weight``.
+    """
+    a = _workers.arch("main")  # layer 0 dense, layers 1-3 MoE
+    keys = set(DistCheckpointReader(workspace.path("ck_single")).tensors)
+    for i in range(a.num_layers):
+        p = f"decoder.layers.{i}."
+        assert p + "self_attention.linear_qkv.layer_norm_weight" in keys and p + "input_layernorm.weight" not in keys
+        if a.is_moe_layer(i):
+            assert p + "pre_mlp_layernorm.weight" in keys, i
+            assert p + "mlp.linear_fc1.layer_norm_weight" not in keys, i
+        else:
+            assert p + "mlp.linear_fc1.layer_norm_weight" in keys, i
+            assert p + "pre_mlp_layernorm.weight" not in keys, i
+    assert [i for i in range(a.num_layers) if a.is_moe_layer(i)] == [1, 2, 3]
+    # all-MoE model: stacked keys, the same names
+    homog = set(DistCheckpointReader(workspace.path("ck_homog")).tensors)
+    assert {"decoder.layers.pre_mlp_layernorm.weight",
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight"} <= homog
+    assert not [k for k in homog if k.endswith(("mlp.linear_fc1.layer_norm_weight", "input_layernorm.weight"))]
 
 
 def test_singleton_local_shards_checkpoint_exports_identically(workspace):
@@ -226,12 +248,10 @@ def test_singleton_local_shards_checkpoint_exports_identically(workspace):
 
 def test_verify_logits_and_greedy_generation(workspace):
     """The CLI's ``verify``: Megatron (build_gpt_model, weights by Megatron's loader) vs the HF
-    export (transformers + trust_remote_code, fp32) on 2 x 64 tokens of real text. The Megatron
-    side loads the TE-named copy of the checkpoint (the loader maps the norm's name), the HF
-    side is the export of the local-named one: same weights either way."""
+    export (transformers + trust_remote_code, fp32) on 2 x 64 tokens of real text."""
     report_path = workspace.path("verify.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_latentmoe.convert", "verify", "--checkpoint", workspace.path("ck_te_names"),
+        [sys.executable, "-m", "megatron_latentmoe.convert", "verify", "--checkpoint", workspace.path("ck_single"),
          "--hf", workspace.path("hf_main"), "--verify-tokens", "32", "--summary-json", report_path],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
