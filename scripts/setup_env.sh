@@ -20,7 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # megatron-core 0.19.2 declares Python>=3.12 but runs on 3.11 (see ../shared/MEGATRON_ON_CPU.md).
   "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
-  extras="hf,plot,test"
+  extras="hf,plot,test,train"
   "$vpy" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || extras="$extras,cpu"
   "${pip[@]}" -e "$repo[$extras]"
   echo "$want" > "$stamp"

@@ -1,0 +1,21 @@
+#!/usr/bin/env python
+"""Pretrain Stable LatentMoE with Megatron's training loop (Megatron-LM's pretrain_gpt.py, for this model).
+
+    torchrun --nproc-per-node 2 examples/pretrain_stable_latentmoe.py $(cat-args examples/args/tiny.sh) ...
+    bash examples/run_torchrun.sh examples/args/tiny.sh [extra flags]
+
+Every Megatron flag works as with pretrain_gpt.py; Stable LatentMoE adds --hidden-act,
+--activation-situ-beta, --activation-situ-linear-beta, --moe-latent-norm/--no-moe-latent-norm,
+--first-k-dense-replace, --moe-qb-num-bins and --moe-router-load-balancing-type
+quantile_histogram (see megatron_latentmoe/training/arguments.py). Without --data-path it trains
+on the shipped corpus with the shipped tokenizer.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving spawns processes
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megatron_latentmoe.training.pretrain import main
+
+    sys.exit(main())

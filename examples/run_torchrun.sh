@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Pretrain Stable LatentMoE on ONE machine with torchrun.
+#
+#   bash examples/run_torchrun.sh ARGS_FILE [extra Megatron / Stable LatentMoE flags...]
+#   bash examples/run_torchrun.sh examples/args/tiny.sh --train-iters 50 --save runs/tiny
+#
+# ARGS_FILE is a bash file that defines the array ARGS (examples/args/*.sh); extra flags are
+# appended (argparse: the last occurrence of a flag wins).
+# With a CUDA GPU: one process per GPU, NCCL, Transformer Engine spec when TE is installed.
+# Without: NPROC processes (default 2) on CPU with gloo and the local spec, 1 thread each.
+# Env: NPROC (processes), PYTHON (default: the repo's .venv python, else python3).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ $# -lt 1 ] || [ ! -f "$1" ]; then
+  echo "usage: $0 ARGS_FILE [extra flags...]   (ARGS_FILE: e.g. examples/args/tiny.sh)" >&2
+  exit 2
+fi
+args_file="$1"; shift
+# shellcheck disable=SC1090
+source "$args_file"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$repo/.venv/bin/python" ]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
+fi
+gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+if [ "$gpus" -gt 0 ]; then
+  nproc="${NPROC:-$gpus}"
+  echo "[run_torchrun] $nproc process(es) on $gpus GPU(s), NCCL" >&2
+else
+  nproc="${NPROC:-2}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  echo "[run_torchrun] no GPU: $nproc CPU process(es), gloo, $OMP_NUM_THREADS thread(s) each" >&2
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: needed for TP/SP comm ordering on GPUs
+export NO_VCS_VERSION=1                # megatron.core.package_info: skip `git rev-parse`
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  "$repo/examples/pretrain_stable_latentmoe.py" "${ARGS[@]}" "$@"

@@ -1,0 +1,422 @@
+"""Command-line flags of the Stable LatentMoE pretraining entry point, and their validation.
+
+Megatron's own parser (``megatron.training.arguments``) stays the source of every flag it already
+has; :func:`add_stable_latentmoe_args` (Megatron's ``extra_args_provider`` hook) only
+
+* adds the flags Megatron has no name for (SPEC §1, §2, §4)::
+
+    --hidden-act {situ,swiglu}           --activation-situ-beta B1   --activation-situ-linear-beta B2
+    --moe-latent-norm / --no-moe-latent-norm                         --first-k-dense-replace K
+    --moe-qb-num-bins B                  --balance-log-file PATH     --balance-log-loads-interval N
+    --no-default-data
+
+* teaches Megatron's ``--moe-router-load-balancing-type`` the value ``quantile_histogram``;
+* changes a few defaults to what this model is (RoPE, RMSNorm, no linear biases) and makes
+  ``--transformer-impl`` and ``--moe-router-score-function`` default to "decide from the rest"
+  (TE when it is installed next to a GPU, else local; sigmoid under QB, else Megatron's softmax).
+
+Reused Megatron names: ``--num-experts``, ``--moe-latent-size``, ``--moe-router-topk``,
+``--moe-router-score-function``, ``--moe-router-topk-scaling-factor`` (= routed_scaling_factor),
+``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``, ``--transformer-impl``
+(the layer-spec backend: ``local`` or ``transformer_engine``), ``--fp8-format``/``--fp8-recipe``.
+
+:func:`validate_stable_latentmoe_args` runs right after parsing, before Megatron's
+``validate_args`` and before any process group, model or dataset exists: every wrong combination
+raises :class:`FlagError` whose message starts with the offending flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Iterable, List, Optional
+
+QUANTILE_HISTOGRAM = "quantile_histogram"  # = megatron_latentmoe.config.QUANTILE_HISTOGRAM
+HIDDEN_ACTS = ("situ", "swiglu")
+BACKENDS = {"local": "local", "transformer_engine": "te"}
+
+
+class FlagError(ValueError):
+    """A bad command line; the message names the flag(s). Raised before any heavy work."""
+
+
+# ------------------------------------------------------------------------------------ parser
+def _find_action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    for action in parser._actions:
+        if action.dest == dest:
+            return action
+    raise KeyError(f"Megatron's parser has no argument with dest {dest!r}")
+
+
+def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: our flags, QB as a load-balancing type, our defaults."""
+    group = parser.add_argument_group(
+        "Stable LatentMoE", "Kimi-K3-style Stable LatentMoE with Quantile Balancing (SPEC.md)"
+    )
+    group.add_argument(
+        "--hidden-act",
+        choices=HIDDEN_ACTS,
+        default=None,
+        help="Activation of routed experts, shared experts and dense MLPs: 'situ' (SiTU-GLU, "
+        "SPEC §2; the default) or 'swiglu'. Megatron's --swiglu is implied by both.",
+    )
+    group.add_argument(
+        "--activation-situ-beta",
+        type=float,
+        default=4.0,
+        help="SiTU-GLU b1: softcap scale of the gate's linear factor (default 4.0).",
+    )
+    group.add_argument(
+        "--activation-situ-linear-beta",
+        type=float,
+        default=25.0,
+        help="SiTU-GLU b2: softcap scale of the up branch (default 25.0).",
+    )
+    group.add_argument(
+        "--moe-latent-norm",
+        dest="latent_moe_use_norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RMSNorm over the latent width between combine and W_up (SPEC §1). Default: on "
+        "when --moe-latent-size is set.",
+    )
+    group.add_argument(
+        "--first-k-dense-replace",
+        type=int,
+        default=0,
+        help="The first K layers use a dense MLP instead of the MoE block (K3: 1). Replaces "
+        "Megatron's --moe-layer-freq pattern.",
+    )
+    group.add_argument(
+        "--moe-qb-num-bins",
+        type=int,
+        default=1000,
+        help="Histogram bins per expert for the Quantile Balancing bias update (SPEC §4).",
+    )
+    group.add_argument(
+        "--balance-log-file",
+        default=None,
+        help="JSONL written by the logging rank: one record per iteration (loss, tokens/s, "
+        "MaxVio...) with per-layer expert loads. Default: <--save>/balance.jsonl when --save is "
+        "given; 'none' disables it.",
+    )
+    group.add_argument(
+        "--balance-log-loads-interval",
+        type=int,
+        default=1,
+        help="Record per-layer per-expert loads in the JSONL every N iterations (default 1).",
+    )
+    group.add_argument(
+        "--no-default-data",
+        action="store_true",
+        help="Without --data-path, fail instead of training on the shipped corpus.",
+    )
+
+    # Megatron's flags we extend or re-default.
+    lb = _find_action(parser, "moe_router_load_balancing_type")
+    lb.choices = list(lb.choices) + [QUANTILE_HISTOGRAM]
+    lb.help = (lb.help or "") + (
+        f' "{QUANTILE_HISTOGRAM}": Stable LatentMoE Quantile Balancing (SPEC §4): the per-expert '
+        "bias is set each step from a global histogram of routing margins."
+    )
+    parser.set_defaults(
+        transformer_impl=None,  # resolved in validate: TE if installed and a GPU is present
+        moe_router_score_function=None,  # resolved: sigmoid under QB, Megatron's softmax else
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+    )
+    return parser
+
+
+# ------------------------------------------------------------------------------------ checks
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _have_te() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception:  # noqa: BLE001 - a broken TE install counts as absent
+        return False
+    return bool(HAVE_TE)
+
+
+def _data_prefixes(paths: Optional[List[str]]) -> Iterable[str]:
+    """The file prefixes of a Megatron blend list ``[w1] p1 [w2] p2 ...`` (weights skipped)."""
+    for item in paths or []:
+        for token in str(item).split():
+            try:
+                float(token)
+            except ValueError:
+                yield token
+
+
+def _check_data_paths(args) -> None:
+    for flag, paths in (
+        ("--data-path", args.data_path),
+        ("--train-data-path", args.train_data_path),
+        ("--valid-data-path", args.valid_data_path),
+        ("--test-data-path", args.test_data_path),
+    ):
+        if paths is not None and not list(_data_prefixes(paths)):
+            raise FlagError(f"{flag} was given without a dataset prefix")
+        for prefix in _data_prefixes(paths):
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise FlagError(
+                    f"{flag} {prefix}: no Megatron indexed dataset there (missing "
+                    f"{' and '.join(prefix + e for e in missing)}). Give the path prefix of a "
+                    ".bin/.idx pair (tools/preprocess_data.py writes one), or leave --data-path "
+                    "out to train on the shipped corpus."
+                )
+    for flag, path in (("--data-args-path", args.data_args_path),
+                       ("--per-split-data-args-path", args.per_split_data_args_path)):
+        if path is not None and not os.path.isfile(path):
+            raise FlagError(f"{flag} {path}: no such file")
+
+
+def uses_default_data(args) -> bool:
+    """True when no dataset flag is given: train on the shipped corpus."""
+    return not (
+        args.data_path
+        or args.train_data_path
+        or args.valid_data_path
+        or args.test_data_path
+        or args.data_args_path
+        or args.per_split_data_args_path
+        or args.mock_data
+    )
+
+
+def _lb_types(args) -> List[str]:
+    lb = args.moe_router_load_balancing_type
+    return list(lb) if isinstance(lb, (list, tuple)) else [lb]
+
+
+def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
+                                   have_te: Optional[bool] = None) -> None:
+    """Check and resolve our flags on the freshly parsed namespace (no side effects besides
+    filling the 'auto' defaults). Raises :class:`FlagError` naming the flag."""
+    has_cuda = _has_cuda() if has_cuda is None else has_cuda
+    have_te = _have_te() if have_te is None else have_te
+
+    # ---- things Megatron's parser accepts but this model cannot be
+    if args.spec:
+        raise FlagError(
+            "--spec is not used by this entry point: the layer spec is Stable LatentMoE's own "
+            "(choose its backend with --transformer-impl local|transformer_engine)"
+        )
+    if getattr(args, "yaml_cfg", None):
+        raise FlagError("--yaml-cfg is not supported by this entry point; pass flags")
+    if args.multi_latent_attention:
+        raise FlagError(
+            "--multi-latent-attention is not supported: attention is Megatron's GQA "
+            "self-attention with RoPE (--group-query-attention --num-query-groups N)"
+        )
+    if args.heterogeneous_layers_config_path or args.heterogeneous_layers_config_encoded_json:
+        raise FlagError("--heterogeneous-layers-config-path is not supported by this model")
+    if args.mtp_num_layers:
+        raise FlagError("--mtp-num-layers is not supported by this entry point")
+    if args.position_embedding_type != "rope":
+        raise FlagError(
+            f"--position-embedding-type {args.position_embedding_type}: this model uses 'rope'"
+        )
+    if args.rotary_percent != 1.0 or args.use_rope_scaling:
+        raise FlagError("--rotary-percent / --use-rope-scaling are not supported (full RoPE)")
+    if args.normalization != "RMSNorm":
+        raise FlagError(f"--normalization {args.normalization}: this model uses 'RMSNorm'")
+    if args.add_bias_linear or args.add_qkv_bias:
+        raise FlagError("--add-qkv-bias / linear biases are not supported by this model")
+    if args.squared_relu or args.quick_geglu:
+        raise FlagError(
+            "--squared-relu / --quick-geglu: choose the activation with --hidden-act situ|swiglu"
+        )
+
+    # ---- activation (SPEC §2)
+    if args.hidden_act is None:
+        args.hidden_act = "situ"
+    args.swiglu = True  # both activations are gated (GLU); keeps Megatron's own checks consistent
+    for flag, value in (("--activation-situ-beta", args.activation_situ_beta),
+                        ("--activation-situ-linear-beta", args.activation_situ_linear_beta)):
+        if not value > 0:
+            raise FlagError(f"{flag} {value}: must be a positive number (softcap scale)")
+
+    # ---- MoE block (SPEC §1)
+    n, k = args.num_experts, args.moe_router_topk
+    if not n:
+        raise FlagError("--num-experts is required: Stable LatentMoE is a mixture-of-experts model")
+    if args.num_layers is None:
+        raise FlagError("--num-layers is required")
+    if not (0 <= args.first_k_dense_replace < args.num_layers):
+        raise FlagError(
+            f"--first-k-dense-replace {args.first_k_dense_replace}: must be in "
+            f"[0, --num-layers={args.num_layers})"
+        )
+    if args.first_k_dense_replace and args.moe_layer_freq != 1:
+        raise FlagError(
+            "--first-k-dense-replace and --moe-layer-freq both set the dense/MoE layer pattern; "
+            "use one of them"
+        )
+    ep = args.expert_model_parallel_size
+    if n % ep:
+        raise FlagError(f"--num-experts {n}: must be a multiple of --expert-model-parallel-size {ep}")
+    tp = args.tensor_model_parallel_size
+    latent = args.moe_latent_size
+    if latent is not None:
+        if latent <= 0:
+            raise FlagError(f"--moe-latent-size {latent}: must be a positive integer")
+        if latent % tp:
+            raise FlagError(
+                f"--moe-latent-size {latent} is not divisible by --tensor-model-parallel-size "
+                f"{tp}: the latent projections are split over tensor-parallel ranks"
+            )
+        if args.moe_shared_expert_overlap:
+            raise FlagError(
+                "--moe-shared-expert-overlap is not supported with --moe-latent-size "
+                "(the shared experts see the full-width input)"
+            )
+    if args.latent_moe_use_norm is None:
+        args.latent_moe_use_norm = latent is not None
+    elif args.latent_moe_use_norm and latent is None:
+        raise FlagError("--moe-latent-norm needs --moe-latent-size (it normalises the latent width)")
+    if args.moe_router_num_groups not in (None, 1):
+        raise FlagError(
+            f"--moe-router-num-groups {args.moe_router_num_groups}: group-limited routing is "
+            "not used (num_expert_group = 1, SPEC §3)"
+        )
+    if args.moe_router_topk_scaling_factor is not None and not args.moe_router_topk_scaling_factor > 0:
+        raise FlagError("--moe-router-topk-scaling-factor must be a positive number")
+
+    # ---- balancing (SPEC §3, §4)
+    lb = _lb_types(args)
+    qb = QUANTILE_HISTOGRAM in lb
+    if qb and len(lb) > 1:
+        raise FlagError(
+            f"--moe-router-load-balancing-type {' '.join(lb)}: {QUANTILE_HISTOGRAM} cannot be "
+            "combined with other balancing types"
+        )
+    if args.moe_router_score_function is None:
+        args.moe_router_score_function = "sigmoid" if qb else "softmax"
+    if qb:
+        if k + 1 > n:
+            raise FlagError(
+                f"--moe-router-topk {k}: with {QUANTILE_HISTOGRAM} top-(k+1) must fit in "
+                f"--num-experts {n} (k+1 <= n)"
+            )
+        if args.moe_router_score_function != "sigmoid":
+            raise FlagError(
+                f"--moe-router-score-function {args.moe_router_score_function}: "
+                f"{QUANTILE_HISTOGRAM} needs 'sigmoid' (SPEC §3)"
+            )
+        if args.moe_router_enable_expert_bias:
+            raise FlagError(
+                f"--moe-router-enable-expert-bias: drop it with {QUANTILE_HISTOGRAM}; the QB "
+                "router owns the expert bias (Megatron's sign update would fight it)"
+            )
+        coeff = args.moe_aux_loss_coeff
+        if any(c != 0 for c in (coeff if isinstance(coeff, list) else [coeff])):
+            raise FlagError(
+                f"--moe-aux-loss-coeff {coeff}: must be 0 with {QUANTILE_HISTOGRAM} (QB needs "
+                "no auxiliary loss)"
+            )
+        if args.moe_expert_capacity_factor is not None:
+            raise FlagError(
+                f"--moe-expert-capacity-factor: not used with {QUANTILE_HISTOGRAM} (QB balances "
+                "without dropping tokens)"
+            )
+        if not args.moe_qb_num_bins >= 2:
+            raise FlagError(f"--moe-qb-num-bins {args.moe_qb_num_bins}: must be an integer >= 2")
+    if not 1 <= k < n:
+        raise FlagError(f"--moe-router-topk {k}: must be in [1, --num-experts={n})")
+
+    # ---- backend and precision
+    impl = args.transformer_impl
+    if impl is None:
+        impl = "transformer_engine" if (have_te and has_cuda) else "local"
+        args.transformer_impl = impl
+    if impl not in BACKENDS:
+        raise FlagError(
+            f"--transformer-impl {impl}: this model supports {' or '.join(BACKENDS)}"
+        )
+    if impl == "transformer_engine" and not have_te:
+        raise FlagError(
+            "--transformer-impl transformer_engine: Transformer Engine is not installed "
+            "(pip install 'megatron-latentmoe[te]' on a CUDA machine), use --transformer-impl local"
+        )
+    if impl == "transformer_engine" and not has_cuda:
+        raise FlagError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+    if args.fp8 is not None or args.fp4 is not None:
+        flag = "--fp8-format" if args.fp8 is not None else "--fp4-format"
+        value = args.fp8 if args.fp8 is not None else args.fp4
+        if not has_cuda:
+            raise FlagError(
+                f"{flag} {value}: FP8/FP4 training needs a CUDA GPU with Transformer Engine; "
+                "no GPU is visible here. Drop the flag to train in fp32/bf16."
+            )
+        if not have_te:
+            raise FlagError(
+                f"{flag} {value}: FP8/FP4 training needs Transformer Engine, which is not "
+                "installed (pip install 'megatron-latentmoe[te]')"
+            )
+        if impl != "transformer_engine":
+            raise FlagError(f"{flag} {value}: needs --transformer-impl transformer_engine")
+    if not have_te:
+        args.apply_rope_fusion = False  # Megatron's default-on RoPE fusion is a TE kernel
+    if args.gradient_accumulation_fusion and impl == "local":
+        try:  # the local linears fuse wgrad accumulation only with apex's CUDA extension
+            import fused_weight_gradient_mlp_cuda  # noqa: F401
+        except ImportError:
+            args.gradient_accumulation_fusion = False
+    if args.moe_grouped_gemm and impl != "transformer_engine":
+        raise FlagError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
+    args.moe_grouped_gemm = impl == "transformer_engine"  # the TE spec uses grouped-GEMM experts
+    if args.moe_token_dispatcher_type == "flex" and not has_cuda:
+        raise FlagError("--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall")
+    if tp > 1 and not args.sequence_parallel:
+        raise FlagError(
+            f"--tensor-model-parallel-size {tp} with MoE needs --sequence-parallel (Megatron)"
+        )
+    if not has_cuda and args.distributed_backend == "nccl":
+        args.distributed_backend = "gloo"  # no GPU: gloo is the only backend that works
+
+    # ---- data
+    if uses_default_data(args):
+        if args.no_default_data:
+            raise FlagError(
+                "--data-path is required with --no-default-data (a Megatron .bin/.idx prefix)"
+            )
+    else:
+        _check_data_paths(args)
+    if args.tokenizer_model is not None and args.tokenizer_type in (None, "HuggingFaceTokenizer"):
+        if not os.path.exists(args.tokenizer_model):
+            raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")
+    if args.seq_length is None:
+        raise FlagError("--seq-length is required")
+    if args.balance_log_loads_interval < 1:
+        raise FlagError("--balance-log-loads-interval must be >= 1")
+
+
+def apply_default_tokenizer(args, tokenizer_dir: str) -> bool:
+    """Use the shipped tokenizer when no tokenizer flag is given. Returns True if it did."""
+    if args.tokenizer_type is None and args.tokenizer_model is None:
+        args.tokenizer_type = "HuggingFaceTokenizer"
+        args.tokenizer_model = tokenizer_dir
+        return True
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "HuggingFaceTokenizer"
+    return False
+
+
+# Map from StableLatentMoEConfig field names (as they appear in its ValueErrors) to our flags.
+FIELD_TO_FLAG = {
+    "num_moe_experts": "--num-experts",
+    "latent_moe_use_norm": "--moe-latent-norm",
+    "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
+}
+
+
+def flag_for_field(field: str) -> str:
+    return FIELD_TO_FLAG.get(field, "--" + field.replace("_", "-"))

@@ -1,0 +1,289 @@
+"""Per-iteration load-balance (and loss / throughput) logging for Megatron's training loop.
+
+Megatron's ``train()`` calls ``config.finalize_model_grads_func`` exactly once per training step,
+on every rank, after the last micro-batch's backward. :func:`make_finalize_model_grads_func`
+wraps the project's QB step-end update (:func:`finalize_model_grads_with_quantile_balancing`)
+so that, right after the new bias is solved, :class:`BalanceLogger` gathers what happened in the
+step just routed:
+
+* per MoE layer: MaxVio, min / max expert load, fraction of experts under half the mean load
+  (``router.last_balance``, already global over the token-parallel ranks) and, every
+  ``loads_interval`` steps, the per-expert loads (global: one small integer all-reduce);
+* the step's loss (token mean over the global batch: the ``[sum, count]`` pairs the forward step
+  hands in, summed over data-parallel ranks) and tokens/s (global batch tokens / step-to-step
+  wall time).
+
+Pipeline stages hold different layers: every stage writes its rows into one ``[layers + 1, C]``
+float64 tensor (row ``layer_number - 1``; the last row holds the loss, filled by the last stage)
+and one SUM all-reduce over the pipeline group brings all of them to every stage, so the logging
+rank (Megatron's: the last rank, which owns the TensorBoard writer) sees every layer.
+
+Outputs on the logging rank: a ``[QB]`` line on stdout every ``log_interval`` steps, TensorBoard
+scalars under ``balance/`` and ``throughput/`` every ``tensorboard_log_interval`` steps (when a
+writer exists), and one JSONL record per step (``tools/plot_balance.py`` reads it). A resumed run
+appends; records of iterations re-run after a restart appear twice (readers keep the last).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_latentmoe.moe.balance_step import (
+    finalize_model_grads_with_quantile_balancing,
+    quantile_balancing_routers,
+)
+
+# Columns of one layer row of the gathered tensor (before the optional per-expert loads).
+_PRESENT, _MAX_VIO, _MIN_LOAD, _MAX_LOAD, _UNDER_HALF, _TOKENS = range(6)
+_FIXED_COLUMNS = 6
+
+
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class BalanceLogger:
+    """Collects the step's balance metrics and loss on every rank; writes on the logging rank.
+
+    Args:
+        num_layers: total transformer layers of the model (all pipeline stages).
+        num_experts: routed experts per MoE layer.
+        tokens_per_step: global batch tokens (global batch size x sequence length).
+        iteration_fn: returns the iteration number of the step being finalised (1-based, the
+            number Megatron prints for it).
+        log_interval: stdout interval; tensorboard_log_interval: TensorBoard interval.
+        loads_interval: per-expert loads go into the JSONL every this many steps.
+        jsonl_path: the JSONL file (None: no file).
+        writer_fn: returns the TensorBoard writer or None (Megatron creates it on the last rank).
+        per_layer_tensorboard: also write per-layer MaxVio to TensorBoard.
+        is_logging_rank: defaults to "global rank == world size - 1" (Megatron's logging rank).
+        dp_group / pp_group: callables returning the data-parallel (with CP) and pipeline groups.
+        is_last_stage: callable, True on the last pipeline stage.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_experts: int,
+        tokens_per_step: int,
+        iteration_fn: Callable[[], int],
+        log_interval: int = 1,
+        tensorboard_log_interval: int = 1,
+        loads_interval: int = 1,
+        jsonl_path: Optional[str] = None,
+        writer_fn: Callable[[], object] = lambda: None,
+        per_layer_tensorboard: bool = False,
+        is_logging_rank: Optional[bool] = None,
+        dp_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None,
+        pp_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None,
+        is_last_stage: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.tokens_per_step = tokens_per_step
+        self.iteration_fn = iteration_fn
+        self.log_interval = max(1, int(log_interval))
+        self.tensorboard_log_interval = max(1, int(tensorboard_log_interval))
+        self.loads_interval = max(1, int(loads_interval))
+        self.jsonl_path = jsonl_path
+        self.writer_fn = writer_fn
+        self.per_layer_tensorboard = per_layer_tensorboard
+        if is_logging_rank is None:
+            is_logging_rank = (not dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
+        self.is_logging_rank = is_logging_rank
+        self._dp_group = dp_group
+        self._pp_group = pp_group
+        self._is_last_stage = is_last_stage
+        self._loss = None  # float64 [sum, count] of this step's training micro-batches
+        self._last_step_end: Optional[float] = None
+        self._first_forward: Optional[float] = None
+        self._printed_first = False
+        self.history: List[dict] = []  # records of this process (logging rank), for summaries
+
+    # ------------------------------------------------------------------ fed by the forward step
+    def mark_forward(self) -> None:
+        """Called by the forward step: remembers when the first step of this process started."""
+        if self._first_forward is None:
+            self._first_forward = time.time()
+
+    def add_loss(self, report: torch.Tensor) -> None:
+        """Add one training micro-batch's ``[loss sum, token count]`` (detached)."""
+        report = report.detach().to(torch.float64).view(-1)[:2]
+        self._loss = report.clone() if self._loss is None else self._loss + report.to(self._loss.device)
+
+    # ------------------------------------------------------------------ step end
+    @torch.no_grad()
+    def on_step_end(self, model_chunks, routers=None) -> Optional[dict]:
+        """Gather this step's metrics (collective over DP and PP groups) and write them."""
+        now = time.time()
+        start = self._last_step_end if self._last_step_end is not None else self._first_forward
+        step_time = (now - start) if start is not None else float("nan")
+        self._last_step_end = now
+        iteration = int(self.iteration_fn())
+        with_loads = iteration % self.loads_interval == 0 or iteration == 1
+        routers = quantile_balancing_routers(model_chunks) if routers is None else routers
+
+        columns = _FIXED_COLUMNS + (self.num_experts if with_loads else 0)
+        device = routers[0].expert_bias.device if routers else _device_of(model_chunks)
+        table = torch.zeros(self.num_layers + 1, columns, dtype=torch.float64, device=device)
+        loads = [r.last_loads_E for r in routers] if with_loads else None
+        for i, router in enumerate(routers):
+            layer = getattr(router, "layer_number", None)
+            metrics = getattr(router, "last_balance", None)
+            if layer is None or metrics is None or not 1 <= layer <= self.num_layers:
+                continue
+            row = table[layer - 1]
+            row[_PRESENT] = 1
+            row[_MAX_VIO] = metrics.max_vio
+            row[_MIN_LOAD] = metrics.min_load
+            row[_MAX_LOAD] = metrics.max_load
+            row[_UNDER_HALF] = metrics.frac_under_half
+            row[_TOKENS] = metrics.num_tokens
+            if loads is not None and loads[i] is not None:
+                row[_FIXED_COLUMNS:] = loads[i].to(device=device, dtype=torch.float64)
+
+        if self._is_last_stage():
+            loss = self._loss if self._loss is not None else torch.zeros(2, dtype=torch.float64)
+            loss = loss.to(device)
+            group = self._dp_group()
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(loss, group=group)
+            table[-1, 0] = 1
+            table[-1, 1:3] = loss
+        self._loss = None
+        group = self._pp_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(table, group=group)
+
+        if not self.is_logging_rank:
+            return None
+        record = self._record(iteration, table.cpu(), with_loads, step_time)
+        self._write(record)
+        return record
+
+    def _record(self, iteration: int, table: torch.Tensor, with_loads: bool, step_time: float) -> dict:
+        layers = []
+        for index in range(self.num_layers):
+            row = table[index]
+            if row[_PRESENT] <= 0:
+                continue
+            entry = {
+                "layer": index + 1,
+                "max_vio": float(row[_MAX_VIO]),
+                "min_load": int(row[_MIN_LOAD]),
+                "max_load": int(row[_MAX_LOAD]),
+                "frac_under_half": float(row[_UNDER_HALF]),
+                "num_tokens": int(row[_TOKENS]),
+            }
+            if with_loads and table.shape[1] > _FIXED_COLUMNS:
+                entry["loads"] = [int(x) for x in row[_FIXED_COLUMNS:].tolist()]
+            layers.append(entry)
+        loss_sum, loss_count = float(table[-1, 1]), float(table[-1, 2])
+        loss = loss_sum / loss_count if loss_count > 0 else float("nan")
+        vios = [entry["max_vio"] for entry in layers]
+        tokens_per_s = self.tokens_per_step / step_time if step_time and step_time > 0 else float("nan")
+        record = {
+            "iteration": iteration,
+            "loss": loss,
+            "loss_tokens": int(loss_count),
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "maxvio_mean": _mean(vios),
+            "maxvio_max": max(vios) if vios else float("nan"),
+            "min_load": min((e["min_load"] for e in layers), default=None),
+            "max_load": max((e["max_load"] for e in layers), default=None),
+            "frac_under_half": _mean([e["frac_under_half"] for e in layers]),
+            "num_experts": self.num_experts,
+            "layers": layers,
+        }
+        return record
+
+    def _write(self, record: dict) -> None:
+        self.history.append({k: v for k, v in record.items() if k != "layers"})
+        iteration = record["iteration"]
+        if iteration % self.log_interval == 0 or not self._printed_first:
+            self._printed_first = True
+            print(format_record(record), flush=True)
+        writer = self.writer_fn()
+        if writer is not None and iteration % self.tensorboard_log_interval == 0:
+            for key in ("maxvio_mean", "maxvio_max", "min_load", "max_load", "frac_under_half"):
+                value = record[key]
+                if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                    writer.add_scalar(f"balance/{key}", value, iteration)
+            if not math.isnan(record["tokens_per_s"]):
+                writer.add_scalar("throughput/tokens_per_s", record["tokens_per_s"], iteration)
+            if self.per_layer_tensorboard:
+                for entry in record["layers"]:
+                    writer.add_scalar(f"balance/maxvio_layer_{entry['layer']}", entry["max_vio"], iteration)
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+def format_record(record: dict) -> str:
+    """The one-line stdout summary of a step."""
+
+    def num(value, fmt):
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+    return (
+        f" [QB] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
+        f"tokens/s {num(record['tokens_per_s'], ',.0f')} | MaxVio mean {num(record['maxvio_mean'], '.3f')}"
+        f" max {num(record['maxvio_max'], '.3f')} | load min/max {record['min_load']}/{record['max_load']} | "
+        f"under-half {num(record['frac_under_half'], '.3f')}"
+    )
+
+
+def _device_of(model_chunks) -> torch.device:
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def make_finalize_model_grads_func(balance_logger: Optional[BalanceLogger]):
+    """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, the QB update, logging."""
+
+    def finalize_model_grads_and_log_balance(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        routers = quantile_balancing_routers(model) if balance_logger is not None else None
+        finalize_model_grads_with_quantile_balancing(
+            model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+        )
+        if balance_logger is not None:
+            balance_logger.on_step_end(model, routers=routers)
+
+    return finalize_model_grads_and_log_balance
+
+
+def read_balance_jsonl(path: str) -> List[dict]:
+    """Records of a balance JSONL, one per iteration (the last one wins after a restart)."""
+    by_iteration = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            by_iteration[record["iteration"]] = record
+    return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def default_jsonl_path(args) -> Optional[str]:
+    """``--balance-log-file`` resolved: explicit path, 'none', or <save>/balance.jsonl."""
+    value = getattr(args, "balance_log_file", None)
+    if value is not None:
+        return None if value.lower() == "none" else value
+    if getattr(args, "save", None):
+        return os.path.join(args.save, "balance.jsonl")
+    return None

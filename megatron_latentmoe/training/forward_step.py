@@ -1,0 +1,175 @@
+"""Batches, loss and datasets for Megatron's training loop (the roles of Megatron-LM's pretrain_gpt).
+
+* :func:`train_valid_test_datasets_provider` builds Megatron ``GPTDataset``s (blends, splits,
+  per-split paths; ``--mock-data``) on every rank (``is_distributed``): each rank reads its own
+  micro-batches, so every pipeline stage -- not only the first -- gets the loss mask it needs
+  for the padding mask below, and no tensor-parallel broadcast is needed.
+* :func:`forward_step` runs the model with ``padding_mask = (loss_mask == 0)``: tokens whose
+  loss is masked (padding, and EOD with ``--eod-mask-loss``) are not observed by Quantile
+  Balancing and not counted in the expert loads (the router's convention: True = padding).
+* :func:`loss_func` returns Megatron's ``(loss sum, token count, {"lm loss": [sum, count]})``
+  and feeds the same pair to the balance logger for the per-iteration JSONL.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+
+_BALANCE_LOGGER = None
+
+
+def set_balance_logger(logger) -> None:
+    """The :class:`BalanceLogger` that receives training losses (None: none)."""
+    global _BALANCE_LOGGER
+    _BALANCE_LOGGER = logger
+
+
+# ------------------------------------------------------------------------------------ data
+def _blend_config(args):
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    return get_blend_and_blend_per_split(args)
+
+
+def gpt_dataset_config_from_args(args, tokenizer):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    blend, blend_per_split = _blend_config(args)
+    optional = {}
+    for name, arg in (
+        ("num_dataset_builder_threads", "num_dataset_builder_threads"),
+        ("mmap_bin_files", "mmap_bin_files"),
+        ("mid_level_dataset_surplus", "mid_level_dataset_surplus"),
+        ("allow_ambiguous_pad_tokens", "allow_ambiguous_pad_tokens"),
+        ("object_storage_cache_path", "object_storage_cache_path"),
+    ):
+        if hasattr(args, arg):
+            optional[name] = getattr(args, arg)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        **optional,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's datasets provider: GPT datasets from ``--data-path`` (or mock data)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+
+    args = get_args()
+    config = gpt_dataset_config_from_args(args, get_tokenizer())
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building train, validation, and test datasets ({dataset_type.__name__}) ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, lambda: True, config
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+# Every rank builds its own loaders (and reads its own micro-batches).
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# ------------------------------------------------------------------------------------ batch
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_batch(data_iterator, *, pre_process: bool, config=None):
+    """This rank's micro-batch on its device, plus the router padding mask (True = padding)."""
+    from megatron.core import parallel_state
+
+    batch = next(data_iterator)
+    device = _device()
+    tokens = batch["tokens"].to(device, non_blocking=True).long()
+    labels = batch["labels"].to(device, non_blocking=True).long()
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
+    position_ids = batch["position_ids"].to(device, non_blocking=True).long()
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device, non_blocking=True)
+    padding_mask = loss_mask == 0
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if not pre_process and config is not None and config.sequence_parallel and tp > 1:
+        # GPTModel scatters the padding mask to this rank's sequence chunk only on the first
+        # pipeline stage (with the embedding); later stages receive hidden states that are
+        # already split, so split the mask the same way here.
+        seq = padding_mask.shape[1]
+        chunk = seq // tp
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        padding_mask = padding_mask[:, rank * chunk:(rank + 1) * chunk].contiguous()
+    return tokens, labels, loss_mask, attention_mask, position_ids, padding_mask
+
+
+# ------------------------------------------------------------------------------------ loss
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, training: bool = True,
+              check_nan: bool = False):
+    """Sum of token losses over unmasked tokens, their count, and the report pair."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).to(loss.dtype)])
+    if check_nan:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        get_rerun_state_machine().validate_result(
+            result=loss,
+            rejection_func=torch.isnan,
+            message="found NaN in local forward loss calculation",
+            tolerance=0.0,
+            fatal=True,
+        )
+    if training and _BALANCE_LOGGER is not None:
+        _BALANCE_LOGGER.add_loss(report)
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron forward step: one micro-batch through the model, and its loss function."""
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+    from megatron.training import get_args, get_timers
+
+    args = get_args()
+    timers = get_timers()
+    config = get_model_config(model)
+    pre_process = get_attr_wrapped_model(model, "pre_process")
+    training = model.training
+    if training and _BALANCE_LOGGER is not None:
+        _BALANCE_LOGGER.mark_forward()
+
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids, padding_mask = get_batch(
+        data_iterator, pre_process=pre_process, config=config
+    )
+    timers("batch-generator").stop()
+
+    output_tensor = model(
+        tokens,
+        position_ids,
+        attention_mask,
+        labels=labels,
+        loss_mask=loss_mask,
+        padding_mask=padding_mask,
+    )
+    check_nan = bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and (
+        getattr(args, "rerun_mode", "disabled") != "disabled"
+    )
+    return output_tensor, partial(loss_func, loss_mask, training=training, check_nan=check_nan)

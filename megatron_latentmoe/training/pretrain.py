@@ -1,0 +1,469 @@
+"""Pretrain a Stable LatentMoE model with Megatron's own training loop (``megatron.training.pretrain``).
+
+Order of work (everything that can be wrong about the command line fails before anything heavy):
+
+1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (:class:`FlagError`, exit 2),
+   run Megatron's ``validate_args``, build the ``StableLatentMoEConfig`` (its validation too);
+2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
+3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
+4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
+   (``compat.cpu``), and four ``megatron.training`` walls moved aside (:func:`_cpu_training_shims`);
+5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired (:func:`repair_checkpoint_tracker`);
+6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
+   ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
+   hook (grads -> QB bias update -> balance logging).
+
+Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
+megatron_latentmoe.training.pretrain``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from datetime import timedelta
+from typing import List, Optional
+
+PROG = "pretrain_stable_latentmoe"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def _startup_env() -> None:
+    # Megatron's TP/CP code paths require it on pre-Blackwell GPUs; harmless elsewhere.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # megatron.core.package_info otherwise runs `git rev-parse` in the current directory.
+    os.environ.setdefault("NO_VCS_VERSION", "1")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _print0(*parts) -> None:
+    if _rank() == 0:
+        print(*parts, flush=True)
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
+    """A checkpoint folder a run can load: Megatron's distributed checkpoint writes
+    ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it)."""
+    if ckpt_format in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+        return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
+            os.path.join(path, ".metadata")
+        )
+    return os.path.isdir(path) and any(os.scandir(path))
+
+
+def repair_checkpoint_tracker(load_dir: str, ckpt_format: str = "torch_dist", *,
+                              write: bool = True) -> Optional[int]:
+    """Make ``latest_checkpointed_iteration.txt`` name the newest COMPLETE checkpoint.
+
+    Megatron writes the tracker only after every rank finished a save, so a kill during a save
+    leaves it at the previous checkpoint (what we want). A kill while the tracker itself is
+    written can leave it empty or cut; then (or if it names a folder that is not complete) the
+    newest complete ``iter_*`` folder is written there, atomically. Returns the iteration the
+    tracker names afterwards, or None if there is nothing to resume from. ``write=False`` only
+    answers that question.
+    """
+    if not load_dir or not os.path.isdir(load_dir):
+        return None
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    named = None
+    if os.path.isfile(tracker):
+        try:
+            text = open(tracker).read().strip()
+        except OSError:
+            text = ""
+        if text == "release":
+            return None
+        if text.isdigit():
+            named = int(text)
+    complete = sorted(
+        int(m.group(1))
+        for entry in os.listdir(load_dir)
+        if (m := _ITER_DIR.match(entry))
+        and _complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
+    )
+    if named is not None and named in complete:
+        return named
+    if not complete:
+        return None
+    best = complete[-1] if named is None else max([i for i in complete if i <= named] or complete[-1:])
+    if not write:
+        return best
+    tmp = f"{tracker}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(best))
+    os.replace(tmp, tracker)
+    print(
+        f"[{PROG}] {tracker} named {named if named is not None else 'nothing readable'}; "
+        f"resuming from the newest complete checkpoint, iteration {best}",
+        flush=True,
+    )
+    return best
+
+
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "data_parallel_size",
+)
+
+
+def checkpoint_layout(load_dir: str, ckpt_format: str = "torch_dist") -> Optional[dict]:
+    """The parallel layout of the checkpoint a run will resume from (None: nothing to load)."""
+    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    if iteration is None:
+        return None
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(os.path.join(load_dir, f"iter_{iteration:07d}"))
+    except Exception:  # noqa: BLE001 - not a distributed checkpoint: Megatron will report it
+        return None
+    saved = common.get("args")
+    return None if saved is None else {f: getattr(saved, f, None) for f in LAYOUT_FIELDS}
+
+
+def _install_layout_change_load(args, saved_layout: dict) -> None:
+    """Loading a checkpoint saved with another parallel layout (e.g. EP2 -> EP1, EP2 -> TP2+SP).
+
+    Megatron reshards the model (and with it the QB ``router.expert_bias``) itself, but
+    megatron-core 0.19.2 cannot map its (non-distributed) optimizer's saved param groups onto
+    another layout's ("Could not find parameter group with key ...") and its scheduler state is
+    loaded only together with the optimizer. So for such a load: weights + QB bias from the
+    checkpoint, Adam moments start over (``--no-load-optim``), the RNG state is not loaded
+    (``--no-load-rng``), and the LR / weight-decay schedule is restored by stepping a fresh
+    scheduler to the loaded iteration -- loudly announced, never silent.
+    """
+    import megatron.training.training as mtraining
+
+    original = mtraining.load_checkpoint
+    mine = {f: getattr(args, f, None) for f in LAYOUT_FIELDS}
+    explicit_optim, explicit_rng = args.no_load_optim, args.no_load_rng
+
+    def load_checkpoint(model, optimizer, opt_param_scheduler, *a, **kw):
+        args.no_load_optim, args.no_load_rng = True, True
+        try:
+            iteration, flops = original(model, optimizer, opt_param_scheduler, *a, **kw)
+        finally:
+            args.no_load_optim, args.no_load_rng = explicit_optim, explicit_rng
+        if opt_param_scheduler is not None and iteration > 0 and not args.finetune:
+            opt_param_scheduler.step(increment=iteration * args.global_batch_size)
+        _print0(
+            f"[{PROG}] WARNING: checkpoint layout {saved_layout} != this run's {mine}: loaded the "
+            f"resharded model and QB biases at iteration {iteration}; Adam moments start over "
+            "(megatron-core 0.19.2 cannot reshard this optimizer's state); LR schedule stepped to "
+            "the loaded iteration."
+        )
+        return iteration, flops
+
+    mtraining.load_checkpoint = load_checkpoint
+
+
+# ------------------------------------------------------------------------------------ CPU
+def _cpu_training_defaults(args) -> List[str]:
+    """Flags that only work with CUDA kernels: switched off on CPU (returns the notes)."""
+    notes = []
+    for name, value in (
+        ("bias_dropout_fusion", False),  # torch.compile'd fused kernels: a C++ build on CPU
+        ("bias_swiglu_fusion", False),
+        ("masked_softmax_fusion", False),
+        ("apply_rope_fusion", False),
+        ("gradient_accumulation_fusion", False),  # needs apex/TE CUDA kernels
+        ("cross_entropy_loss_fusion", False),
+    ):
+        if getattr(args, name, value) != value:
+            setattr(args, name, value)
+            notes.append(name)
+    if args.rerun_mode != "disabled":
+        args.rerun_mode = "disabled"  # the rerun state machine keeps CUDA-only state
+        notes.append("rerun_mode=disabled")
+    return notes
+
+
+def _cpu_training_shims() -> None:
+    """``megatron.training`` walls on a machine without CUDA (megatron-core ones: compat.cpu).
+
+    * ``pretrain`` calls ``initialize_megatron()`` without ``allow_no_cuda``: pass it.
+    * ``set_jit_fusion_options`` warms torch.compile'd CUDA fusions up with ``device="cuda"``
+      tensors: nothing to warm on CPU (the fusions are switched off by ``_cpu_training_defaults``).
+    * ``validate_args`` asks the GPU architecture for TP/CP > 1: report "pre-Blackwell" (0), so
+      Megatron applies its CUDA_DEVICE_MAX_CONNECTIONS=1 rule, which ``_startup_env`` satisfies.
+    """
+    import functools
+
+    import megatron.training.arguments as margs
+    import megatron.training.training as mtraining
+
+    if not getattr(mtraining.initialize_megatron, "_latentmoe_cpu", False):
+        original = mtraining.initialize_megatron
+
+        @functools.wraps(original)
+        def initialize_megatron(*a, **kw):
+            kw["allow_no_cuda"] = True
+            return original(*a, **kw)
+
+        initialize_megatron._latentmoe_cpu = True
+        mtraining.initialize_megatron = initialize_megatron
+        mtraining.set_jit_fusion_options = lambda *a, **kw: None
+    margs.get_device_arch_version = lambda: 0
+
+
+def _skip_helper_compilation() -> None:
+    """``initialize_megatron`` runs ``make`` for the dataset helpers, and the megatron-core wheel
+    ships no Makefile (the compiled ``helpers_cpp`` is inside): keep the compiled one."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron build them
+    import megatron.core.datasets.utils as dutils
+
+    dutils.compile_helpers = lambda: None
+
+
+def _init_cpu_world(args) -> None:
+    """gloo process group, Megatron parallel groups and the CPU RNG tracker (seeded like
+    ``megatron.training.initialize._set_random_seed`` seeds the CUDA one)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="gloo",
+            rank=args.rank,
+            world_size=args.world_size,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    initialize_parallel_cpu(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        seed=args.seed,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
+        create_gloo_process_groups=args.use_gloo_process_groups,
+    )
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if args.data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    model_parallel_cuda_manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------ main
+def _parse():
+    """Parse ``sys.argv`` with Megatron's parser plus ours.
+
+    ``pretrain`` re-parses the command line on its own (``ft_integration.setup``; in-process
+    restart) with Megatron's bare parser, which would reject ``quantile_histogram``: Megatron's
+    ``parse_args`` is wrapped so that every parse includes our flags.
+    """
+    import functools
+
+    import megatron.training.arguments as margs
+
+    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
+
+    if not getattr(margs.parse_args, "_latentmoe", False):
+        original = margs.parse_args
+
+        @functools.wraps(original)
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            def provider(parser):
+                parser = add_stable_latentmoe_args(parser)
+                return extra_args_provider(parser) if extra_args_provider else parser
+
+            return original(provider, ignore_unknown_args)
+
+        parse_args._latentmoe = True
+        margs.parse_args = parse_args
+    return margs.parse_args()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run pretraining; returns the process exit code (2: bad flags).
+
+    ``argv`` (default: ``sys.argv[1:]``) replaces ``sys.argv`` for the run: Megatron reads it.
+    """
+    saved_argv = sys.argv
+    if argv is not None:
+        sys.argv = [saved_argv[0] if saved_argv else PROG, *argv]
+    try:
+        return _main()
+    finally:
+        sys.argv = saved_argv
+
+
+def _main() -> int:
+    t_start = time.time()
+    _startup_env()
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        from megatron_latentmoe.compat import apply_cpu_compat
+
+        apply_cpu_compat()
+    from megatron.training.arguments import validate_args
+
+    from megatron_latentmoe.data.corpus import (
+        DEFAULT_DATASET_NAME,
+        default_cache_dir,
+        default_tokenizer_dir,
+        prepare_default_dataset,
+    )
+    from megatron_latentmoe.training.arguments import (
+        FlagError,
+        apply_default_tokenizer,
+        uses_default_data,
+        validate_stable_latentmoe_args,
+    )
+    from megatron_latentmoe.training.model_provider import transformer_config_from_args
+
+    args = _parse()
+    default_data_dir = None
+    try:
+        validate_stable_latentmoe_args(args, has_cuda=has_cuda)
+        if uses_default_data(args):
+            default_data_dir = (
+                os.path.join(args.data_cache_path, "default_data") if args.data_cache_path
+                else str(default_cache_dir())
+            )
+            args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
+            if args.split is None:
+                args.split = "98,2,0"
+        if apply_default_tokenizer(args, default_tokenizer_dir()):
+            _print0(f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})")
+        cpu_notes = [] if has_cuda else _cpu_training_defaults(args)
+        if not has_cuda:
+            _cpu_training_shims()
+        validate_args(args, {})
+        transformer_config = transformer_config_from_args(args)
+    except FlagError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    if cpu_notes:
+        _print0(f"[{PROG}] no CUDA: gloo, local spec; off on CPU: {', '.join(cpu_notes)}")
+
+    if default_data_dir is not None:
+        prefix = prepare_default_dataset(default_data_dir, DEFAULT_DATASET_NAME)
+        _print0(f"[{PROG}] data: the shipped corpus ({prefix}.bin/.idx)")
+
+    from megatron.core.enums import ModelType
+    from megatron.training import training as mtraining
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.global_vars import set_global_variables
+
+    from megatron_latentmoe.training import forward_step as fstep
+    from megatron_latentmoe.training.balance_logging import (
+        BalanceLogger,
+        default_jsonl_path,
+        make_finalize_model_grads_func,
+    )
+    from megatron_latentmoe.training.model_provider import (
+        install_finalize_hook,
+        model_config_from_args,
+    )
+
+    _skip_helper_compilation()
+    set_global_variables(args)
+    model_cfg = model_config_from_args(args, transformer_config)
+    cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
+
+    if not has_cuda:
+        _init_cpu_world(args)
+    if args.load and _rank() == 0:
+        repair_checkpoint_tracker(args.load, args.ckpt_format)
+    if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
+        saved_layout = checkpoint_layout(args.load, args.ckpt_format)
+        if saved_layout is not None and any(
+            saved_layout[f] is not None and saved_layout[f] != getattr(args, f, None) for f in LAYOUT_FIELDS
+        ):
+            _install_layout_change_load(args, saved_layout)
+
+    balance_logger = _make_balance_logger(args, BalanceLogger, default_jsonl_path(args))
+    fstep.set_balance_logger(balance_logger)
+    install_finalize_hook(make_finalize_model_grads_func(balance_logger))
+
+    mtraining.pretrain(
+        cfg_container,
+        fstep.train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        fstep.forward_step,
+    )
+
+    if balance_logger.is_logging_rank and balance_logger.history:
+        print(summary_text(balance_logger.history), flush=True)
+    _print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _make_balance_logger(args, cls, jsonl_path):
+    from megatron.core import parallel_state
+    from megatron.training import get_args, get_tensorboard_writer
+
+    if jsonl_path and _rank() == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+    return cls(
+        num_layers=args.num_layers,
+        num_experts=args.num_experts,
+        tokens_per_step=args.global_batch_size * args.seq_length,
+        iteration_fn=lambda: get_args().curr_iteration + 1,
+        log_interval=args.log_interval,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        loads_interval=args.balance_log_loads_interval,
+        jsonl_path=jsonl_path,
+        writer_fn=get_tensorboard_writer,
+        per_layer_tensorboard=args.moe_per_layer_logging,
+        dp_group=lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+        pp_group=parallel_state.get_pipeline_model_parallel_group,
+        is_last_stage=parallel_state.is_pipeline_last_stage,
+    )
+
+
+def summary_text(history, window: int = 10) -> str:
+    """First-vs-last-window loss and MaxVio of this process's iterations."""
+    import math
+
+    rows = [r for r in history if r.get("loss") is not None and not math.isnan(r["loss"])]
+    if not rows:
+        return f"[{PROG}] summary: no iterations recorded"
+    w = max(1, min(window, len(rows) // 2 or 1))
+    first, last = rows[:w], rows[-w:]
+
+    def avg(rs, key):
+        vals = [r[key] for r in rs if r.get(key) is not None and not math.isnan(r[key])]
+        return sum(vals) / len(vals) if vals else None
+
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    return (
+        f"[{PROG}] summary over iterations {rows[0]['iteration']}-{rows[-1]['iteration']}: "
+        f"lm loss {fmt(avg(first, 'loss'), '.4f')} (first {w}) -> {fmt(avg(last, 'loss'), '.4f')} "
+        f"(last {w}); MaxVio mean {fmt(avg(first, 'maxvio_mean'), '.3f')} -> "
+        f"{fmt(avg(last, 'maxvio_mean'), '.3f')}; tokens/s {fmt(avg(last, 'tokens_per_s'), ',.0f')}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

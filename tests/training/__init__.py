@@ -1,0 +1,223 @@
+"""End-to-end tests of the pretraining entry point: real ``torchrun`` processes on CPU + gloo.
+
+Shared helpers: the tiny model's flags (read from ``examples/args/tiny.sh`` itself), a runner
+for the entry point under torchrun, JSONL / checkpoint readers, and ONE cached reference run
+(EP2, 40 iterations, a checkpoint every 10) used by both ``test_pretrain`` and ``test_resume``
+so the whole folder stays within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = REPO / "examples" / "pretrain_stable_latentmoe.py"
+TINY_ARGS_FILE = REPO / "examples" / "args" / "tiny.sh"
+PYTHON = sys.executable
+
+# Smaller global batch than the main job (2 ranks x micro-batch 4): the tests need speed, not quality.
+TEST_OVERRIDES = ["--global-batch-size", "8", "--micro-batch-size", "4", "--log-interval", "1"]
+REF_ITERS = 40
+REF_SAVE_INTERVAL = 10
+
+ENV = {
+    "OMP_NUM_THREADS": "1",  # one thread per rank: also what makes CPU runs bit-reproducible
+    "MKL_NUM_THREADS": "1",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "NO_VCS_VERSION": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_args() -> tuple:
+    """The ARGS array of examples/args/tiny.sh, exactly as bash sees it."""
+    out = subprocess.run(
+        ["bash", "-c", f'source "{TINY_ARGS_FILE}"; printf "%s\\0" "${{ARGS[@]}}"'],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return tuple(a for a in out.split("\0") if a)
+
+
+@functools.lru_cache(maxsize=None)
+def scratch_dir() -> Path:
+    """One temporary folder for the test session (removed at exit)."""
+    path = Path(tempfile.mkdtemp(prefix="latentmoe_training_tests_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def data_cache() -> str:
+    """Where the shipped corpus is tokenized once for all test runs."""
+    path = os.environ.get("LATENTMOE_TEST_DATA_CACHE") or str(scratch_dir() / "data_cache")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def command(extra: List[str], nproc: int = 2) -> List[str]:
+    return [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        str(ENTRY), *tiny_args(), *TEST_OVERRIDES, "--data-cache-path", data_cache(), *extra,
+    ]
+
+
+def environment() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(ENV)
+    return env
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"run failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def run_entry(extra: List[str], nproc: int = 2, timeout: float = 300.0) -> Run:
+    """Run the entry point under torchrun to completion."""
+    start = time.time()
+    proc = subprocess.run(
+        command(extra, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=timeout, cwd=REPO, env=environment(),
+    )
+    return Run(proc.returncode, proc.stdout, time.time() - start)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants at once, like a node dying.
+
+    torchrun starts each worker in its own session, so killing torchrun's process group alone
+    would leave the ranks running (and finishing the very save we mean to interrupt)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for victim in victims:
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
+def run_and_kill(extra: List[str], should_kill: Callable[[str], bool], nproc: int = 2,
+                 timeout: float = 300.0) -> Run:
+    """Run under torchrun and SIGKILL torchrun and every rank as soon as ``should_kill(line)``
+    is true for an output line. Returns the output up to then."""
+    start = time.time()
+    proc = subprocess.Popen(
+        command(extra, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=environment(), start_new_session=True, bufsize=1,
+    )
+    lines, killed = [], False
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if should_kill(line):
+                kill_tree(proc.pid)
+                killed = True
+                break
+            if time.time() - start > timeout:
+                break
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        proc.wait(30)
+        proc.stdout.close()
+    assert killed, "the kill condition never happened:\n" + "".join(lines)[-6000:]
+    return Run(proc.returncode, "".join(lines), time.time() - start)
+
+
+# ---------------------------------------------------------------------------------- results
+def read_jsonl(path) -> Dict[int, dict]:
+    """{iteration: record}; the last record of an iteration wins (a resumed run re-runs some)."""
+    records = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # cut by a kill
+                records[record["iteration"]] = record
+    return records
+
+
+def checkpoint_tensors(ckpt_iter_dir, contains: str = "") -> Dict[str, "object"]:
+    """Tensors of a torch_dist checkpoint folder whose key contains ``contains`` (full, unsharded)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(tempfile.mkdtemp(prefix="ckpt_", dir=scratch_dir())) / "full.pt"
+    dcp_to_torch_save(str(ckpt_iter_dir), str(out))
+    state = torch.load(out, weights_only=False)
+
+    def flatten(prefix, value, acc):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flatten(f"{prefix}.{k}" if prefix else str(k), v, acc)
+        elif isinstance(value, torch.Tensor):
+            acc[prefix] = value
+        return acc
+
+    return {k: v for k, v in flatten("", state, {}).items() if contains in k}
+
+
+def iter_dir(ckpt: Path, iteration: int) -> Path:
+    return Path(ckpt) / f"iter_{iteration:07d}"
+
+
+def copy_checkpoints(src: Path, dst: Path, upto: Optional[int] = None) -> Path:
+    """Copy a checkpoint folder, keeping iterations <= ``upto`` (tracker rewritten)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("balance.jsonl"))
+    if upto is not None:
+        for entry in dst.iterdir():
+            if entry.name.startswith("iter_") and int(entry.name[5:]) > upto:
+                shutil.rmtree(entry)
+        (dst / "latest_checkpointed_iteration.txt").write_text(str(upto))
+    return dst
+
+
+@dataclass
+class ReferenceRun:
+    ckpt: Path
+    jsonl: Path
+    records: Dict[int, dict]
+    output: str
+    seconds: float
+
+
+REF_ARGS = ["--train-iters", str(REF_ITERS), "--save-interval", str(REF_SAVE_INTERVAL)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference_run() -> ReferenceRun:
+    """EP2 on 2 ranks, 40 iterations, torch_dist checkpoints at 10/20/30/40 (cached per session)."""
+    base = scratch_dir() / "reference"
+    base.mkdir()
+    ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
+    run = run_entry(REF_ARGS + ["--save", str(ckpt), "--balance-log-file", str(jsonl)]).check()
+    return ReferenceRun(ckpt, jsonl, read_jsonl(jsonl), run.output, run.seconds)

@@ -1,0 +1,139 @@
+"""Bad flag combinations fail before any heavy work, with a message naming the flag.
+
+Every case goes through ``megatron_latentmoe.training.pretrain.main`` -- what the entry point
+script runs -- in ONE subprocess (so megatron is imported once: ~5 s of CPU), timed per case;
+one case also runs through ``examples/pretrain_stable_latentmoe.py`` itself to check the process
+exit status. "Before any heavy work": exit status 2 within a moment of parsing, no process group
+initialised, no dataset tokenized (the data cache folder given to the run stays empty), no model
+built, no checkpoint folder created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
+
+CASE_S = 5.0  # per case, after the imports (measured: milliseconds)
+PROCESS_S = 120.0  # a whole process: python + torch + megatron imports (~7 s on an idle machine)
+
+CASES = {
+    "latent_not_divisible_by_tp": (
+        ["--moe-latent-size", "63", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--moe-latent-size 63", "--tensor-model-parallel-size 2"],
+    ),
+    "fp8_without_te_or_gpu": (
+        ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
+        ["--fp8-format e4m3"],
+    ),
+    "missing_data_path": (
+        ["--data-path", "/nonexistent/corpus_text_document"],
+        ["--data-path /nonexistent/corpus_text_document", ".bin", ".idx"],
+    ),
+    "no_default_data_and_no_data_path": (
+        ["--no-default-data"],
+        ["--data-path is required"],
+    ),
+    "unknown_hidden_act": (
+        ["--hidden-act", "gelu"],
+        ["--hidden-act", "gelu", "situ", "swiglu"],
+    ),
+    "topk_plus_one_exceeds_experts": (
+        ["--num-experts", "8", "--moe-router-topk", "8"],
+        ["--moe-router-topk 8", "--num-experts 8"],
+    ),
+}
+
+HEAVY_MARKERS = (
+    "initializing torch distributed",
+    "building train, validation, and test datasets",
+    "number of parameters",
+    "[pretrain_stable_latentmoe] data:",
+    "Traceback",
+)
+
+
+DRIVER = r"""
+import contextlib, io, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron_latentmoe.compat import apply_python311_compat
+apply_python311_compat()
+import megatron.training.arguments  # the imports are not what is timed per case
+import megatron_latentmoe.training.model_provider
+from megatron_latentmoe.training.pretrain import main
+for name, argv in json.loads(sys.argv[2]).items():
+    out, err = io.StringIO(), io.StringIO()
+    start = time.time()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except SystemExit as exc:  # argparse errors exit(2)
+        code = exc.code
+    print("CASE " + json.dumps(dict(name=name, code=code, seconds=time.time() - start,
+                                   output=out.getvalue() + err.getvalue())), flush=True)
+"""
+
+
+def _argv(name):
+    flags = CASES[name][0]
+    return [*tiny_args(), "--data-cache-path", str(scratch_dir() / f"bad_flags_cache_{name}"),
+            "--save", str(scratch_dir() / f"bad_flags_ckpt_{name}"), *flags]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
+    for name in CASES:
+        (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
+    cases = {name: _argv(name) for name in CASES}
+    proc = subprocess.run(
+        [PYTHON, "-c", DRIVER, str(REPO), json.dumps(cases)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment(),
+        timeout=300,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            case = json.loads(line[5:])
+            results[case["name"]] = (case["code"], case["output"], case["seconds"])
+    assert sorted(results) == sorted(CASES), proc.stdout[-5000:]
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fails_fast_naming_the_flag(outcomes, name):
+    returncode, output, seconds = outcomes[name]
+    _check(name, returncode, output, seconds, CASE_S)
+
+
+def test_entry_point_process_exits_2_before_heavy_work():
+    name = "latent_not_divisible_by_tp"
+    start = time.time()
+    proc = subprocess.run(
+        [PYTHON, str(ENTRY), *_argv(name)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment(),
+        timeout=300,
+    )
+    _check(name, proc.returncode, proc.stdout, time.time() - start, PROCESS_S)
+
+
+def _check(name, returncode, output, seconds, limit):
+    expected = CASES[name][1]
+    error_lines = [line for line in output.splitlines() if "error:" in line]
+    print(f"{name}: exit {returncode} after {seconds:.2f} s: {error_lines[-1] if error_lines else output[-500:]}")
+    assert returncode == 2, output[-3000:]
+    assert error_lines, output[-3000:]
+    message = error_lines[-1]
+    for needle in expected:
+        assert needle in message, (needle, message)
+    for marker in HEAVY_MARKERS:
+        assert marker not in output, (marker, output[-3000:])
+    cache = scratch_dir() / f"bad_flags_cache_{name}"
+    assert not any(os.scandir(cache)), f"data was prepared in {cache}"
+    assert not (scratch_dir() / f"bad_flags_ckpt_{name}").exists()
+    assert seconds < limit, seconds

@@ -1,0 +1,37 @@
+"""Generate text from an exported HF directory (``AutoModelForCausalLM``, ``trust_remote_code``).
+
+    python tools/generate_hf.py outputs/main_job/hf --prompt "In the beginning" --max-new-tokens 32
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", type=Path, help="an exported HF directory")
+    p.add_argument("--prompt", default="In the beginning")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sample", action="store_true", help="sample (temperature 0.8) instead of greedy")
+    a = p.parse_args(argv)
+    if not (a.model_dir / "config.json").is_file():
+        print(f"error: model_dir={str(a.model_dir)!r} has no config.json (an HF export is expected)",
+              file=sys.stderr)
+        return 2
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(a.model_dir, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, trust_remote_code=True).eval()
+    ids = tokenizer(a.prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=a.sample,
+                         temperature=0.8 if a.sample else None, top_k=None, top_p=None,
+                         pad_token_id=tokenizer.pad_token_id)
+    print(tokenizer.decode(out[0], skip_special_tokens=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""Plot expert load balance from the balance JSONL written during pretraining.
+
+    python tools/plot_balance.py RUN/balance.jsonl --out RUN/expert_load.png [--window 20] [--summary]
+
+The JSONL (``--balance-log-file``; by default ``<--save>/balance.jsonl``) has one record per
+iteration: loss, tokens/s, MaxVio over the MoE layers and, per layer, the global per-expert loads.
+The picture has three panels:
+
+1. expert-load heatmaps, layers x experts, as load / mean load (1.0 = perfectly balanced): the
+   first recorded iteration beside the average over the last ``--window`` iterations;
+2. MaxVio per iteration: mean and max over layers (each layer thin), log scale;
+3. the training loss.
+
+``--summary`` prints the first-vs-last-window loss and MaxVio (what the main job reports).
+A resumed run appends to the same JSONL: the last record of an iteration wins.
+Needs matplotlib only for the picture (``--summary`` alone needs nothing beyond Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Dict, List, Optional
+
+
+def read_records(path: str) -> List[dict]:
+    """One record per iteration, in order (later lines win; a line cut by a kill is skipped)."""
+    by_iteration: Dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "iteration" in record:
+                by_iteration[int(record["iteration"])] = record
+    return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def _finite(values):
+    return [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def _avg(values) -> float:
+    values = _finite(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(records: List[dict], window: int) -> dict:
+    """First-vs-last-window loss, MaxVio and throughput."""
+    rows = [r for r in records if _finite([r.get("loss")])]
+    if not rows:
+        return {}
+    w = max(1, min(window, len(rows) // 2 or 1))
+    first, last = rows[:w], rows[-w:]
+    return {
+        "iterations": (rows[0]["iteration"], rows[-1]["iteration"]),
+        "window": w,
+        "loss_first": _avg(r["loss"] for r in first),
+        "loss_last": _avg(r["loss"] for r in last),
+        "maxvio_first": _avg(r.get("maxvio_mean") for r in first),
+        "maxvio_last": _avg(r.get("maxvio_mean") for r in last),
+        "maxvio_max_last": _avg(r.get("maxvio_max") for r in last),
+        "tokens_per_s_last": _avg(r.get("tokens_per_s") for r in last),
+    }
+
+
+def summary_lines(s: dict) -> List[str]:
+    if not s:
+        return ["no iterations with a loss in the file"]
+    a, b = s["iterations"]
+    w = s["window"]
+    verdict = "went DOWN" if s["loss_last"] < s["loss_first"] else "did NOT go down"
+    return [
+        f"iterations {a}-{b} (windows of {w}):",
+        f"  lm loss   {s['loss_first']:.4f} (first {w}) -> {s['loss_last']:.4f} (last {w})  [{verdict}]",
+        f"  MaxVio    mean over layers {s['maxvio_first']:.3f} -> {s['maxvio_last']:.3f}"
+        f"  (max over layers, last {w}: {s['maxvio_max_last']:.3f})",
+        f"  tokens/s  {s['tokens_per_s_last']:,.0f} (last {w})",
+    ]
+
+
+def _load_matrix(records: List[dict]):
+    """[layers x experts] mean of load / mean-load over ``records`` that carry loads, and the
+    layer numbers; None if no record has loads."""
+    sums: Dict[int, List[float]] = {}
+    counts: Dict[int, int] = {}
+    for record in records:
+        for layer in record.get("layers", []):
+            loads = layer.get("loads")
+            if not loads:
+                continue
+            mean = sum(loads) / len(loads)
+            if mean <= 0:
+                continue
+            rel = [x / mean for x in loads]
+            acc = sums.setdefault(layer["layer"], [0.0] * len(rel))
+            for i, v in enumerate(rel):
+                acc[i] += v
+            counts[layer["layer"]] = counts.get(layer["layer"], 0) + 1
+    if not sums:
+        return None, []
+    layers = sorted(sums)
+    return [[v / counts[l] for v in sums[l]] for l in layers], layers
+
+
+def plot(records: List[dict], out: str, window: int, title: Optional[str] = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with_loads = [r for r in records if any(l.get("loads") for l in r.get("layers", []))]
+    first_m, layers = _load_matrix(with_loads[:1])
+    w = max(1, min(window, len(with_loads)))
+    last_m, last_layers = _load_matrix(with_loads[-w:])
+
+    fig = plt.figure(figsize=(13, 8.5), constrained_layout=True)
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.0, 1.0])
+    cmap = plt.get_cmap("RdBu_r")
+    for col, (matrix, rows, label) in enumerate(
+        (
+            (first_m, layers, f"iteration {with_loads[0]['iteration']}" if with_loads else ""),
+            (last_m, last_layers,
+             f"mean of iterations {with_loads[-w]['iteration']}-{with_loads[-1]['iteration']}" if with_loads else ""),
+        )
+    ):
+        ax = fig.add_subplot(grid[0, col])
+        if matrix is None:
+            ax.text(0.5, 0.5, "no per-expert loads recorded", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        im = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=0.0, vmax=2.0, interpolation="nearest")
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([str(l) for l in rows])
+        ax.set_ylabel("layer")
+        ax.set_xlabel("expert")
+        ax.set_title(f"expert load / mean load — {label}")
+        n = len(matrix[0])
+        if n <= 32:
+            ax.set_xticks(range(n))
+        fig.colorbar(im, ax=ax, shrink=0.85, label="load / mean (1 = balanced)")
+
+    its = [r["iteration"] for r in records]
+    ax = fig.add_subplot(grid[1, 0])
+    per_layer: Dict[int, List] = {}
+    for r in records:
+        for layer in r.get("layers", []):
+            per_layer.setdefault(layer["layer"], []).append((r["iteration"], layer["max_vio"]))
+    for layer, points in sorted(per_layer.items()):
+        ax.plot([p[0] for p in points], [max(p[1], 1e-3) for p in points], lw=0.6, alpha=0.35)
+    ax.plot(its, [max(r.get("maxvio_mean") or 1e-3, 1e-3) for r in records], color="k", lw=1.6,
+            label="mean over layers")
+    ax.plot(its, [max(r.get("maxvio_max") or 1e-3, 1e-3) for r in records], color="tab:red", lw=1.0,
+            label="max over layers")
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("MaxVio = (max load - mean) / mean")
+    ax.set_title("load balance per iteration (thin: each MoE layer)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+    ax = fig.add_subplot(grid[1, 1])
+    ax.plot(its, [r.get("loss") for r in records], color="tab:blue", lw=1.0)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("training loss")
+    ax.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("jsonl", help="balance JSONL of a run (--balance-log-file / <save>/balance.jsonl)")
+    p.add_argument("--out", default=None, help="PNG to write (default: none; use with --summary)")
+    p.add_argument("--window", type=int, default=20, help="iterations in the last window (default 20)")
+    p.add_argument("--title", default=None)
+    p.add_argument("--summary", action="store_true", help="print the first-vs-last-window summary")
+    args = p.parse_args(argv)
+    try:
+        records = read_records(args.jsonl)
+    except OSError as err:
+        print(f"plot_balance.py: error: {err}", file=sys.stderr)
+        return 1
+    if not records:
+        print(f"plot_balance.py: error: no records in {args.jsonl}", file=sys.stderr)
+        return 1
+    if args.summary:
+        print("\n".join(summary_lines(summarize(records, args.window))))
+    if args.out:
+        plot(records, args.out, args.window, args.title)
+        print(f"expert-load picture: {args.out}")
+    if not args.summary and not args.out:
+        print("nothing to do: give --out PNG and/or --summary", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
