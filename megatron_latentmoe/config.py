@@ -26,11 +26,8 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-QUANTILE_HISTOGRAM = "quantile_histogram"
-"""``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
+from megatron_latentmoe.choices import HIDDEN_ACTS, QB_BINNINGS, QUANTILE_HISTOGRAM
 
-HIDDEN_ACTS = ("situ", "swiglu")
-QB_BINNINGS = ("uniform", "centered")
 
 
 def _fail(field: str, value, allowed: str) -> None:

@@ -7,7 +7,8 @@ has; :func:`add_stable_latentmoe_args` (Megatron's ``extra_args_provider`` hook)
 
     --hidden-act {situ,swiglu}           --activation-situ-beta B1   --activation-situ-linear-beta B2
     --moe-latent-norm / --no-moe-latent-norm                         --first-k-dense-replace K
-    --moe-qb-num-bins B                  --balance-log-file PATH     --balance-log-loads-interval N
+    --moe-qb-num-bins B   --moe-qb-binning {uniform,centered}   --balance-log-file PATH
+    --balance-log-loads-interval N
     --no-default-data
 
 * teaches Megatron's ``--moe-router-load-balancing-type`` the value ``quantile_histogram``;
@@ -31,8 +32,8 @@ import argparse
 import os
 from typing import Iterable, List, Optional
 
-QUANTILE_HISTOGRAM = "quantile_histogram"  # = megatron_latentmoe.config.QUANTILE_HISTOGRAM
-HIDDEN_ACTS = ("situ", "swiglu")
+from megatron_latentmoe.choices import HIDDEN_ACTS, QB_BINNINGS, QUANTILE_HISTOGRAM
+
 BACKENDS = {"local": "local", "transformer_engine": "te"}
 
 
@@ -92,6 +93,13 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
         type=int,
         default=1000,
         help="Histogram bins per expert for the Quantile Balancing bias update (SPEC §4).",
+    )
+    group.add_argument(
+        "--moe-qb-binning",
+        choices=QB_BINNINGS,
+        default="uniform",
+        help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or 'centered' on "
+        "each expert's bias (same traffic, finer near the answer).",
     )
     group.add_argument(
         "--balance-log-file",
