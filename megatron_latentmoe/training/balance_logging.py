@@ -263,22 +263,6 @@ def make_finalize_model_grads_func(balance_logger: Optional[BalanceLogger]):
     return finalize_model_grads_and_log_balance
 
 
-def read_balance_jsonl(path: str) -> List[dict]:
-    """Records of a balance JSONL, one per iteration (the last one wins after a restart)."""
-    by_iteration = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            by_iteration[record["iteration"]] = record
-    return [by_iteration[i] for i in sorted(by_iteration)]
-
-
 def default_jsonl_path(args) -> Optional[str]:
     """``--balance-log-file`` resolved: explicit path, 'none', or <save>/balance.jsonl."""
     value = getattr(args, "balance_log_file", None)

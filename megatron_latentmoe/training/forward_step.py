@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+
 
 import torch
 
