@@ -1,4 +1,5 @@
-"""Compatibility layers: megatron-core 0.19.2 on CPU + gloo (:mod:`.cpu`) and on Python 3.11
+"""Compatibility layers: megatron-core 0.19.2 on CPU + gloo (:mod:`.cpu`), megatron.training
+on CPU and from the wheel (:mod:`.training`) and on Python 3.11
 (:mod:`.python311`). Importing this package imports neither megatron nor anything heavy."""
 
 from .cpu import (

@@ -7,7 +7,7 @@ Order of work (everything that can be wrong about the command line fails before 
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
-   (``compat.cpu``), and four ``megatron.training`` walls moved aside (:func:`_cpu_training_shims`);
+   (``compat.cpu``), and four ``megatron.training`` walls moved aside (``compat.training``);
 5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired (:func:`repair_checkpoint_tracker`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import time
-from datetime import timedelta
 from typing import List, Optional
 
 PROG = "pretrain_stable_latentmoe"
@@ -167,102 +166,6 @@ def _install_layout_change_load(args, saved_layout: dict) -> None:
     mtraining.load_checkpoint = load_checkpoint
 
 
-# ------------------------------------------------------------------------------------ CPU
-def _cpu_training_defaults(args) -> List[str]:
-    """Flags that only work with CUDA kernels: switched off on CPU (returns the notes)."""
-    notes = []
-    for name, value in (
-        ("bias_dropout_fusion", False),  # torch.compile'd fused kernels: a C++ build on CPU
-        ("bias_swiglu_fusion", False),
-        ("masked_softmax_fusion", False),
-        ("apply_rope_fusion", False),
-        ("gradient_accumulation_fusion", False),  # needs apex/TE CUDA kernels
-        ("cross_entropy_loss_fusion", False),
-    ):
-        if getattr(args, name, value) != value:
-            setattr(args, name, value)
-            notes.append(name)
-    if args.rerun_mode != "disabled":
-        args.rerun_mode = "disabled"  # the rerun state machine keeps CUDA-only state
-        notes.append("rerun_mode=disabled")
-    return notes
-
-
-def _cpu_training_shims() -> None:
-    """``megatron.training`` walls on a machine without CUDA (megatron-core ones: compat.cpu).
-
-    * ``pretrain`` calls ``initialize_megatron()`` without ``allow_no_cuda``: pass it.
-    * ``set_jit_fusion_options`` warms torch.compile'd CUDA fusions up with ``device="cuda"``
-      tensors: nothing to warm on CPU (the fusions are switched off by ``_cpu_training_defaults``).
-    * ``validate_args`` asks the GPU architecture for TP/CP > 1: report "pre-Blackwell" (0), so
-      Megatron applies its CUDA_DEVICE_MAX_CONNECTIONS=1 rule, which ``_startup_env`` satisfies.
-    """
-    import functools
-
-    import megatron.training.arguments as margs
-    import megatron.training.training as mtraining
-
-    if not getattr(mtraining.initialize_megatron, "_latentmoe_cpu", False):
-        original = mtraining.initialize_megatron
-
-        @functools.wraps(original)
-        def initialize_megatron(*a, **kw):
-            kw["allow_no_cuda"] = True
-            return original(*a, **kw)
-
-        initialize_megatron._latentmoe_cpu = True
-        mtraining.initialize_megatron = initialize_megatron
-        mtraining.set_jit_fusion_options = lambda *a, **kw: None
-    margs.get_device_arch_version = lambda: 0
-
-
-def _skip_helper_compilation() -> None:
-    """``initialize_megatron`` runs ``make`` for the dataset helpers, and the megatron-core wheel
-    ships no Makefile (the compiled ``helpers_cpp`` is inside): keep the compiled one."""
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return  # a source checkout: let Megatron build them
-    import megatron.core.datasets.utils as dutils
-
-    dutils.compile_helpers = lambda: None
-
-
-def _init_cpu_world(args) -> None:
-    """gloo process group, Megatron parallel groups and the CPU RNG tracker (seeded like
-    ``megatron.training.initialize._set_random_seed`` seeds the CUDA one)."""
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_latentmoe.compat import initialize_parallel_cpu
-
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend="gloo",
-            rank=args.rank,
-            world_size=args.world_size,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
-        )
-    initialize_parallel_cpu(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        seed=args.seed,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
-        create_gloo_process_groups=args.use_gloo_process_groups,
-    )
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    if args.data_parallel_random_init:
-        seed += 10 * parallel_state.get_data_parallel_rank()
-    model_parallel_cuda_manual_seed(seed)
-
-
 # ------------------------------------------------------------------------------------ main
 def _parse():
     """Parse ``sys.argv`` with Megatron's parser plus ours.
@@ -311,6 +214,12 @@ def _main() -> int:
     t_start = time.time()
     _startup_env()
     from megatron_latentmoe.compat import apply_python311_compat
+    from megatron_latentmoe.compat.training import (
+        apply_cpu_training_compat,
+        cpu_training_defaults,
+        init_cpu_world,
+        skip_dataset_helper_build,
+    )
 
     apply_python311_compat()
     import torch
@@ -350,9 +259,9 @@ def _main() -> int:
                 args.split = "98,2,0"
         if apply_default_tokenizer(args, default_tokenizer_dir()):
             _print0(f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})")
-        cpu_notes = [] if has_cuda else _cpu_training_defaults(args)
+        cpu_notes = [] if has_cuda else cpu_training_defaults(args)
         if not has_cuda:
-            _cpu_training_shims()
+            apply_cpu_training_compat()
         validate_args(args, {})
         transformer_config = transformer_config_from_args(args)
     except FlagError as err:
@@ -381,13 +290,13 @@ def _main() -> int:
         model_config_from_args,
     )
 
-    _skip_helper_compilation()
+    skip_dataset_helper_build()
     set_global_variables(args)
     model_cfg = model_config_from_args(args, transformer_config)
     cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
 
     if not has_cuda:
-        _init_cpu_world(args)
+        init_cpu_world(args)
     if args.load and _rank() == 0:
         repair_checkpoint_tracker(args.load, args.ckpt_format)
     if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
