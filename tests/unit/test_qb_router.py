@@ -40,6 +40,7 @@ def _run(rank, world_size):
     y, _ = layer(x.clone().requires_grad_())
     y.sum().backward()
     out["train"] = _observed(layer)
+    out["router_state_keys"] = sorted(layer.router.state_dict())
     logits = x.reshape(-1, 64) @ layer.router.weight.detach().T
     expected = QuantileHistogram(cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_qb_num_bins)
     expected.observe(torch.sigmoid(logits), layer.router.expert_bias)
@@ -90,6 +91,11 @@ def test_training_forward_observes_every_token_once(result):
     assert tokens == SEQ * BATCH
     assert torch.equal(counts, result["expected_counts"])
     assert int(loads.sum()) == SEQ * BATCH * 2  # top-2 copies
+
+
+def test_only_weight_and_bias_are_checkpointed(result):
+    # the histogram and the load counters are per-step scratch, kept out of checkpoints
+    assert result["router_state_keys"] == ["expert_bias", "weight"]
 
 
 def test_padding_tokens_are_not_observed(result):
