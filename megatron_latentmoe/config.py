@@ -80,6 +80,8 @@ class StableLatentMoEConfig(TransformerConfig):
             self.gated_linear_unit = True
             self.activation_func = F.silu
             self.use_te_activation_func = False
+        if self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM and self.moe_router_dtype is None:
+            self.moe_router_dtype = "fp32"  # router logits, scores and mixing weights in fp32
         if self.num_moe_experts and self.first_k_dense_replace and self.moe_layer_freq == 1:
             k = self.first_k_dense_replace
             self.moe_layer_freq = [0] * k + [1] * (self.num_layers - k)

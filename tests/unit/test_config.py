@@ -74,6 +74,8 @@ def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
 
 def test_qb_is_selected_by_the_load_balancing_type():
     assert tiny_config().uses_quantile_balancing
+    assert tiny_config().moe_router_dtype == "fp32"  # router math in fp32 unless asked otherwise
+    assert tiny_config(moe_router_dtype="fp64").moe_router_dtype == "fp64"
     assert tiny_config().moe_router_load_balancing_type == QUANTILE_HISTOGRAM
     plain = tiny_config(moe_router_load_balancing_type="none")
     assert not plain.uses_quantile_balancing
