@@ -89,7 +89,10 @@ def update_quantile_balancing(
     for router, part in zip(routers, buffer.split(sizes)):
         n = router.config.num_moe_experts
         hist_part, loads_E = part[:-n], part[-n:]
-        router.qb_histogram.unpack_(hist_part)
+        try:
+            router.qb_histogram.unpack_(hist_part)
+        except (ValueError, OverflowError) as err:
+            raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
         num_tokens = int(router.qb_histogram.num_tokens)
         router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None
         router.last_loads_E = loads_E.clone() if num_tokens else None

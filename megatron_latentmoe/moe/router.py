@@ -49,7 +49,11 @@ class QuantileBalancingRouter(TopKRouter):
             "step_loads_E", torch.zeros(n, dtype=torch.int64, device=device), persistent=False
         )
         histogram = CenteredQuantileHistogram if config.moe_qb_binning == "centered" else QuantileHistogram
-        self.qb_histogram = histogram(n, self.topk, num_bins=config.moe_qb_num_bins, device=device)
+        # validate=False: no host sync in the forward; NaN/inf scores are counted on the device and
+        # raise at the step-end update, on every rank (balance_step.py).
+        self.qb_histogram = histogram(
+            n, self.topk, num_bins=config.moe_qb_num_bins, device=device, validate=False
+        )
         self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
         self.last_loads_E = None  # global routed tokens per expert of the last step
 

@@ -17,7 +17,9 @@ def _layer(**overrides):
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
     cfg = tiny_config(**overrides)
-    return get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1), cfg
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg)
+    layer.set_layer_number(1)  # what TransformerLayer does; the router reports it in errors
+    return layer, cfg
 
 
 def _observed(layer):
@@ -69,7 +71,22 @@ def _run(rank, world_size):
         layer(x)
     out["eval"] = _observed(layer)
 
-    # 4. activation recompute of the whole MoE layer: observed once, not twice, not zero times
+    # 4. NaN router input: the forward does not sync; the step-end update names layer and cause
+    from megatron_latentmoe.moe.balance_step import update_quantile_balancing
+
+    layer.router.qb_histogram.reset()
+    layer.router.step_loads_E.zero_()
+    bad = x.clone()
+    bad[0, 0, :] = float("nan")
+    layer(bad.requires_grad_())
+    try:
+        update_quantile_balancing([layer], None)
+        out["nan_error"] = None
+    except ValueError as err:
+        out["nan_error"] = str(err)
+    out["bias_after_nan"] = layer.router.expert_bias.clone()
+
+    # 5. activation recompute of the whole MoE layer: observed once, not twice, not zero times
     layer_rc, _ = _layer(recompute_granularity="selective", recompute_modules=["moe"])
     layer_rc.load_state_dict(layer.state_dict())
     layer_rc.train()
@@ -108,6 +125,12 @@ def test_padding_tokens_are_not_observed(result):
 def test_eval_and_no_grad_forwards_are_not_observed(result):
     tokens, counts, loads = result["eval"]
     assert tokens == 0 and int(counts.sum()) == 0 and int(loads.sum()) == 0
+
+
+def test_nan_scores_raise_at_the_step_end_naming_the_layer(result):
+    assert result["nan_error"] is not None
+    assert "layer 1" in result["nan_error"] and "NaN/inf" in result["nan_error"]
+    assert torch.isfinite(result["bias_after_nan"]).all()
 
 
 def test_recomputed_forward_is_observed_exactly_once(result):
