@@ -2,8 +2,9 @@
 
 Shared by the parallel equivalence tests: a fixed global batch (``GLOBAL_BATCH`` sequences of
 ``SEQ`` tokens, vocab ``VOCAB``), split over data-parallel ranks in micro-batches of 1 and run
-through Megatron's forward-backward schedule (1F1B with PP); ``train_step`` returns the loss, the
-reduced gradients (``main_grad``), the optimizer's grad norm and the loss after the step.
+through Megatron's forward-backward schedule (1F1B with PP, interleaved 1F1B with virtual
+stages); ``train_step`` returns the loss, the reduced gradients (``main_grad``) of each model
+chunk, the optimizer's grad norm and the loss after the step.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def loss_func(per_token_loss):
     return loss, {"lm loss": loss.clone().detach()}
 
 
-def run_schedule(ddp, forward_only):
-    """Run this DP rank's micro-batches (size 1); return the global-batch loss on last stages."""
+def run_schedule(ddps, forward_only):
+    """Run this DP rank's micro-batches (size 1) through this rank's model chunks ``ddps`` (one
+    per virtual pipeline stage); return the global-batch loss on last stages, else None."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -45,11 +47,12 @@ def run_schedule(ddp, forward_only):
     tokens, labels = batch()
     per_rank = GLOBAL_BATCH // dp
     mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    micro_batches = iter([(tokens[i : i + 1], labels[i : i + 1]) for i in mine])
+    micro_batches = [(tokens[i : i + 1], labels[i : i + 1]) for i in mine]
+    iterators = [iter(micro_batches) for _ in ddps]  # every chunk reads the same micro-batches
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=micro_batches,
-        model=[ddp],
+        data_iterator=iterators if len(ddps) > 1 else iterators[0],
+        model=list(ddps),
         num_microbatches=per_rank,
         seq_length=SEQ,
         micro_batch_size=1,
@@ -62,15 +65,19 @@ def run_schedule(ddp, forward_only):
     return loss.item() / dp
 
 
-def train_step(model, ddp, optimizer):
-    """One step; returns loss before, {name: reduced grad}, grad norm, loss after."""
-    ddp.zero_grad_buffer()
+def train_step(models, ddps, optimizer):
+    """One step of this rank's model chunks (lists, one entry per virtual pipeline stage).
+
+    Returns the loss before, ``[{name: reduced grad} per chunk]``, the grad norm, the loss after.
+    """
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = run_schedule(ddp, forward_only=False)
-    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    loss = run_schedule(ddps, forward_only=False)
+    grads = [{n: p.main_grad.detach().clone() for n, p in m.named_parameters()} for m in models]
     ok, grad_norm, _ = optimizer.step()
     assert ok
-    return loss, grads, grad_norm, run_schedule(ddp, forward_only=True)
+    return loss, grads, grad_norm, run_schedule(ddps, forward_only=True)
 
 
 def rel(a, b):

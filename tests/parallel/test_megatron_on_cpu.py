@@ -15,8 +15,9 @@ batch (4 sequences, micro-batch 1), and must reproduce the single-process
 
 to fp32 round-off (``RTOL``). All layouts of one world size run inside one spawned world.
 
-Not covered: the ``flex`` dispatcher (needs DeepEP: GPU only), context parallelism, virtual
-pipeline stages.
+Not covered: the ``flex`` dispatcher (needs DeepEP: GPU only), context parallelism (Megatron's
+local attention refuses it: TE only). Virtual pipeline stages are covered with our blocks in
+``test_model_parallel.py``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def _reference(rank, world_size):
     for dispatcher in DISPATCHERS:
         model, ddp, optimizer = _build(dispatcher)
         full = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-        loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
+        loss, (grads,), grad_norm, loss_after = train_step([model], [ddp], optimizer)
         out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
                                loss_after=loss_after)
     return out
@@ -162,7 +163,7 @@ def _layouts(rank, world_size, layouts, reference):
         for dispatcher in DISPATCHERS:
             ref = reference[dispatcher]
             model, ddp, optimizer = _build(dispatcher, ref["state"], **layout)
-            loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
+            loss, (grads,), grad_norm, loss_after = train_step([model], [ddp], optimizer)
             err = {"grad_norm": rel(grad_norm, ref["grad_norm"])}
             if loss is not None:
                 err["loss"] = rel(loss, ref["loss"])

@@ -12,7 +12,8 @@ that carry fp32 round-off of the layout; typically it is identical).
 
 Layouts: TP2+SP, EP2, PP2, EP2 with full activation recompute (world 2); EP4, TP2+SP x EP2 with
 ETP1 and ETP2, PP2 x EP2 (world 4). With recompute the QB router must still count every token
-once: the bias after the step proves it.
+once: the bias after the step proves it. Virtual pipeline stages (interleaved 1F1B): PP2 x VPP2
+(world 2) and PP2 x VPP2 x EP2 (world 4), on a 4-layer model against its own single process.
 """
 
 from __future__ import annotations
@@ -38,9 +39,20 @@ LAYOUTS_4 = {
     "TP2xEP2-ETP2": dict(tp=2, pp=1, ep=2, etp=2),
     "PP2xEP2": dict(tp=1, pp=2, ep=2, etp=1),
 }
+# 4 layers (dense, then 3 MoE): each of the 2 pipeline ranks holds 2 chunks of one layer, run by
+# Megatron's interleaved 1F1B schedule; the QB update covers the routers of both chunks at once.
+# With PP2 the previous and next stage are the same rank: like megatron.training (which refuses
+# VPP with PP2 otherwise), overlap the p2p communication instead of batching it, so the two
+# directions travel on different groups.
+P2P_OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
+LAYOUTS_VPP = {
+    2: {"PP2-VPP2": dict(pp=2, vpp=2, layers=4, **P2P_OVERLAP)},
+    4: {"PP2-VPP2xEP2": dict(pp=2, vpp=2, ep=2, layers=4, **P2P_OVERLAP)},
+}
 
 
-def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234, **extra):
+def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, vpp=None, layers=2, seed=1234, **extra):
+    """This rank's model chunks (one per virtual stage), their DDP wrappers and Megatron Adam."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -52,38 +64,46 @@ def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, seed=1234, **extra):
     from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
 
     ps.destroy_model_parallel()
-    initialize_parallel_cpu(tp, pp, ep, etp, seed=seed)
+    initialize_parallel_cpu(tp, pp, ep, etp, seed=seed, virtual_pipeline_model_parallel_size=vpp)
     config = tiny_config(
-        num_layers=2, first_k_dense_replace=1, moe_token_dispatcher_type=dispatcher,
+        num_layers=layers, first_k_dense_replace=1, moe_token_dispatcher_type=dispatcher,
         moe_router_dtype="fp64", moe_qb_num_bins=BINS,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1, pipeline_dtype=torch.float32, **extra,
     )
-    model = build_gpt_model(
-        config, vocab_size=VOCAB, max_sequence_length=SEQ,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-    )
-    ddp = DistributedDataParallel(
-        config=config, ddp_config=DistributedDataParallelConfig(), module=model
-    )
+    stages = range(vpp) if vpp else [None]
+    models = [
+        build_gpt_model(
+            config, vocab_size=VOCAB, max_sequence_length=SEQ, vp_stage=stage,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        )
+        for stage in stages
+    ]
+    ddps = [
+        DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
+                                module=model, disable_bucketing=i > 0)
+        for i, model in enumerate(models)
+    ]
     config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [ddp])
-    return model, ddp, optimizer
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddps)
+    return models, ddps, optimizer
 
 
 def _biases(model):
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.expert_bias")}
 
 
-def _reference(rank, world_size):
+def _reference(rank, world_size, layers):
     import torch
 
     out = {}
     for dispatcher in DISPATCHERS:
-        model, ddp, optimizer = _build(dispatcher)
+        (model,), ddps, optimizer = _build(dispatcher, layers=layers)
         full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
-        loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
+        loss, (grads,), grad_norm, loss_after = train_step([model], ddps, optimizer)
         out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
                                loss_after=loss_after, bias=_biases(model))
     return out
@@ -97,37 +117,46 @@ def _layouts(rank, world_size, layouts, reference):
     for name, layout in layouts.items():
         for dispatcher in DISPATCHERS:
             ref = reference[dispatcher]
-            model, ddp, optimizer = _build(dispatcher, **layout)
-            model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
-            loss, grads, grad_norm, loss_after = train_step(model, ddp, optimizer)
-            err = {"grad_norm": rel(grad_norm, ref["grad_norm"]), "grads": 0.0}
+            models, ddps, optimizer = _build(dispatcher, **layout)
+            for model in models:
+                model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
+            loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer)
+            err = {"grad_norm": rel(grad_norm, ref["grad_norm"]), "grads": 0.0, "bias_bins": 0.0}
             if loss is not None:
                 err["loss"] = rel(loss, ref["loss"])
                 err["loss_after"] = rel(loss_after, ref["loss_after"])
-            expected = shard_state_dict_for_rank(ref["grads"], model)
-            for pname, grad in grads.items():
-                want = expected[pname]
-                err["grads"] = max(err["grads"], (grad - want).norm().item() / max(want.norm().item(), 1e-30))
-            # QB bias after the step, in units of bins (the histogram range is 2 + spread wide)
-            want_bias = shard_state_dict_for_rank({**ref["state"], **ref["bias"]}, model)
-            bin_width = 2.0 / BINS
-            err["bias_bins"] = max(
-                [((v - want_bias[k]).abs().max().item()) / bin_width for k, v in _biases(model).items()]
-                or [0.0]
-            )
+            bin_width = 2.0 / BINS  # the histogram range is 2 + spread wide
+            for model, chunk_grads in zip(models, grads):
+                expected = shard_state_dict_for_rank(ref["grads"], model)
+                for pname, grad in chunk_grads.items():
+                    want = expected[pname]
+                    err["grads"] = max(err["grads"], (grad - want).norm().item() / max(want.norm().item(), 1e-30))
+                # QB bias after the step, in units of bins
+                want_bias = shard_state_dict_for_rank({**ref["state"], **ref["bias"]}, model)
+                for k, v in _biases(model).items():
+                    err["bias_bins"] = max(err["bias_bins"], (v - want_bias[k]).abs().max().item() / bin_width)
             results[(name, dispatcher)] = err
     ps.destroy_model_parallel()
     torch.distributed.barrier()
     return results
 
 
-@pytest.fixture(scope="module")
-def reference():
-    (ref,) = run_distributed(_reference, 1)
+def _single_process(layers):
+    (ref,) = run_distributed(_reference, 1, layers)
     for r in ref.values():
         assert r["loss_after"] < r["loss"]
         assert any(b.abs().max() > 0 for b in r["bias"].values()), "QB should move the bias"
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _single_process(layers=2)
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers():
+    return _single_process(layers=4)
 
 
 def _check_with_bias(per_rank):
@@ -143,3 +172,8 @@ def test_world2_matches_single_process(reference):
 
 def test_world4_matches_single_process(reference):
     _check_with_bias(run_distributed(_layouts, 4, LAYOUTS_4, reference))
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS_VPP))
+def test_virtual_pipeline_matches_single_process(world_size, reference_4_layers):
+    _check_with_bias(run_distributed(_layouts, world_size, LAYOUTS_VPP[world_size], reference_4_layers))

@@ -2,7 +2,7 @@
 
 Several micro-batches of a global batch are routed by the QB routers of 2 MoE layers, each rank
 seeing its own share of the tokens (the share of the ranks that hold different tokens: DP, EP,
-and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the end
+CP, and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the end
 of a Megatron step. Checked against ONE process that observed the whole global batch:
 
 * the all-reduced counts equal the single-process counts, as integers, for every layer;
@@ -20,8 +20,9 @@ from .launcher import run_distributed
 EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
 
 LAYOUTS = {
-    2: {"DP2": dict(), "TP2+SP": dict(tp=2), "EP2": dict(ep=2), "EP2-centered": dict(ep=2, binning="centered")},
-    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2)},
+    2: {"DP2": dict(), "TP2+SP": dict(tp=2), "CP2": dict(cp=2), "EP2": dict(ep=2),
+        "EP2-centered": dict(ep=2, binning="centered")},
+    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2), "CP2xEP2": dict(cp=2, ep=2)},
 }
 
 
@@ -59,12 +60,14 @@ def _run_layout(rank, world_size, layout, tokens):
     from megatron_latentmoe.moe.balance_step import token_parallel_group, update_quantile_balancing
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
-    tp, ep = layout.get("tp", 1), layout.get("ep", 1)
+    tp, ep, cp = layout.get("tp", 1), layout.get("ep", 1), layout.get("cp", 1)
     ps.destroy_model_parallel()
-    initialize_parallel_cpu(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    initialize_parallel_cpu(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            context_parallel_size=cp)
     cfg = tiny_config(
         num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_qb_num_bins=BINS,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp,
+        sequence_parallel=tp > 1,
         moe_qb_binning=layout.get("binning", "uniform"),
     )
     layers = torch.nn.ModuleList(

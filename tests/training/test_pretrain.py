@@ -4,7 +4,8 @@
   MaxVio down; per-layer global loads add up to tokens x top-k; a torch_dist checkpoint is
   written with a non-zero, mean-free QB bias; it loads and the next iteration's loss is
   bit-identical to the uninterrupted run's.
-* PP2: the balance metrics of the first pipeline stage reach the logging rank (last stage).
+* PP2, and PP2 with 2 virtual stages per rank (interleaved 1F1B; Megatron's default overlapped
+  p2p): the balance metrics of every stage and chunk reach the logging rank (last stage).
 """
 
 from __future__ import annotations
@@ -97,18 +98,21 @@ def test_ep2_checkpoint_loads_and_training_continues():
     assert (iter_dir(ckpt, 31) / "metadata.json").is_file()
 
 
-def test_pp2_metrics_of_every_stage_reach_the_logging_rank():
-    jsonl = scratch_dir() / "pp2.jsonl"
+@pytest.mark.parametrize("virtual_stages", [None, 2], ids=["pp2", "pp2-vpp2"])
+def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
+    jsonl = scratch_dir() / f"pp2-vpp{virtual_stages}.jsonl"
+    vpp = ["--num-layers-per-virtual-pipeline-stage", str(4 // 2 // virtual_stages)] if virtual_stages else []
     run = run_entry([
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
-        "--train-iters", "6", "--balance-log-file", str(jsonl),
+        "--train-iters", "6", "--balance-log-file", str(jsonl), *vpp,
     ]).check()
     records = read_jsonl(jsonl)
     assert sorted(records) == list(range(1, 7))
     for record in records.values():
-        # layer 2 lives on pipeline stage 0, layers 3-4 on stage 1 (the logging rank's)
+        # PP2: layer 2 lives on stage 0, layers 3-4 on stage 1 (the logging rank's);
+        # VPP2: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4
         assert [entry["layer"] for entry in record["layers"]] == MOE_LAYERS
         assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
         assert math.isfinite(record["loss"]) and record["loss_tokens"] == TOKENS_PER_STEP
     assert records[6]["loss"] < records[1]["loss"]
-    print(f"PP2: loss {records[1]['loss']:.4f} -> {records[6]['loss']:.4f} ({run.seconds:.0f} s)")
+    print(f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> {records[6]['loss']:.4f} ({run.seconds:.0f} s)")
