@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .arch import ModelArch, resolve_arch
 from .errors import ConversionError
 from .names import Location, TensorMap, checkpoint_locations, is_model_key
 
@@ -293,3 +294,19 @@ class DistCheckpointReader:
 
 
 __all__ = ["DistCheckpointReader", "resolve_checkpoint_dir", "TRACKER_FILE"]
+
+
+def open_checkpoint(
+    checkpoint: str | os.PathLike, config_file: Optional[str] = None
+) -> tuple[DistCheckpointReader, ModelArch, str]:
+    """Open a ``torch_dist`` checkpoint and resolve its architecture: ``(reader, arch, where the
+    description came from)``. An unreadable common state is tolerated only with ``config_file``."""
+    reader = DistCheckpointReader(checkpoint)
+    try:
+        common = reader.common_state()
+    except ConversionError:
+        if not config_file:
+            raise
+        common = {}
+    arch, source = resolve_arch(common, config_file, checkpoint=str(reader.path))
+    return reader, arch, source

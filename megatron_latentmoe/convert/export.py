@@ -26,8 +26,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .arch import ModelArch, resolve_arch
-from .dist_reader import DistCheckpointReader
+from .arch import ModelArch
+from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
 from .names import TensorMap, hf_dtype_for, iter_tensor_maps
 from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
@@ -299,15 +299,8 @@ def export_checkpoint(
     if max_shard <= 0:
         raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
     tok = default_tokenizer_dir() if tokenizer_dir == "default" else tokenizer_dir
-    reader = DistCheckpointReader(checkpoint)
+    reader, arch, config_source = open_checkpoint(checkpoint, config_file)
     name = str(reader.path)
-    try:
-        common = reader.common_state()
-    except ConversionError:
-        if not config_file:
-            raise
-        common = {}
-    arch, config_source = resolve_arch(common, config_file, checkpoint=name)
     n_maps = match_checkpoint(reader, arch, name)
 
     # dtype and the header plan

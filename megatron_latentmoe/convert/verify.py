@@ -2,7 +2,9 @@
 
 * Megatron side: ``build_gpt_model`` (local spec, fp32, one process, TP = EP = PP = 1) with the
   weights loaded from the ``torch_dist`` checkpoint by Megatron's own ``dist_checkpointing.load``
-  (an independent path from the converter's reader, so a mapping bug cannot cancel out).
+  (an independent path from the converter's reader, so a mapping bug cannot cancel out). It runs
+  where Megatron expects to run: on the GPU when CUDA is present (Megatron's router moves its
+  weight to the current CUDA device), else on the CPU with the CPU shims.
 * HF side: ``AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True,
   dtype=float32)`` -- the files a user downloads, the remote code included.
 * Tokens: real text from the shipped corpus, tokenised by the exported tokenizer (falls back to
@@ -20,13 +22,14 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 
-from .arch import ModelArch, resolve_arch
-from .dist_reader import DistCheckpointReader
+from .arch import ModelArch
+from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
 
 DEFAULT_ATOL = 1e-4
@@ -78,14 +81,21 @@ class VerifyReport:
 # ------------------------------------------------------------------------------ Megatron side
 
 
+def megatron_device() -> torch.device:
+    """Where the Megatron model runs: the current CUDA device if there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _ensure_single_process_world() -> None:
-    """A 1-process gloo world + Megatron's parallel state (TP = EP = PP = 1) if none exists."""
+    """A 1-process world (NCCL with CUDA, else gloo) + Megatron's parallel state (TP = EP = PP = 1)
+    if none exists."""
     import torch.distributed as dist
 
     os.environ.setdefault("NO_VCS_VERSION", "1")
     if not dist.is_initialized():
         store = tempfile.mkdtemp(prefix="latentmoe_verify_")
-        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -126,14 +136,16 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ConversionError(f"Megatron model load: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model
+    return model.to(megatron_device())
 
 
 @torch.no_grad()
 def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [b, s, vocab] on the CPU, whatever device the model runs on."""
     b, s = tokens.shape
-    position_ids = torch.arange(s, dtype=torch.long)[None].expand(b, s)
-    return model(tokens, position_ids, None).float()
+    device = megatron_device()
+    position_ids = torch.arange(s, dtype=torch.long, device=device)[None].expand(b, s)
+    return model(tokens.to(device), position_ids, None).float().cpu()
 
 
 @torch.no_grad()
@@ -232,17 +244,8 @@ def verify_export(
     text: Optional[str] = None,
 ) -> VerifyReport:
     """Compare the Megatron checkpoint with its HF export (see module docstring)."""
-    import time
-
     t0 = time.perf_counter()
-    reader = DistCheckpointReader(checkpoint)
-    try:
-        common = reader.common_state()
-    except ConversionError:
-        if not config_file:
-            raise
-        common = {}
-    arch, _ = resolve_arch(common, config_file, checkpoint=str(reader.path))
+    reader, arch, _ = open_checkpoint(checkpoint, config_file)
     torch.manual_seed(0)
     mg = load_megatron_model(reader.path, arch)
     hf = load_hf_model(hf_dir)
@@ -267,4 +270,4 @@ def verify_export(
 
 
 __all__ = ["VerifyReport", "verify_export", "load_megatron_model", "load_hf_model",
-           "megatron_logits", "megatron_greedy", "hf_greedy", "sample_tokens", "compare_logits"]
+           "megatron_device", "megatron_logits", "megatron_greedy", "hf_greedy", "sample_tokens", "compare_logits"]

@@ -8,9 +8,6 @@ tests/unit/test_block_vs_reference.py and tests/parallel/*).
 Run on a GPU machine with TE: ``bash tools/gpu_checks.sh`` (also runs the GPU benchmarks).
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
 
@@ -31,22 +28,6 @@ def _te_available():
 
 
 needs_te = pytest.mark.skipif(not _te_available(), reason="needs a CUDA GPU and Transformer Engine")
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
 
 
 def _config(**overrides):

@@ -77,13 +77,14 @@ def _rel(a, b):
     return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
-def _compare(rank, world_size, cases):
-    from megatron_latentmoe.compat import initialize_parallel_cpu
+def compare_with_reference(cases: dict, device: str = "cpu") -> dict:
+    """Each case: the Megatron layer on ``device`` (fp32) vs the reference block on the CPU, same
+    weights and input; returns {case: relative errors + whether the bias changed a selection}.
+    Needs Megatron's parallel state (a 1-rank world)."""
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.reference import StableLatentMoEBlock
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
-    initialize_parallel_cpu()
     report = {}
     for name, overrides in cases.items():
         # shared experts of 2 x m_e, as K3 stores them (one MLP of N_s * m_e)
@@ -97,17 +98,18 @@ def _compare(rank, world_size, cases):
         block = StableLatentMoEBlock(reference_config(cfg))
         mapped = megatron_layer_to_reference(layer.state_dict(), cfg.num_moe_experts)
         block.load_state_dict(mapped, strict=True)
+        layer.to(device)
 
         x = torch.randn(SEQ, BATCH, cfg.hidden_size)
         upstream = torch.randn(SEQ, BATCH, cfg.hidden_size)
-        x_meg, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        x_meg, x_ref = x.to(device, copy=True).requires_grad_(), x.clone().requires_grad_()
         layer.train()
         out_meg, _ = layer(x_meg)
         out_ref, routing = block(x_ref, return_routing=True)
-        (out_meg * upstream).sum().backward()
+        (out_meg * upstream.to(device)).sum().backward()
         (out_ref * upstream).sum().backward()
 
-        grads_meg = {k: p.grad for k, p in layer.named_parameters()}
+        grads_meg = {k: p.grad.cpu() for k, p in layer.named_parameters()}
         grads_ref = megatron_layer_to_reference(grads_meg, cfg.num_moe_experts)
         ref_params = dict(block.named_parameters())
         # an expert that received no token has grad None in the reference and 0 in Megatron
@@ -116,11 +118,11 @@ def _compare(rank, world_size, cases):
             for k, p in ref_params.items()
         )
         unbiased = torch.sigmoid(
-            x.reshape(-1, cfg.hidden_size) @ layer.router.weight.detach().T
+            x.reshape(-1, cfg.hidden_size) @ layer.router.weight.detach().cpu().T
         ).topk(cfg.moe_router_topk).indices
         report[name] = dict(
-            out=_rel(out_meg, out_ref),
-            dx=_rel(x_meg.grad, x_ref.grad),
+            out=_rel(out_meg.detach().cpu(), out_ref),
+            dx=_rel(x_meg.grad.cpu(), x_ref.grad),
             params=param_err,
             n_params=len(ref_params),
             bias_changed_selection=bool(
@@ -128,6 +130,13 @@ def _compare(rank, world_size, cases):
             ),
         )
     return report
+
+
+def _compare(rank, world_size, cases):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+
+    initialize_parallel_cpu()
+    return compare_with_reference(cases)
 
 
 @pytest.fixture(scope="module")
