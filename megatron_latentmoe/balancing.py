@@ -174,7 +174,14 @@ def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -
 
 # ----------------------------------------------------------------------------- exact reference
 def exact_quantiles(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-expert Q-th smallest ``r = alpha - s`` (fp32, NOT mean-centred); bias unchanged if m = 0."""
+    """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
+    bias unchanged if m = 0.
+
+    This is the order statistic that appendix D's histogram rule estimates (the first bin whose
+    cumulative count reaches ceil(q)). Q - 1 tokens have r strictly below it and Q have r <= it;
+    SPEC §4 step 2's "exactly q below" holds for any value in (r_(Q), r_(Q+1)]. The choice moves
+    the bias by one order statistic, far less than a bin, and the histogram tests compare with it.
+    """
     return _exact_quantiles(scores_TE, bias_E, topk, valid_T)[0]
 
 
@@ -524,10 +531,6 @@ class QuantileHistogram(_QuantileHistogramBase):
     def _bounds(self, c_E):
         lo, _, width = self._range
         return lo + c_E.float() * width, width.expand(c_E.shape).clone()
-
-    def bin_width(self, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Uniform bin width of the window (or of ``bias_E``), 0-d fp32."""
-        return self._window_range(bias_E)[2]
 
 
 class CenteredQuantileHistogram(_QuantileHistogramBase):

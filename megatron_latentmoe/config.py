@@ -38,6 +38,10 @@ def _fail(field: str, value, allowed: str) -> None:
 class StableLatentMoEConfig(TransformerConfig):
     """``TransformerConfig`` + the Stable LatentMoE fields (SPEC §1, §2, §4)."""
 
+    normalization: str = "RMSNorm"
+    """Megatron's field, re-defaulted: every norm of the model is an RMSNorm (SPEC §1); the
+    only value allowed."""
+
     hidden_act: str = "situ"
     """SPEC §2: ``"situ"`` = SiTU-GLU in routed experts, shared experts and dense MLPs;
     ``"swiglu"`` = plain SwiGLU (for ablations)."""
@@ -63,8 +67,8 @@ class StableLatentMoEConfig(TransformerConfig):
     quantile at equal B, see benchmarks/bench_balancing.py)."""
 
     def __post_init__(self):
-        self._apply_stable_latentmoe_defaults()
         self._validate_stable_latentmoe()
+        self._apply_stable_latentmoe_defaults()
         super().__post_init__()
 
     # ------------------------------------------------------------------ derived Megatron fields
@@ -94,20 +98,43 @@ class StableLatentMoEConfig(TransformerConfig):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 _fail(name, value, "a positive number (softcap scale, SPEC §2)")
-        if not (0 <= self.first_k_dense_replace < max(self.num_layers, 1)):
-            _fail(
-                "first_k_dense_replace",
-                self.first_k_dense_replace,
-                f"an integer in [0, num_layers={self.num_layers})",
-            )
+        k_dense = self.first_k_dense_replace
+        if isinstance(k_dense, bool) or not isinstance(k_dense, int) or not (
+            0 <= k_dense < max(self.num_layers, 1)
+        ):
+            _fail("first_k_dense_replace", k_dense, f"an integer in [0, num_layers={self.num_layers})")
+        if self.normalization != "RMSNorm":
+            _fail("normalization", self.normalization, "'RMSNorm' (SPEC §1)")
+        if self.layernorm_zero_centered_gamma:
+            _fail("layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)")
+        if self.hidden_act == "situ":
+            # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
+            # the experts would silently run SwiGLU or fail deep inside TE.
+            for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
+                if getattr(self, name):
+                    _fail(name, True, "False with hidden_act='situ' (Megatron fuses SwiGLU only)")
+        if not self.num_moe_experts:
+            return
         if self.latent_moe_use_norm and not self.moe_latent_size:
             _fail(
                 "latent_moe_use_norm",
                 self.latent_moe_use_norm,
                 "False unless moe_latent_size is set (the norm is over the latent width)",
             )
-        if not self.num_moe_experts:
-            return
+        dense_then_moe = [0] * k_dense + [1] * (self.num_layers - k_dense)
+        if k_dense and self.moe_layer_freq not in (1, dense_then_moe):
+            _fail(
+                "first_k_dense_replace",
+                k_dense,
+                f"0 when moe_layer_freq={self.moe_layer_freq!r} is set (it would override the "
+                f"pattern); or moe_layer_freq 1 or {dense_then_moe}",
+            )
+        for name, why in (
+            ("moe_apply_probs_on_input", "the block weights expert OUTPUTS: p * E(z) (SPEC §1)"),
+            ("moe_enable_routing_replay", "the Stable LatentMoE routers do not record or replay"),
+        ):
+            if getattr(self, name):
+                _fail(name, True, f"False ({why})")
         n, k = self.num_moe_experts, self.moe_router_topk
         ep = self.expert_model_parallel_size
         if n % ep:
@@ -133,8 +160,6 @@ class StableLatentMoEConfig(TransformerConfig):
             self._validate_quantile_balancing(n, k)
 
     def _validate_quantile_balancing(self, n: int, k: int) -> None:
-        if k + 1 > n:
-            _fail("moe_router_topk", k, f"at most num_moe_experts-1={n - 1} (QB needs top-(k+1))")
         if self.moe_router_score_function != "sigmoid":
             _fail(
                 "moe_router_score_function",
@@ -157,6 +182,9 @@ class StableLatentMoEConfig(TransformerConfig):
             _fail("moe_qb_num_bins", self.moe_qb_num_bins, "an integer >= 2")
         if self.moe_qb_binning not in QB_BINNINGS:
             _fail("moe_qb_binning", self.moe_qb_binning, f"one of {QB_BINNINGS}")
+        if self.moe_qb_binning == "centered" and self.moe_qb_num_bins % 2:
+            _fail("moe_qb_num_bins", self.moe_qb_num_bins,
+                  "an even integer with moe_qb_binning='centered' (half the bins each side of the bias)")
         if self.moe_expert_capacity_factor is not None:
             _fail(
                 "moe_expert_capacity_factor",

@@ -94,8 +94,8 @@ class LatentMoEShape:
 
         Reads hidden_size, moe_latent_size, moe_ffn_hidden_size, num_moe_experts,
         moe_router_topk, moe_shared_expert_intermediate_size (None -> 0), num_layers,
-        first_k_dense_replace (if absent: derived from a list moe_layer_freq of the form
-        [0]*k + [1]*rest, or 0 for moe_layer_freq == 1), ffn_hidden_size (the dense layers'),
+        the layer layout from moe_layer_freq (a list must be [0]*k + [1]*rest; 1 = all MoE
+        unless first_k_dense_replace says otherwise; first_k_dense_replace must agree), ffn_hidden_size (the dense layers'),
         latent_moe_use_norm (absent -> False, upstream LatentMoE has no latent norm), and
         optionally padded_vocab_size / vocab_size and share_embeddings_and_output_weights /
         tie_word_embeddings.
@@ -111,9 +111,16 @@ class LatentMoEShape:
             raise ValueError("gated_linear_unit=False: the ledger counts 3-matrix gated FFNs "
                              "(SiTU-GLU) only")
         num_layers = req("num_layers")
-        k_dense = getattr(cfg, "first_k_dense_replace", None)
-        if k_dense is None:
-            k_dense = _first_k_dense_from_layer_freq(getattr(cfg, "moe_layer_freq", 1), num_layers)
+        # moe_layer_freq is what Megatron builds: it wins; first_k_dense_replace must agree
+        freq = getattr(cfg, "moe_layer_freq", 1)
+        k_given = getattr(cfg, "first_k_dense_replace", None)
+        if freq == 1:
+            k_dense = k_given or 0
+        else:
+            k_dense = _first_k_dense_from_layer_freq(freq, num_layers)
+            if k_given and k_given != k_dense:  # 0: not set (the config default)
+                raise ValueError(f"first_k_dense_replace={k_given} disagrees with "
+                                 f"moe_layer_freq={freq} ({k_dense} dense layers first)")
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0
         vocab = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", None) or 0
         if getattr(cfg, "share_embeddings_and_output_weights", None) is not None:
@@ -313,7 +320,10 @@ def parameter_ledger(shape: LatentMoEShape) -> dict:
 
 
 def _human(x: float) -> str:
-    """3 significant digits with a T / B / M / K suffix."""
+    """3 significant digits with a T / B / M / K suffix (rounded before the unit is chosen)."""
+    if x == 0:
+        return "0"
+    x = float(f"{x:.3g}")
     for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(x) >= div:
             v = x / div

@@ -51,3 +51,8 @@ class LatentProjection(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         return F.linear(x, self.weight), None
+
+    def backward_dw(self) -> None:
+        """Megatron's ``MoELayer.backward_dw`` calls this on the latent projections when expert
+        communication overlap defers weight gradients (TE's ``TELinear`` computes them here);
+        plain autograd has already computed this weight's gradient, so there is nothing to do."""

@@ -139,13 +139,6 @@ class StableLatentMoELayer(MoELayer):
             output = output + shared_expert_output
         return output
 
-    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
-        """Delayed weight-gradient hook (TE paths); the latent projections use plain autograd."""
-        if routed_experts:
-            self.experts.backward_dw()
-        if shared_experts and self.use_shared_expert and not self.shared_expert_overlap:
-            self.shared_experts.backward_dw()
-
 
 def _duplicated_linear_kwargs(linear_cls) -> dict:
     """TE's ``TELinear`` needs to be told it is replicated; our local projection already is."""

@@ -23,6 +23,10 @@ def test_situ_turns_on_gated_module_activation():
 def test_first_k_dense_replace_sets_the_layer_pattern():
     cfg = tiny_config(num_layers=4, first_k_dense_replace=1)
     assert cfg.moe_layer_freq == [0, 1, 1, 1]
+    # the same pattern given explicitly (as the converter and copies of a config do) is accepted
+    same = tiny_config(num_layers=4, first_k_dense_replace=1, moe_layer_freq=[0, 1, 1, 1])
+    assert same.moe_layer_freq == [0, 1, 1, 1]
+    assert StableLatentMoEConfig(num_layers=2, hidden_size=64, num_attention_heads=4).normalization == "RMSNorm"
     full = k3_full_scale_config()
     assert full.moe_layer_freq == [0] + [1] * 92
     assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
@@ -64,6 +68,20 @@ def test_added_fields_are_listed():
          "positive"),
         (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True",
          "full-width input"),
+        (dict(first_k_dense_replace=1.5), "first_k_dense_replace=1.5", "an integer"),
+        (dict(num_layers=4, moe_layer_freq=[1, 1, 0, 0], first_k_dense_replace=1),
+         "first_k_dense_replace=1", "0 when moe_layer_freq=[1, 1, 0, 0]"),
+        (dict(normalization="LayerNorm"), "normalization='LayerNorm'", "'RMSNorm'"),
+        (dict(layernorm_zero_centered_gamma=True), "layernorm_zero_centered_gamma=True", "False"),
+        (dict(use_transformer_engine_op_fuser=True), "use_transformer_engine_op_fuser=True",
+         "hidden_act='situ'"),
+        (dict(activation_func_fp8_input_store=True), "activation_func_fp8_input_store=True",
+         "hidden_act='situ'"),
+        (dict(moe_apply_probs_on_input=True, moe_router_topk=1), "moe_apply_probs_on_input=True",
+         "p * E(z)"),
+        (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True", "replay"),
+        (dict(moe_qb_binning="centered", moe_qb_num_bins=999), "moe_qb_num_bins=999",
+         "even integer"),
     ],
 )
 def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):

@@ -165,6 +165,26 @@ def test_tiny_hand_computed():
     assert led["totals"]["counted_params"] == 2 * 756 + 240 + 176
 
 
+@pytest.mark.parametrize("x,text", [
+    (999_700_000, "1.00 B"), (999_999, "1.00 M"), (9_996_000_000, "10.0 B"), (2.7227e12, "2.72 T"),
+    (51_380_224, "51.4 M"), (1234, "1.23 K"), (12, "12"), (0, "0"),
+])
+def test_human_rounds_before_choosing_the_unit(x, text):
+    from megatron_latentmoe.ledger import _human
+
+    assert _human(x) == text
+
+
+def test_stable_latentmoe_config_layout_is_what_megatron_builds():
+    pytest.importorskip("megatron.core")
+    from megatron_latentmoe.config import tiny_config
+
+    cfg = tiny_config(num_layers=4, first_k_dense_replace=1)
+    assert LatentMoEShape.from_megatron_config(cfg).first_k_dense_replace == 1
+    every_layer = tiny_config(num_layers=4, moe_layer_freq=[0, 0, 1, 1])
+    assert LatentMoEShape.from_megatron_config(every_layer).first_k_dense_replace == 2
+
+
 def test_format_ledger_units():
     text = format_ledger(parameter_ledger(K3_FULL_SCALE))
     for needle in ("2.72 T", "528 M", "132 M", "51.4 M", "65.5 B", "712 M", "705 M", "1.17 B",
@@ -220,6 +240,10 @@ def test_from_megatron_config_namespace():
     assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == 3
     ns.moe_layer_freq = [0, 1] * 46 + [1]
     with pytest.raises(ValueError, match="moe_layer_freq"):
+        LatentMoEShape.from_megatron_config(ns)
+    # the built layout (moe_layer_freq) wins over first_k_dense_replace, and they must agree
+    ns = _mcore_ns(first_k_dense_replace=1, moe_layer_freq=[0] * 2 + [1] * 91)
+    with pytest.raises(ValueError, match="first_k_dense_replace=1 disagrees"):
         LatentMoEShape.from_megatron_config(ns)
     with pytest.raises(ValueError, match="moe_latent_size"):
         LatentMoEShape.from_megatron_config(_mcore_ns(moe_latent_size=None))
