@@ -8,7 +8,8 @@
 #   bash examples/main_job.sh
 #
 # Env: OUT (default: <repo>/outputs/main_job; wiped at start unless RESUME=1), TRAIN_ITERS (300),
-#      NPROC (2), RESUME=1 (continue from OUT's last checkpoint instead of starting over).
+#      NPROC (2), RESUME=1 (continue from OUT's last checkpoint instead of starting over; a new
+#      TRAIN_ITERS extends the run, its LR schedule following the new length).
 # Outputs: OUT/train.log (full log), OUT/checkpoints/ (torch_dist), OUT/balance.jsonl,
 #          OUT/expert_load.png, OUT/tensorboard/, OUT/hf/ (HF export, verified against Megatron).
 set -euo pipefail
@@ -23,7 +24,12 @@ python="$(bash "$repo/scripts/setup_env.sh" | tail -n 1)"
 echo "   python: $python"
 t_setup=$(date +%s)
 
-if [ "${RESUME:-0}" != "1" ]; then rm -rf "$out"; fi
+resume_flags=()
+if [ "${RESUME:-0}" != "1" ]; then
+  rm -rf "$out"
+else  # continuing, possibly to a new TRAIN_ITERS: the LR schedule follows this run's flags
+  resume_flags=(--override-opt_param-scheduler)
+fi
 mkdir -p "$out"
 touch "$out/train.log"
 log_start=$(( $(stat -c %s "$out/train.log") + 1 ))  # show only this run's lines
@@ -38,7 +44,7 @@ PYTHON="$python" NPROC="${NPROC:-2}" bash "$repo/examples/run_torchrun.sh" "$rep
     --balance-log-file "$out/balance.jsonl" \
     --tensorboard-dir "$out/tensorboard" \
     --data-cache-path "$repo/outputs/cache" \
-    --log-interval 10 \
+    --log-interval 10 "${resume_flags[@]}" \
   >> "$out/train.log" 2>&1 &
 train_pid=$!
 # Show the lines that matter while it runs: our per-iteration [QB] lines, checkpoints, errors.

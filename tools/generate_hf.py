@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", type=Path, help="an exported HF directory")
@@ -16,9 +21,12 @@ def main(argv=None) -> int:
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.8) instead of greedy")
     a = p.parse_args(argv)
     if not (a.model_dir / "config.json").is_file():
-        print(f"error: model_dir={str(a.model_dir)!r} has no config.json (an HF export is expected)",
-              file=sys.stderr)
-        return 2
+        return _error(f"model_dir={str(a.model_dir)!r} has no config.json (an HF export is expected)")
+    if not any((a.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return _error(f"model_dir={str(a.model_dir)!r} has no tokenizer files (exported with --tokenizer "
+                      "none?); export again with a tokenizer, or copy its files there")
+    if a.max_new_tokens < 1:
+        return _error(f"--max-new-tokens={a.max_new_tokens} is not allowed: an integer >= 1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -94,6 +94,33 @@ def _verify(args, checkpoint: str, hf_dir: str, config_file: Optional[str]):
     return report
 
 
+def _check_options(args) -> None:
+    """Refuse bad options before any work (a typo must not cost a full conversion)."""
+    from .errors import ConversionError
+    from .verify import check_hf_dir, check_verify_options
+
+    if args.command == "verify" or args.verify:
+        check_verify_options(atol=args.verify_atol, new_tokens=args.verify_tokens,
+                             batch=args.verify_batch, seq_len=args.verify_seq_len)
+    if args.command in ("import", "verify"):
+        check_hf_dir(args.hf)
+    if getattr(args, "read_batch_mb", 1) < 1:
+        raise ConversionError(f"--read-batch-mb={args.read_batch_mb} is not allowed: an integer >= 1")
+    if args.summary_json:
+        parent = os.path.dirname(os.path.abspath(args.summary_json))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConversionError(f"--summary-json {args.summary_json!r}: directory {parent!r} "
+                                  "does not exist or is not writable")
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` through a temporary file (never a half-written summary)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's version string without git
     args = build_parser().parse_args(argv)
@@ -101,6 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     result: dict = {}
     try:
+        _check_options(args)
         if args.command == "export":
             from .export import export_checkpoint
 
@@ -129,9 +157,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     if report is not None:
         result["verify"] = report.to_dict()
-    if getattr(args, "summary_json", None):
-        with open(args.summary_json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    if args.summary_json:
+        _write_json(args.summary_json, result)
     if report is not None and not report.passed:
         print("error: verification failed (see above)", file=sys.stderr)
         return EXIT_VERIFY_FAILED

@@ -184,16 +184,6 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def total_model_bytes(self) -> int:
-        total = 0
-        for k in self.model_keys():
-            md = self.tensors[k]
-            n = 1
-            for s in md.size:
-                n *= s
-            total += n * md.properties.dtype.itemsize
-        return total
-
     # ------------------------------------------------------------------ common state
     def common_state(self) -> dict:
         """The non-tensor state saved with the checkpoint (``args``, ``iteration``, ...)."""

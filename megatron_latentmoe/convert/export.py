@@ -5,17 +5,24 @@ Output (written into a temporary directory next to the target, renamed at the en
     config.json                      model_type stable_latentmoe, SPEC §6 + attention keys, auto_map
     generation_config.json           bos / eos / pad ids
     configuration_stable_latentmoe.py, modeling_stable_latentmoe.py   (trust_remote_code)
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json    (the shipped tokenizer)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json    (the training tokenizer)
     model-00001-of-0000N.safetensors ...  + model.safetensors.index.json
 
 Streaming: the safetensors headers are planned up front from the model config (every tensor's
 name, shape and dtype is known before any data is read), then tensors are read from the
 checkpoint in small batches (``read_batch_bytes``), converted, and appended to the open shard.
 Peak memory is about one read batch plus the largest tensor, independent of the model size.
+The HF config and the tokenizer are checked before any tensor is read.
+
+Tokenizer (``tokenizer_dir="default"``): the HF tokenizer directory the checkpoint was trained
+with (megatron.training's ``--tokenizer-model``, read from the checkpoint's args; the package's
+own tokenizer if the run used it, wherever that clone was), else the package's tokenizer for a
+checkpoint without args. Its bos / eos / pad ids go into the config; it must fit the vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -247,30 +254,76 @@ def _hf_config_class():
     return module.StableLatentMoEConfig
 
 
-def write_hf_metadata(directory: Path, arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str]) -> None:
-    """config.json, generation_config.json, the remote-code files and the tokenizer files."""
-    from transformers import GenerationConfig
+def _shipped_tokenizer_suffix() -> tuple[str, ...]:
+    """The package-relative path of the shipped tokenizer (to recognise it from another clone)."""
+    return Path(default_tokenizer_dir()).resolve().parts[-4:]
 
+
+def resolve_tokenizer_dir(tokenizer_dir: Optional[str], common_state: dict) -> Optional[str]:
+    """The tokenizer directory to ship: an explicit one, None, or for ``"default"`` the training
+    run's (see the module docstring). Raises :class:`ConversionError` if it cannot be told."""
+    if tokenizer_dir != "default":
+        return tokenizer_dir
+    args = common_state.get("args")
+    kind, model = getattr(args, "tokenizer_type", None), getattr(args, "tokenizer_model", None)
+    if args is None or (kind is None and model is None):
+        return default_tokenizer_dir()
+    if kind in (None, "HuggingFaceTokenizer") and model:
+        if Path(model).is_dir():
+            return str(model)
+        if Path(model).parts[-4:] == _shipped_tokenizer_suffix():
+            return default_tokenizer_dir()  # the package's tokenizer, trained in another clone
+        raise ConversionError(
+            f"the checkpoint was trained with --tokenizer-model {model!r}, which is not a directory "
+            "here; pass --tokenizer DIR (its HF tokenizer files) or --tokenizer none")
+    raise ConversionError(
+        f"the checkpoint was trained with --tokenizer-type {kind} (--tokenizer-model {model!r}); "
+        "pass --tokenizer DIR with its HF tokenizer files, or --tokenizer none")
+
+
+def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str]):
+    """Check everything the metadata needs BEFORE the tensors stream: the tokenizer (loadable,
+    fits ``arch.vocab_size``; its special-token ids are adopted) and the HF config.
+    Returns ``(hf_config, arch with the tokenizer's ids, tokenizer files)``."""
+    files = []
+    if tokenizer_dir:
+        src = Path(tokenizer_dir)
+        if not src.is_dir():
+            raise ConversionError(f"tokenizer directory {str(src)!r} does not exist")
+        files = sorted(p for p in src.iterdir() if p.is_file())
+        if not files:
+            raise ConversionError(f"tokenizer directory {str(src)!r} is empty")
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(src))
+        except Exception as e:  # noqa: BLE001 - any load failure is bad input here
+            raise ConversionError(f"tokenizer directory {str(src)!r} does not load as an HF tokenizer: {e}") from None
+        if len(tok) > arch.vocab_size:
+            raise ConversionError(f"tokenizer {str(src)!r} has {len(tok)} tokens, more than the model's "
+                                  f"vocab_size={arch.vocab_size}")
+        ids = {name: getattr(tok, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        arch = dataclasses.replace(arch, **{k: v for k, v in ids.items() if v is not None})
     StableLatentMoEConfig = _hf_config_class()
     try:
         config = StableLatentMoEConfig(**arch.to_hf_config_kwargs(), dtype=_HF_DTYPE_NAMES[dtype],
                                        architectures=["StableLatentMoEForCausalLM"])
     except ValueError as e:
         raise ConversionError(f"the model config cannot be expressed as an HF config: {e}") from None
+    return config, arch, files
+
+
+def write_hf_metadata(directory: Path, config, arch: ModelArch, tokenizer_files) -> None:
+    """config.json, generation_config.json, the remote-code files and the tokenizer files."""
+    from transformers import GenerationConfig
+
     config.save_pretrained(directory)
     GenerationConfig(bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
                      pad_token_id=arch.pad_token_id).save_pretrained(directory)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(HF_CODE_DIR / name, directory / name)
-    if tokenizer_dir:
-        src = Path(tokenizer_dir)
-        if not src.is_dir():
-            raise ConversionError(f"tokenizer directory {str(src)!r} does not exist")
-        files = [p for p in src.iterdir() if p.is_file()]
-        if not files:
-            raise ConversionError(f"tokenizer directory {str(src)!r} is empty")
-        for p in files:
-            shutil.copyfile(p, directory / p.name)
+    for p in tokenizer_files:
+        shutil.copyfile(p, directory / p.name)
 
 
 def export_checkpoint(
@@ -298,10 +351,14 @@ def export_checkpoint(
     max_shard = parse_size(max_shard_size)
     if max_shard <= 0:
         raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
-    tok = default_tokenizer_dir() if tokenizer_dir == "default" else tokenizer_dir
     reader, arch, config_source = open_checkpoint(checkpoint, config_file)
     name = str(reader.path)
     n_maps = match_checkpoint(reader, arch, name)
+    try:
+        common = reader.common_state()
+    except ConversionError:  # unreadable common state: the config came from --megatron-config
+        common = {}
+    tok = resolve_tokenizer_dir(tokenizer_dir, common)
 
     # dtype and the header plan
     locs_dtype = reader.dtype(reader.locate(next(iter_tensor_maps(arch))).keys[0])
@@ -315,6 +372,7 @@ def export_checkpoint(
             plan.append((hf_name, shape, dt))
         largest = max(largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize))
 
+    hf_config, arch, tokenizer_files = prepare_hf_metadata(arch, model_dtype, tok)
     summary = ConversionSummary("export", name, str(output), config_source=config_source,
                                 largest_tensor_bytes=largest)
     with atomic_output_dir(output, overwrite) as tmp:
@@ -336,7 +394,7 @@ def export_checkpoint(
         finally:
             bar.close()
         stream_s = stream.elapsed()
-        write_hf_metadata(tmp, arch, model_dtype, tok)
+        write_hf_metadata(tmp, hf_config, arch, tokenizer_files)
         summary.files = sum(1 for _ in tmp.iterdir())
     summary.bytes_written = writer.bytes_written
     summary.bytes_read = reader.bytes_read
@@ -350,4 +408,4 @@ def export_checkpoint(
 
 
 __all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
-           "parse_dtype", "write_hf_metadata", "INDEX_FILE"]
+           "parse_dtype", "resolve_tokenizer_dir", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]

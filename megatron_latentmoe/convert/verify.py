@@ -216,10 +216,10 @@ def _corpus_texts(batch: int, seq_len: int) -> list[str]:
 
     out = []
     for t in iter_corpus_texts():
+        if len(out) >= batch:
+            break
         if len(t) >= 8 * seq_len:
             out.append(t)
-            if len(out) == batch:
-                break
     return out
 
 
@@ -230,6 +230,23 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, floa
     d = (a.double() - b.double()).abs()
     cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)
     return float(d.max()), float(d.mean()), float(cos)
+
+
+def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: int) -> None:
+    """Raise :class:`ConversionError` naming the option (and its flag) if a verify setting is out
+    of range."""
+    for name, flag, value in (("new_tokens", "--verify-tokens", new_tokens), ("batch", "--verify-batch", batch),
+                              ("seq_len", "--verify-seq-len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConversionError(f"{name} ({flag}) = {value!r} is not allowed: an integer >= 1")
+    if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol > 0):
+        raise ConversionError(f"atol (--verify-atol) = {atol!r} is not allowed: a positive finite number")
+
+
+def check_hf_dir(hf_dir: str | os.PathLike) -> None:
+    """Raise :class:`ConversionError` unless ``hf_dir`` is a directory with a ``config.json``."""
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConversionError(f"HF directory {str(hf_dir)!r} has no config.json (not an HF model directory)")
 
 
 def verify_export(
@@ -244,6 +261,8 @@ def verify_export(
     text: Optional[str] = None,
 ) -> VerifyReport:
     """Compare the Megatron checkpoint with its HF export (see module docstring)."""
+    check_verify_options(atol=atol, new_tokens=new_tokens, batch=batch, seq_len=seq_len)
+    check_hf_dir(hf_dir)
     t0 = time.perf_counter()
     reader, arch, _ = open_checkpoint(checkpoint, config_file)
     torch.manual_seed(0)
@@ -269,5 +288,5 @@ def verify_export(
     return report
 
 
-__all__ = ["VerifyReport", "verify_export", "load_megatron_model", "load_hf_model",
+__all__ = ["VerifyReport", "verify_export", "check_verify_options", "check_hf_dir", "load_megatron_model", "load_hf_model",
            "megatron_device", "megatron_logits", "megatron_greedy", "hf_greedy", "sample_tokens", "compare_logits"]

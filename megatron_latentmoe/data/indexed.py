@@ -275,7 +275,14 @@ def preprocess_jsonl(
     tok_arg = tokenizer if isinstance(tokenizer, (str, os.PathLike)) or tokenizer is None else tok
 
     prefixes = _output_prefixes(os.fspath(output_prefix), keys)
-    Path(prefixes[0]).parent.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(prefixes[0]).parent
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PreprocessError(f"output_prefix={os.fspath(output_prefix)!r}: cannot create {str(out_dir)!r} "
+                              f"({e.strerror})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise PreprocessError(f"output_prefix={os.fspath(output_prefix)!r}: {str(out_dir)!r} is not writable")
     tag = f".tmp{os.getpid()}"
     tmp = {p: (p + ".bin" + tag, p + ".idx" + tag) for p in prefixes}
     builders = {}

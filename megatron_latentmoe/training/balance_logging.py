@@ -105,6 +105,7 @@ class BalanceLogger:
         self._loss = None  # float64 [sum, count] of this step's training micro-batches
         self._last_step_end: Optional[float] = None
         self._first_forward: Optional[float] = None
+        self._excluded_s = 0.0  # time between step ends spent outside training (checkpoints, eval)
         self._printed_first = False
         self.history: List[dict] = []  # records of this process (logging rank), for summaries
 
@@ -119,14 +120,27 @@ class BalanceLogger:
         report = report.detach().to(torch.float64).view(-1)[:2]
         self._loss = report.clone() if self._loss is None else self._loss + report.to(self._loss.device)
 
+    def excluded(self, fn: Callable) -> Callable:
+        """``fn`` wrapped so that its run time (a checkpoint save, an evaluation) does not count
+        in the next step's throughput."""
+
+        def wrapper(*args, **kwargs):
+            start = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._excluded_s += time.time() - start
+
+        return wrapper
+
     # ------------------------------------------------------------------ step end
     @torch.no_grad()
     def on_step_end(self, model_chunks, routers=None) -> Optional[dict]:
         """Gather this step's metrics (collective over DP and PP groups) and write them."""
         now = time.time()
         start = self._last_step_end if self._last_step_end is not None else self._first_forward
-        step_time = (now - start) if start is not None else float("nan")
-        self._last_step_end = now
+        step_time = (now - start - self._excluded_s) if start is not None else float("nan")
+        self._last_step_end, self._excluded_s = now, 0.0
         iteration = int(self.iteration_fn())
         with_loads = iteration % self.loads_interval == 0 or iteration == 1
         routers = quantile_balancing_routers(model_chunks) if routers is None else routers

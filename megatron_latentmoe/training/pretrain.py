@@ -309,13 +309,30 @@ def _main() -> int:
     balance_logger = _make_balance_logger(args, BalanceLogger, default_jsonl_path(args))
     fstep.set_balance_logger(balance_logger)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger))
+    # tokens/s of a step must not include the checkpoint save or evaluation before it
+    for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
+        setattr(mtraining, name, balance_logger.excluded(getattr(mtraining, name)))
 
-    mtraining.pretrain(
-        cfg_container,
-        fstep.train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        fstep.forward_step,
-    )
+    try:
+        mtraining.pretrain(
+            cfg_container,
+            fstep.train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            fstep.forward_step,
+        )
+    except AssertionError as err:
+        if not str(err).startswith("OptimizerParamScheduler:"):
+            raise
+        # Megatron's check on load (every rank hits it identically): say what to do about it.
+        print(
+            f"{PROG}: error: the checkpoint's LR / weight-decay schedule differs from this run's "
+            f"flags ({err}). Pass --override-opt_param-scheduler to continue with this run's "
+            "schedule (e.g. a longer --train-iters), or --use-checkpoint-opt_param-scheduler to "
+            "keep the checkpoint's.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
 
     if balance_logger.is_logging_rank and balance_logger.history:
         print(summary_text(balance_logger.history), flush=True)

@@ -185,3 +185,93 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     assert "error: checkpoint" in proc.stderr and "decoder.layers.3." in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--verify-batch", "0"], r"batch \(--verify-batch\) = 0 is not allowed: an integer >= 1"),
+    (["--verify-tokens", "-1"], r"new_tokens \(--verify-tokens\) = -1"),
+    (["--verify-atol", "nan"], r"atol \(--verify-atol\) = nan"),
+    (["--summary-json", "/nonexistent/s.json"], r"--summary-json '/nonexistent/s.json': directory"),
+])
+def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, argv, match):
+    import re
+
+    from megatron_latentmoe.convert import cli
+
+    out = tmp_path / "out"
+    code = cli.main(["export", "--checkpoint", workspace.path("ck_single"), "--output", str(out),
+                     "--no-progress", "--verify", *argv])
+    assert code == cli.EXIT_BAD_INPUT
+    assert re.search(match, capsys.readouterr().err)
+    assert not out.exists(), "the export ran although an option was bad"
+
+
+def test_verify_needs_an_hf_directory(workspace, tmp_path, capsys):
+    from megatron_latentmoe.convert import cli
+
+    code = cli.main(["verify", "--checkpoint", workspace.path("ck_single"), "--hf", str(tmp_path / "nope")])
+    assert code == cli.EXIT_BAD_INPUT and "has no config.json" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------- tokenizer
+def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
+    from megatron_latentmoe.convert import export as export_module
+
+    written = []
+    original = export_module.ShardedSafetensorsWriter.write
+    monkeypatch.setattr(export_module.ShardedSafetensorsWriter, "write",
+                        lambda self, *a: written.append(a[0]) or original(self, *a))
+    export_fails(workspace.path("ck_single"), tmp_path / "out", r"tokenizer directory '.*nope' does not exist",
+                 tokenizer_dir=str(tmp_path / "nope"))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "readme.txt").write_text("not a tokenizer")
+    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*junk' does not load as an HF tokenizer",
+                 tokenizer_dir=str(tmp_path / "junk"))
+    assert written == []
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(workspace, tmp_path):
+    from megatron_latentmoe.convert.export import default_tokenizer_dir, prepare_hf_metadata
+
+    from ._workers import arch
+
+    small = __import__("dataclasses").replace(arch(), vocab_size=1000)
+    with pytest.raises(ConversionError, match=r"has 4096 tokens, more than the model's vocab_size=1000"):
+        prepare_hf_metadata(small, torch.float32, default_tokenizer_dir())
+
+
+def test_default_tokenizer_is_the_one_the_run_trained_with(tmp_path):
+    from argparse import Namespace
+
+    from megatron_latentmoe.convert.export import default_tokenizer_dir, resolve_tokenizer_dir
+
+    shipped = default_tokenizer_dir()
+    mine = tmp_path / "my_tokenizer"
+    mine.mkdir()
+
+    def args(kind, model):
+        return {"args": Namespace(tokenizer_type=kind, tokenizer_model=model)}
+
+    assert resolve_tokenizer_dir("default", {}) == shipped  # converter-written: no args
+    assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", str(mine))) == str(mine)
+    other_clone = "/elsewhere/clone/megatron_latentmoe/data/assets/tokenizer"
+    assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", other_clone)) == shipped
+    assert resolve_tokenizer_dir(str(mine), args("GPT2BPETokenizer", None)) == str(mine)  # explicit wins
+    assert resolve_tokenizer_dir(None, args("HuggingFaceTokenizer", "/gone")) is None
+    with pytest.raises(ConversionError, match=r"--tokenizer-model '/gone', which is not a directory here"):
+        resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", "/gone"))
+    with pytest.raises(ConversionError, match=r"--tokenizer-type GPT2BPETokenizer .*--tokenizer DIR"):
+        resolve_tokenizer_dir("default", args("GPT2BPETokenizer", "/vocab.json"))
+
+
+def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
+    hf = tmp_path / "hf_no_tokenizer"
+    shutil.copytree(workspace.path("hf_main"), hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (hf / name).unlink(missing_ok=True)
+    tool = os.path.join(REPO, "tools", "generate_hf.py")
+    proc = subprocess.run([sys.executable, tool, str(hf)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "has no tokenizer files" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, tool, workspace.path("hf_main"), "--max-new-tokens", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--max-new-tokens=0 is not allowed" in proc.stderr

@@ -165,8 +165,10 @@ def test_megatron_config_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------- verify verdict
-def test_verify_verdict_and_cli_exit_status(monkeypatch, capsys):
+def test_verify_verdict_and_cli_exit_status(monkeypatch, capsys, tmp_path):
     from megatron_latentmoe.convert import cli, verify
+
+    (tmp_path / "config.json").write_text("{}")  # the CLI checks --hf up front
 
     def report(max_d=5e-6, same=True):
         return verify.VerifyReport(max_d, 1e-6, 1.0, "real text", (2, 64), 32, same, min_margin=1e-2,
@@ -178,5 +180,5 @@ def test_verify_verdict_and_cli_exit_status(monkeypatch, capsys):
     assert not report(same=False).passed and "DIFFERS at step 3" in report(same=False).format()
     for r, code in ((report(), 0), (report(max_d=1.0), cli.EXIT_VERIFY_FAILED), (report(same=False), 3)):
         monkeypatch.setattr(verify, "verify_export", lambda *a, _r=r, **k: _r)
-        assert cli.main(["verify", "--checkpoint", "x", "--hf", "y"]) == code
+        assert cli.main(["verify", "--checkpoint", "x", "--hf", str(tmp_path)]) == code
     assert "verification failed" in capsys.readouterr().err

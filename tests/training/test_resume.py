@@ -137,3 +137,24 @@ def test_ep2_checkpoint_continues_with_tp2_sp():
         ["--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
         nproc=2,
     )
+
+
+def test_longer_run_needs_a_schedule_decision_then_continues():
+    """Resuming the 40-iteration run with --train-iters 44 changes the LR schedule: the entry
+    point exits 2 naming both ways out (not Megatron's bare assertion); with
+    --override-opt_param-scheduler it continues from the checkpoint to iteration 44."""
+    ref = reference_run()
+    ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "longer", upto=40)
+    jsonl = scratch_dir() / "longer.jsonl"
+    longer = ["--train-iters", "44", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100",
+              "--balance-log-file", str(jsonl)]
+    refused = run_entry(longer)
+    assert refused.returncode != 0
+    assert "error: the checkpoint's LR / weight-decay schedule differs" in refused.output
+    assert "--override-opt_param-scheduler" in refused.output
+    assert "AssertionError" not in refused.output  # (torchrun still prints its own ChildFailedError)
+    run = run_entry(longer + ["--override-opt_param-scheduler"]).check()
+    assert "at iteration 40" in run.output
+    records = read_jsonl(jsonl)
+    assert sorted(records) == [41, 42, 43, 44], sorted(records)
+    assert all(math.isfinite(r["loss"]) for r in records.values())

@@ -218,6 +218,14 @@ def test_missing_input_and_tokenizer(tmp_path):
         preprocess_jsonl(src, tmp_path / "out", tokenizer=str(tmp_path / "no_tokenizer_here"))
 
 
+def test_unwritable_output_prefix_is_named(tmp_path):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the output folder should go")
+    with pytest.raises(PreprocessError, match=r"output_prefix='.*file/sub/out': cannot create"):
+        preprocess_jsonl(src, blocker / "sub" / "out")
+
+
 def test_cli_error_exit_and_message(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
