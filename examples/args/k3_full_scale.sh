@@ -4,7 +4,8 @@
 #
 #   93 layers (layer 1 dense) | d 7168 | latent l 3584 | expert m_e 3072 | n 896 routed, top-16
 #   2 shared experts = one gated MLP of 6144 | SiTU-GLU b1 4, b2 25 | QB with B = 1000 bins
-#   ~2.78 T parameters, ~104 B activated per token.
+#   ~2.75 T parameters, ~80 B activated per token with this GQA stand-in attention (SPEC §5's
+#   2.78 T / 104 B are K3's, with its own attention layers).
 #
 # Parallel layout (1024 GPUs = 128 nodes x 8): experts EP 64 x PP 16 (ETP 1); dense parts TP 8 x
 # PP 16 x DP 8 with sequence parallelism and the distributed optimizer. 93 layers over 16

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32")
     ex.add_argument("--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)")
     ex.add_argument("--tokenizer", default="default",
-                    help="tokenizer directory to ship ('default' = the package's, 'none' = no tokenizer)")
+                    help="tokenizer directory to ship ('default' = the one the checkpoint was trained "
+                         "with (its --tokenizer-model), or the package's for a checkpoint without "
+                         "training args; 'none' = no tokenizer)")
     ex.add_argument("--read-batch-mb", type=int, default=256, help="checkpoint read batch (MiB, default 256)")
     _common(ex)
     _add_verify_args(ex)

@@ -341,8 +341,8 @@ def export_checkpoint(
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
 
     ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp32`` or ``fp16``;
-    ``e_score_correction_bias`` is always fp32. ``tokenizer_dir``: ``"default"`` = the shipped
-    tokenizer, None = none. Raises :class:`ConversionError` on bad input; never leaves a partial
+    ``e_score_correction_bias`` is always fp32. ``tokenizer_dir``: ``"default"`` = the training
+    run's (see the module docstring), a directory, or None = none. Raises :class:`ConversionError` on bad input; never leaves a partial
     output directory.
     """
     timer = Timer()

@@ -20,8 +20,8 @@ result, Megatron reshards on load). The layout decides the CHUNKS: each tensor i
 a run with (TP, PP, EP, ETP) would save it -- column-parallel rows / row-parallel columns per TP
 rank, gated fc1 halves separately, routed experts per expert and per ETP rank -- and each
 model-parallel rank's chunks go to its own ``__{rank}_0.distcp`` file, so loading at that layout
-reads whole chunks only. Tensors are read from the safetensors files slice by slice
-(memory-mapped) and written chunk by chunk: peak memory is about one chunk.
+reads whole chunks only. Tensors are read from the safetensors files row range by row range with
+``pread`` (no mmap) and written chunk by chunk: peak memory is about one chunk.
 """
 
 from __future__ import annotations

@@ -499,7 +499,7 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    # The selection bias stays fp32 when the model is loaded in bf16/fp16 (SPEC §3: fp32 QB bias).
+    # The selection bias stays fp32 when the model is loaded in bf16/fp16 (SPEC §6: fp32 QB bias).
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -134,7 +134,21 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
         normalization="RMSNorm",
         add_bias_linear=False,
     )
+    _escape_unformattable_help(parser)
     return parser
+
+
+def _escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
+    """Make ``--help`` work: argparse %-formats every help string, and megatron-core 0.19.2 has
+    one with a bare ``%`` ("1.10 = 10%)", --moe-paged-stash-buffer-size-factor-cuda) that makes
+    ``--help`` crash. Such strings get their ``%`` doubled; formattable ones are left alone."""
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
 
 
 # ------------------------------------------------------------------------------------ checks

@@ -3,9 +3,9 @@
 Every case goes through ``megatron_latentmoe.training.pretrain.main`` -- what the entry point
 script runs -- in ONE subprocess (so megatron is imported once: ~5 s of CPU), timed per case;
 one case also runs through ``examples/pretrain_stable_latentmoe.py`` itself to check the process
-exit status. "Before any heavy work": exit status 2 within a moment of parsing, no process group
-initialised, no dataset tokenized (the data cache folder given to the run stays empty), no model
-built, no checkpoint folder created.
+exit status. "Before any heavy work": exit status 2, no process group initialised, no dataset
+tokenized (the data cache folder given to the run stays empty), no model built, no checkpoint
+folder created. The seconds each case took are printed, not asserted.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import pytest
 
 from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
 
-CASE_S = 5.0  # per case, after the imports (measured: milliseconds)
-PROCESS_S = 120.0  # a whole process: python + torch + megatron imports (~7 s on an idle machine)
 
 CASES = {
     "latent_not_divisible_by_tp": (
@@ -108,7 +106,7 @@ def outcomes():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fails_fast_naming_the_flag(outcomes, name):
     returncode, output, seconds = outcomes[name]
-    _check(name, returncode, output, seconds, CASE_S)
+    _check(name, returncode, output, seconds)
 
 
 def test_entry_point_process_exits_2_before_heavy_work():
@@ -119,10 +117,20 @@ def test_entry_point_process_exits_2_before_heavy_work():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment(),
         timeout=300,
     )
-    _check(name, proc.returncode, proc.stdout, time.time() - start, PROCESS_S)
+    _check(name, proc.returncode, proc.stdout, time.time() - start)
 
 
-def _check(name, returncode, output, seconds, limit):
+def test_help_lists_our_flags():
+    """``--help`` works (megatron-core 0.19.2 alone crashes on a bare '%' in one help string)."""
+    proc = subprocess.run([PYTHON, str(ENTRY), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=REPO, env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for flag in ("--hidden-act", "--moe-qb-num-bins", "--moe-qb-binning", "--first-k-dense-replace",
+                 "--balance-log-file", "quantile_histogram", "1.10 = 10%"):
+        assert flag in proc.stdout, flag
+
+
+def _check(name, returncode, output, seconds):
     expected = CASES[name][1]
     error_lines = [line for line in output.splitlines() if "error:" in line]
     print(f"{name}: exit {returncode} after {seconds:.2f} s: {error_lines[-1] if error_lines else output[-500:]}")
@@ -136,4 +144,3 @@ def _check(name, returncode, output, seconds, limit):
     cache = scratch_dir() / f"bad_flags_cache_{name}"
     assert not any(os.scandir(cache)), f"data was prepared in {cache}"
     assert not (scratch_dir() / f"bad_flags_ckpt_{name}").exists()
-    assert seconds < limit, seconds
