@@ -2,10 +2,13 @@
 
 Several micro-batches of a global batch are routed by the QB routers of 2 MoE layers, each rank
 seeing its own share of the tokens (the share of the ranks that hold different tokens: DP, EP,
-CP, and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the end
-of a Megatron step. Checked against ONE process that observed the whole global batch:
+CP, and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the
+end of a Megatron step. Which tokens a rank sees follows from its DP / CP / TP coordinates, not
+from the group under test, so a group that leaves out a dimension fails. Checked against ONE
+process that observed the whole global batch:
 
-* the all-reduced counts equal the single-process counts, as integers, for every layer;
+* the all-reduced counts equal the single-process counts, as integers, for every layer, and so
+  do the all-reduced routed loads per expert (what MaxVio is computed from);
 * every rank ends with the same bias, bit for bit, equal to the single-process solve;
 * exactly one all-reduce per step for all layers, of L·(n·B + header + n) integers, whatever the
   number of tokens;
@@ -22,7 +25,8 @@ EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
 LAYOUTS = {
     2: {"DP2": dict(), "TP2+SP": dict(tp=2), "CP2": dict(cp=2), "EP2": dict(ep=2),
         "EP2-centered": dict(ep=2, binning="centered")},
-    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2), "CP2xEP2": dict(cp=2, ep=2)},
+    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2), "CP2xEP2": dict(cp=2, ep=2),
+        "TP2+SPxCP2": dict(tp=2, cp=2)},
 }
 
 
@@ -33,22 +37,44 @@ def _global_logits(step, layer, micro_batch, tokens):
 
 
 def _reference(tokens, binning="uniform"):
-    from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram
+    """One process, the whole global batch: per step and layer the counts, the routed loads per
+    expert and the bias after the step."""
+    from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram, topk_loads
 
     histogram = CenteredQuantileHistogram if binning == "centered" else QuantileHistogram
     bias = [torch.zeros(EXPERTS) for _ in range(LAYERS)]
-    counts, biases = [], []
+    counts, loads, biases = [], [], []
     for step in range(STEPS):
-        step_counts = []
+        step_counts, step_loads = [], []
         for layer in range(LAYERS):
             hist = histogram(EXPERTS, TOPK, BINS)
+            layer_loads = torch.zeros(EXPERTS, dtype=torch.int64)
             for mb in range(MICRO_BATCHES):
-                hist.observe(torch.sigmoid(_global_logits(step, layer, mb, tokens)), bias[layer])
+                scores = torch.sigmoid(_global_logits(step, layer, mb, tokens))
+                hist.observe(scores, bias[layer])
+                layer_loads += topk_loads(scores, bias[layer], TOPK).to(torch.int64)
             step_counts.append(hist.counts.clone())
+            step_loads.append(layer_loads)
             bias[layer] = hist.solve(bias[layer])
         counts.append(step_counts)
+        loads.append(step_loads)
         biases.append([b.clone() for b in bias])
-    return counts, biases
+    return counts, loads, biases
+
+
+def _token_share(sequence_parallel):
+    """(this rank's index, number of shares) of the global batch, from the rank's coordinates
+    alone (not from the group under test): tokens differ across DP and CP ranks, and across TP
+    ranks when sequence parallelism splits the sequence."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    cp, cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+    tp, tp_size = (
+        (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        if sequence_parallel else (0, 1)
+    )
+    return (dp * cp_size + cp) * tp_size + tp, dp_size * cp_size * tp_size
 
 
 def _run_layout(rank, world_size, layout, tokens):
@@ -75,7 +101,9 @@ def _run_layout(rank, world_size, layout, tokens):
     )
     layers.train()
     group = token_parallel_group(cfg)
-    share, index = dist.get_world_size(group), dist.get_rank(group)
+    index, share = _token_share(cfg.sequence_parallel)
+    group_size = dist.get_world_size(group) if group is not None else 1
+    assert group_size == share, f"QB reduces over {group_size} ranks; {share} hold different tokens"
     mine = slice(index * tokens // share, (index + 1) * tokens // share)
 
     reduced = []
@@ -102,10 +130,14 @@ def _run_layout(rank, world_size, layout, tokens):
         per_layer = len(reduced[0]) // LAYERS if reduced else 0
         counts = [reduced[0][i * per_layer : i * per_layer + n_bins].view(EXPERTS, BINS).clone()
                   for i in range(LAYERS)] if reduced else []
+        loads = [reduced[0][(i + 1) * per_layer - EXPERTS : (i + 1) * per_layer].to(torch.int64)
+                 for i in range(LAYERS)] if reduced else []
         per_step.append(dict(
             all_reduces=len(reduced),
             numel=reduced[0].numel() if reduced else 0,
             counts=counts,
+            loads=loads,
+            last_loads=[layer.router.last_loads_E.clone() for layer in layers],
             bias=[layer.router.expert_bias.clone() for layer in layers],
         ))
     return per_step
@@ -115,7 +147,7 @@ def _run_layout(rank, world_size, layout, tokens):
 def test_all_reduced_counts_and_bias_equal_one_process(world_size):
     tokens = 48
     for name, layout in LAYOUTS[world_size].items():
-        ref_counts, ref_bias = _reference(tokens, layout.get("binning", "uniform"))
+        ref_counts, ref_loads, ref_bias = _reference(tokens, layout.get("binning", "uniform"))
         per_rank = run_distributed(_run_layout, world_size, layout, tokens)
         for step in range(STEPS):
             for rank, steps in enumerate(per_rank):
@@ -125,6 +157,10 @@ def test_all_reduced_counts_and_bias_equal_one_process(world_size):
                     assert torch.equal(got["counts"][layer], ref_counts[step][layer]), (
                         f"{name} step {step} rank {rank} layer {layer}: counts differ"
                     )
+                    for what in ("loads", "last_loads"):  # the all-reduced routed loads per expert
+                        assert torch.equal(got[what][layer].to(torch.int64), ref_loads[step][layer]), (
+                            f"{name} step {step} rank {rank} layer {layer}: {what} differ"
+                        )
                     assert torch.equal(got["bias"][layer], ref_bias[step][layer]), (
                         f"{name} step {step} rank {rank} layer {layer}: bias not bit-identical"
                     )

@@ -84,6 +84,35 @@ def test_histogram_within_one_bin_random(cls, m, n, k, seed):
         assert err.max().item() <= w * 1.001
 
 
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+@pytest.mark.parametrize("m,n,k,seed", [(1000, 896, 16, 0), (1001, 64, 4, 3), (4000, 64, 4, 8)])
+def test_quantile_is_read_by_linear_interpolation_inside_the_bin(cls, m, n, k, seed):
+    """SPEC §4 / appendix D: the first bin whose cumulative count reaches Q = ceil(m k / n), then
+    edge + (Q - count before the bin) / count in the bin x width. Recomputed here per expert from
+    the counts and the bin edges; a reader that returns any other point of the bin fails."""
+    scores = router_scores(m, n, seed)
+    bias = 0.3 * torch.randn(n, generator=gen(seed))
+    h = cls(n, k, 1000)
+    h.observe(scores, bias)
+    big_q = -(-m * k // n)
+    expected = []
+    for j in range(n):
+        row = h.counts[j].tolist()
+        before = 0
+        for c, count in enumerate(row):
+            if before + count >= big_q:
+                break
+            before += count
+        edge, width = h.bin_bounds(torch.tensor([c] * n), bias)
+        expected.append(edge[j].item() + (big_q - before) / count * width[j].item())
+    got = h.raw_quantiles(bias)
+    assert torch.allclose(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
+    # and interpolation is what brings the estimate close: a third of a bin on average
+    _, width = assert_within_one_bin(h, scores, bias, k)
+    err = (got - exact_quantiles(scores, bias, k)).abs()
+    assert (err / width).mean().item() < 0.4
+
+
 def adversarial_cases():
     g = gen(7)
     out = {}

@@ -36,8 +36,11 @@ def _run(rank, world_size):
     torch.manual_seed(3)
     x = torch.randn(SEQ, BATCH, 64)
 
-    # 1. one training forward + backward: every token observed once; loads = routed copies
+    # 1. one training forward + backward: every token observed once; loads = routed copies.
+    # A non-zero bias that changes selections: the loads must count the BIASED top-k.
     layer, cfg = _layer()
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(0.3 * torch.randn(cfg.num_moe_experts))
     layer.train()
     y, _ = layer(x.clone().requires_grad_())
     y.sum().backward()
@@ -47,6 +50,14 @@ def _run(rank, world_size):
     expected = QuantileHistogram(cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_qb_num_bins)
     expected.observe(torch.sigmoid(logits), layer.router.expert_bias)
     out["expected_counts"] = expected.counts.clone()
+    n, k = cfg.num_moe_experts, cfg.moe_router_topk
+
+    def loads_of(scores):
+        return torch.bincount(scores.topk(k, dim=1).indices.flatten(), minlength=n)
+
+    scores = torch.sigmoid(logits)
+    out["expected_loads"] = loads_of(scores + layer.router.expert_bias)
+    out["unbiased_loads"] = loads_of(scores)
 
     # 2. padding: tokens flagged True in padding_mask ([batch, seq], Megatron's layout) are skipped
     layer.router.qb_histogram.reset()
@@ -60,6 +71,7 @@ def _run(rank, world_size):
     expected.reset()
     expected.observe(torch.sigmoid(logits[keep]), layer.router.expert_bias)
     out["expected_padded_counts"] = expected.counts.clone()
+    out["expected_padded_loads"] = loads_of(scores[keep] + layer.router.expert_bias)
 
     # 3. eval and no-grad forwards are not observed
     layer.router.qb_histogram.reset()
@@ -108,6 +120,9 @@ def test_training_forward_observes_every_token_once(result):
     assert tokens == SEQ * BATCH
     assert torch.equal(counts, result["expected_counts"])
     assert int(loads.sum()) == SEQ * BATCH * 2  # top-2 copies
+    # per expert: the routed copies under the biased selection (the bias does change some)
+    assert torch.equal(loads, result["expected_loads"])
+    assert not torch.equal(result["expected_loads"], result["unbiased_loads"])
 
 
 def test_only_weight_and_bias_are_checkpointed(result):
@@ -120,6 +135,7 @@ def test_padding_tokens_are_not_observed(result):
     assert tokens == SEQ * BATCH - 3 * BATCH
     assert torch.equal(counts, result["expected_padded_counts"])
     assert int(loads.sum()) == (SEQ - 3) * BATCH * 2
+    assert torch.equal(loads, result["expected_padded_loads"])
 
 
 def test_eval_and_no_grad_forwards_are_not_observed(result):
