@@ -1,0 +1,60 @@
+"""``examples/slurm_multinode.sbatch`` runs end to end on one machine.
+
+Slurm itself is not here, so ``srun`` and ``scontrol`` are stand-ins on PATH: ``srun`` drops its
+own options and runs the command it was given once (one node), ``scontrol show hostnames``
+prints ``localhost``. Everything else is the script as a cluster runs it: its environment, its
+torchrun with the c10d rendezvous on the first node, the args file plus extra flags, the
+entry point training 3 iterations on 2 processes (CPU, gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+
+import pytest
+
+from . import PYTHON, REPO, data_cache, environment, scratch_dir
+
+pytestmark = pytest.mark.slow
+
+SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+SCONTROL = """#!/usr/bin/env bash
+echo localhost
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sbatch_script_trains_through_its_torchrun_rendezvous():
+    bin_dir = scratch_dir() / "fake_slurm_bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    env = environment()
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1",
+        SLURM_JOB_ID="4242", GPUS_PER_NODE="2", PYTHON=PYTHON, MASTER_PORT=str(_free_port()),
+        REPO=str(REPO),
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples" / "slurm_multinode.sbatch"), str(REPO / "examples" / "args" / "tiny.sh"),
+         "--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-interval", "1",
+         "--data-cache-path", data_cache()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert "[slurm] 1 nodes x 2 GPUs" in proc.stdout
+    assert proc.stdout.count("[QB] iteration") == 3, proc.stdout[-3000:]
+    assert "expert_model_parallel_size ...................... 2" in proc.stdout  # tiny.sh's EP2
