@@ -66,7 +66,13 @@ class StableLatentMoEConfig(TransformerConfig):
     bins centred on that expert's bias, finer near it (same traffic; ~6x closer to the exact
     quantile at equal B, see benchmarks/bench_balancing.py)."""
 
+    _layer_freq_from_first_k: bool = dataclasses.field(default=False, repr=False)
+    """Internal: ``moe_layer_freq`` was derived from ``first_k_dense_replace`` (not given), so a
+    ``dataclasses.replace`` of this config derives it again from the new values."""
+
     def __post_init__(self):
+        if self._layer_freq_from_first_k:  # a copy (dataclasses.replace): derive it again
+            self.moe_layer_freq, self._layer_freq_from_first_k = 1, False
         self._validate_stable_latentmoe()
         self._apply_stable_latentmoe_defaults()
         super().__post_init__()
@@ -89,6 +95,7 @@ class StableLatentMoEConfig(TransformerConfig):
         if self.num_moe_experts and self.first_k_dense_replace and self.moe_layer_freq == 1:
             k = self.first_k_dense_replace
             self.moe_layer_freq = [0] * k + [1] * (self.num_layers - k)
+            self._layer_freq_from_first_k = True
 
     # ------------------------------------------------------------------ validation
     def _validate_stable_latentmoe(self) -> None:
@@ -200,7 +207,10 @@ class StableLatentMoEConfig(TransformerConfig):
 def stable_latentmoe_fields() -> tuple[str, ...]:
     """Names of the fields this config adds to ``TransformerConfig``."""
     base = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return tuple(f.name for f in dataclasses.fields(StableLatentMoEConfig) if f.name not in base)
+    return tuple(
+        f.name for f in dataclasses.fields(StableLatentMoEConfig)
+        if f.name not in base and not f.name.startswith("_")
+    )
 
 
 def tiny_config(**overrides) -> StableLatentMoEConfig:

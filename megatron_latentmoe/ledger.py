@@ -202,15 +202,15 @@ def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
     if isinstance(freq, int) and not isinstance(freq, bool):
         if freq == 1:
             return 0
-        raise ValueError(f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout; "
-                         "set first_k_dense_replace")
+        raise ValueError(f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout: "
+                         "moe_layer_freq 1 (with first_k_dense_replace) or [0]*k + [1]*rest")
     pattern = list(freq)
     k = 0
     while k < len(pattern) and pattern[k] == 0:
         k += 1
     if len(pattern) != num_layers or any(p != 1 for p in pattern[k:]):
         raise ValueError(f"moe_layer_freq={pattern}: the ledger needs [0]*k + [1]*(num_layers-k) "
-                         f"with num_layers={num_layers}; set first_k_dense_replace")
+                         f"with num_layers={num_layers} (or moe_layer_freq 1 with first_k_dense_replace)")
     return k
 
 

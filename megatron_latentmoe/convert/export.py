@@ -17,7 +17,9 @@ The HF config and the tokenizer are checked before any tensor is read.
 Tokenizer (``tokenizer_dir="default"``): the HF tokenizer directory the checkpoint was trained
 with (megatron.training's ``--tokenizer-model``, read from the checkpoint's args; the package's
 own tokenizer if the run used it, wherever that clone was), else the package's tokenizer for a
-checkpoint without args. Its bos / eos / pad ids go into the config; it must fit the vocabulary.
+checkpoint without args. Only tokenizer files are copied (``TOKENIZER_FILE_PATTERNS``); it must
+load and fit the vocabulary. For a megatron.training checkpoint its bos / eos / pad ids go into
+the config (the training args do not record them); a converter-written checkpoint keeps its own.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .arch import ModelArch
+from .arch import ARCH_STATE_KEY, ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
 from .names import TensorMap, hf_dtype_for, iter_tensor_maps
@@ -281,18 +283,32 @@ def resolve_tokenizer_dir(tokenizer_dir: Optional[str], common_state: dict) -> O
         "pass --tokenizer DIR with its HF tokenizer files, or --tokenizer none")
 
 
-def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str]):
-    """Check everything the metadata needs BEFORE the tensors stream: the tokenizer (loadable,
-    fits ``arch.vocab_size``; its special-token ids are adopted) and the HF config.
-    Returns ``(hf_config, arch with the tokenizer's ids, tokenizer files)``."""
+TOKENIZER_FILE_PATTERNS = ("tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                           "merges.txt", "*.model", "*.tiktoken", "tokenization_*.py", "chat_template*")
+"""The files of an HF tokenizer: only these are copied from a tokenizer directory (a training run's
+--tokenizer-model is often a whole HF model folder, whose config and weights must not come along)."""
+
+
+def tokenizer_files(src: Path) -> list[Path]:
+    return sorted({p for pattern in TOKENIZER_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()})
+
+
+def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str],
+                        adopt_token_ids: bool = False):
+    """Check everything the metadata needs BEFORE the tensors stream: the tokenizer (its files,
+    loadable, fits ``arch.vocab_size``) and the HF config. ``adopt_token_ids``: take bos / eos /
+    pad from the tokenizer (for a megatron.training checkpoint, whose args do not record them);
+    otherwise the ids of the model description are kept.
+    Returns ``(hf_config, arch, tokenizer files to copy)``."""
     files = []
     if tokenizer_dir:
         src = Path(tokenizer_dir)
         if not src.is_dir():
             raise ConversionError(f"tokenizer directory {str(src)!r} does not exist")
-        files = sorted(p for p in src.iterdir() if p.is_file())
+        files = tokenizer_files(src)
         if not files:
-            raise ConversionError(f"tokenizer directory {str(src)!r} is empty")
+            raise ConversionError(f"tokenizer directory {str(src)!r} has no tokenizer files "
+                                  f"({', '.join(TOKENIZER_FILE_PATTERNS)})")
         from transformers import AutoTokenizer
 
         try:
@@ -302,8 +318,9 @@ def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Opti
         if len(tok) > arch.vocab_size:
             raise ConversionError(f"tokenizer {str(src)!r} has {len(tok)} tokens, more than the model's "
                                   f"vocab_size={arch.vocab_size}")
-        ids = {name: getattr(tok, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        arch = dataclasses.replace(arch, **{k: v for k, v in ids.items() if v is not None})
+        if adopt_token_ids:
+            ids = {name: getattr(tok, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            arch = dataclasses.replace(arch, **{k: v for k, v in ids.items() if v is not None})
     StableLatentMoEConfig = _hf_config_class()
     try:
         config = StableLatentMoEConfig(**arch.to_hf_config_kwargs(), dtype=_HF_DTYPE_NAMES[dtype],
@@ -313,7 +330,7 @@ def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Opti
     return config, arch, files
 
 
-def write_hf_metadata(directory: Path, config, arch: ModelArch, tokenizer_files) -> None:
+def write_hf_metadata(directory: Path, config, arch: ModelArch, tokenizer_paths) -> None:
     """config.json, generation_config.json, the remote-code files and the tokenizer files."""
     from transformers import GenerationConfig
 
@@ -322,7 +339,7 @@ def write_hf_metadata(directory: Path, config, arch: ModelArch, tokenizer_files)
                      pad_token_id=arch.pad_token_id).save_pretrained(directory)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(HF_CODE_DIR / name, directory / name)
-    for p in tokenizer_files:
+    for p in tokenizer_paths:
         shutil.copyfile(p, directory / p.name)
 
 
@@ -359,6 +376,7 @@ def export_checkpoint(
     except ConversionError:  # unreadable common state: the config came from --megatron-config
         common = {}
     tok = resolve_tokenizer_dir(tokenizer_dir, common)
+    trained_by_megatron = config_file is None and ARCH_STATE_KEY not in common and common.get("args") is not None
 
     # dtype and the header plan
     locs_dtype = reader.dtype(reader.locate(next(iter_tensor_maps(arch))).keys[0])
@@ -372,7 +390,7 @@ def export_checkpoint(
             plan.append((hf_name, shape, dt))
         largest = max(largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize))
 
-    hf_config, arch, tokenizer_files = prepare_hf_metadata(arch, model_dtype, tok)
+    hf_config, arch, tok_files = prepare_hf_metadata(arch, model_dtype, tok, adopt_token_ids=trained_by_megatron)
     summary = ConversionSummary("export", name, str(output), config_source=config_source,
                                 largest_tensor_bytes=largest)
     with atomic_output_dir(output, overwrite) as tmp:
@@ -394,7 +412,7 @@ def export_checkpoint(
         finally:
             bar.close()
         stream_s = stream.elapsed()
-        write_hf_metadata(tmp, hf_config, arch, tokenizer_files)
+        write_hf_metadata(tmp, hf_config, arch, tok_files)
         summary.files = sum(1 for _ in tmp.iterdir())
     summary.bytes_written = writer.bytes_written
     summary.bytes_read = reader.bytes_read
@@ -408,4 +426,4 @@ def export_checkpoint(
 
 
 __all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
-           "parse_dtype", "resolve_tokenizer_dir", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]
+           "parse_dtype", "resolve_tokenizer_dir", "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]

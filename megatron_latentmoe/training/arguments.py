@@ -441,4 +441,18 @@ FIELD_TO_FLAG = {
 
 
 def flag_for_field(field: str) -> str:
-    return FIELD_TO_FLAG.get(field, "--" + field.replace("_", "-"))
+    """The command-line flag that sets a config field: ours, else the one Megatron declares in the
+    field's metadata (e.g. layernorm_zero_centered_gamma <- --apply-layernorm-1p), else the
+    field's name with dashes."""
+    if field in FIELD_TO_FLAG:
+        return FIELD_TO_FLAG[field]
+    import dataclasses
+
+    from megatron_latentmoe.config import StableLatentMoEConfig
+
+    for f in dataclasses.fields(StableLatentMoEConfig):
+        if f.name == field:
+            names = f.metadata.get("argparse_meta", {}).get("arg_names")
+            if names:
+                return names[0]
+    return "--" + field.replace("_", "-")

@@ -225,8 +225,12 @@ def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, m
                  tokenizer_dir=str(tmp_path / "nope"))
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "readme.txt").write_text("not a tokenizer")
-    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*junk' does not load as an HF tokenizer",
+    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*junk' has no tokenizer files",
                  tokenizer_dir=str(tmp_path / "junk"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*broken' does not load as an HF tokenizer",
+                 tokenizer_dir=str(tmp_path / "broken"))
     assert written == []
 
 
@@ -275,3 +279,35 @@ def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
     proc = subprocess.run([sys.executable, tool, workspace.path("hf_main"), "--max-new-tokens", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--max-new-tokens=0 is not allowed" in proc.stderr
+
+
+def test_a_model_folder_as_tokenizer_ships_only_its_tokenizer_files(workspace, tmp_path):
+    """A run's --tokenizer-model is often a whole HF model folder: its config, index and weights
+    must not overwrite the export's."""
+    from megatron_latentmoe.convert.export import default_tokenizer_dir
+
+    folder = tmp_path / "some_hf_model"
+    shutil.copytree(default_tokenizer_dir(), folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 99}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    (folder / "model-00001-of-00001.safetensors").write_bytes(b"not ours")
+    out = tmp_path / "out"
+    export_checkpoint(workspace.path("ck_single"), out, tokenizer_dir=str(folder), progress=False)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "stable_latentmoe"
+    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] != 99
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(p.read_bytes() == b"not ours" for p in out.glob("*.safetensors"))
+    assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoints():
+    from megatron_latentmoe.convert.export import default_tokenizer_dir, prepare_hf_metadata
+
+    from ._workers import arch
+
+    own_ids = __import__("dataclasses").replace(arch(), bos_token_id=5, eos_token_id=6, pad_token_id=7)
+    _, kept, _ = prepare_hf_metadata(own_ids, torch.float32, default_tokenizer_dir())
+    assert (kept.bos_token_id, kept.eos_token_id, kept.pad_token_id) == (5, 6, 7)  # converter-written
+    _, adopted, _ = prepare_hf_metadata(own_ids, torch.float32, default_tokenizer_dir(), adopt_token_ids=True)
+    assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (0, 0, 1)  # the tokenizer's

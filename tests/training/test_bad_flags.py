@@ -25,6 +25,10 @@ CASES = {
         ["--moe-latent-size", "63", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ["--moe-latent-size 63", "--tensor-model-parallel-size 2"],
     ),
+    "zero_centered_norm": (  # refused by the config, after Megatron's own validate_args
+        ["--apply-layernorm-1p", "--save-interval", "1000"],
+        ["--apply-layernorm-1p", "layernorm_zero_centered_gamma=True"],
+    ),
     "fp8_without_te_or_gpu": (
         ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
         ["--fp8-format e4m3"],

@@ -27,6 +27,20 @@ def test_first_k_dense_replace_sets_the_layer_pattern():
     same = tiny_config(num_layers=4, first_k_dense_replace=1, moe_layer_freq=[0, 1, 1, 1])
     assert same.moe_layer_freq == [0, 1, 1, 1]
     assert StableLatentMoEConfig(num_layers=2, hidden_size=64, num_attention_heads=4).normalization == "RMSNorm"
+
+
+def test_a_replaced_config_derives_the_layer_pattern_again():
+    import dataclasses
+
+    cfg = tiny_config(num_layers=4, first_k_dense_replace=1)
+    assert dataclasses.replace(cfg, num_layers=6).moe_layer_freq == [0, 1, 1, 1, 1, 1]
+    assert dataclasses.replace(cfg, first_k_dense_replace=2).moe_layer_freq == [0, 0, 1, 1]
+    assert dataclasses.replace(cfg, first_k_dense_replace=0).moe_layer_freq == 1
+    # an explicit pattern is the user's: kept by a replace, and checked against first_k
+    explicit = tiny_config(num_layers=4, moe_layer_freq=[0, 0, 1, 1])
+    assert dataclasses.replace(explicit, hidden_size=128).moe_layer_freq == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="first_k_dense_replace=1 is not allowed"):
+        dataclasses.replace(explicit, first_k_dense_replace=1)
     full = k3_full_scale_config()
     assert full.moe_layer_freq == [0] + [1] * 92
     assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
