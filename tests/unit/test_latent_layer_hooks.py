@@ -1,0 +1,29 @@
+"""StableLatentMoELayer keeps Megatron's MoELayer hooks working for the latent projections."""
+
+from tests.parallel.launcher import run_distributed
+
+
+def _backward_dw_calls(rank, world_size):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+    calls = []
+    for name in ("fc1_latent_proj", "fc2_latent_proj", "experts", "shared_experts"):
+        getattr(layer, name).backward_dw = lambda name=name: calls.append(name)
+    # what Megatron's EP-overlap schedule does with deferred weight gradients (TE linears)
+    layer.config.overlap_moe_expert_parallel_comm = True
+    layer.backward_dw(routed_experts=True, shared_experts=False)
+    layer.backward_dw(routed_experts=False, shared_experts=True)
+    return calls
+
+
+def test_deferred_weight_gradients_reach_the_latent_projections():
+    """Under Megatron's EP-overlap schedule, TELinear computes its weight gradient only in
+    backward_dw: the layer's hook must reach W_up with the routed experts and W_down with the
+    shared experts, as Megatron's own latent MoE does."""
+    (calls,) = run_distributed(_backward_dw_calls, 1)
+    assert calls == ["experts", "fc2_latent_proj", "shared_experts", "fc1_latent_proj"]
