@@ -283,14 +283,12 @@ class DistCheckpointReader:
         return out
 
 
-__all__ = ["DistCheckpointReader", "resolve_checkpoint_dir", "TRACKER_FILE"]
-
-
 def open_checkpoint(
     checkpoint: str | os.PathLike, config_file: Optional[str] = None
-) -> tuple[DistCheckpointReader, ModelArch, str]:
+) -> tuple[DistCheckpointReader, ModelArch, str, dict]:
     """Open a ``torch_dist`` checkpoint and resolve its architecture: ``(reader, arch, where the
-    description came from)``. An unreadable common state is tolerated only with ``config_file``."""
+    description came from, the common state)``. An unreadable common state is tolerated (as
+    ``{}``) only with ``config_file``."""
     reader = DistCheckpointReader(checkpoint)
     try:
         common = reader.common_state()
@@ -299,4 +297,7 @@ def open_checkpoint(
             raise
         common = {}
     arch, source = resolve_arch(common, config_file, checkpoint=str(reader.path))
-    return reader, arch, source
+    return reader, arch, source, common
+
+
+__all__ = ["DistCheckpointReader", "resolve_checkpoint_dir", "open_checkpoint", "TRACKER_FILE"]

@@ -368,13 +368,9 @@ def export_checkpoint(
     max_shard = parse_size(max_shard_size)
     if max_shard <= 0:
         raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
-    reader, arch, config_source = open_checkpoint(checkpoint, config_file)
+    reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
     name = str(reader.path)
     n_maps = match_checkpoint(reader, arch, name)
-    try:
-        common = reader.common_state()
-    except ConversionError:  # unreadable common state: the config came from --megatron-config
-        common = {}
     tok = resolve_tokenizer_dir(tokenizer_dir, common)
     trained_by_megatron = config_file is None and ARCH_STATE_KEY not in common and common.get("args") is not None
 

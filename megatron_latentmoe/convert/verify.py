@@ -264,7 +264,7 @@ def verify_export(
     check_verify_options(atol=atol, new_tokens=new_tokens, batch=batch, seq_len=seq_len)
     check_hf_dir(hf_dir)
     t0 = time.perf_counter()
-    reader, arch, _ = open_checkpoint(checkpoint, config_file)
+    reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
     torch.manual_seed(0)
     mg = load_megatron_model(reader.path, arch)
     hf = load_hf_model(hf_dir)
