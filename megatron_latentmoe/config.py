@@ -229,7 +229,6 @@ def tiny_config(**overrides) -> StableLatentMoEConfig:
         moe_router_load_balancing_type=QUANTILE_HISTOGRAM,
         moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=0.0,
-        normalization="RMSNorm",
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -258,7 +257,6 @@ def k3_full_scale_config(**overrides) -> StableLatentMoEConfig:
         moe_router_load_balancing_type=QUANTILE_HISTOGRAM,
         moe_router_dtype="fp32",
         moe_aux_loss_coeff=0.0,
-        normalization="RMSNorm",
         layernorm_epsilon=1e-5,
         add_bias_linear=False,
     )

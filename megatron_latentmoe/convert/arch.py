@@ -410,7 +410,6 @@ class ModelArch:
             moe_router_enable_expert_bias=not qb,
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall",
-            normalization="RMSNorm",
             layernorm_epsilon=float(self.layernorm_epsilon),
             add_bias_linear=False,
             hidden_dropout=0.0,
