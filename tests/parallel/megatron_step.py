@@ -84,6 +84,23 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def step_errors(ref, loss, grad_norm, loss_after) -> dict:
+    """Relative errors of one ``train_step`` against the single process's ``ref`` (the losses
+    exist on last pipeline stages only)."""
+    err = {"grad_norm": rel(grad_norm, ref["grad_norm"])}
+    if loss is not None:
+        err["loss"] = rel(loss, ref["loss"])
+        err["loss_after"] = rel(loss_after, ref["loss_after"])
+    return err
+
+
+def grad_error(grads, expected) -> float:
+    """Worst per-parameter ``||grad - expected|| / ||expected||`` over ``grads``."""
+    return max(
+        (g - expected[n]).norm().item() / max(expected[n].norm().item(), 1e-30) for n, g in grads.items()
+    )
+
+
 def check_layouts(per_rank):
     worst = {}
     for rank_result in per_rank:

@@ -27,7 +27,7 @@ import math
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, rel, train_step
+from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, grad_error, step_errors, train_step
 
 pytestmark = pytest.mark.slow
 
@@ -164,16 +164,9 @@ def _layouts(rank, world_size, layouts, reference):
             ref = reference[dispatcher]
             model, ddp, optimizer = _build(dispatcher, ref["state"], **layout)
             loss, (grads,), grad_norm, loss_after = train_step([model], [ddp], optimizer)
-            err = {"grad_norm": rel(grad_norm, ref["grad_norm"])}
-            if loss is not None:
-                err["loss"] = rel(loss, ref["loss"])
-                err["loss_after"] = rel(loss_after, ref["loss_after"])
+            err = step_errors(ref, loss, grad_norm, loss_after)
             if not layout.get("distopt"):  # distopt keeps only this rank's reduced grad shard
-                expected = shard_state_dict_for_rank(ref["grads"], model)
-                err["grads"] = max(
-                    (g - expected[n]).norm().item() / max(expected[n].norm().item(), 1e-30)
-                    for n, g in grads.items()
-                )
+                err["grads"] = grad_error(grads, shard_state_dict_for_rank(ref["grads"], model))
             results[(name, dispatcher)] = err
     return results
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, rel, train_step
+from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, grad_error, step_errors, train_step
 
 pytestmark = pytest.mark.slow
 
@@ -121,16 +121,11 @@ def _layouts(rank, world_size, layouts, reference):
             for model in models:
                 model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
             loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer)
-            err = {"grad_norm": rel(grad_norm, ref["grad_norm"]), "grads": 0.0, "bias_bins": 0.0}
-            if loss is not None:
-                err["loss"] = rel(loss, ref["loss"])
-                err["loss_after"] = rel(loss_after, ref["loss_after"])
+            err = {**step_errors(ref, loss, grad_norm, loss_after), "grads": 0.0, "bias_bins": 0.0}
             bin_width = 2.0 / BINS  # the histogram range is 2 + spread wide
             for model, chunk_grads in zip(models, grads):
                 expected = shard_state_dict_for_rank(ref["grads"], model)
-                for pname, grad in chunk_grads.items():
-                    want = expected[pname]
-                    err["grads"] = max(err["grads"], (grad - want).norm().item() / max(want.norm().item(), 1e-30))
+                err["grads"] = max(err["grads"], grad_error(chunk_grads, expected))
                 # QB bias after the step, in units of bins
                 want_bias = shard_state_dict_for_rank({**ref["state"], **ref["bias"]}, model)
                 for k, v in _biases(model).items():
