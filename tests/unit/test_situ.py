@@ -15,8 +15,8 @@ from megatron_latentmoe.ops.situ import (
     SiTUGLU,
     situ_glu,
     situ_glu_packed,
-    situ_glu_reference,
 )
+from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_glu_reference
 
 B1, B2 = DEFAULT_SITU_BETA, DEFAULT_SITU_LINEAR_BETA
 
@@ -425,3 +425,56 @@ def test_autocast_does_not_lower_the_math():
         outp = situ_glu_packed(torch.cat([g, u], -1))
     assert out.dtype == torch.float32 and torch.equal(out, ref)
     torch.testing.assert_close(outp, ref, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- compiled CPU path
+
+
+def test_fused_formula_matches_fp64_reference():
+    """The exp-based formula the compiled CPU path (and the Triton kernels) use, run eagerly in
+    fp32, against the fp64 reference: values, both gradients, across the series / exp switch."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    mags = torch.logspace(-8, 4, 2000, dtype=torch.float64)
+    g = torch.cat([mags, -mags, mags, -mags])
+    u = torch.cat([mags.flip(0), mags, -mags, -mags.flip(0)])
+    grad = torch.randn(g.shape, dtype=torch.float64)
+    out = situ_mod._fused_forward(g.float(), u.float(), B1, B2)
+    dg, du = situ_mod._fused_backward(g.float(), u.float(), grad.float(), B1, B2)
+    gg, uu = g.float().double().requires_grad_(True), u.float().double().requires_grad_(True)
+    ref = formula_fp64(gg, uu)
+    ref.backward(grad.float().double())
+    rel = ((out.double() - ref) / ref.abs().clamp_min(1e-30)).abs().max().item()
+    assert rel < 2e-6, rel
+    torch.testing.assert_close(dg.double(), gg.grad, rtol=2e-6, atol=2e-5)
+    torch.testing.assert_close(du.double(), uu.grad, rtol=2e-6, atol=2e-5)
+    assert out.abs().max().item() <= B1 * B2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
+    """Above COMPILE_MIN_ELEMS the CPU op runs the torch.compile'd loop: same values and gradients
+    as the eager math within fp32 rounding (bf16: within one output rounding), input-only saved."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    x = (torch.randn(64, 2 * 48, dtype=torch.float64) * 4).to(dtype)
+    grad = torch.randn(64, 48, dtype=torch.float64).to(dtype)
+    results = {}
+    for name, threshold in (("eager", 1 << 62), ("compiled", 1)):
+        monkeypatch.setattr(situ_mod, "COMPILE_MIN_ELEMS", threshold)
+        assert situ_mod._path(x, 64 * 48) == name
+        xp = x.clone().requires_grad_(True)
+        _, saved, _ = saved_bytes(situ_glu_packed, xp)
+        assert len(saved) == 1 and saved[0] is xp
+        out = situ_glu_packed(xp)
+        out.backward(grad)
+        g, u = (t.detach().clone().requires_grad_(True) for t in (x[:, :48], x[:, 48:]))
+        out2 = situ_glu(g, u)
+        out2.backward(grad)
+        assert torch.equal(out2, out)
+        assert torch.equal(torch.cat([g.grad, u.grad], -1), xp.grad)
+        results[name] = (out, xp.grad)
+    assert not situ_mod._compile_failed
+    rtol, atol = (2e-6, 2e-5) if dtype == torch.float32 else (2 ** -7, 1e-2)
+    for a, b in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
