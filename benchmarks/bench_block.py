@@ -158,11 +158,15 @@ def main():
         r["ratio_vs_megatron_moe"] = r["tokens_per_s"] / base
         print(f"{name:<24}{1e3 * r['seconds']:>10.2f}{r['tokens_per_s']:>12.0f}"
               f"{r['ratio_vs_megatron_moe']:>12.2f}x{r['params']:>11d}  {r['note']}")
+    # SiTU-GLU's share of our block's fwd+bwd: the time it adds over SwiGLU, side by side.
+    situ_share = 1.0 - rows["stable_swiglu"]["seconds"] / rows["stable"]["seconds"]
+    print(f"SiTU-GLU share of the block's fwd+bwd (1 - t(stable_swiglu) / t(stable)): "
+          f"{100 * situ_share:.1f} %")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(args=vars(a), device=device.type,
-                                   torch=torch.__version__, results=rows), indent=2))
+    tmp.write_text(json.dumps(dict(args=vars(a), device=device.type, torch=torch.__version__,
+                                   situ_share=situ_share, results=rows), indent=2))
     tmp.replace(out)
     print(f"wrote {out}")
 

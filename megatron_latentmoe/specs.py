@@ -129,7 +129,9 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoEConfig, backend: str = 
     megatron_moe = get_moe_module_spec_for_backend(
         backend=provider,
         num_experts=config.num_moe_experts,
-        moe_grouped_gemm=backend == "te",
+        # TE: grouped-GEMM experts when config.moe_grouped_gemm (training turns it on), else
+        # SequentialMLP of TE linears (the fallback where cuBLASLt lacks grouped GEMM).
+        moe_grouped_gemm=backend == "te" and bool(config.moe_grouped_gemm),
         use_te_activation_func=config.use_te_activation_func,
     )
     if backend == "local":

@@ -150,7 +150,7 @@ COMPILE_MIN_ELEMS = 1 << 17
 _compile_failed = False
 
 
-def _tanh_sech2(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _tanh_sech2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tanh(x) and 1 - tanh(x)^2 from one exp (the Triton kernels' formula, see situ_triton.py):
     sign(x)(1-e)/(1+e) and 4e/(1+e)^2 with e = exp(-2|x|); a Taylor series below |x| = 1/4."""
     ax = x.abs()
@@ -186,13 +186,13 @@ def _fused_backward_packed(x: torch.Tensor, grad: torch.Tensor, b1: float, b2: f
     return torch.cat(_fused_backward(x[..., :f], x[..., f:], grad, b1, b2), dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name: str):
     fn = {"fwd": _fused_forward, "bwd": _fused_backward, "bwd_packed": _fused_backward_packed}
     return torch.compile(fn[name], dynamic=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_ops():
     """ops/situ_triton.py, or None where Triton is not importable (then the eager math runs)."""
     try:

@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_latentmoe.hf.modeling_stable_latentmoe import (
+    situ_glu as situ_glu_reference,
+)
 from megatron_latentmoe.ops.situ import (
     DEFAULT_SITU_BETA,
     DEFAULT_SITU_LINEAR_BETA,
@@ -16,7 +19,6 @@ from megatron_latentmoe.ops.situ import (
     situ_glu,
     situ_glu_packed,
 )
-from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_glu_reference
 
 B1, B2 = DEFAULT_SITU_BETA, DEFAULT_SITU_LINEAR_BETA
 

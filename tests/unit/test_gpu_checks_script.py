@@ -1,0 +1,101 @@
+"""tools/gpu_checks.sh and tools/fetch_gpu_kit.sh on the CPU: the kit is refused when its
+checksum does not match (nothing unpacked), a kit without the expected layout fails with the
+missing piece named, bad flags and missing kits get a one-line message. The full ``--check``
+dry run over the real kit (unpack, GLIBCXX, install dry run, imports, test collection) is
+``test_check_mode_with_real_kit`` (slow; skipped unless .tekit/ holds the kit)."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "gpu_checks.sh"
+
+
+def _fake_kit(tmp_path, members=("site/megatron/core/__init__.py",)):
+    src = tmp_path / "src"
+    for m in members:
+        (src / m).parent.mkdir(parents=True, exist_ok=True)
+        (src / m).write_text("")
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    with tarfile.open(kit / "te_site.tar.xz", "w:xz") as tar:
+        tar.add(src / "site", arcname="site")
+    digest = hashlib.sha256((kit / "te_site.tar.xz").read_bytes()).hexdigest()
+    (kit / "SHA256SUMS").write_text(f"{digest}  te_site.tar.xz\n")
+    return kit
+
+
+def _run(args, tmp_path, **env):
+    full_env = dict(os.environ, OUT=str(tmp_path / "out"), **env)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env=full_env, cwd=REPO, timeout=120)
+
+
+def test_bad_flag_and_missing_kit(tmp_path):
+    r = _run(["--fast"], tmp_path)
+    assert r.returncode == 2 and "usage: bash tools/gpu_checks.sh [--check]; got '--fast'" in r.stderr
+    r = _run(["--check"], tmp_path, KIT=str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "no kit in" in r.stdout and "fetch_gpu_kit.sh" in r.stdout
+
+
+def test_checksum_mismatch_refuses_to_unpack(tmp_path):
+    kit = _fake_kit(tmp_path)
+    with open(kit / "te_site.tar.xz", "ab") as f:
+        f.write(b"corrupted in transit")
+    site = tmp_path / "site"
+    r = _run([], tmp_path, KIT=str(kit), SITE=str(site))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "kit checksum mismatch: refusing to unpack" in r.stdout
+    assert not site.exists()
+
+
+def test_kit_layout_is_checked_and_named(tmp_path):
+    """A kit whose archive lacks TE: the check names every missing piece and fails (rc 1)."""
+    kit = _fake_kit(tmp_path)
+    r = _run(["--check"], tmp_path, KIT=str(kit), PYTHON="false")  # no Python steps run usefully
+    out = r.stdout
+    assert r.returncode == 1, out + r.stderr
+    for piece in ("transformer_engine/pytorch", "pydantic", "transformer_engine/wheel_lib"):
+        assert f"kit lacks {piece}" in out
+    assert "kit lacks megatron/core" not in out
+    assert "kit lacks the prebuilt transformer_engine_torch extension" in out
+
+
+def test_fetch_gpu_kit_copies_verified_kit(tmp_path):
+    kit = _fake_kit(tmp_path)
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "tools", repo / "tools")
+    shutil.copy(REPO / ".gitignore", repo / ".gitignore")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (repo / ".tekit" / "te_site.tar.xz").read_bytes() == (kit / "te_site.tar.xz").read_bytes()
+    (kit / "SHA256SUMS").write_text("0" * 64 + "  te_site.tar.xz\n")
+    r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0  # a bad checksum leaves the previous good copy in place
+    assert (repo / ".tekit" / "te_site.tar.xz").exists()
+    assert not list(repo.glob(".tekit.tmp.*"))
+
+
+@pytest.mark.slow
+def test_check_mode_with_real_kit(tmp_path):
+    if not (REPO / ".tekit" / "SHA256SUMS").exists():
+        pytest.skip("no kit in .tekit/ (bash tools/fetch_gpu_kit.sh copies it)")
+    import sys
+
+    r = _run(["--check"], tmp_path, PYTHON=sys.executable)
+    summary = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
+    assert summary["kit_checksum"] == "ok" and summary["mode"] == "check", summary
+    assert summary["glibcxx"].startswith("ok"), summary
+    assert summary["install"].startswith("ok"), summary
+    assert summary["pytest"] == "collected (--check)", summary
+    assert r.returncode == 0, (tmp_path / "out" / "gpu_checks.log").read_text()[-3000:]
