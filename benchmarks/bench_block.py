@@ -8,6 +8,8 @@ Variants (single process, same tokens, same n / k / shared experts):
 * ``stable``: our block (W_down, latent SiTU-GLU experts, latent RMSNorm, W_up, QB router).
 * ``stable_no_norm``, ``stable_swiglu``, ``stable_no_norm_swiglu``: our block with the latent
   norm and / or SiTU-GLU switched off (SwiGLU instead).
+* ``stable_eager_situ``: our block with SiTU-GLU forced onto its eager math (what ran before the
+  fused CPU path / the Triton kernels), to show the fused op's gain in the same run.
 
 Prints a table of tokens/s and the ratio to ``megatron_moe``; writes JSON (default
 ``benchmarks/results/bench_block.json``). Run: ``python benchmarks/bench_block.py [--help]``.
@@ -105,6 +107,7 @@ def build_variants(a, dtype):
         "stable_no_norm": dict(latent_moe_use_norm=False),
         "stable_swiglu": dict(hidden_act="swiglu"),
         "stable_no_norm_swiglu": dict(latent_moe_use_norm=False, hidden_act="swiglu"),
+        "stable_eager_situ": dict(),
     }.items():
         cfg = tiny_config(**common, moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
                           moe_grouped_gemm=te, **extra)
@@ -123,13 +126,21 @@ def time_variants(variants, x, grad, iters, warmup):
         out.backward(grad)
         layer.zero_grad(set_to_none=True)
 
+    from megatron_latentmoe.ops import situ
+
     times = {name: [] for name in variants}
     for i in range(warmup + iters):
         for name, layer in variants.items():
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step(layer)
+            fused_path = situ._path
+            if name == "stable_eager_situ":
+                situ._path = lambda t, n: "eager"
+            try:
+                step(layer)
+            finally:
+                situ._path = fused_path
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             if i >= warmup:
@@ -160,13 +171,15 @@ def main():
               f"{r['ratio_vs_megatron_moe']:>12.2f}x{r['params']:>11d}  {r['note']}")
     # SiTU-GLU's share of our block's fwd+bwd: the time it adds over SwiGLU, side by side.
     situ_share = 1.0 - rows["stable_swiglu"]["seconds"] / rows["stable"]["seconds"]
+    eager_share = 1.0 - rows["stable_swiglu"]["seconds"] / rows["stable_eager_situ"]["seconds"]
     print(f"SiTU-GLU share of the block's fwd+bwd (1 - t(stable_swiglu) / t(stable)): "
-          f"{100 * situ_share:.1f} %")
+          f"{100 * situ_share:.1f} % fused, {100 * eager_share:.1f} % with its eager math")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(dict(args=vars(a), device=device.type, torch=torch.__version__,
-                                   situ_share=situ_share, results=rows), indent=2))
+                                   situ_share=situ_share,
+                                   situ_share_eager=eager_share, results=rows), indent=2))
     tmp.replace(out)
     print(f"wrote {out}")
 

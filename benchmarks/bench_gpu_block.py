@@ -152,7 +152,9 @@ def main(argv=None):
             fmt = "hybrid" if recipe == "delayed" else "e4m3"
             layer, cfg = build(a, fp8=fmt, fp8_recipe=recipe,
                                moe_router_padding_for_quantization=True)
-            layer.load_state_dict(stable_bf16[0].state_dict(), strict=False)
+            weights = {k: v for k, v in stable_bf16[0].state_dict().items()
+                       if not k.endswith("_extra_state")}  # keep the FP8 layer's own TE meta
+            layer.load_state_dict(weights, strict=False)
             pair = {"bf16": stable_bf16, recipe: (layer, cfg)}
             sec = time_side_by_side(pair, x, grad, a.iters, a.warmup)
             fp8_rows[recipe] = dict(ms=1e3 * sec[recipe], bf16_ms=1e3 * sec["bf16"],

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_reference  # noqa: E402
-from megatron_latentmoe.ops import situ as situ_mod  # noqa: E402
+from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_reference
+from megatron_latentmoe.ops import situ as situ_mod
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 B1, B2 = situ_mod.DEFAULT_SITU_BETA, situ_mod.DEFAULT_SITU_LINEAR_BETA
@@ -62,15 +62,15 @@ def _fused_swiglu():
     try:
         import transformer_engine.pytorch.ops as te_ops
 
-        op = te_ops.SwiGLU()
-        return "SwiGLU fused (TE ops.SwiGLU)", op
-    except Exception:  # noqa: BLE001 - no TE: try Megatron's
-        pass
+        return "SwiGLU fused (TE ops.SwiGLU)", te_ops.SwiGLU()
+    except Exception as exc:  # noqa: BLE001 - no usable TE: try Megatron's
+        print(f"TE SwiGLU unavailable ({type(exc).__name__}); trying Megatron's bias_swiglu")
     try:
         from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
         return "SwiGLU fused (Megatron bias_swiglu)", lambda x: bias_swiglu_impl(x, None)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - neither: the table shows the plain SwiGLU only
+        print(f"no fused SwiGLU ({type(exc).__name__})")
         return None
 
 
@@ -183,9 +183,10 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     hdr = (f"{'thr':>3} {'dtype':5} {'variant':36} {'fwd+bwd ms':>10} {'x time':>7} "
            f"{'GB/s':>8} {'of copy':>7} {'saved MiB':>10} {'saved/input':>11}")
-    lines = [f"SiTU-GLU benchmark: tokens={a.tokens}, F={a.ffn} (input [tokens, 2F]), "
+    title = (f"SiTU-GLU benchmark: tokens={a.tokens}, F={a.ffn} (input [tokens, 2F]), "
              f"torch {torch.__version__}, {device.type} ({name}), load avg "
-             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", hdr, "-" * len(hdr)]
+             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    lines = [title, hdr, "-" * len(hdr)]
     for r in rows:
         lines.append(f"{r['threads']:3d} {r['dtype']:5} {r['variant']:36} "
                      f"{r['fwd_bwd_ms_median']:10.2f} {r['time_vs_situ_glu']:7.2f} "
@@ -197,10 +198,10 @@ def main():
     meta = dict(torch=torch.__version__, thread_counts=thread_counts, device=device.type,
                 device_name=name, cpu_count=os.cpu_count(), loadavg_1_5_15=list(os.getloadavg()),
                 machine=platform.machine(), python=platform.python_version(), reps=a.reps,
-                note="time is the median of reps after 2 warm-ups, variants interleaved within "
-                "each rep; saved bytes count distinct storages held by autograd for backward "
-                "(views of the input count once); bytes moved per fwd+bwd = 8 * tokens * F * "
-                "element size")
+                note=("time is the median of reps after 2 warm-ups, variants interleaved within "
+                      "each rep; saved bytes count distinct storages held by autograd for backward "
+                      "(views of the input count once); bytes moved per fwd+bwd = 8 * tokens * F "
+                      "* element size"))
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(dict(meta=meta, rows=rows, table=table), f, indent=2)

@@ -18,10 +18,16 @@ two GPUs and are not run here (tests/parallel runs them on CPU with gloo).
 Run on a GPU machine with TE: ``bash tools/gpu_checks.sh`` (also runs the GPU benchmarks).
 """
 
+import os
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+# Set by tools/gpu_checks.sh when its probe of TE's cuBLASLt grouped GEMM fails (a CUDA 13.0
+# runtime may lack the entry point the kit's core was built against): sequential TE experts only.
+NO_GROUPED_GEMM = os.environ.get("GPU_CHECKS_NO_GROUPED_GEMM") == "1"
+GROUPED_SKIP = "cuBLASLt grouped GEMM failed its probe here (tools/gpu_checks.sh, gpu_checks.json)"
 
 D, LATENT, FFN, EXPERTS, TOPK, TOKENS = 256, 128, 256, 8, 2, 512
 FP32_RTOL = 2e-3  # TE's fp32 GEMMs are TF32 (see the module docstring)
@@ -81,6 +87,8 @@ def _rel(a, b):
 def test_te_spec_equals_local_spec(megatron_world, dtype, grouped):
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
+    if grouped and NO_GROUPED_GEMM:
+        pytest.skip(GROUPED_SKIP)
     tol = FP32_RTOL if dtype == torch.float32 else BF16_RTOL
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the local spec's fp32 GEMMs stay exact fp32
@@ -151,7 +159,8 @@ def _te_gemm_modules(model):
 @needs_te
 @pytest.mark.parametrize("recipe", sorted(FP8_RECIPES))
 def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
-    """A few steps of the GPT (dense layer + Stable LatentMoE layers, TE spec, grouped GEMM)
+    """A few steps of the GPT (dense layer + Stable LatentMoE layers, TE spec, grouped GEMM
+    unless GPU_CHECKS_NO_GROUPED_GEMM)
     under the recipe: losses within FP8_LOSS_RTOL of bf16's, every decoder TE module ran FP8."""
     import transformer_engine.pytorch as te_pt
 
@@ -163,7 +172,7 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
         pytest.skip(f"{recipe}: {available[1]} (this GPU: sm_"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}; MXFP8 needs "
                     "Blackwell, sm_100)")
-    common = dict(num_layers=3, first_k_dense_replace=1, moe_grouped_gemm=True,
+    common = dict(num_layers=3, first_k_dense_replace=1, moe_grouped_gemm=not NO_GROUPED_GEMM,
                   moe_router_padding_for_quantization=True)
     bf16_cfg = _config(**common)
     fp8_cfg = _config(**common, fp8="e4m3" if recipe != "delayed" else "hybrid",

@@ -32,10 +32,10 @@ def _fake_kit(tmp_path, members=("site/megatron/core/__init__.py",)):
     return kit
 
 
-def _run(args, tmp_path, **env):
+def _run(args, tmp_path, timeout=120, **env):
     full_env = dict(os.environ, OUT=str(tmp_path / "out"), **env)
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          env=full_env, cwd=REPO, timeout=120)
+                          env=full_env, cwd=REPO, timeout=timeout, check=False)
 
 
 def test_bad_flag_and_missing_kit(tmp_path):
@@ -75,12 +75,12 @@ def test_fetch_gpu_kit_copies_verified_kit(tmp_path):
     shutil.copy(REPO / ".gitignore", repo / ".gitignore")
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert (repo / ".tekit" / "te_site.tar.xz").read_bytes() == (kit / "te_site.tar.xz").read_bytes()
     (kit / "SHA256SUMS").write_text("0" * 64 + "  te_site.tar.xz\n")
     r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode != 0  # a bad checksum leaves the previous good copy in place
     assert (repo / ".tekit" / "te_site.tar.xz").exists()
     assert not list(repo.glob(".tekit.tmp.*"))
@@ -92,7 +92,7 @@ def test_check_mode_with_real_kit(tmp_path):
         pytest.skip("no kit in .tekit/ (bash tools/fetch_gpu_kit.sh copies it)")
     import sys
 
-    r = _run(["--check"], tmp_path, PYTHON=sys.executable)
+    r = _run(["--check"], tmp_path, timeout=900, PYTHON=sys.executable)  # ~1-3 min, 2 cores
     summary = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
     assert summary["kit_checksum"] == "ok" and summary["mode"] == "check", summary
     assert summary["glibcxx"].startswith("ok"), summary
