@@ -21,9 +21,10 @@ Three implementations of the same formula, chosen per call by ``_path``:
 * CPU, bf16 / fp16 / fp32, at least ``COMPILE_MIN_ELEMS`` output elements: the same exp-based
   formula as the Triton kernels, fused by ``torch.compile`` (inductor) into one loop per pass.
   ``torch.tanh`` costs 3.2 ns per fp32 element on this AVX2 CPU against 1.0 ns for ``torch.exp``
-  (measured, 1 thread), so the fused loop writes tanh with exp; fwd+bwd at [512, 2x384] fp32:
-  eager 4.6 ms, compiled with torch.tanh 3.4 ms, compiled exp form 2.1x SwiGLU's time vs 3.6x
-  for eager (benchmarks/bench_situ.py has the side-by-side numbers);
+  (measured, 1 thread), so the fused loop writes tanh with exp. fwd+bwd at [512, 2x384] fp32,
+  side by side: compiled with torch.tanh 0.73x the eager time, the exp form 0.52x (1.9x SwiGLU's
+  time, eager 3.6x). In benchmarks/bench_block.py SiTU-GLU's share of the block's fwd+bwd falls
+  from 18.8 % (eager) to 7.2 % (fused);
 * everything else (fp64, small tensors whose compile would not pay back, a machine where
   inductor cannot compile): the eager blocked math below with ``torch.tanh``.
 

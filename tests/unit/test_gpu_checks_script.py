@@ -99,3 +99,23 @@ def test_check_mode_with_real_kit(tmp_path):
     assert summary["install"].startswith("ok"), summary
     assert summary["pytest"] == "collected (--check)", summary
     assert r.returncode == 0, (tmp_path / "out" / "gpu_checks.log").read_text()[-3000:]
+
+
+def test_gpu_benchmark_skips_cleanly_without_cuda(tmp_path):
+    """benchmarks/bench_gpu_block.py on a CPU machine: exit 0 and a JSON that says why."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: tools/gpu_checks.sh runs the real benchmark")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu_block.py"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["skipped"].startswith("needs a CUDA GPU"), result
+    args = result["args"]
+    assert args["experts"] / args["topk"] == 896 / 16  # K3's n / k: K3's tokens per expert
+    assert "bench_gpu_block: skipped: needs a CUDA GPU" in r.stdout
