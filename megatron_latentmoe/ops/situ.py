@@ -143,8 +143,9 @@ def _backward_math(
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Below this many output elements the eager math runs on CPU: a first compile costs ~2 s per
-# process (warm inductor cache; ~20 s cold) and saves ~1.5 ms per fwd+bwd of 200k elements.
+# Below this many output elements the eager math runs on CPU. The first compiled call of a
+# process costs ~2 s with a warm inductor cache and ~20 s cold on an idle core (measured 30 s and
+# 80 s wall on 2 cores at load 15-25); each later fwd+bwd of 200k elements saves ~1.5 ms.
 # 1 << 17 keeps the tests' tiny layers eager and compiles the expert / shared-expert / dense MLP
 # activations of benchmarks/bench_block.py (512-2048 rows x 384-768 columns).
 COMPILE_MIN_ELEMS = 1 << 17

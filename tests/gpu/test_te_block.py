@@ -172,11 +172,12 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
         pytest.skip(f"{recipe}: {available[1]} (this GPU: sm_"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}; MXFP8 needs "
                     "Blackwell, sm_100)")
-    common = dict(num_layers=3, first_k_dense_replace=1, moe_grouped_gemm=not NO_GROUPED_GEMM,
-                  moe_router_padding_for_quantization=True)
+    common = dict(num_layers=3, first_k_dense_replace=1, moe_grouped_gemm=not NO_GROUPED_GEMM)
     bf16_cfg = _config(**common)
+    # padding each expert's tokens to the FP8 GEMM multiple routes extra rows with weight 0:
+    # the same function as bf16's (Megatron allows the padding only with fp8 set)
     fp8_cfg = _config(**common, fp8="e4m3" if recipe != "delayed" else "hybrid",
-                      fp8_recipe=recipe)
+                      fp8_recipe=recipe, moe_router_padding_for_quantization=True)
     torch.manual_seed(0)
     bf16_model = _gpt(bf16_cfg)
     fp8_model = _gpt(fp8_cfg)
