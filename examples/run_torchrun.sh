@@ -8,6 +8,7 @@
 # appended (argparse: the last occurrence of a flag wins).
 # With a CUDA GPU: one process per GPU, NCCL, Transformer Engine spec when TE is installed.
 # Without: NPROC processes (default 2) on CPU with gloo and the local spec, 1 thread each.
+# The flags are checked once before the ranks start (bad flag: one line, exit 2).
 # Env: NPROC (processes), PYTHON (default: the repo's .venv python, else python3).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,5 +34,9 @@ fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: needed for TP/SP comm ordering on GPUs
 export NO_VCS_VERSION=1                # megatron.core.package_info: skip `git rev-parse`
 export PYTHONUNBUFFERED=1
+# Check the flags once, before spawning ranks: a bad flag is one line on stderr and exit 2
+# (rather than one error per rank and torchrun's ChildFailedError traceback).
+WORLD_SIZE="$nproc" RANK=0 LOCAL_RANK=0 \
+  "$PYTHON" "$repo/examples/pretrain_stable_latentmoe.py" --check-flags "${ARGS[@]}" "$@" || exit $?
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
   "$repo/examples/pretrain_stable_latentmoe.py" "${ARGS[@]}" "$@"

@@ -1,70 +1,69 @@
 """One config for a Stable LatentMoE model: Megatron's ``TransformerConfig`` plus SPEC §1–§4 fields.
 
-Megatron names are reused wherever Megatron already has the knob:
+Megatron names are reused wherever Megatron already has the knob; the fields it adds, and the HF
+name of every field, are rows of :data:`megatron_latentmoe.fields.FIELDS` (one table for the HF
+config, the converter, the ledger and the command line).
 
-=====================================  =====================================================
-SPEC / HF name                         field here
-=====================================  =====================================================
-l, ``routed_expert_hidden_size``       ``moe_latent_size`` (Megatron's)
-``latent_moe_use_norm``                ``latent_moe_use_norm`` (new: RMSNorm over l)
-``hidden_act = situ``                  ``hidden_act`` (new: ``"situ"`` or ``"swiglu"``)
-b1 / b2                                ``activation_situ_beta`` / ``activation_situ_linear_beta``
-``routed_scaling_factor``              ``moe_router_topk_scaling_factor`` (Megatron's)
-``first_k_dense_replace``              ``first_k_dense_replace`` (new; sets ``moe_layer_freq``)
-QB router (SPEC §4)                    ``moe_router_load_balancing_type = "quantile_histogram"``
-QB bins B / binning                    ``moe_qb_num_bins`` / ``moe_qb_binning`` (new)
-=====================================  =====================================================
-
-Every wrong value raises ``ValueError`` naming the field, the value and what is allowed, before
-Megatron's own checks run (theirs are asserts deep inside module constructors).
+Every rule is stated once, in :func:`check_stable_latentmoe`: a wrong value raises
+:class:`ConfigError` naming the field, the value and what is allowed, before Megatron's own checks
+run (theirs are asserts deep inside module constructors). The command line runs the same function
+on the parsed flags and prints the error with flag names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_latentmoe.choices import HIDDEN_ACTS, QB_BINNINGS, QUANTILE_HISTOGRAM
+from megatron_latentmoe.fields import (
+    ADDED,
+    FIELDS,
+    QUANTILE_HISTOGRAM,
+    hf_defaults,
+    megatron_values,
+    read_hf,
+)
 
 
+class ConfigError(ValueError):
+    """A wrong config value: ``field=value is not allowed: <allowed>`` (``fields.not_allowed``'s
+    style), where ``allowed`` may
+    name other fields (``{name}`` placeholders filled from ``refs``), so the command line can
+    say the same with flags (:meth:`render`)."""
 
-def _fail(field: str, value, allowed: str) -> None:
-    raise ValueError(f"{field}={value!r} is not allowed: {allowed}")
+    def __init__(self, field: str, value: Any, allowed: str, **refs: Any):
+        self.field, self.value, self.allowed, self.refs = field, value, allowed, refs
+        super().__init__(self.render(lambda name, v: f"{name}={v!r}"))
+
+    def render(self, name_value: Callable[[str, Any], str]) -> str:
+        """The message with every ``field=value`` written by ``name_value(field, value)``."""
+        allowed = self.allowed.format(**{k: name_value(k, v) for k, v in self.refs.items()})
+        return f"{name_value(self.field, self.value)} is not allowed: {allowed}"
+
+
+def _with_table_fields(cls):
+    """Add the table's ``added`` rows as dataclass fields (before ``@dataclass`` runs)."""
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    cls.__annotations__ = {f.name: f.python_type for f in ADDED}
+    cls.__annotations__.update(own)
+    for f in ADDED:
+        setattr(cls, f.name, f.default)
+    return cls
 
 
 @dataclass
-class StableLatentMoEConfig(TransformerConfig):
-    """``TransformerConfig`` + the Stable LatentMoE fields (SPEC §1, §2, §4)."""
+@_with_table_fields
+class StableLatentMoETransformerConfig(TransformerConfig):
+    """``TransformerConfig`` + the Stable LatentMoE fields (SPEC §1, §2, §4): the ``added`` rows
+    of ``megatron_latentmoe.fields.FIELDS`` (their defaults and docs are there)."""
 
     normalization: str = "RMSNorm"
     """Megatron's field, re-defaulted: every norm of the model is an RMSNorm (SPEC §1); the
     only value allowed."""
-
-    hidden_act: str = "situ"
-    """SPEC §2: ``"situ"`` = SiTU-GLU in routed experts, shared experts and dense MLPs;
-    ``"swiglu"`` = plain SwiGLU (for ablations)."""
-
-    activation_situ_beta: float = 4.0
-    """b1 of SiTU-GLU: softcap of the gate's linear factor (SPEC §2)."""
-
-    activation_situ_linear_beta: float = 25.0
-    """b2 of SiTU-GLU: softcap of the up branch (SPEC §2)."""
-
-    latent_moe_use_norm: bool = True
-    """RMSNorm over the latent width between combine and W_up (SPEC §1)."""
-
-    first_k_dense_replace: int = 0
-    """The first k layers use a dense SiTU-GLU MLP instead of the block (SPEC §1)."""
-
-    moe_qb_num_bins: int = 1000
-    """Histogram bins B per expert for Quantile Balancing (SPEC §4, appendix D)."""
-
-    moe_qb_binning: str = "uniform"
-    """``"uniform"``: B equal bins over [min(b)-1, max(b)+1] (SPEC §4). ``"centered"``: per-expert
-    bins centred on that expert's bias, finer near it (same traffic; ~6x closer to the exact
-    quantile at equal B, see benchmarks/bench_balancing.py)."""
 
     _layer_freq_from_first_k: bool = dataclasses.field(default=False, repr=False)
     """Internal: ``moe_layer_freq`` was derived from ``first_k_dense_replace`` (not given), so a
@@ -73,11 +72,10 @@ class StableLatentMoEConfig(TransformerConfig):
     def __post_init__(self):
         if self._layer_freq_from_first_k:  # a copy (dataclasses.replace): derive it again
             self.moe_layer_freq, self._layer_freq_from_first_k = 1, False
-        self._validate_stable_latentmoe()
+        check_stable_latentmoe(lambda name: getattr(self, name))
         self._apply_stable_latentmoe_defaults()
         super().__post_init__()
 
-    # ------------------------------------------------------------------ derived Megatron fields
     def _apply_stable_latentmoe_defaults(self) -> None:
         """Translate our fields into the Megatron fields that implement them."""
         if self.hidden_act == "situ":
@@ -90,130 +88,126 @@ class StableLatentMoEConfig(TransformerConfig):
             self.gated_linear_unit = True
             self.activation_func = F.silu
             self.use_te_activation_func = False
-        if self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM and self.moe_router_dtype is None:
+        if self.uses_quantile_balancing and self.moe_router_dtype is None:
             self.moe_router_dtype = "fp32"  # router logits, scores and mixing weights in fp32
         if self.num_moe_experts and self.first_k_dense_replace and self.moe_layer_freq == 1:
             k = self.first_k_dense_replace
             self.moe_layer_freq = [0] * k + [1] * (self.num_layers - k)
             self._layer_freq_from_first_k = True
 
-    # ------------------------------------------------------------------ validation
-    def _validate_stable_latentmoe(self) -> None:
-        if self.hidden_act not in HIDDEN_ACTS:
-            _fail("hidden_act", self.hidden_act, f"one of {HIDDEN_ACTS}")
-        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                _fail(name, value, "a positive number (softcap scale, SPEC §2)")
-        k_dense = self.first_k_dense_replace
-        if isinstance(k_dense, bool) or not isinstance(k_dense, int) or not (
-            0 <= k_dense < max(self.num_layers, 1)
-        ):
-            _fail("first_k_dense_replace", k_dense, f"an integer in [0, num_layers={self.num_layers})")
-        if self.normalization != "RMSNorm":
-            _fail("normalization", self.normalization, "'RMSNorm' (SPEC §1)")
-        if self.layernorm_zero_centered_gamma:
-            _fail("layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)")
-        if self.hidden_act == "situ":
-            # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
-            # the experts would silently run SwiGLU or fail deep inside TE.
-            for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
-                if getattr(self, name):
-                    _fail(name, True, "False with hidden_act='situ' (Megatron fuses SwiGLU only)")
-        if not self.num_moe_experts:
-            return
-        if self.latent_moe_use_norm and not self.moe_latent_size:
-            _fail(
-                "latent_moe_use_norm",
-                self.latent_moe_use_norm,
-                "False unless moe_latent_size is set (the norm is over the latent width)",
-            )
-        dense_then_moe = [0] * k_dense + [1] * (self.num_layers - k_dense)
-        if k_dense and self.moe_layer_freq not in (1, dense_then_moe):
-            _fail(
-                "first_k_dense_replace",
-                k_dense,
-                f"0 when moe_layer_freq={self.moe_layer_freq!r} is set (it would override the "
-                f"pattern); or moe_layer_freq 1 or {dense_then_moe}",
-            )
-        for name, why in (
-            ("moe_apply_probs_on_input", "the block weights expert OUTPUTS: p * E(z) (SPEC §1)"),
-            ("moe_enable_routing_replay", "the Stable LatentMoE routers do not record or replay"),
-        ):
-            if getattr(self, name):
-                _fail(name, True, f"False ({why})")
-        n, k = self.num_moe_experts, self.moe_router_topk
-        ep = self.expert_model_parallel_size
-        if n % ep:
-            _fail("num_moe_experts", n, f"a multiple of expert_model_parallel_size={ep}")
-        if not (1 <= k < n):
-            _fail("moe_router_topk", k, f"an integer in [1, num_moe_experts={n})")
-        scale = self.moe_router_topk_scaling_factor
-        if scale is not None and not scale > 0:
-            _fail("moe_router_topk_scaling_factor", scale, "None or a positive number")
-        if self.moe_latent_size is not None:
-            latent, tp = self.moe_latent_size, self.tensor_model_parallel_size
-            if not (0 < latent):
-                _fail("moe_latent_size", latent, "a positive integer")
-            if latent % tp:
-                _fail("moe_latent_size", latent, f"a multiple of tensor_model_parallel_size={tp}")
-            if self.moe_shared_expert_overlap:
-                _fail(
-                    "moe_shared_expert_overlap",
-                    True,
-                    "False with moe_latent_size (shared experts see the full-width input)",
-                )
-        if self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM:
-            self._validate_quantile_balancing(n, k)
-
-    def _validate_quantile_balancing(self, n: int, k: int) -> None:
-        if self.moe_router_score_function != "sigmoid":
-            _fail(
-                "moe_router_score_function",
-                self.moe_router_score_function,
-                "'sigmoid' with quantile_histogram balancing (SPEC §3)",
-            )
-        if self.moe_router_enable_expert_bias:
-            _fail(
-                "moe_router_enable_expert_bias",
-                True,
-                "False with quantile_histogram: the QB router owns expert_bias and Megatron's "
-                "sign update would fight it",
-            )
-        coeff = self.moe_aux_loss_coeff
-        if any(c != 0 for c in (coeff if isinstance(coeff, list) else [coeff])):
-            _fail("moe_aux_loss_coeff", coeff, "0 with quantile_histogram balancing")
-        if self.moe_router_num_groups not in (None, 1):
-            _fail("moe_router_num_groups", self.moe_router_num_groups, "None or 1 (SPEC §3)")
-        if not (isinstance(self.moe_qb_num_bins, int) and self.moe_qb_num_bins >= 2):
-            _fail("moe_qb_num_bins", self.moe_qb_num_bins, "an integer >= 2")
-        if self.moe_qb_binning not in QB_BINNINGS:
-            _fail("moe_qb_binning", self.moe_qb_binning, f"one of {QB_BINNINGS}")
-        if self.moe_qb_binning == "centered" and self.moe_qb_num_bins % 2:
-            _fail("moe_qb_num_bins", self.moe_qb_num_bins,
-                  "an even integer with moe_qb_binning='centered' (half the bins each side of the bias)")
-        if self.moe_expert_capacity_factor is not None:
-            _fail(
-                "moe_expert_capacity_factor",
-                self.moe_expert_capacity_factor,
-                "None with quantile_histogram (QB balances without dropping tokens)",
-            )
-
     @property
     def uses_quantile_balancing(self) -> bool:
         return self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+
+
+def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
+    """Every rule of a Stable LatentMoE config, stated once: raises :class:`ConfigError`.
+    ``get(field)`` reads a ``StableLatentMoETransformerConfig`` field (the config itself, or the
+    parsed command line before Megatron's ``validate_args``: see ``training.arguments``)."""
+    for f in ADDED:
+        allowed = f.problem(get(f.name))
+        if allowed:
+            raise ConfigError(f.name, get(f.name), allowed)
+    num_layers, k_dense = get("num_layers"), get("first_k_dense_replace")
+    if not k_dense < max(num_layers, 1):
+        raise ConfigError("first_k_dense_replace", k_dense, "an integer in [0, {num_layers})",
+                          num_layers=num_layers)
+    if get("normalization") != "RMSNorm":
+        raise ConfigError("normalization", get("normalization"), "'RMSNorm' (SPEC §1)")
+    if get("layernorm_zero_centered_gamma"):
+        raise ConfigError("layernorm_zero_centered_gamma", True,
+                          "False (plain RMSNorm weights, SPEC §1)")
+    if get("hidden_act") == "situ":
+        # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
+        # the experts would silently run SwiGLU or fail deep inside TE.
+        for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
+            if get(name):
+                raise ConfigError(name, True, "False with {hidden_act} (Megatron fuses SwiGLU only)",
+                                  hidden_act="situ")
+    groups = get("moe_router_num_groups")
+    if groups not in (None, 1):
+        raise ConfigError("moe_router_num_groups", groups,
+                          "None or 1 (no group-limited routing, SPEC §3)")
+    n = get("num_moe_experts")
+    if not n:
+        return
+    latent = get("moe_latent_size")
+    if get("latent_moe_use_norm") and not latent:
+        raise ConfigError("latent_moe_use_norm", True,
+                          "False unless moe_latent_size is set (the norm is over the latent width)")
+    dense_then_moe = [0] * k_dense + [1] * (num_layers - k_dense)
+    freq = get("moe_layer_freq")
+    if k_dense and freq not in (1, dense_then_moe):
+        raise ConfigError("first_k_dense_replace", k_dense,
+                          f"0 when {{moe_layer_freq}} is set (it would override the pattern); or "
+                          f"moe_layer_freq 1 or {dense_then_moe}", moe_layer_freq=freq)
+    for name, why in (
+        ("moe_apply_probs_on_input", "the block weights expert OUTPUTS: p * E(z) (SPEC §1)"),
+        ("moe_enable_routing_replay", "the Stable LatentMoE routers do not record or replay"),
+    ):
+        if get(name):
+            raise ConfigError(name, True, f"False ({why})")
+    ep, k = get("expert_model_parallel_size"), get("moe_router_topk")
+    if n % ep:
+        raise ConfigError("num_moe_experts", n, "a multiple of {expert_model_parallel_size}",
+                          expert_model_parallel_size=ep)
+    if not 1 <= k < n:
+        raise ConfigError("moe_router_topk", k, "an integer in [1, {num_moe_experts})",
+                          num_moe_experts=n)
+    scale = get("moe_router_topk_scaling_factor")
+    if scale is not None and not scale > 0:
+        raise ConfigError("moe_router_topk_scaling_factor", scale, "None or a positive number")
+    if latent is not None:
+        tp = get("tensor_model_parallel_size")
+        if not latent > 0:
+            raise ConfigError("moe_latent_size", latent, "a positive integer")
+        if latent % tp:
+            raise ConfigError("moe_latent_size", latent, "a multiple of {tensor_model_parallel_size}",
+                              tensor_model_parallel_size=tp)
+        if get("moe_shared_expert_overlap"):
+            raise ConfigError("moe_shared_expert_overlap", True,
+                              "False with moe_latent_size (shared experts see the full-width input)")
+    lb = get("moe_router_load_balancing_type")
+    if isinstance(lb, (list, tuple)) and QUANTILE_HISTOGRAM in lb and len(lb) > 1:
+        raise ConfigError("moe_router_load_balancing_type", lb,
+                          f"{QUANTILE_HISTOGRAM!r} alone (it cannot be combined with other types)")
+    if lb in (QUANTILE_HISTOGRAM, [QUANTILE_HISTOGRAM]):
+        _check_quantile_balancing(get)
+
+
+def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
+    qb = "quantile_histogram balancing"
+    score = get("moe_router_score_function")
+    if score != "sigmoid":
+        raise ConfigError("moe_router_score_function", score, f"'sigmoid' with {qb} (SPEC §3)")
+    if get("moe_router_enable_expert_bias"):
+        raise ConfigError("moe_router_enable_expert_bias", True,
+                          "False with quantile_histogram: the QB router owns expert_bias and "
+                          "Megatron's sign update would fight it")
+    coeff = get("moe_aux_loss_coeff")
+    if any(c != 0 for c in (coeff if isinstance(coeff, list) else [coeff])):
+        raise ConfigError("moe_aux_loss_coeff", coeff, f"0 with {qb}")
+    bins = get("moe_qb_num_bins")
+    if not bins >= 2:
+        raise ConfigError("moe_qb_num_bins", bins, "an integer >= 2")
+    if get("moe_qb_binning") == "centered" and bins % 2:
+        raise ConfigError("moe_qb_num_bins", bins, "an even integer with {moe_qb_binning} "
+                          "(half the bins each side of the bias)", moe_qb_binning="centered")
+    if get("moe_expert_capacity_factor") is not None:
+        raise ConfigError("moe_expert_capacity_factor", get("moe_expert_capacity_factor"),
+                          f"None with {qb} (QB balances without dropping tokens)")
 
 
 def stable_latentmoe_fields() -> tuple[str, ...]:
     """Names of the fields this config adds to ``TransformerConfig``."""
     base = {f.name for f in dataclasses.fields(TransformerConfig)}
     return tuple(
-        f.name for f in dataclasses.fields(StableLatentMoEConfig)
+        f.name for f in dataclasses.fields(StableLatentMoETransformerConfig)
         if f.name not in base and not f.name.startswith("_")
     )
 
 
-def tiny_config(**overrides) -> StableLatentMoEConfig:
+def tiny_config(**overrides) -> StableLatentMoETransformerConfig:
     """A small fp32 Stable LatentMoE config for tests, demos and the CPU default run."""
     values = dict(
         num_layers=2,
@@ -236,29 +230,20 @@ def tiny_config(**overrides) -> StableLatentMoEConfig:
         init_method_std=0.02,
     )
     values.update(overrides)
-    return StableLatentMoEConfig(**values)
+    return StableLatentMoETransformerConfig(**values)
 
 
-def k3_full_scale_config(**overrides) -> StableLatentMoEConfig:
-    """SPEC §5 full-scale block numbers (attention sizes are Megatron GQA stand-ins)."""
+def k3_full_scale_config(**overrides) -> StableLatentMoETransformerConfig:
+    """SPEC §5 full-scale numbers: the HF config class's defaults (``fields.hf_defaults``; the
+    attention sizes are Megatron GQA stand-ins)."""
+    k3 = read_hf(hf_defaults(), [f.name for f in FIELDS if f.megatron and f.hf])
     values = dict(
-        num_layers=93,
-        hidden_size=7168,
-        num_attention_heads=64,
-        num_query_groups=8,
-        ffn_hidden_size=32768,
-        num_moe_experts=896,
-        moe_router_topk=16,
-        moe_ffn_hidden_size=3072,
-        moe_latent_size=3584,
-        moe_shared_expert_intermediate_size=2 * 3072,
-        first_k_dense_replace=1,
+        megatron_values(k3),
         moe_router_score_function="sigmoid",
         moe_router_load_balancing_type=QUANTILE_HISTOGRAM,
         moe_router_dtype="fp32",
         moe_aux_loss_coeff=0.0,
-        layernorm_epsilon=1e-5,
         add_bias_linear=False,
     )
     values.update(overrides)
-    return StableLatentMoEConfig(**values)
+    return StableLatentMoETransformerConfig(**values)

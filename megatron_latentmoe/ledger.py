@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megatron_latentmoe.fields import hf_defaults, not_allowed, read_hf, read_megatron
+
 __all__ = [
     "K3_FULL_SCALE",
     "LatentMoEShape",
@@ -63,20 +65,17 @@ class LatentMoEShape:
                      "vocab_size"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("latent_norm", "tie_word_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"{name} must be a bool; got {v!r} of type {type(v).__name__}")
+            if not isinstance(getattr(self, name), bool):
+                raise not_allowed(name, getattr(self, name), "True or False")
         if self.topk > self.num_experts:
-            raise ValueError(
-                f"topk must be in [1, num_experts={self.num_experts}]; got {self.topk}")
+            raise not_allowed("topk", self.topk, f"an integer in [1, num_experts={self.num_experts}]")
         if self.first_k_dense_replace > self.num_layers:
-            raise ValueError(
-                f"first_k_dense_replace must be in [0, num_layers={self.num_layers}]; "
-                f"got {self.first_k_dense_replace}")
+            raise not_allowed("first_k_dense_replace", self.first_k_dense_replace,
+                              f"an integer in [0, num_layers={self.num_layers}]")
         if self.first_k_dense_replace > 0 and self.dense_ffn_hidden_size == 0:
-            raise ValueError(
-                f"dense_ffn_hidden_size must be > 0 when first_k_dense_replace="
-                f"{self.first_k_dense_replace} layers are dense; got 0")
+            raise not_allowed("dense_ffn_hidden_size", 0,
+                              f"> 0 when first_k_dense_replace={self.first_k_dense_replace} "
+                              "layers are dense")
 
     @property
     def num_moe_layers(self) -> int:
@@ -90,27 +89,31 @@ class LatentMoEShape:
 
     @classmethod
     def from_megatron_config(cls, cfg: Any) -> "LatentMoEShape":
-        """From a Megatron TransformerConfig (or this project's extension of it), duck-typed.
+        """From a Megatron TransformerConfig (or this project's extension of it, or
+        megatron.training args), duck-typed; absent / None fields mean what ``fields.FIELDS``
+        says (the sizes are required).
 
-        Reads hidden_size, moe_latent_size, moe_ffn_hidden_size, num_moe_experts,
-        moe_router_topk, moe_shared_expert_intermediate_size (None -> 0), num_layers,
-        the layer layout from moe_layer_freq (a list must be [0]*k + [1]*rest; 1 = all MoE
-        unless first_k_dense_replace says otherwise; first_k_dense_replace must agree), ffn_hidden_size (the dense layers'),
-        latent_moe_use_norm (absent -> False, upstream LatentMoE has no latent norm), and
-        optionally padded_vocab_size / vocab_size and share_embeddings_and_output_weights /
+        The layer layout comes from moe_layer_freq (a list must be [0]*k + [1]*rest; 1 = all MoE
+        unless first_k_dense_replace says otherwise; first_k_dense_replace must agree); the vocab
+        from padded_vocab_size / vocab_size (absent: not counted); tying from
+        share_embeddings_and_output_weights / untie_embeddings_and_output_weights /
         tie_word_embeddings.
         """
-        def req(name):
-            v = getattr(cfg, name, None)
-            if v is None:
-                raise ValueError(f"Megatron config field {name} is required for the ledger "
-                                 f"(got None or missing)")
-            return v
-
         if getattr(cfg, "gated_linear_unit", True) is False:
             raise ValueError("gated_linear_unit=False: the ledger counts 3-matrix gated FFNs "
                              "(SiTU-GLU) only")
-        num_layers = req("num_layers")
+
+        def get(f):
+            value = getattr(cfg, f.megatron, None) if f.megatron else None
+            if value is None and f.name == "num_experts":
+                value = getattr(cfg, "num_experts", None)
+            if value is None and f.required and f.name not in ("vocab_size", "ffn_hidden_size"):
+                raise ValueError(f"Megatron config field {f.megatron} is required for the ledger "
+                                 "(got None or missing)")
+            return value
+
+        v = read_megatron(get, _TABLE_NAMES.values())
+        num_layers = v["num_layers"]
         # moe_layer_freq is what Megatron builds: it wins; first_k_dense_replace must agree
         freq = getattr(cfg, "moe_layer_freq", 1)
         k_given = getattr(cfg, "first_k_dense_replace", None)
@@ -121,81 +124,64 @@ class LatentMoEShape:
             if k_given and k_given != k_dense:  # 0: not set (the config default)
                 raise ValueError(f"first_k_dense_replace={k_given} disagrees with "
                                  f"moe_layer_freq={freq} ({k_dense} dense layers first)")
-        shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0
-        vocab = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", None) or 0
+        v["first_k_dense_replace"] = k_dense
+        v["vocab_size"] = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", 0) or 0
         if getattr(cfg, "share_embeddings_and_output_weights", None) is not None:
-            tie = bool(cfg.share_embeddings_and_output_weights)
+            v["tie_embeddings"] = bool(cfg.share_embeddings_and_output_weights)
         elif getattr(cfg, "untie_embeddings_and_output_weights", None) is not None:
-            tie = not bool(cfg.untie_embeddings_and_output_weights)
+            v["tie_embeddings"] = not bool(cfg.untie_embeddings_and_output_weights)
         else:
-            tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        dense_ffn = getattr(cfg, "ffn_hidden_size", None) or 0
-        return cls(
-            hidden_size=req("hidden_size"),
-            latent_size=req("moe_latent_size"),
-            moe_ffn_hidden_size=req("moe_ffn_hidden_size"),
-            num_experts=req("num_moe_experts"),
-            topk=req("moe_router_topk"),
-            shared_ffn_hidden_size=shared,
-            num_layers=num_layers,
-            first_k_dense_replace=k_dense,
-            dense_ffn_hidden_size=dense_ffn if k_dense > 0 else 0,
-            vocab_size=vocab,
-            latent_norm=bool(getattr(cfg, "latent_moe_use_norm", False)),
-            tie_word_embeddings=tie,
-        )
+            v["tie_embeddings"] = bool(getattr(cfg, "tie_word_embeddings", False))
+        return cls._from_table(v)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "LatentMoEShape":
         """From an HF config dict with the SPEC §6 keys (a nested ``text_config`` is used when the
-        top level has no ``hidden_size``, as in multimodal configs).
-
-        Required: hidden_size, routed_expert_hidden_size (l), moe_intermediate_size (m_e),
-        num_experts, num_experts_per_token, num_hidden_layers. Optional (default): num_shared_experts
-        (0), first_k_dense_replace (0), intermediate_size (dense layers; required if
-        first_k_dense_replace > 0), vocab_size (0), latent_moe_use_norm (False),
-        tie_word_embeddings (False, as in Kimi / DeepSeek-V3 configs).
+        top level has no ``hidden_size``, as in multimodal configs). An absent key means the HF
+        class's default (``fields.FIELDS``); the sizes are required, except vocab_size (absent:
+        not counted) and intermediate_size (required when first_k_dense_replace > 0).
         """
         if not isinstance(config, Mapping):
             raise ValueError(f"HF config must be a mapping; got {type(config).__name__}")
         if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
             config = config["text_config"]
-
-        def req(key):
-            if config.get(key) is None:
-                raise ValueError(f"HF config key {key!r} is required for the ledger (missing)")
-            return config[key]
-
-        m_e = req("moe_intermediate_size")
-        num_shared = config.get("num_shared_experts") or 0
-        _check_int("num_shared_experts", num_shared, minimum=0)
-        k_dense = config.get("first_k_dense_replace") or 0
-        dense_ffn = config.get("intermediate_size") or 0
-        if k_dense and not dense_ffn:
+        optional = ("vocab_size", "ffn_hidden_size")
+        v = read_hf(config, [n for n in _TABLE_NAMES.values() if n not in optional])
+        v["vocab_size"] = config.get("vocab_size") or 0
+        v["ffn_hidden_size"] = config.get("intermediate_size") or 0
+        if v["first_k_dense_replace"] and not v["ffn_hidden_size"]:
             raise ValueError("HF config key 'intermediate_size' is required when "
-                             f"first_k_dense_replace={k_dense} (missing)")
-        return cls(
-            hidden_size=req("hidden_size"),
-            latent_size=req("routed_expert_hidden_size"),
-            moe_ffn_hidden_size=m_e,
-            num_experts=req("num_experts"),
-            topk=req("num_experts_per_token"),
-            shared_ffn_hidden_size=num_shared * m_e,
-            num_layers=req("num_hidden_layers"),
-            first_k_dense_replace=k_dense,
-            dense_ffn_hidden_size=dense_ffn if k_dense else 0,
-            vocab_size=config.get("vocab_size") or 0,
-            latent_norm=bool(config.get("latent_moe_use_norm", False)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+                             f"first_k_dense_replace={v['first_k_dense_replace']} (missing)")
+        return cls._from_table(v)
+
+    @classmethod
+    def _from_table(cls, values: Mapping[str, Any]) -> "LatentMoEShape":
+        shape = {ours: values[name] for ours, name in _TABLE_NAMES.items()}
+        if not shape["first_k_dense_replace"]:
+            shape["dense_ffn_hidden_size"] = 0
+        return cls(**shape)
+
+
+_TABLE_NAMES = {
+    "hidden_size": "hidden_size",
+    "latent_size": "moe_latent_size",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "num_experts": "num_experts",
+    "topk": "moe_router_topk",
+    "shared_ffn_hidden_size": "moe_shared_expert_intermediate_size",
+    "num_layers": "num_layers",
+    "first_k_dense_replace": "first_k_dense_replace",
+    "dense_ffn_hidden_size": "ffn_hidden_size",
+    "vocab_size": "vocab_size",
+    "latent_norm": "latent_moe_use_norm",
+    "tie_word_embeddings": "tie_embeddings",
+}
+"""``LatentMoEShape`` field -> row of ``fields.FIELDS`` (the ledger's short names)."""
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r} "
-                         f"of type {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise not_allowed(name, value, f"an integer >= {minimum}")
 
 
 def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
@@ -214,22 +200,10 @@ def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
     return k
 
 
-# Kimi K3 (SPEC §5). The dense layer's FFN intermediate is not in the SPEC: seed 000 says the
-# layer-1 dense FFN has about 0.7 B parameters; 32768 gives 3 * 7168 * 32768 = 0.705 B.
-K3_FULL_SCALE = LatentMoEShape(
-    hidden_size=7168,
-    latent_size=3584,
-    moe_ffn_hidden_size=3072,
-    num_experts=896,
-    topk=16,
-    shared_ffn_hidden_size=2 * 3072,
-    num_layers=93,
-    first_k_dense_replace=1,
-    dense_ffn_hidden_size=32768,
-    vocab_size=163840,
-    latent_norm=True,
-    tie_word_embeddings=False,
-)
+K3_FULL_SCALE = LatentMoEShape.from_hf_config(hf_defaults())
+"""Kimi K3 (SPEC §5): the HF config class's defaults. The dense layer's FFN intermediate is not in
+the SPEC: seed 000 says the layer-1 dense FFN has about 0.7 B parameters; 32768 gives
+3 * 7168 * 32768 = 0.705 B."""
 
 
 def parameter_ledger(shape: LatentMoEShape) -> dict:

@@ -12,12 +12,12 @@ from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
 
-from megatron_latentmoe.config import StableLatentMoEConfig
+from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.specs import get_stable_latentmoe_block_spec
 
 
 def build_gpt_model(
-    config: StableLatentMoEConfig,
+    config: StableLatentMoETransformerConfig,
     *,
     vocab_size: int,
     max_sequence_length: int,

@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from megatron_latentmoe.config import StableLatentMoEConfig
+from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
 from megatron_latentmoe.moe.router import QuantileBalancingRouter
@@ -74,7 +74,7 @@ def _te_backend(activation):
     return _TEBackend()
 
 
-def _check_backend(config: StableLatentMoEConfig, backend: str) -> None:
+def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed: one of {BACKENDS}")
     if backend == "te" and not HAVE_TE:
@@ -82,13 +82,13 @@ def _check_backend(config: StableLatentMoEConfig, backend: str) -> None:
             "backend='te' is not allowed here: Transformer Engine is not installed "
             "(pip install 'megatron-latentmoe[te]' on a CUDA machine), use backend='local'"
         )
-    if not isinstance(config, StableLatentMoEConfig):
+    if not isinstance(config, StableLatentMoETransformerConfig):
         raise ValueError(
-            f"config of type {type(config).__name__} is not allowed: a StableLatentMoEConfig"
+            f"config of type {type(config).__name__} is not allowed: a StableLatentMoETransformerConfig"
         )
 
 
-def _layer_submodules(config: StableLatentMoEConfig, backend: str, moe: bool):
+def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, moe: bool):
     """Megatron's GPT layer submodules for this backend (attention, norms), MLP still Megatron's."""
     if backend == "local":
         sub = get_gpt_layer_local_submodules(
@@ -121,7 +121,7 @@ def _layer_submodules(config: StableLatentMoEConfig, backend: str, moe: bool):
     )
 
 
-def get_stable_latentmoe_mlp_spec(config: StableLatentMoEConfig, backend: str = "local"):
+def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
     """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``."""
     _check_backend(config, backend)
     activation = SiTUGLU if config.hidden_act == "situ" else None
@@ -157,7 +157,7 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoEConfig, backend: str = 
     )
 
 
-def get_dense_mlp_spec(config: StableLatentMoEConfig, backend: str = "local"):
+def get_dense_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
     """The dense (first_k_dense_replace) MLP builder, SiTU-GLU when ``hidden_act == "situ"``."""
     _check_backend(config, backend)
     activation = SiTUGLU if config.hidden_act == "situ" else None
@@ -168,7 +168,7 @@ def get_dense_mlp_spec(config: StableLatentMoEConfig, backend: str = "local"):
 
 
 def get_stable_latentmoe_layer_specs(
-    config: StableLatentMoEConfig, backend: str = "local"
+    config: StableLatentMoETransformerConfig, backend: str = "local"
 ) -> List[ModuleSpec]:
     """One ``TransformerLayer`` spec per layer of the whole model (dense first, then MoE)."""
     _check_backend(config, backend)
@@ -194,7 +194,7 @@ def get_stable_latentmoe_layer_specs(
 
 
 def get_stable_latentmoe_block_spec(
-    config: StableLatentMoEConfig,
+    config: StableLatentMoETransformerConfig,
     backend: str = "local",
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the iteration)")
     ex.add_argument("--output", required=True, help="HF output directory (must not exist or be empty)")
     ex.add_argument("--megatron-config", default=None,
-                    help="model description (JSON/YAML of StableLatentMoEConfig fields + vocab_size, "
+                    help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + vocab_size, "
                          "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
                          "an HF config.json); default: from the checkpoint")
     ex.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],

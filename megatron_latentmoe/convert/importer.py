@@ -267,7 +267,7 @@ def check_layout(arch: ModelArch, layout: dict) -> None:
         raise ConversionError(f"--pp={pp}: more pipeline stages than num_layers={arch.num_layers}")
     if arch.moe_latent_size % tp:
         raise ConversionError(f"--tp={tp}: moe_latent_size={arch.moe_latent_size} must be divisible by it "
-                              "(StableLatentMoEConfig)")
+                              "(StableLatentMoETransformerConfig)")
     if arch.moe_ffn_hidden_size % etp:
         raise ConversionError(f"--etp={etp}: moe_ffn_hidden_size={arch.moe_ffn_hidden_size} "
                               "(moe_intermediate_size) must be divisible by it")

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import maybe_skip_or_early_return_by_cudagraph
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
-from megatron_latentmoe.config import StableLatentMoEConfig
+from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 
 
@@ -49,7 +49,7 @@ class StableLatentMoELayer(MoELayer):
 
     def __init__(
         self,
-        config: StableLatentMoEConfig,
+        config: StableLatentMoETransformerConfig,
         submodules: StableLatentMoESubmodules,
         layer_number: Optional[int] = None,
         pg_collection=None,

@@ -3,13 +3,15 @@
 Megatron's own parser (``megatron.training.arguments``) stays the source of every flag it already
 has; :func:`add_stable_latentmoe_args` (Megatron's ``extra_args_provider`` hook) only
 
-* adds the flags Megatron has no name for (SPEC §1, §2, §4)::
+* adds one flag per field the model adds to Megatron's config (the ``added`` rows of
+  ``megatron_latentmoe.fields.FIELDS``: name, default and help come from there)::
 
-    --hidden-act {situ,swiglu}           --activation-situ-beta B1   --activation-situ-linear-beta B2
-    --moe-latent-norm / --no-moe-latent-norm                         --first-k-dense-replace K
-    --moe-qb-num-bins B   --moe-qb-binning {uniform,centered}   --balance-log-file PATH
-    --balance-log-loads-interval N
-    --no-default-data
+    --hidden-act {situ,swiglu}   --activation-situ-beta B1   --activation-situ-linear-beta B2
+    --moe-latent-norm / --no-moe-latent-norm   --first-k-dense-replace K
+    --moe-qb-num-bins B   --moe-qb-binning {uniform,centered}
+
+  and the entry point's own: ``--balance-log-file PATH``, ``--balance-log-loads-interval N``,
+  ``--no-default-data``;
 
 * teaches Megatron's ``--moe-router-load-balancing-type`` the value ``quantile_histogram``;
 * changes a few defaults to what this model is (RoPE, RMSNorm, no linear biases) and makes
@@ -22,8 +24,10 @@ Reused Megatron names: ``--num-experts``, ``--moe-latent-size``, ``--moe-router-
 (the layer-spec backend: ``local`` or ``transformer_engine``), ``--fp8-format``/``--fp8-recipe``.
 
 :func:`validate_stable_latentmoe_args` runs right after parsing, before Megatron's
-``validate_args`` and before any process group, model or dataset exists: every wrong combination
-raises :class:`FlagError` whose message starts with the offending flag.
+``validate_args`` and before any process group, model or dataset exists. It checks what only the
+command line can get wrong (flags this entry point does not support, backend, data paths) and
+runs the model config's own rules (``config.check_stable_latentmoe``) on the parsed flags, so
+every wrong combination raises :class:`FlagError` naming the flags, in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import argparse
 import os
 from typing import Iterable, List, Optional
 
-from megatron_latentmoe.choices import HIDDEN_ACTS, QB_BINNINGS, QUANTILE_HISTOGRAM
+from megatron_latentmoe.fields import ADDED, BY_NAME, QUANTILE_HISTOGRAM
 
 BACKENDS = {"local": "local", "transformer_engine": "te"}
 
@@ -54,53 +58,16 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
     group = parser.add_argument_group(
         "Stable LatentMoE", "Kimi-K3-style Stable LatentMoE with Quantile Balancing (SPEC.md)"
     )
-    group.add_argument(
-        "--hidden-act",
-        choices=HIDDEN_ACTS,
-        default=None,
-        help="Activation of routed experts, shared experts and dense MLPs: 'situ' (SiTU-GLU, "
-        "SPEC §2; the default) or 'swiglu'. Megatron's --swiglu is implied by both.",
-    )
-    group.add_argument(
-        "--activation-situ-beta",
-        type=float,
-        default=4.0,
-        help="SiTU-GLU b1: softcap scale of the gate's linear factor (default 4.0).",
-    )
-    group.add_argument(
-        "--activation-situ-linear-beta",
-        type=float,
-        default=25.0,
-        help="SiTU-GLU b2: softcap scale of the up branch (default 25.0).",
-    )
-    group.add_argument(
-        "--moe-latent-norm",
-        dest="latent_moe_use_norm",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="RMSNorm over the latent width between combine and W_up (SPEC §1). Default: on "
-        "when --moe-latent-size is set.",
-    )
-    group.add_argument(
-        "--first-k-dense-replace",
-        type=int,
-        default=0,
-        help="The first K layers use a dense MLP instead of the MoE block (K3: 1). Replaces "
-        "Megatron's --moe-layer-freq pattern.",
-    )
-    group.add_argument(
-        "--moe-qb-num-bins",
-        type=int,
-        default=1000,
-        help="Histogram bins per expert for the Quantile Balancing bias update (SPEC §4).",
-    )
-    group.add_argument(
-        "--moe-qb-binning",
-        choices=QB_BINNINGS,
-        default="uniform",
-        help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or 'centered' on "
-        "each expert's bias (same traffic, finer near the answer).",
-    )
+    for f in ADDED:
+        kwargs = dict(default=f.default, help=f"{f.help} (default: {f.default})")
+        if f.kind == "bool":  # latent_moe_use_norm: None = on iff --moe-latent-size is given
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None,
+                          help=f"{f.help} (default: on when --moe-latent-size is given)")
+        elif isinstance(f.kind, tuple):
+            kwargs.update(choices=f.kind)
+        else:
+            kwargs.update(type=f.python_type)
+        group.add_argument(f.flag, dest=f.name, **kwargs)
     group.add_argument(
         "--balance-log-file",
         default=None,
@@ -213,11 +180,6 @@ def uses_default_data(args) -> bool:
     )
 
 
-def _lb_types(args) -> List[str]:
-    lb = args.moe_router_load_balancing_type
-    return list(lb) if isinstance(lb, (list, tuple)) else [lb]
-
-
 def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
                                    have_te: Optional[bool] = None) -> None:
     """Check and resolve our flags on the freshly parsed namespace (no side effects besides
@@ -248,8 +210,6 @@ def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
         )
     if args.rotary_percent != 1.0 or args.use_rope_scaling:
         raise FlagError("--rotary-percent / --use-rope-scaling are not supported (full RoPE)")
-    if args.normalization != "RMSNorm":
-        raise FlagError(f"--normalization {args.normalization}: this model uses 'RMSNorm'")
     if args.add_bias_linear or args.add_qkv_bias:
         raise FlagError("--add-qkv-bias / linear biases are not supported by this model")
     if args.squared_relu or args.quick_geglu:
@@ -257,102 +217,24 @@ def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
             "--squared-relu / --quick-geglu: choose the activation with --hidden-act situ|swiglu"
         )
 
-    # ---- activation (SPEC §2)
-    if args.hidden_act is None:
-        args.hidden_act = "situ"
-    args.swiglu = True  # both activations are gated (GLU); keeps Megatron's own checks consistent
-    for flag, value in (("--activation-situ-beta", args.activation_situ_beta),
-                        ("--activation-situ-linear-beta", args.activation_situ_linear_beta)):
-        if not value > 0:
-            raise FlagError(f"{flag} {value}: must be a positive number (softcap scale)")
-
-    # ---- MoE block (SPEC §1)
-    n, k = args.num_experts, args.moe_router_topk
-    if not n:
+    # ---- the model config's rules, on the flags (resolving the "auto" defaults first)
+    if args.num_experts is None:
         raise FlagError("--num-experts is required: Stable LatentMoE is a mixture-of-experts model")
     if args.num_layers is None:
         raise FlagError("--num-layers is required")
-    if not (0 <= args.first_k_dense_replace < args.num_layers):
-        raise FlagError(
-            f"--first-k-dense-replace {args.first_k_dense_replace}: must be in "
-            f"[0, --num-layers={args.num_layers})"
-        )
-    if args.first_k_dense_replace and args.moe_layer_freq != 1:
-        raise FlagError(
-            "--first-k-dense-replace and --moe-layer-freq both set the dense/MoE layer pattern; "
-            "use one of them"
-        )
-    ep = args.expert_model_parallel_size
-    if n % ep:
-        raise FlagError(f"--num-experts {n}: must be a multiple of --expert-model-parallel-size {ep}")
-    tp = args.tensor_model_parallel_size
-    latent = args.moe_latent_size
-    if latent is not None:
-        if latent <= 0:
-            raise FlagError(f"--moe-latent-size {latent}: must be a positive integer")
-        if latent % tp:
-            raise FlagError(
-                f"--moe-latent-size {latent} is not divisible by --tensor-model-parallel-size "
-                f"{tp}: the latent projections are split over tensor-parallel ranks"
-            )
-        if args.moe_shared_expert_overlap:
-            raise FlagError(
-                "--moe-shared-expert-overlap is not supported with --moe-latent-size "
-                "(the shared experts see the full-width input)"
-            )
+    args.swiglu = True  # both activations are gated (GLU); keeps Megatron's own checks consistent
     if args.latent_moe_use_norm is None:
-        args.latent_moe_use_norm = latent is not None
-    elif args.latent_moe_use_norm and latent is None:
-        raise FlagError("--moe-latent-norm needs --moe-latent-size (it normalises the latent width)")
-    if args.moe_router_num_groups not in (None, 1):
-        raise FlagError(
-            f"--moe-router-num-groups {args.moe_router_num_groups}: group-limited routing is "
-            "not used (num_expert_group = 1, SPEC §3)"
-        )
-    if args.moe_router_topk_scaling_factor is not None and not args.moe_router_topk_scaling_factor > 0:
-        raise FlagError("--moe-router-topk-scaling-factor must be a positive number")
-
-    # ---- balancing (SPEC §3, §4)
-    lb = _lb_types(args)
-    qb = QUANTILE_HISTOGRAM in lb
-    if qb and len(lb) > 1:
-        raise FlagError(
-            f"--moe-router-load-balancing-type {' '.join(lb)}: {QUANTILE_HISTOGRAM} cannot be "
-            "combined with other balancing types"
-        )
+        args.latent_moe_use_norm = args.moe_latent_size is not None
+    lb = args.moe_router_load_balancing_type
+    qb = QUANTILE_HISTOGRAM in (lb if isinstance(lb, (list, tuple)) else [lb])
     if args.moe_router_score_function is None:
         args.moe_router_score_function = "sigmoid" if qb else "softmax"
-    if qb:
-        if k + 1 > n:
-            raise FlagError(
-                f"--moe-router-topk {k}: with {QUANTILE_HISTOGRAM} top-(k+1) must fit in "
-                f"--num-experts {n} (k+1 <= n)"
-            )
-        if args.moe_router_score_function != "sigmoid":
-            raise FlagError(
-                f"--moe-router-score-function {args.moe_router_score_function}: "
-                f"{QUANTILE_HISTOGRAM} needs 'sigmoid' (SPEC §3)"
-            )
-        if args.moe_router_enable_expert_bias:
-            raise FlagError(
-                f"--moe-router-enable-expert-bias: drop it with {QUANTILE_HISTOGRAM}; the QB "
-                "router owns the expert bias (Megatron's sign update would fight it)"
-            )
-        coeff = args.moe_aux_loss_coeff
-        if any(c != 0 for c in (coeff if isinstance(coeff, list) else [coeff])):
-            raise FlagError(
-                f"--moe-aux-loss-coeff {coeff}: must be 0 with {QUANTILE_HISTOGRAM} (QB needs "
-                "no auxiliary loss)"
-            )
-        if args.moe_expert_capacity_factor is not None:
-            raise FlagError(
-                f"--moe-expert-capacity-factor: not used with {QUANTILE_HISTOGRAM} (QB balances "
-                "without dropping tokens)"
-            )
-        if not args.moe_qb_num_bins >= 2:
-            raise FlagError(f"--moe-qb-num-bins {args.moe_qb_num_bins}: must be an integer >= 2")
-    if not 1 <= k < n:
-        raise FlagError(f"--moe-router-topk {k}: must be in [1, --num-experts={n})")
+    from megatron_latentmoe.config import ConfigError, check_stable_latentmoe
+
+    try:
+        check_stable_latentmoe(lambda field: getattr(args, _ARG_DEST.get(field, field), None))
+    except ConfigError as err:
+        raise FlagError(flag_message(err)) from None
 
     # ---- backend and precision
     impl = args.transformer_impl
@@ -397,6 +279,7 @@ def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
     args.moe_grouped_gemm = impl == "transformer_engine"  # the TE spec uses grouped-GEMM experts
     if args.moe_token_dispatcher_type == "flex" and not has_cuda:
         raise FlagError("--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall")
+    tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise FlagError(
             f"--tensor-model-parallel-size {tp} with MoE needs --sequence-parallel (Megatron)"
@@ -432,27 +315,43 @@ def apply_default_tokenizer(args, tokenizer_dir: str) -> bool:
     return False
 
 
-# Map from StableLatentMoEConfig field names (as they appear in its ValueErrors) to our flags.
-FIELD_TO_FLAG = {
-    "num_moe_experts": "--num-experts",
-    "latent_moe_use_norm": "--moe-latent-norm",
-    "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
-}
+_ARG_DEST = {"num_moe_experts": "num_experts"}
+"""Config fields whose ``megatron.training`` args attribute has another name."""
 
 
 def flag_for_field(field: str) -> str:
-    """The command-line flag that sets a config field: ours, else the one Megatron declares in the
-    field's metadata (e.g. layernorm_zero_centered_gamma <- --apply-layernorm-1p), else the
-    field's name with dashes."""
-    if field in FIELD_TO_FLAG:
-        return FIELD_TO_FLAG[field]
+    """The command-line flag that sets a config field: ours (the table's), else the one
+    Megatron declares in the field's metadata (e.g. layernorm_zero_centered_gamma <-
+    --apply-layernorm-1p), else the field's name with dashes."""
+    if field in BY_NAME and BY_NAME[field].flag:
+        return BY_NAME[field].flag
+    field = _ARG_DEST.get(field, field)
     import dataclasses
 
-    from megatron_latentmoe.config import StableLatentMoEConfig
+    from megatron_latentmoe.config import StableLatentMoETransformerConfig
 
-    for f in dataclasses.fields(StableLatentMoEConfig):
+    for f in dataclasses.fields(StableLatentMoETransformerConfig):
         if f.name == field:
             names = f.metadata.get("argparse_meta", {}).get("arg_names")
             if names:
                 return names[0]
     return "--" + field.replace("_", "-")
+
+
+def _flag_value(field: str, value) -> str:
+    """``field=value`` as the command line says it: ``--flag value`` (``--flag`` for True)."""
+    flag = flag_for_field(field)
+    if value is True:
+        text = flag
+    elif isinstance(value, (list, tuple)):
+        text = " ".join([flag, *map(str, value)])
+    else:
+        text = f"{flag} {value}"
+    own = "--" + field.replace("_", "-")
+    return text if flag in (own, BY_NAME.get(field) and BY_NAME[field].flag) else f"{text} ({field}={value!r})"
+
+
+def flag_message(err) -> str:
+    """A config error in flags: ``--num-experts 7 (num_moe_experts=7) is not allowed: a multiple
+    of --expert-model-parallel-size 2``."""
+    return err.render(_flag_value)

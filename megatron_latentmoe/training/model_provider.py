@@ -2,7 +2,7 @@
 
 Megatron-Core 0.19.2's ``pretrain`` builds the model from ``cfg_container.model``: a
 ``GPTModelConfig`` whose ``builder`` names a ``ModelBuilder``. Ours is the same config type with
-our ``StableLatentMoEConfig`` inside (as ``transformer``) and a builder whose ``build_model``
+our ``StableLatentMoETransformerConfig`` inside (as ``transformer``) and a builder whose ``build_model``
 calls :func:`megatron_latentmoe.model.build_gpt_model` -- the one place the model is assembled,
 shared with the converter and the tests -- so a training checkpoint and an exported or converted
 model are built from identical specs.
@@ -30,9 +30,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-from megatron_latentmoe.config import StableLatentMoEConfig
+from megatron_latentmoe.config import ConfigError, StableLatentMoETransformerConfig
 from megatron_latentmoe.model import build_gpt_model
-from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_for_field
+from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_message
 
 _FINALIZE_HOOK = None  # set by install_finalize_hook (pretrain.main) before the model is built
 
@@ -51,7 +51,7 @@ def _default_finalize_hook():
 
 @dataclass(kw_only=True)
 class StableLatentMoEModelConfig(GPTModelConfig):
-    """``GPTModelConfig`` for Stable LatentMoE: ``transformer`` is a ``StableLatentMoEConfig``."""
+    """``GPTModelConfig`` for Stable LatentMoE: ``transformer`` is a ``StableLatentMoETransformerConfig``."""
 
     builder: ClassVar[str] = "megatron_latentmoe.training.model_provider.StableLatentMoEModelBuilder"
     latentmoe_backend: str = "local"
@@ -102,8 +102,8 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
         )
 
 
-def transformer_config_from_args(args) -> StableLatentMoEConfig:
-    """``StableLatentMoEConfig`` from Megatron's args (after ``validate_args``).
+def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:
+    """``StableLatentMoETransformerConfig`` from Megatron's args (after ``validate_args``).
 
     Megatron's own translation (``core_transformer_config_from_args``) fills every
     ``TransformerConfig`` field with the same name in ``args``; our added fields carry the same
@@ -112,14 +112,12 @@ def transformer_config_from_args(args) -> StableLatentMoEConfig:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     try:
-        config = core_transformer_config_from_args(args, config_class=StableLatentMoEConfig)
-    except ValueError as err:
-        text = str(err)
-        field = text.split("=", 1)[0].strip()
-        if field.isidentifier():
-            raise FlagError(f"{flag_for_field(field)}: {text}") from err
-        raise FlagError(text) from err
-    if not isinstance(config, StableLatentMoEConfig):  # Megatron swapped the class (MLA, ...)
+        config = core_transformer_config_from_args(args, config_class=StableLatentMoETransformerConfig)
+    except ConfigError as err:
+        raise FlagError(flag_message(err)) from None
+    except ValueError as err:  # Megatron's own TransformerConfig checks
+        raise FlagError(str(err)) from None
+    if not isinstance(config, StableLatentMoETransformerConfig):  # Megatron swapped the class (MLA, ...)
         raise FlagError(
             f"these flags select Megatron's {type(config).__name__}, which Stable LatentMoE "
             "does not support (remove --multi-latent-attention / heterogeneous layers)"
@@ -127,7 +125,7 @@ def transformer_config_from_args(args) -> StableLatentMoEConfig:
     return config
 
 
-def model_config_from_args(args, transformer: StableLatentMoEConfig) -> StableLatentMoEModelConfig:
+def model_config_from_args(args, transformer: StableLatentMoETransformerConfig) -> StableLatentMoEModelConfig:
     """The ``cfg_container.model`` for ``pretrain`` (needs the tokenizer: run after
     ``set_global_variables``, which sets ``args.padded_vocab_size``)."""
     from megatron.training.argument_utils import gpt_config_from_args
@@ -141,14 +139,14 @@ def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: Optional[int] = None,
-    config: Optional[StableLatentMoEConfig] = None,
+    config: Optional[StableLatentMoETransformerConfig] = None,
     pg_collection: Optional[ProcessGroupCollection] = None,
 ):
     """Megatron ``model_provider`` (``get_model`` path): one stage from the global args."""
     from megatron.training import get_args
 
     args = get_args()
-    transformer = config if isinstance(config, StableLatentMoEConfig) else transformer_config_from_args(args)
+    transformer = config if isinstance(config, StableLatentMoETransformerConfig) else transformer_config_from_args(args)
     model_cfg = model_config_from_args(args, transformer)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()

@@ -3,7 +3,7 @@
 Order of work (everything that can be wrong about the command line fails before anything heavy):
 
 1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (:class:`FlagError`, exit 2),
-   run Megatron's ``validate_args``, build the ``StableLatentMoEConfig`` (its validation too);
+   run Megatron's ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its validation too);
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
@@ -196,21 +196,22 @@ def _parse():
     return margs.parse_args()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, check_only: bool = False) -> int:
     """Run pretraining; returns the process exit code (2: bad flags).
 
     ``argv`` (default: ``sys.argv[1:]``) replaces ``sys.argv`` for the run: Megatron reads it.
+    ``check_only``: stop after the flags are checked (0: good), before any heavy work.
     """
     saved_argv = sys.argv
     if argv is not None:
         sys.argv = [saved_argv[0] if saved_argv else PROG, *argv]
     try:
-        return _main()
+        return _main(check_only)
     finally:
         sys.argv = saved_argv
 
 
-def _main() -> int:
+def _main(check_only: bool = False) -> int:
     t_start = time.time()
     _startup_env()
     from megatron_latentmoe.compat import apply_python311_compat
@@ -267,6 +268,8 @@ def _main() -> int:
     except FlagError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
+    if check_only:
+        return 0
     if cpu_notes:
         _print0(f"[{PROG}] no CUDA: gloo, local spec; off on CPU: {', '.join(cpu_notes)}")
 

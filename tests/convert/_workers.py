@@ -41,7 +41,7 @@ TEST_ARCH = dict(
 # Homogeneous variant (no dense layer: Megatron stacks the layers on one checkpoint axis), with
 # tied embeddings and SwiGLU, to cover the other key layout and config paths.
 HOMOGENEOUS_ARCH = dict(TEST_ARCH, num_layers=2, first_k_dense_replace=0, tie_embeddings=True,
-                        hidden_act="swiglu", routed_scaling_factor=2.5)
+                        hidden_act="swiglu", moe_router_topk_scaling_factor=2.5)
 
 SEED = 1234
 INIT_STD = 0.12

@@ -80,7 +80,7 @@ def test_truncated_data_file_fails_midway_without_output(workspace, tmp_path):
     (dict(num_layers=3), r"unexpected tensor\(s\).*decoder\.layers\.3\."),
     (dict(num_moe_experts=16), r"stacked axes \(8,\) but the config implies \(16,\)"),
     (dict(num_query_groups=4), r"linear_qkv.weight.*shape \(128, 64\).*implies \(192, 64\)"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not allowed"),
     (dict(first_k_dense_replace=2), r"missing tensor\(s\).*decoder.layers.1.mlp.linear_fc1.weight"),
 ])
 def test_config_not_matching_the_weights(workspace, tmp_path, change, match):
@@ -152,7 +152,7 @@ def test_import_bad_hf_input(workspace, tmp_path):
     (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
     _import_fails(hf, out, r"experts.0.w1.weight' has shape \(32, 32\) but the model config implies \(16, 32\)")
     (hf / "config.json").write_text(json.dumps(dict(cfg, hidden_act="relu")))
-    _import_fails(hf, out, r"hidden_act='relu' is not supported")
+    _import_fails(hf, out, r"hidden_act='relu' is not allowed")
     (hf / "config.json").write_text(json.dumps(cfg))
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     save_file({"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, str(hf / "extra.safetensors"))

@@ -1,11 +1,11 @@
-"""StableLatentMoEConfig: derived Megatron fields and one clear error per wrong value (SPEC §1-§4)."""
+"""StableLatentMoETransformerConfig: derived Megatron fields and one clear error per wrong value (SPEC §1-§4)."""
 
 import pytest
 import torch.nn.functional as F
 
 from megatron_latentmoe.config import (
     QUANTILE_HISTOGRAM,
-    StableLatentMoEConfig,
+    StableLatentMoETransformerConfig,
     k3_full_scale_config,
     stable_latentmoe_fields,
     tiny_config,
@@ -26,7 +26,7 @@ def test_first_k_dense_replace_sets_the_layer_pattern():
     # the same pattern given explicitly (as the converter and copies of a config do) is accepted
     same = tiny_config(num_layers=4, first_k_dense_replace=1, moe_layer_freq=[0, 1, 1, 1])
     assert same.moe_layer_freq == [0, 1, 1, 1]
-    assert StableLatentMoEConfig(num_layers=2, hidden_size=64, num_attention_heads=4).normalization == "RMSNorm"
+    assert StableLatentMoETransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4).normalization == "RMSNorm"
 
 
 def test_a_replaced_config_derives_the_layer_pattern_again():
@@ -111,4 +111,4 @@ def test_qb_is_selected_by_the_load_balancing_type():
     assert tiny_config().moe_router_load_balancing_type == QUANTILE_HISTOGRAM
     plain = tiny_config(moe_router_load_balancing_type="none")
     assert not plain.uses_quantile_balancing
-    assert isinstance(plain, StableLatentMoEConfig)
+    assert isinstance(plain, StableLatentMoETransformerConfig)

@@ -1,0 +1,277 @@
+"""The Stable LatentMoE model, described once: one row per hyper-parameter.
+
+Every other description derives from :data:`FIELDS` (nothing here imports torch, Megatron or
+transformers, so the CLIs read it before anything heavy):
+
+* ``convert.arch.ModelArch`` (the converter's model description) has one dataclass field per
+  row, and its HF / Megatron-config / megatron.training-args translators are loops over the rows;
+* ``config.StableLatentMoETransformerConfig`` gets the rows Megatron has no field for
+  (``added=True``), with their defaults and docs;
+* ``training.arguments`` adds one flag per added row, with the row's default and help;
+* ``ledger.LatentMoEShape`` reads HF and Megatron configs through :func:`read_hf` /
+  :func:`read_megatron`, so an absent key means the same there as in the converter;
+* ``hf/configuration_stable_latentmoe.py`` ships next to every exported checkpoint and must stay
+  self-contained (it imports only transformers), so it keeps its own keyword defaults;
+  ``tests/unit/test_fields.py`` pins its keys and defaults to the ``hf`` / ``hf_default``
+  columns, and fails when one copy drifts.
+
+Modelled on Megatron-Bridge's ``CONFIG_MAPPING`` (one list of (HF key, Megatron field) pairs
+drives both directions) and megablocks' single ``Arguments`` dataclass.
+
+Defaults: ``default`` is the Megatron side's (``ModelArch``, the fields we add to the Megatron
+config, their flags). ``hf_default`` is the HF config class's keyword default, i.e. what a
+``config.json`` WITHOUT the key means to transformers; every reader of an HF config uses it for
+an absent key (``required`` rows are refused instead). The two differ only where the HF class
+defaults to the full-scale K3 value (SPEC §5) and Megatron has no size default, plus
+``first_k_dense_replace`` (HF: K3's 1 dense layer; Megatron: 0, so small configs stay valid).
+
+Adding a model hyper-parameter: one row here (and, for the HF model to use it, the keyword in the
+shipped HF config file, which the pin test demands).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+QUANTILE_HISTOGRAM = "quantile_histogram"
+"""``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
+
+HIDDEN_ACTS = ("situ", "swiglu")
+"""``hidden_act``: SiTU-GLU (SPEC §2) or plain SwiGLU (ablations); HF calls SwiGLU ``silu``."""
+
+QB_BINNINGS = ("uniform", "centered")
+"""``moe_qb_binning``: SPEC §4's uniform bins, or bins centred on each expert's bias."""
+
+HF_FIXED = {
+    "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True,
+    "topk_method": "noaux_tc",
+    "num_expert_group": 1,
+}
+"""HF config keys with the one value the Megatron model implements (SPEC §3)."""
+
+class _Sentinel:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+REQUIRED = _Sentinel("REQUIRED")
+"""``default`` of a row without one (the Megatron side must give it)."""
+_SAME = _Sentinel("SAME")
+
+
+def not_allowed(field: str, value: Any, allowed: str, error: type = ValueError) -> Exception:
+    """The one error style of the model descriptions: ``field=value is not allowed: <allowed>``."""
+    return error(f"{field}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelField:
+    """One hyper-parameter and every name it has."""
+
+    name: str
+    """``ModelArch`` field; also the ``megatron.training`` args dest unless ``args`` says."""
+    hf: Optional[str]
+    """HF ``config.json`` key (None: Megatron-only)."""
+    default: Any = REQUIRED
+    """Megatron-side default (``ModelArch``, added config field, CLI flag); REQUIRED: none."""
+    hf_default: Any = _SAME
+    """HF class default = meaning of an absent ``config.json`` key (default: ``default``)."""
+    required: bool = False
+    """Readers refuse an HF config without the key (the HF default is only an example)."""
+    kind: Any = "positive int"
+    """Check: "positive int", "int >= 0", "positive number", "bool", "token id", "str", or
+    a tuple of allowed values."""
+    megatron: Any = _SAME
+    """``TransformerConfig`` field (default: ``name``); None: a ``build_gpt_model`` argument."""
+    builder: Optional[str] = None
+    """The ``build_gpt_model`` keyword for ``megatron=None`` rows."""
+    args: Any = _SAME
+    """``megatron.training`` args attribute (default: ``name``); None: not in the args."""
+    none_is: Any = None
+    """What Megatron's None means (a value, or a function of the other values)."""
+    to_hf: Optional[Callable[[Any, Mapping], Any]] = None
+    from_hf: Optional[Callable[[Any, Mapping], Any]] = None
+    added: bool = False
+    """A field ``StableLatentMoETransformerConfig`` adds to ``TransformerConfig`` (with a flag)."""
+    flag: Optional[str] = None
+    """The flag of an added field (default: --name-with-dashes)."""
+    help: str = ""
+
+    def __post_init__(self):
+        if self.hf_default is _SAME:
+            object.__setattr__(self, "hf_default", self.default)
+        if self.megatron is _SAME:
+            object.__setattr__(self, "megatron", self.name)
+        if self.args is _SAME:
+            object.__setattr__(self, "args", self.name)
+        if self.added and self.flag is None:
+            object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
+
+    @property
+    def python_type(self) -> type:
+        if isinstance(self.kind, tuple):
+            return type(self.kind[0])
+        return {"positive int": int, "int >= 0": int, "positive number": float, "bool": bool,
+                "token id": Optional[int], "str": str}[self.kind]
+
+    def problem(self, value: Any) -> Optional[str]:
+        """What is allowed, when ``value`` is not of this row's kind (None when it is)."""
+        kind = self.kind
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(kind, tuple):
+            return None if value in kind else f"one of {kind}"
+        ok, allowed = {
+            "positive int": (lambda: is_int and value > 0, "a positive integer"),
+            "int >= 0": (lambda: is_int and value >= 0, "an integer >= 0"),
+            "token id": (lambda: value is None or (is_int and value >= 0),
+                         "None or an integer >= 0"),
+            "positive number": (
+                lambda: (is_int or isinstance(value, float)) and value > 0 and math.isfinite(value),
+                "a positive finite number"),
+            "bool": (lambda: isinstance(value, bool), "True or False"),
+            "str": (lambda: isinstance(value, str), "a string"),
+        }[kind]
+        return None if ok() else allowed
+
+
+_HF_ACT = {"situ": "situ", "swiglu": "silu"}
+
+
+def _first(value, _values):
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+FIELDS: tuple[ModelField, ...] = (
+    # ---- sizes (REQUIRED on the Megatron side; the HF class defaults to the K3 values)
+    ModelField("num_layers", "num_hidden_layers", hf_default=93, required=True),
+    ModelField("hidden_size", "hidden_size", hf_default=7168, required=True),
+    ModelField("ffn_hidden_size", "intermediate_size", hf_default=32768, required=True,
+               none_is=lambda v: 4 * v["hidden_size"],
+               help="Width of the dense MLP of the first_k_dense_replace layers."),
+    ModelField("num_attention_heads", "num_attention_heads", hf_default=64, required=True),
+    ModelField("num_query_groups", "num_key_value_heads", hf_default=8,
+               none_is=lambda v: v["num_attention_heads"]),
+    ModelField("kv_channels", "head_dim", hf_default=None,
+               none_is=lambda v: v["hidden_size"] // v["num_attention_heads"]),
+    ModelField("vocab_size", "vocab_size", hf_default=163840, required=True, megatron=None,
+               builder="vocab_size", args="padded_vocab_size",
+               help="Rows of the embedding / output layer (Megatron's padded vocabulary)."),
+    ModelField("num_experts", "num_experts", hf_default=896, required=True,
+               megatron="num_moe_experts", help="n"),
+    ModelField("moe_router_topk", "num_experts_per_token", hf_default=16, required=True,
+               help="k"),
+    ModelField("moe_ffn_hidden_size", "moe_intermediate_size", hf_default=3072, required=True,
+               none_is=lambda v: v["ffn_hidden_size"], help="m_e"),
+    ModelField("moe_latent_size", "routed_expert_hidden_size", hf_default=3584, required=True,
+               help="l, the latent width of the routed experts"),
+    # ---- everything else has one default
+    ModelField("max_position_embeddings", "max_position_embeddings", 4096, hf_default=131072,
+               megatron=None, builder="max_sequence_length"),
+    ModelField("rotary_base", "rope_theta", 10000.0, kind="positive number", megatron=None,
+               builder="rotary_base"),
+    ModelField("layernorm_epsilon", "rms_norm_eps", 1e-5, kind="positive number"),
+    ModelField("tie_embeddings", "tie_word_embeddings", False, kind="bool", megatron=None,
+               builder="share_embeddings_and_output_weights", args=None),
+    ModelField("hidden_act", "hidden_act", "situ", kind=HIDDEN_ACTS, added=True,
+               to_hf=lambda v, _: _HF_ACT[v],
+               from_hf=lambda v, _: {h: m for m, h in _HF_ACT.items()}.get(v, v),
+               help="SPEC §2: 'situ' = SiTU-GLU in routed experts, shared experts and dense MLPs; "
+               "'swiglu' = plain SwiGLU (HF 'silu', for ablations)."),
+    ModelField("activation_situ_beta", "activation_situ_beta", 4.0, kind="positive number",
+               added=True, help="b1 of SiTU-GLU: softcap of the gate's linear factor (SPEC §2)."),
+    ModelField("activation_situ_linear_beta", "activation_situ_linear_beta", 25.0,
+               kind="positive number", added=True,
+               help="b2 of SiTU-GLU: softcap of the up branch (SPEC §2)."),
+    ModelField("latent_moe_use_norm", "latent_moe_use_norm", True, kind="bool", added=True,
+               flag="--moe-latent-norm",
+               help="RMSNorm over the latent width between combine and W_up (SPEC §1)."),
+    ModelField("moe_shared_expert_intermediate_size", "num_shared_experts", 0, hf_default=2,
+               kind="int >= 0", none_is=0,
+               to_hf=lambda v, a: v // a["moe_ffn_hidden_size"],
+               from_hf=lambda v, c: v * c["moe_intermediate_size"],
+               help="N_s * m_e: the ONE shared gated MLP (0 = none; HF stores N_s)."),
+    ModelField("first_k_dense_replace", "first_k_dense_replace", 0, hf_default=1,
+               kind="int >= 0", added=True,
+               help="The first K layers use a dense MLP instead of the MoE block (SPEC §1; K3: 1). "
+               "Sets Megatron's moe_layer_freq."),
+    ModelField("moe_router_topk_scaling_factor", "routed_scaling_factor", 1.0,
+               kind="positive number", none_is=1.0,
+               help="Multiplies the routing probabilities."),
+    # ---- Megatron-only: the router's bias update (does not change the weights' layout)
+    ModelField("moe_router_load_balancing_type", None, QUANTILE_HISTOGRAM, kind="str"),
+    ModelField("moe_qb_num_bins", None, 1000, added=True,
+               help="Histogram bins B per expert for Quantile Balancing (SPEC §4, appendix D)."),
+    ModelField("moe_qb_binning", None, "uniform", kind=QB_BINNINGS, added=True,
+               help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or "
+               "'centered' on each expert's bias (same traffic; ~6x closer to the exact quantile "
+               "at equal B, see benchmarks/bench_balancing.py)."),
+    # ---- HF-only: token ids (defaults: the shipped tokenizer's, data/assets/tokenizer)
+    ModelField("bos_token_id", "bos_token_id", 0, hf_default=None, kind="token id",
+               megatron=None, args=None),
+    ModelField("eos_token_id", "eos_token_id", 0, hf_default=None, kind="token id",
+               megatron=None, args=None, from_hf=_first),
+    ModelField("pad_token_id", "pad_token_id", 1, hf_default=None, kind="token id",
+               megatron=None, args=None),
+)
+
+BY_NAME = {f.name: f for f in FIELDS}
+ADDED = tuple(f for f in FIELDS if f.added)
+"""The rows ``StableLatentMoETransformerConfig`` adds to Megatron's ``TransformerConfig``."""
+
+
+def hf_defaults() -> dict:
+    """{HF key: HF class default} of every row with an HF key (pinned to the shipped HF file)."""
+    return {f.hf: f.hf_default for f in FIELDS if f.hf}
+
+
+def read_hf(config: Mapping, names, error: type = ValueError, source: str = "HF config") -> dict:
+    """{name: value} of the rows ``names`` from an HF config dict: an absent key means the HF
+    class's default; an absent required key is refused, naming every missing one."""
+    rows = [BY_NAME[n] for n in names]
+    missing = [f.hf for f in rows if f.required and config.get(f.hf) is None]
+    if missing:
+        raise error(f"{source}: missing key(s) {missing}")
+    out = {}
+    for f in rows:
+        value = config.get(f.hf)
+        if value is None:
+            value = f.hf_default  # in HF units, like the key
+        if value is not None and f.from_hf is not None:
+            value = f.from_hf(value, config)
+        out[f.name] = value
+    return out
+
+
+def read_megatron(get: Callable[[ModelField], Any], names) -> dict:
+    """{name: value} of the rows ``names`` (in table order) from a Megatron config or args:
+    ``get(row)`` returns the value or None when absent; Megatron's None becomes what it means
+    (``none_is``, which may use rows read before it), else the row's default."""
+    out = {}
+    for f in FIELDS:
+        if f.name not in names:
+            continue
+        value = get(f)
+        if value is None:
+            value = f.none_is(out) if callable(f.none_is) else f.none_is
+        if value is None:
+            value = None if f.default is REQUIRED else f.default
+        out[f.name] = value
+    return out
+
+
+def megatron_values(values: Mapping) -> dict:
+    """{Megatron config field: value} of the rows in ``values`` that have one (None where
+    Megatron's None means the value)."""
+    out = {}
+    for name, value in values.items():
+        f = BY_NAME[name]
+        if f.megatron:
+            fixed = f.none_is is not None and not callable(f.none_is)
+            out[f.megatron] = None if fixed and value == f.none_is else value
+    return out

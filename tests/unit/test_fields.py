@@ -1,0 +1,174 @@
+"""The one table of model fields (``megatron_latentmoe.fields``): every copy agrees with it.
+
+The HF config file ships next to every checkpoint and keeps its own keyword defaults; the Megatron
+config, the CLI flags, the converter (``ModelArch``) and the ledger derive theirs from the table.
+These tests fail when any of them drifts from the table (a changed default, a missing key).
+"""
+
+import argparse
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
+
+from megatron_latentmoe.convert.arch import ModelArch
+from megatron_latentmoe.fields import ADDED, BY_NAME, FIELDS, HF_FIXED, REQUIRED, hf_defaults
+from megatron_latentmoe.ledger import _TABLE_NAMES, K3_FULL_SCALE, LatentMoEShape
+
+HF_FILE = Path(__file__).resolve().parents[2] / "megatron_latentmoe/hf/configuration_stable_latentmoe.py"
+HF_ONLY = {"initializer_range", "use_cache", "attention_dropout"}
+"""HF keyword arguments that do not describe the model's weights or math (not in the table)."""
+
+SMALL = dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+             num_query_groups=2, kv_channels=16, vocab_size=128, num_experts=8, moe_router_topk=2,
+             moe_ffn_hidden_size=32, moe_latent_size=32)
+"""The rows without a Megatron-side default, at a small size."""
+
+
+def hf_config_class():
+    spec = importlib.util.spec_from_file_location("_hf_configuration_under_test", HF_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StableLatentMoEConfig
+
+
+def hf_required(arch: ModelArch) -> dict:
+    """The required HF keys of ``arch`` only: everything else is left to the defaults."""
+    kwargs = arch.to_hf_config_kwargs()
+    return {f.hf: kwargs[f.hf] for f in FIELDS if f.required}
+
+
+def test_the_shipped_hf_config_has_the_tables_keys_and_defaults():
+    params = inspect.signature(hf_config_class().__init__).parameters
+    hf_keys = {name for name in params if name not in ("self", "kwargs")}
+    assert hf_keys == set(hf_defaults()) | set(HF_FIXED) | HF_ONLY
+    for key, default in {**hf_defaults(), **HF_FIXED}.items():
+        assert params[key].default == default, (key, params[key].default, default)
+        assert type(params[key].default) is type(default), key
+
+
+def test_the_megatron_config_and_the_flags_have_the_tables_defaults():
+    import dataclasses
+
+    from megatron_latentmoe.config import StableLatentMoETransformerConfig, stable_latentmoe_fields
+    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
+
+    assert stable_latentmoe_fields() == tuple(f.name for f in ADDED)
+    config_defaults = {f.name: f.default for f in dataclasses.fields(StableLatentMoETransformerConfig)}
+    parser = argparse.ArgumentParser()  # Megatron's parser has this flag; ours extends it
+    parser.add_argument("--moe-router-load-balancing-type", nargs="+", choices=["aux_loss", "none"])
+    add_stable_latentmoe_args(parser)
+    flags = parser.parse_args([])
+    for f in ADDED:
+        assert config_defaults[f.name] == f.default, f.name
+        # the one bool flag defaults to "on iff --moe-latent-size is given" (None until resolved)
+        assert getattr(flags, f.name) == (None if f.kind == "bool" else f.default), f.name
+        assert f.flag in parser.format_help()
+
+
+def test_an_hf_config_without_the_optional_keys_means_the_same_everywhere():
+    """Absent keys: the converter, the ledger and transformers (the HF class) read the same."""
+    arch = ModelArch(**dict(SMALL, num_attention_heads=16, num_query_groups=8, kv_channels=4))
+    given = dict(model_type="stable_latentmoe", **hf_required(arch))
+    from_hf = ModelArch.from_hf_config(given)
+    hf = hf_config_class()(**hf_required(arch))
+    kwargs = from_hf.to_hf_config_kwargs()
+    for f in FIELDS:
+        if f.hf:
+            assert kwargs[f.hf] == getattr(hf, f.hf), f.hf
+        if f.hf and not f.required and f.name != "kv_channels":
+            want = f.hf_default if f.from_hf is None or f.hf_default is None else \
+                f.from_hf(f.hf_default, given)
+            assert getattr(from_hf, f.name) == want, f.name
+    assert from_hf.latent_moe_use_norm is True  # was False in the ledger, True in the converter
+    shape = LatentMoEShape.from_hf_config(given)
+    for ours, name in _TABLE_NAMES.items():
+        if name != "ffn_hidden_size":  # the ledger counts the dense FFN only for dense layers
+            assert getattr(shape, ours) == getattr(from_hf, name), ours
+
+
+PROJECT_DEFAULTS = {"moe_router_load_balancing_type": "quantile_histogram"}
+"""Rows of Megatron's own fields whose table default is this project's, not Megatron's (Megatron:
+'aux_loss'): the converter's verify builds the QB router unless the checkpoint says otherwise."""
+
+
+def test_megatrons_own_fields_have_megatrons_defaults():
+    """A row of a Megatron field defaults to what Megatron's None / default means."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    checked = 0
+    for f in FIELDS:
+        if f.added or not f.megatron or f.default is REQUIRED or f.megatron in PROJECT_DEFAULTS:
+            continue
+        default = megatron[f.megatron]
+        assert (f.none_is if default is None else default) == f.default, f.name
+        checked += 1
+    assert checked >= 3
+
+
+def test_a_megatron_config_without_the_optional_fields_means_the_same_everywhere():
+    from megatron_latentmoe.config import StableLatentMoETransformerConfig
+
+    fields = {BY_NAME[k].megatron: v for k, v in SMALL.items() if BY_NAME[k].megatron}
+    builder = {BY_NAME[k].builder: v for k, v in SMALL.items() if BY_NAME[k].builder}
+    builder["max_sequence_length"] = BY_NAME["max_position_embeddings"].default
+    from_dict = ModelArch.from_megatron_config(fields, builder)
+    config = StableLatentMoETransformerConfig(**fields, moe_router_score_function="sigmoid",
+                                              add_bias_linear=False, **PROJECT_DEFAULTS)
+    assert ModelArch.from_megatron_config(config, builder) == from_dict == ModelArch(**SMALL)
+    shape = LatentMoEShape.from_megatron_config(config)
+    for ours, name in _TABLE_NAMES.items():
+        if name not in ("vocab_size", "ffn_hidden_size", "tie_embeddings"):  # builder arguments
+            assert getattr(shape, ours) == getattr(from_dict, name), ours
+
+
+@pytest.mark.parametrize("change", [
+    {}, dict(moe_router_topk_scaling_factor=2.5), dict(hidden_act="swiglu", tie_embeddings=True),
+    dict(first_k_dense_replace=1, moe_shared_expert_intermediate_size=64, latent_moe_use_norm=False),
+    dict(bos_token_id=None, eos_token_id=3, pad_token_id=None),
+])
+def test_every_round_trip_goes_through_the_table(change):
+    a = ModelArch(**SMALL, **change)
+    assert ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs())) \
+        == a
+    assert ModelArch.from_megatron_args(a.megatron_args_namespace()) == _megatron_side(a)
+    assert ModelArch.from_megatron_config(a.to_megatron_config(), a.builder_kwargs()) \
+        == _megatron_side(a)
+    assert ModelArch.from_dict(a.to_dict()) == a
+
+
+def _megatron_side(a: ModelArch) -> ModelArch:
+    """Megatron does not store the HF-only rows (token ids): they come back as defaults."""
+    import dataclasses
+
+    return dataclasses.replace(a, **{f.name: f.default for f in FIELDS if not f.megatron
+                                     and not f.builder})
+
+
+def test_routed_scaling_factor_is_one_row():
+    """moe_router_topk_scaling_factor reaches every side from its row alone."""
+    a = ModelArch(**SMALL, moe_router_topk_scaling_factor=2.5)
+    assert a.to_hf_config_kwargs()["routed_scaling_factor"] == 2.5
+    assert a.to_megatron_config().moe_router_topk_scaling_factor == 2.5
+    assert a.megatron_args_namespace().moe_router_topk_scaling_factor == 2.5
+    assert ModelArch(**SMALL).to_megatron_config().moe_router_topk_scaling_factor is None
+    # checkpoints written before the row had its Megatron name
+    old = dict(a.to_dict(), routed_scaling_factor=2.5)
+    del old["moe_router_topk_scaling_factor"]
+    assert ModelArch.from_dict(old) == a
+
+
+def test_k3_presets_are_the_hf_defaults():
+    from megatron_latentmoe.config import k3_full_scale_config
+
+    k3 = ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **hf_defaults()))
+    assert LatentMoEShape.from_hf_config(hf_defaults()) == K3_FULL_SCALE
+    config = k3_full_scale_config()
+    for f in FIELDS:
+        if f.megatron and f.hf:
+            want = k3.megatron_config_kwargs()[f.megatron]
+            assert getattr(config, f.megatron) == want, f.name
