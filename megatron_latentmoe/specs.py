@@ -136,12 +136,12 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     )
     if backend == "local":
         down = up = LatentProjection
-        latent_norm = RMSNorm
+        norm = RMSNorm
     else:
         from megatron.core.extensions.transformer_engine import TELinear, TENorm
 
         down = up = TELinear
-        latent_norm = TENorm
+        norm = TENorm
     router = QuantileBalancingRouter if config.uses_quantile_balancing else TopKRouter
     moe_sub = megatron_moe.keywords["submodules"]
     return partial(
@@ -152,7 +152,7 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
             router=router,
             latent_down_proj=down,
             latent_up_proj=up,
-            latent_norm=latent_norm,
+            routed_expert_norm=norm,
         ),
     )
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .arch import ModelArch, resolve_arch
 from .errors import ConversionError
-from .names import Location, TensorMap, checkpoint_locations, is_model_key
+from .names import Location, TensorMap, checkpoint_locations, current_key, is_model_key
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
@@ -158,9 +158,11 @@ class DistCheckpointReader:
             raise ConversionError(f"checkpoint {str(self.path)!r}: '.metadata' cannot be read "
                                   f"({type(e).__name__}: {e})") from None
         self._reader.set_up_storage_reader(self.metadata, True)
+        stored = [k for k, v in self.metadata.state_dict_metadata.items()
+                  if isinstance(v, TensorStorageMetadata)]
+        self._stored_key = {current_key(k): k for k in stored}  # old checkpoints: old names
         self.tensors: dict[str, TensorStorageMetadata] = {
-            k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
-        }
+            current_key(k): self.metadata.state_dict_metadata[k] for k in stored}
         self.byte_objects = [k for k, v in self.metadata.state_dict_metadata.items()
                              if isinstance(v, BytesStorageMetadata)]
         self._check_files()
@@ -247,7 +249,7 @@ class DistCheckpointReader:
                 off[len(lead)] = rows[0]
                 rest[0] = rows[1] - rows[0]
             dest = torch.empty((1,) * len(lead) + tuple(rest), dtype=md.properties.dtype)
-            requests.append((key, off, dest))
+            requests.append((self._stored_key[key], off, dest))
             outs.append(dest.view(tuple(rest)))
             self.bytes_read += dest.numel() * dest.element_size()
         if requests:

@@ -47,6 +47,17 @@ import torch
 from .arch import ModelArch
 from .errors import ConversionError
 
+NORM_NAME = "routed_expert_norm"
+"""The latent RMSNorm's module name in the MoE layer (Megatron-Bridge's Kimi K3 layer and the HF
+model use it too)."""
+LEGACY_NORM_NAME = "latent_norm"
+"""Its name in checkpoints written before the rename (they still load: :func:`current_key`)."""
+
+
+def current_key(key: str) -> str:
+    """A checkpoint key under today's names (old checkpoints say ``mlp.latent_norm.``)."""
+    return key.replace(f"mlp.{LEGACY_NORM_NAME}.", f"mlp.{NORM_NAME}.")
+
 # ------------------------------------------------------------------------------------ data types
 
 
@@ -227,7 +238,7 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
                     (d, s), sharding=ROW, extra_state=True, **lk)
     yield _copy(mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d), **lk)
     if arch.latent_moe_use_norm:
-        yield _copy(mg + "mlp.latent_norm.weight", moe + "routed_expert_norm.weight", (lat,), **lk)
+        yield _copy(f"{mg}mlp.{NORM_NAME}.weight", moe + "routed_expert_norm.weight", (lat,), **lk)
     yield _copy(mg + "mlp.fc2_latent_proj.weight", moe + "routed_expert_up_proj.weight", (d, lat), **lk)
 
 

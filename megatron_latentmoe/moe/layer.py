@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import maybe_skip_or_early_return_by_cudagraph
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
+from megatron_latentmoe.convert.names import LEGACY_NORM_NAME, NORM_NAME
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 
 
@@ -34,7 +36,7 @@ class StableLatentMoESubmodules(MoESubmodules):
     """W_down, d -> l: ``LatentProjection`` (local) or ``TELinear`` duplicated (TE)."""
     latent_up_proj: type | None = None
     """W_up, l -> d."""
-    latent_norm: type | None = None
+    routed_expert_norm: type | None = None
     """RMSNorm over l (used when ``config.latent_moe_use_norm``)."""
 
 
@@ -43,9 +45,16 @@ class StableLatentMoELayer(MoELayer):
 
     Parameter names: ``router.weight`` / ``router.expert_bias`` (the QB bias, HF
     ``gate.e_score_correction_bias``), ``fc1_latent_proj.weight`` (W_down, as in Megatron's
-    LatentMoE), ``latent_norm.weight``, ``fc2_latent_proj.weight`` (W_up), ``experts.*``,
-    ``shared_experts.*``.
+    LatentMoE), ``routed_expert_norm.weight`` (Megatron-Bridge's K3 name and HF's),
+    ``fc2_latent_proj.weight`` (W_up), ``experts.*``, ``shared_experts.*``.
+
+    Checkpoints written before the norm was renamed store it as ``latent_norm``: a plain state
+    dict with that name loads as is; for a ``torch_dist`` checkpoint set
+    ``checkpoint_norm_name = LEGACY_NORM_NAME`` (:func:`use_legacy_names_of`) so the sharded
+    state dict asks for (and saves) the old key.
     """
+
+    checkpoint_norm_name = NORM_NAME
 
     def __init__(
         self,
@@ -106,8 +115,9 @@ class StableLatentMoELayer(MoELayer):
             name=prefix + "fc1_latent_proj",
             **_duplicated_linear_kwargs(submodules.latent_down_proj),
         )
-        self.latent_norm = (
-            submodules.latent_norm(config=config, hidden_size=latent, eps=config.layernorm_epsilon)
+        self.routed_expert_norm = (
+            submodules.routed_expert_norm(config=config, hidden_size=latent,
+                                          eps=config.layernorm_epsilon)
             if config.latent_moe_use_norm
             else None
         )
@@ -132,12 +142,39 @@ class StableLatentMoELayer(MoELayer):
     def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
         """Combined latent rows -> RMSNorm(l) -> W_up once per token -> + shared experts(x)."""
         latent_output = self.token_dispatcher.combine_postprocess(output)
-        if self.latent_norm is not None:
-            latent_output = self.latent_norm(latent_output)
+        if self.routed_expert_norm is not None:
+            latent_output = self.routed_expert_norm(latent_output)
         output, _ = self.fc2_latent_proj(latent_output)
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output
+
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.checkpoint_norm_name != NORM_NAME:
+            new, old = f"mlp.{NORM_NAME}.", f"mlp.{self.checkpoint_norm_name}."
+            for value in sharded.values():
+                if isinstance(value, ShardedTensor) and new in value.key:
+                    value.key = value.key.replace(new, old)
+        return sharded
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        old = f"{prefix}{LEGACY_NORM_NAME}."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            state_dict[f"{prefix}{NORM_NAME}." + key[len(old):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def use_legacy_names_of(model, checkpoint_keys) -> bool:
+    """Make every Stable LatentMoE layer of ``model`` read and write the latent norm under the
+    name ``checkpoint_keys`` (a ``torch_dist`` checkpoint's tensor keys) use. True if they are
+    the old names."""
+    legacy = any(f"mlp.{LEGACY_NORM_NAME}." in key for key in checkpoint_keys)
+    for module in model.modules():
+        if isinstance(module, StableLatentMoELayer):
+            module.checkpoint_norm_name = LEGACY_NORM_NAME if legacy else NORM_NAME
+    return legacy
 
 
 def _duplicated_linear_kwargs(linear_cls) -> dict:

@@ -17,6 +17,7 @@ For code that still uses Megatron's older ``get_model(model_provider, ...)`` pat
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -31,7 +32,9 @@ from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 from megatron_latentmoe.config import ConfigError, StableLatentMoETransformerConfig
+from megatron_latentmoe.convert.names import LEGACY_NORM_NAME
 from megatron_latentmoe.model import build_gpt_model
+from megatron_latentmoe.moe.layer import use_legacy_names_of
 from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_message
 
 _FINALIZE_HOOK = None  # set by install_finalize_hook (pretrain.main) before the model is built
@@ -88,7 +91,7 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
             )
         if transformer.finalize_model_grads_func is None:
             transformer.finalize_model_grads_func = _FINALIZE_HOOK or _default_finalize_hook()
-        return build_gpt_model(
+        model = build_gpt_model(
             transformer,
             vocab_size=vocab,
             max_sequence_length=cfg.seq_length,
@@ -100,6 +103,39 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
             vp_stage=vp_stage,
             pg_collection=pg_collection,
         )
+        if use_legacy_names_of(model, _resume_checkpoint_keys()) and _rank() == 0:
+            print(f"[model_provider] the checkpoint to load names the latent norm "
+                  f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name",
+                  flush=True)
+        return model
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _resume_checkpoint_keys() -> list[str]:
+    """Tensor keys of the ``torch_dist`` checkpoint this training run will load ([] if none)."""
+    try:
+        from megatron.training import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):  # built outside megatron.training
+        return []
+    load = getattr(args, "load", None)
+    tracker = os.path.join(load or "", "latest_checkpointed_iteration.txt")
+    if not load or getattr(args, "ckpt_format", None) != "torch_dist" or not os.path.isfile(tracker):
+        return []
+    with open(tracker) as f:
+        text = f.read().strip()
+    step = getattr(args, "ckpt_step", None)
+    name = "release" if text == "release" and step is None else f"iter_{int(step or text):07d}"
+    path = os.path.join(load, name)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return []
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:

@@ -78,7 +78,7 @@ def _randomise(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("layernorm.weight", "latent_norm.weight", "layer_norm_weight")):
+            if name.endswith(("layernorm.weight", "routed_expert_norm.weight", "layer_norm_weight")):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
@@ -160,6 +160,7 @@ def make_reference(rank, world, out_dir: str) -> dict:
         if name.endswith("expert_bias"):
             buf.data = full[name].float().clone()
     _save(bf16, a, os.path.join(out_dir, "ck_bf16"))
+    legacy_names = _save_with_old_norm_name(model, a, os.path.join(out_dir, "ck_old_names"), full)
 
     # homogeneous variant: stacked-layer keys, tied embeddings, swiglu, routed scaling
     h = arch("homogeneous")
@@ -174,7 +175,32 @@ def make_reference(rank, world, out_dir: str) -> dict:
     # raise_all: the imported checkpoint has exactly the keys Megatron asks for, no more, no less
     bad_homog = _load_and_diff(fresh, os.path.join(out_dir, "mg_homog", "release"), hfull, strict="raise_all")
     ps.destroy_model_parallel()
-    return {"bad_homog": bad_homog}
+    return {"bad_homog": bad_homog, **legacy_names}
+
+
+def _save_with_old_norm_name(model, a: ModelArch, path: str, full: dict) -> dict:
+    """A checkpoint as written before ``mlp.latent_norm`` became ``mlp.routed_expert_norm``,
+    loaded back the way a resumed training run does (``use_legacy_names_of`` its keys), and
+    without that (which must fail: the test would otherwise prove nothing)."""
+    from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
+    from megatron_latentmoe.moe.layer import use_legacy_names_of
+
+    use_legacy_names_of(model, ["decoder.layers.1.mlp.latent_norm.weight"])
+    _save(model, a, path)
+    use_legacy_names_of(model, [])
+    keys = list(DistCheckpointReader(path).metadata.state_dict_metadata)
+    fresh = _build(a)
+    plain = _build(a)
+    legacy = use_legacy_names_of(fresh, keys)
+    try:
+        _load_and_diff(plain, path, full, strict="raise_all")
+        plain_load = "loaded"
+    except Exception as e:  # noqa: BLE001 - recorded; the test asserts it did not load
+        plain_load = type(e).__name__
+    return {"old_names_keys": sorted(k for k in keys if "norm" in k and ".mlp." in k),
+            "old_names_detected": legacy,
+            "bad_old_names": _load_and_diff(fresh, path, full, strict="raise_all"),
+            "old_names_without_detection": plain_load}
 
 
 def save_and_load(rank, world, layouts: dict, checkpoints: list, out_dir: str) -> dict:

@@ -32,7 +32,7 @@ from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import iter_tensor_maps
 
 from . import _workers
-from .conftest import IMPORT_LAYOUTS, LAYOUTS_2, LAYOUTS_4
+from .conftest import IMPORT_LAYOUTS, LAYOUTS_2, LAYOUTS_4, MAX_SHARD
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,6 +129,22 @@ def test_import_writes_the_requested_layout(workspace):
     assert (workspace.path("mg_imp_tp2ep2", "latest_checkpointed_iteration.txt"))
     with open(workspace.path("mg_imp_tp2ep2", "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "release"
+
+
+def test_checkpoint_with_the_old_norm_name_loads_and_exports(workspace, tmp_path):
+    """A checkpoint from before mlp.latent_norm became mlp.routed_expert_norm: training resume
+    (the model builder reads the checkpoint's keys) loads it exactly; export gives the same HF
+    files as today's checkpoint of the same weights."""
+    ref = workspace.results["reference"]
+    assert ref["old_names_keys"] == [f"decoder.layers.{i}.mlp.latent_norm.weight" for i in (1, 2, 3)]
+    assert ref["old_names_detected"] is True and ref["bad_old_names"] == []
+    assert ref["old_names_without_detection"] != "loaded"  # the old key is really missing
+    from megatron_latentmoe.convert import export_checkpoint
+
+    export_checkpoint(workspace.path("ck_old_names"), tmp_path / "hf", max_shard_size=MAX_SHARD,
+                      progress=False)
+    for f in sorted(os.listdir(workspace.path("hf_main"))):
+        assert (tmp_path / "hf" / f).read_bytes() == open(workspace.path("hf_main", f), "rb").read(), f
 
 
 def test_homogeneous_model_round_trip(workspace):

@@ -33,8 +33,8 @@ def megatron_layer_to_reference(state: dict, num_experts: int) -> dict:
     }
     if "router.expert_bias" in state:  # a buffer: in state dicts, not among the gradients
         out["gate.e_score_correction_bias"] = state["router.expert_bias"]
-    if "latent_norm.weight" in state:
-        out["routed_expert_norm.weight"] = state["latent_norm.weight"]
+    if "routed_expert_norm.weight" in state:
+        out["routed_expert_norm.weight"] = state["routed_expert_norm.weight"]
     for j in range(num_experts):
         gate, up = state[f"experts.local_experts.{j}.linear_fc1.weight"].chunk(2, dim=0)
         out[f"experts.{j}.w1.weight"], out[f"experts.{j}.w3.weight"] = gate, up
@@ -93,8 +93,8 @@ def compare_with_reference(cases: dict, device: str = "cpu") -> dict:
         torch.manual_seed(7)
         with torch.no_grad():
             layer.router.expert_bias.normal_(0.0, 0.05)
-            if layer.latent_norm is not None:
-                layer.latent_norm.weight.uniform_(0.5, 1.5)
+            if layer.routed_expert_norm is not None:
+                layer.routed_expert_norm.weight.uniform_(0.5, 1.5)
         block = StableLatentMoEBlock(reference_config(cfg))
         mapped = megatron_layer_to_reference(layer.state_dict(), cfg.num_moe_experts)
         block.load_state_dict(mapped, strict=True)

@@ -27,3 +27,27 @@ def test_deferred_weight_gradients_reach_the_latent_projections():
     shared experts, as Megatron's own latent MoE does."""
     (calls,) = run_distributed(_backward_dw_calls, 1)
     assert calls == ["experts", "fc2_latent_proj", "shared_experts", "fc1_latent_proj"]
+
+
+def _old_norm_name_state_dict(rank, world_size):
+    import torch
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    old, new = (get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1) for _ in range(2))
+    with torch.no_grad():
+        old.routed_expert_norm.weight.uniform_(0.5, 1.5)
+    state = {k.replace("routed_expert_norm.", "latent_norm."): v for k, v in old.state_dict().items()}
+    result = new.load_state_dict(state, strict=True)
+    return (sorted(k for k in state if "norm" in k), list(result.missing_keys),
+            torch.equal(new.routed_expert_norm.weight, old.routed_expert_norm.weight))
+
+
+def test_a_state_dict_with_the_old_norm_name_loads():
+    """Plain state dicts saved before mlp.latent_norm was renamed routed_expert_norm load as is."""
+    (result,) = run_distributed(_old_norm_name_state_dict, 1)
+    assert result == (["latent_norm.weight"], [], True)
