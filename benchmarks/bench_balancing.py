@@ -131,7 +131,7 @@ class Hist(Method):
 
     def route_micro_batch(self, s):
         _, alpha = cutoff_route(s, self.bias, self.k)  # the router's own top-(k+1)
-        self.hist.observe(s, self.bias, alpha_T=alpha)
+        self.hist.observe(s, self.bias, alpha_M=alpha)
 
     def step_end(self):
         buf = self.hist.pack()  # what the step-end all-reduce would carry (single rank here)

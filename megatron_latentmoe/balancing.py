@@ -3,7 +3,8 @@
 Notation (SPEC §4): m tokens, n experts, top-k; sigmoid scores ``s`` [m, n] in [0, 1]; bias ``b`` [n]
 (selection only); token i's cutoff ``alpha_i`` = its (k+1)-th largest biased score; ``r_ij =
 alpha_i - s_ij``. Token i picks expert j under a bias b' iff ``r_ij < b'_j``. Target load
-``q = m·k/n``, ``Q = ceil(q)``. Suffixes name dimensions: T tokens, E experts, K top-k, B bins.
+``q = m·k/n``, ``Q = ceil(q)``. Suffixes name dimensions (torchtitan-style legend): M tokens
+(m), E experts (n), K top-k (k), B bins; so ``scores_ME`` is [m, n] (not "TE": Transformer Engine).
 
 The answer ("the" new bias before mean-centring) is the Q-th smallest r of each column,
 ``r_(Q),j`` (the lower order statistic, ``torch.kthvalue(r, Q)``). The values that put exactly Q
@@ -86,72 +87,72 @@ def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
         raise ValueError(f"{name}.dtype={t.dtype}; allowed: {_names(dtypes)}")
 
 
-def _check_scores_bias(scores_TE, bias_E, topk: int, num_experts: Optional[int] = None):
-    _check_tensor("scores_TE", scores_TE, 2, _SCORE_DTYPES)
+def _check_scores_bias(scores_ME, bias_E, topk: int, num_experts: Optional[int] = None):
+    _check_tensor("scores_ME", scores_ME, 2, _SCORE_DTYPES)
     _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
-    n = scores_TE.shape[1]
+    n = scores_ME.shape[1]
     if num_experts is not None and n != num_experts:
-        raise ValueError(f"scores_TE.shape[1]={n}; allowed: num_experts={num_experts}")
+        raise ValueError(f"scores_ME.shape[1]={n}; allowed: num_experts={num_experts}")
     if bias_E.shape[0] != n:
-        raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({n},) = scores_TE.shape[1]")
+        raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({n},) = scores_ME.shape[1]")
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < n:
         raise ValueError(f"topk={topk!r}; allowed: int in [1, num_experts-1={n - 1}] (top-(k+1) must exist)")
-    if bias_E.device != scores_TE.device:
-        raise ValueError(f"bias_E.device={bias_E.device}; allowed: scores_TE.device={scores_TE.device}")
+    if bias_E.device != scores_ME.device:
+        raise ValueError(f"bias_E.device={bias_E.device}; allowed: scores_ME.device={scores_ME.device}")
 
 
-def _check_valid(valid_T, m: int, device) -> None:
-    if valid_T is None:
+def _check_valid(valid_M, m: int, device) -> None:
+    if valid_M is None:
         return
-    _check_tensor("valid_T", valid_T, 1, (torch.bool,))
-    if valid_T.shape[0] != m:
-        raise ValueError(f"valid_T.shape={tuple(valid_T.shape)}; allowed: ({m},) = scores_TE.shape[0]")
-    if valid_T.device != device:
-        raise ValueError(f"valid_T.device={valid_T.device}; allowed: scores_TE.device={device}")
+    _check_tensor("valid_M", valid_M, 1, (torch.bool,))
+    if valid_M.shape[0] != m:
+        raise ValueError(f"valid_M.shape={tuple(valid_M.shape)}; allowed: ({m},) = scores_ME.shape[0]")
+    if valid_M.device != device:
+        raise ValueError(f"valid_M.device={valid_M.device}; allowed: scores_ME.device={device}")
 
 
-def _raise_if_bad(scores_TE: torch.Tensor, bias_E: torch.Tensor) -> None:
+def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
     """Eager finiteness / range check (one host sync for all three flags)."""
     flags = torch.stack(
         [
-            torch.isfinite(scores_TE).all(),
+            torch.isfinite(scores_ME).all(),
             torch.isfinite(bias_E).all(),
-            ((scores_TE >= 0) & (scores_TE <= 1)).all(),
+            ((scores_ME >= 0) & (scores_ME <= 1)).all(),
         ]
     ).tolist()
     if not flags[0]:
-        raise ValueError("scores_TE contains NaN or inf; allowed: finite sigmoid scores in [0, 1]")
+        raise ValueError("scores_ME contains NaN or inf; allowed: finite sigmoid scores in [0, 1]")
     if not flags[1]:
         raise ValueError("bias_E contains NaN or inf; allowed: finite values")
     if not flags[2]:
-        lo, hi = scores_TE.min().item(), scores_TE.max().item()
+        lo, hi = scores_ME.min().item(), scores_ME.max().item()
         raise ValueError(
-            f"scores_TE has values in [{lo:.4g}, {hi:.4g}]; allowed: [0, 1] (sigmoid scores, not logits)"
+            f"scores_ME has values in [{lo:.4g}, {hi:.4g}]; allowed: [0, 1] (sigmoid scores, not logits)"
         )
 
 
 # ----------------------------------------------------------------------------- routing helpers
 def cutoff_route(
-    scores_TE: torch.Tensor, bias_E: torch.Tensor, topk: int
+    scores_ME: torch.Tensor, bias_E: torch.Tensor, topk: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-(k+1) on fp32 ``s + b`` (SPEC §4 step 1): the first k indices [m, k] are the real routes
-    (best first), ``alpha_T`` [m] is the (k+1)-th biased score. No validation (hot path)."""
-    top = (scores_TE.float() + bias_E.float()).topk(topk + 1, dim=1, sorted=True)
+    (best first), ``alpha_M`` [m] is the (k+1)-th biased score. No validation (hot path)."""
+    top = (scores_ME.float() + bias_E.float()).topk(topk + 1, dim=1, sorted=True)
     return top.indices[:, :topk], top.values[:, topk].contiguous()
 
 
-def topk_loads(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+def topk_loads(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
-    _check_scores_bias(scores_TE, bias_E, topk)
-    _check_valid(valid_T, scores_TE.shape[0], scores_TE.device)
-    n = scores_TE.shape[1]
-    idx_TK = (scores_TE.float() + bias_E.float()).topk(topk, dim=1, sorted=False).indices
-    loads_E = torch.zeros(n, dtype=torch.int64, device=scores_TE.device)
-    if valid_T is None:
-        src = torch.ones(1, dtype=torch.int64, device=idx_TK.device).expand(idx_TK.numel())
+    _check_scores_bias(scores_ME, bias_E, topk)
+    _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)
+    n = scores_ME.shape[1]
+    idx_MK = (scores_ME.float() + bias_E.float()).topk(topk, dim=1, sorted=False).indices
+    loads_E = torch.zeros(n, dtype=torch.int64, device=scores_ME.device)
+    if valid_M is None:
+        src = torch.ones(1, dtype=torch.int64, device=idx_MK.device).expand(idx_MK.numel())
     else:
-        src = valid_T.to(torch.int64)[:, None].expand_as(idx_TK).reshape(-1)
-    return loads_E.scatter_add_(0, idx_TK.reshape(-1), src)
+        src = valid_M.to(torch.int64)[:, None].expand_as(idx_MK).reshape(-1)
+    return loads_E.scatter_add_(0, idx_MK.reshape(-1), src)
 
 
 def max_violation(loads_E: torch.Tensor) -> float:
@@ -173,7 +174,7 @@ def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -
 
 
 # ----------------------------------------------------------------------------- exact reference
-def exact_quantiles(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_quantiles(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
     bias unchanged if m = 0.
 
@@ -182,31 +183,31 @@ def exact_quantiles(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor
     SPEC §4 step 2's "exactly q below" holds for any value in (r_(Q), r_(Q+1)]. The choice moves
     the bias by one order statistic, far less than a bin, and the histogram tests compare with it.
     """
-    return _exact_quantiles(scores_TE, bias_E, topk, valid_T)[0]
+    return _exact_quantiles(scores_ME, bias_E, topk, valid_M)[0]
 
 
-def _exact_quantiles(scores_TE, bias_E, topk, valid_T):
-    _check_scores_bias(scores_TE, bias_E, topk)
-    _check_valid(valid_T, scores_TE.shape[0], scores_TE.device)
-    _raise_if_bad(scores_TE, bias_E)
-    s32, b32 = scores_TE.float(), bias_E.float()
+def _exact_quantiles(scores_ME, bias_E, topk, valid_M):
+    _check_scores_bias(scores_ME, bias_E, topk)
+    _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)
+    _raise_if_bad(scores_ME, bias_E)
+    s32, b32 = scores_ME.float(), bias_E.float()
     n = s32.shape[1]
-    _, alpha_T = cutoff_route(s32, b32, topk)
-    r_TE = alpha_T[:, None] - s32
-    if valid_T is not None:
-        r_TE = r_TE[valid_T]
-    m = r_TE.shape[0]
+    _, alpha_M = cutoff_route(s32, b32, topk)
+    r_ME = alpha_M[:, None] - s32
+    if valid_M is not None:
+        r_ME = r_ME[valid_M]
+    m = r_ME.shape[0]
     if m == 0:
         return b32.clone(), 0
     big_q = -(-m * topk // n)  # ceil(m k / n), exact integer arithmetic
     if 4 * big_q <= m:  # partial selection is much cheaper than kthvalue for the small k/n tail
-        return r_TE.topk(big_q, dim=0, largest=False, sorted=True).values[big_q - 1], m
-    return r_TE.kthvalue(big_q, dim=0).values, m
+        return r_ME.topk(big_q, dim=0, largest=False, sorted=True).values[big_q - 1], m
+    return r_ME.kthvalue(big_q, dim=0).values, m
 
 
-def exact_quantile_bias(scores_TE, bias_E, topk: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_quantile_bias(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact sort-based QB update (SPEC §4 steps 2-3): column Q-th smallest r, minus its mean."""
-    q_E, m = _exact_quantiles(scores_TE, bias_E, topk, valid_T)
+    q_E, m = _exact_quantiles(scores_ME, bias_E, topk, valid_M)
     return q_E if m == 0 else q_E - q_E.mean()  # empty batch: bias unchanged
 
 
@@ -286,8 +287,8 @@ class _QuantileHistogramBase:
         """Window-fixed binning parameters, a function of the bias only."""
         raise NotImplementedError
 
-    def _bin_index_(self, r_TE: torch.Tensor) -> torch.Tensor:
-        """Float (integer-valued) bin index in [0, B-1] of each r, computed in place on ``r_TE``."""
+    def _bin_index_(self, r_ME: torch.Tensor) -> torch.Tensor:
+        """Float (integer-valued) bin index in [0, B-1] of each r, computed in place on ``r_ME``."""
         raise NotImplementedError
 
     def _bounds(self, c_E: torch.Tensor):
@@ -300,11 +301,11 @@ class _QuantileHistogramBase:
             raise ValueError("bias_E=None with no open window; allowed: pass the bias in force")
         return self._range
 
-    def bin_index(self, r_TE: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """int64 bin of each ``r_TE`` [m, n] under the window's (or ``bias_E``'s) binning."""
+    def bin_index(self, r_ME: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int64 bin of each ``r_ME`` [m, n] under the window's (or ``bias_E``'s) binning."""
         saved, self._range = self._range, self._window_range(bias_E)
         try:
-            return self._finite_clamp_(self._bin_index_(r_TE.detach().float().clone())).to(torch.int64)
+            return self._finite_clamp_(self._bin_index_(r_ME.detach().float().clone())).to(torch.int64)
         finally:
             self._range = saved
 
@@ -350,29 +351,29 @@ class _QuantileHistogramBase:
 
     def observe(
         self,
-        scores_TE: torch.Tensor,
+        scores_ME: torch.Tensor,
         bias_E: torch.Tensor,
-        valid_T: Optional[torch.Tensor] = None,
+        valid_M: Optional[torch.Tensor] = None,
         *,
-        alpha_T: Optional[torch.Tensor] = None,
+        alpha_M: Optional[torch.Tensor] = None,
     ) -> None:
         """Add one micro-batch (SPEC §4): cutoffs by top-(k+1) of fp32 ``s + b``, then one
-        scatter-add of every ``r_ij = alpha_i - s_ij`` into ``counts``. ``valid_T`` masks padding;
-        ``alpha_T`` may pass the cutoffs the router already computed (see ``cutoff_route``)."""
+        scatter-add of every ``r_ij = alpha_i - s_ij`` into ``counts``. ``valid_M`` masks padding;
+        ``alpha_M`` may pass the cutoffs the router already computed (see ``cutoff_route``)."""
         if self._reduced is not None:
             raise ValueError("observe() after unpack_(); allowed: reset() first")
-        _check_scores_bias(scores_TE, bias_E, self.topk, self.num_experts)
-        m = scores_TE.shape[0]
-        _check_valid(valid_T, m, scores_TE.device)
-        if alpha_T is not None:
-            _check_tensor("alpha_T", alpha_T, 1, (torch.float32,))
-            if alpha_T.shape[0] != m or alpha_T.device != scores_TE.device:
+        _check_scores_bias(scores_ME, bias_E, self.topk, self.num_experts)
+        m = scores_ME.shape[0]
+        _check_valid(valid_M, m, scores_ME.device)
+        if alpha_M is not None:
+            _check_tensor("alpha_M", alpha_M, 1, (torch.float32,))
+            if alpha_M.shape[0] != m or alpha_M.device != scores_ME.device:
                 raise ValueError(
-                    f"alpha_T.shape={tuple(alpha_T.shape)} on {alpha_T.device}; "
-                    f"allowed: ({m},) on {scores_TE.device}"
+                    f"alpha_M.shape={tuple(alpha_M.shape)} on {alpha_M.device}; "
+                    f"allowed: ({m},) on {scores_ME.device}"
                 )
-        self._adopt_device(scores_TE.device, "scores_TE")
-        s32 = scores_TE.detach().float()
+        self._adopt_device(scores_ME.device, "scores_ME")
+        s32 = scores_ME.detach().float()
         b32 = bias_E.detach().float()
         if self.validate:
             _raise_if_bad(s32, b32)
@@ -385,27 +386,27 @@ class _QuantileHistogramBase:
         # Local overflow guard: python upper bound first, exact (synchronising) check only near 2**31.
         self._token_bound += m
         if self._token_bound > INT32_MAX:
-            extra = m if valid_T is None else int(valid_T.sum())
+            extra = m if valid_M is None else int(valid_M.sum())
             if int(self._num_tokens) + extra > INT32_MAX:
                 raise OverflowError(
                     f"local tokens in this window would reach {int(self._num_tokens) + extra}; "
                     f"allowed: <= 2**31-1 (int32 counts); solve and reset more often"
                 )
-        if alpha_T is None:
-            _, alpha_T = cutoff_route(s32, b32, self.topk)
+        if alpha_M is None:
+            _, alpha_M = cutoff_route(s32, b32, self.topk)
         n, nb = self.num_experts, self.num_bins
-        idx_TE = self._finite_clamp_(self._bin_index_(alpha_T[:, None] - s32))  # fp32, in [0, B-1]
+        idx_ME = self._finite_clamp_(self._bin_index_(alpha_M[:, None] - s32))  # fp32, in [0, B-1]
         if n * nb <= 2**24:  # flat index exact in fp32: add row offsets before the single cast
-            idx_TE.add_(torch.arange(n, device=idx_TE.device, dtype=torch.float32).mul_(nb))
-            flat = idx_TE.view(-1).to(torch.int64)
+            idx_ME.add_(torch.arange(n, device=idx_ME.device, dtype=torch.float32).mul_(nb))
+            flat = idx_ME.view(-1).to(torch.int64)
         else:
-            flat = (idx_TE.to(torch.int64) + torch.arange(n, device=idx_TE.device) * nb).view(-1)
-        if valid_T is None:
+            flat = (idx_ME.to(torch.int64) + torch.arange(n, device=idx_ME.device) * nb).view(-1)
+        if valid_M is None:
             src = torch.ones(1, dtype=torch.int32, device=flat.device).expand(flat.numel())
             self._num_tokens += m
         else:
-            src = valid_T.to(torch.int32)[:, None].expand(m, n).reshape(-1)
-            self._num_tokens += valid_T.sum()
+            src = valid_M.to(torch.int32)[:, None].expand(m, n).reshape(-1)
+            self._num_tokens += valid_M.sum()
         self.counts.view(-1).scatter_add_(0, flat, src)
 
     # ------------------------------------------------------------------ communication
@@ -524,9 +525,9 @@ class QuantileHistogram(_QuantileHistogramBase):
         hi = bias32_E.max() + 1.0
         return lo, self.num_bins / (hi - lo), (hi - lo) / self.num_bins
 
-    def _bin_index_(self, r_TE):
+    def _bin_index_(self, r_ME):
         lo, inv_w, _ = self._range
-        return r_TE.sub_(lo).mul_(inv_w).floor_()
+        return r_ME.sub_(lo).mul_(inv_w).floor_()
 
     def _bounds(self, c_E):
         lo, _, width = self._range
@@ -559,9 +560,9 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
         u_max = torch.asinh((bias32_E.max() - bias32_E.min() + 1.0) / self.sigma)
         return bias32_E.clone(), self.num_bins / (2.0 * u_max), 2.0 * u_max / self.num_bins
 
-    def _bin_index_(self, r_TE):
+    def _bin_index_(self, r_ME):
         centre_E, inv_du, _ = self._range
-        idx = r_TE.sub_(centre_E).mul_(1.0 / self.sigma).asinh_().mul_(inv_du).floor_()
+        idx = r_ME.sub_(centre_E).mul_(1.0 / self.sigma).asinh_().mul_(inv_du).floor_()
         return idx.add_(self.num_bins // 2)
 
     def _bounds(self, c_E):

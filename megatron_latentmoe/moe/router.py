@@ -58,31 +58,32 @@ class QuantileBalancingRouter(TopKRouter):
         self.last_loads_E = None  # global routed tokens per expert of the last step
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
-        logits_TE = logits.view(-1, self.config.num_moe_experts)
-        padding_T = padding_mask.reshape(-1) if padding_mask is not None else None
-        logits_TE = self.apply_z_loss(logits_TE, padding_mask=padding_T)
+        """Return dense ``probs`` [m, n] and the boolean ``routing_map`` [m, n] (SPEC §3);
+        suffixes as in ``balancing.py``: M tokens, E experts, K top-k."""
+        logits_ME = logits.view(-1, self.config.num_moe_experts)
+        padding_M = padding_mask.reshape(-1) if padding_mask is not None else None
+        logits_ME = self.apply_z_loss(logits_ME, padding_mask=padding_M)
 
-        scores_TE = torch.sigmoid(logits_TE)
+        scores_ME = torch.sigmoid(logits_ME)
         with torch.no_grad():  # top-(k+1) of fp32 s + b: k routes and the QB cutoff alpha
-            topk_idx_TK, alpha_T = cutoff_route(scores_TE, self.expert_bias, self.topk)
-        weights_TK = scores_TE.gather(1, topk_idx_TK)
+            topk_idx_MK, alpha_M = cutoff_route(scores_ME, self.expert_bias, self.topk)
+        weights_MK = scores_ME.gather(1, topk_idx_MK)
         if self.topk > 1:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+            weights_MK = weights_MK / (weights_MK.sum(dim=-1, keepdim=True) + 1e-20)
         if self.config.moe_router_topk_scaling_factor:
-            weights_TK = weights_TK * self.config.moe_router_topk_scaling_factor
-        probs_TE = torch.zeros_like(scores_TE).scatter(1, topk_idx_TK, weights_TK)
-        routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, topk_idx_TK, True)
+            weights_MK = weights_MK * self.config.moe_router_topk_scaling_factor
+        probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_MK, weights_MK)
+        routing_map_ME = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_MK, True)
 
         if self.training and torch.is_grad_enabled():
-            self._observe(scores_TE.detach(), alpha_T, routing_map_TE, padding_T)
-        return probs_TE, routing_map_TE
+            self._observe(scores_ME.detach(), alpha_M, routing_map_ME, padding_M)
+        return probs_ME, routing_map_ME
 
     @torch.no_grad()
-    def _observe(self, scores_TE, alpha_T, routing_map_TE, padding_T) -> None:
-        valid_T = None if padding_T is None else ~padding_T.bool()
+    def _observe(self, scores_ME, alpha_M, routing_map_ME, padding_M) -> None:
+        valid_M = None if padding_M is None else ~padding_M.bool()
         self.qb_histogram.observe(
-            scores_TE.float(), self.expert_bias, valid_T=valid_T, alpha_T=alpha_T
+            scores_ME.float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M
         )
-        counted_TE = routing_map_TE if valid_T is None else routing_map_TE & valid_T[:, None]
-        self.step_loads_E += counted_TE.sum(dim=0)
+        counted_ME = routing_map_ME if valid_M is None else routing_map_ME & valid_M[:, None]
+        self.step_loads_E += counted_ME.sum(dim=0)

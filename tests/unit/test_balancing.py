@@ -409,32 +409,32 @@ def test_bad_input_raises(cls):
     h = cls(n, k)
     bad = s.clone()
     bad[3, 5] = float("nan")
-    with pytest.raises(ValueError, match="scores_TE.*NaN"):
+    with pytest.raises(ValueError, match="scores_ME.*NaN"):
         h.observe(bad, b)
     bad[3, 5] = float("inf")
-    with pytest.raises(ValueError, match="scores_TE.*NaN or inf"):
+    with pytest.raises(ValueError, match="scores_ME.*NaN or inf"):
         h.observe(bad, b)
     with pytest.raises(ValueError, match="bias_E.*NaN or inf"):
         h.observe(s, torch.full((n,), float("inf")))
-    with pytest.raises(ValueError, match="scores_TE.*\\[0, 1\\]"):
+    with pytest.raises(ValueError, match="scores_ME.*\\[0, 1\\]"):
         h.observe(s * 3 - 1, b)  # logits, not sigmoid scores
-    with pytest.raises(ValueError, match="scores_TE.dtype=torch.int64; allowed"):
+    with pytest.raises(ValueError, match="scores_ME.dtype=torch.int64; allowed"):
         h.observe(torch.zeros(4, n, dtype=torch.long), b)
-    with pytest.raises(ValueError, match="scores_TE.shape\\[1\\]=31; allowed: num_experts=32"):
+    with pytest.raises(ValueError, match="scores_ME.shape\\[1\\]=31; allowed: num_experts=32"):
         h.observe(s[:, :31], b[:31])
     with pytest.raises(ValueError, match="bias_E.shape=\\(31,\\)"):
         h.observe(s, b[:31])
     with pytest.raises(ValueError, match="bias_E.dtype=torch.bfloat16"):
         h.observe(s, b.bfloat16())
-    with pytest.raises(ValueError, match="valid_T.dtype"):
+    with pytest.raises(ValueError, match="valid_M.dtype"):
         h.observe(s, b, torch.ones(20))
-    with pytest.raises(ValueError, match="valid_T.shape"):
+    with pytest.raises(ValueError, match="valid_M.shape"):
         h.observe(s, b, torch.ones(19, dtype=torch.bool))
     with pytest.raises(ValueError, match="topk=32"):
         cls(n, 32)
     with pytest.raises(ValueError, match="num_bins"):
         cls(n, k, 0)
-    with pytest.raises(ValueError, match="scores_TE.*NaN"):
+    with pytest.raises(ValueError, match="scores_ME.*NaN"):
         exact_quantile_bias(torch.full((3, n), float("nan")), b, k)
     assert int(h.num_tokens) == 0  # nothing was counted by the failed calls
 
