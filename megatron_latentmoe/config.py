@@ -122,8 +122,8 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         # the experts would silently run SwiGLU or fail deep inside TE.
         for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
             if get(name):
-                raise ConfigError(name, True, "False with {hidden_act} (Megatron fuses SwiGLU only)",
-                                  hidden_act="situ")
+                raise ConfigError(name, True, "False with {hidden_act} (Megatron fuses SwiGLU "
+                                  "only)", hidden_act="situ")
     groups = get("moe_router_num_groups")
     if groups not in (None, 1):
         raise ConfigError("moe_router_num_groups", groups,
@@ -162,11 +162,13 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         if not latent > 0:
             raise ConfigError("moe_latent_size", latent, "a positive integer")
         if latent % tp:
-            raise ConfigError("moe_latent_size", latent, "a multiple of {tensor_model_parallel_size}",
+            raise ConfigError("moe_latent_size", latent,
+                              "a multiple of {tensor_model_parallel_size}",
                               tensor_model_parallel_size=tp)
         if get("moe_shared_expert_overlap"):
             raise ConfigError("moe_shared_expert_overlap", True,
-                              "False with moe_latent_size (shared experts see the full-width input)")
+                              "False with moe_latent_size (shared experts see the full-width "
+                              "input)")
     lb = get("moe_router_load_balancing_type")
     if isinstance(lb, (list, tuple)) and QUANTILE_HISTOGRAM in lb and len(lb) > 1:
         raise ConfigError("moe_router_load_balancing_type", lb,

@@ -52,6 +52,7 @@ HF_FIXED = {
 }
 """HF config keys with the one value the Megatron model implements (SPEC §3)."""
 
+
 class _Sentinel:
     def __init__(self, name: str):
         self.name = name
@@ -117,8 +118,14 @@ class ModelField:
     def python_type(self) -> type:
         if isinstance(self.kind, tuple):
             return type(self.kind[0])
-        return {"positive int": int, "int >= 0": int, "positive number": float, "bool": bool,
-                "token id": Optional[int], "str": str}[self.kind]
+        return {
+            "positive int": int,
+            "int >= 0": int,
+            "positive number": float,
+            "bool": bool,
+            "token id": Optional[int],
+            "str": str,
+        }[self.kind]
 
     def problem(self, value: Any) -> Optional[str]:
         """What is allowed, when ``value`` is not of this row's kind (None when it is)."""
@@ -129,11 +136,14 @@ class ModelField:
         ok, allowed = {
             "positive int": (lambda: is_int and value > 0, "a positive integer"),
             "int >= 0": (lambda: is_int and value >= 0, "an integer >= 0"),
-            "token id": (lambda: value is None or (is_int and value >= 0),
-                         "None or an integer >= 0"),
+            "token id": (
+                lambda: value is None or (is_int and value >= 0),
+                "None or an integer >= 0",
+            ),
             "positive number": (
                 lambda: (is_int or isinstance(value, float)) and value > 0 and math.isfinite(value),
-                "a positive finite number"),
+                "a positive finite number",
+            ),
             "bool": (lambda: isinstance(value, bool), "True or False"),
             "str": (lambda: isinstance(value, str), "a string"),
         }[kind]
@@ -147,6 +157,8 @@ def _first(value, _values):
     return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
+# A table, one row per field (as Megatron-Bridge's CONFIG_MAPPING): kept compact.
+# fmt: off
 FIELDS: tuple[ModelField, ...] = (
     # ---- sizes (REQUIRED on the Megatron side; the HF class defaults to the K3 values)
     ModelField("num_layers", "num_hidden_layers", hf_default=93, required=True),
@@ -219,6 +231,7 @@ FIELDS: tuple[ModelField, ...] = (
     ModelField("pad_token_id", "pad_token_id", 1, hf_default=None, kind="token id",
                megatron=None, args=None),
 )
+# fmt: on
 
 BY_NAME = {f.name: f for f in FIELDS}
 ADDED = tuple(f for f in FIELDS if f.added)

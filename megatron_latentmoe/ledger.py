@@ -68,7 +68,8 @@ class LatentMoEShape:
             if not isinstance(getattr(self, name), bool):
                 raise not_allowed(name, getattr(self, name), "True or False")
         if self.topk > self.num_experts:
-            raise not_allowed("topk", self.topk, f"an integer in [1, num_experts={self.num_experts}]")
+            raise not_allowed("topk", self.topk,
+                              f"an integer in [1, num_experts={self.num_experts}]")
         if self.first_k_dense_replace > self.num_layers:
             raise not_allowed("first_k_dense_replace", self.first_k_dense_replace,
                               f"an integer in [0, num_layers={self.num_layers}]")
@@ -125,7 +126,8 @@ class LatentMoEShape:
                 raise ValueError(f"first_k_dense_replace={k_given} disagrees with "
                                  f"moe_layer_freq={freq} ({k_dense} dense layers first)")
         v["first_k_dense_replace"] = k_dense
-        v["vocab_size"] = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", 0) or 0
+        vocab = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", None)
+        v["vocab_size"] = vocab or 0
         if getattr(cfg, "share_embeddings_and_output_weights", None) is not None:
             v["tie_embeddings"] = bool(cfg.share_embeddings_and_output_weights)
         elif getattr(cfg, "untie_embeddings_and_output_weights", None) is not None:

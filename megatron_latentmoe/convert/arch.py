@@ -31,7 +31,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from megatron_latentmoe.fields import (
     BY_NAME,
@@ -52,7 +52,7 @@ ARCH_STATE_KEY = "stable_latentmoe_config"
 """Common-state key under which the converter stores ``ModelArch.to_dict()``."""
 
 BUILDER_KEYS = tuple(f.builder for f in FIELDS if f.builder)
-"""Keys of a Megatron-style config file that are ``build_gpt_model`` arguments, not config fields."""
+"""Keys of a Megatron-style config file that are ``build_gpt_model`` arguments."""
 
 LEGACY_NAMES = {"routed_scaling_factor": "moe_router_topk_scaling_factor"}
 """Old ``ModelArch`` field names, as stored in checkpoints' common state -> today's."""
@@ -115,8 +115,8 @@ class ModelArch:
             raise fail("first_k_dense_replace", self.first_k_dense_replace,
                        f"an integer in [0, num_layers={self.num_layers})")
         if self.moe_shared_expert_intermediate_size % self.moe_ffn_hidden_size:
-            raise fail("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
-                       f"a multiple of moe_ffn_hidden_size={self.moe_ffn_hidden_size} (HF stores "
+            raise fail("moe_shared_expert_intermediate_size",
+                       self.moe_shared_expert_intermediate_size, f"a multiple of moe_ffn_hidden_size={self.moe_ffn_hidden_size} (HF stores "
                        "num_shared_experts = shared width / moe_intermediate_size)")
 
     # ------------------------------------------------------------------ derived

@@ -347,8 +347,8 @@ def _flag_value(field: str, value) -> str:
         text = " ".join([flag, *map(str, value)])
     else:
         text = f"{flag} {value}"
-    own = "--" + field.replace("_", "-")
-    return text if flag in (own, BY_NAME.get(field) and BY_NAME[field].flag) else f"{text} ({field}={value!r})"
+    ours = field in BY_NAME and flag == BY_NAME[field].flag
+    return text if ours or flag == "--" + field.replace("_", "-") else f"{text} ({field}={value!r})"
 
 
 def flag_message(err) -> str:

@@ -124,7 +124,7 @@ def _resume_checkpoint_keys() -> list[str]:
         return []
     load = getattr(args, "load", None)
     tracker = os.path.join(load or "", "latest_checkpointed_iteration.txt")
-    if not load or getattr(args, "ckpt_format", None) != "torch_dist" or not os.path.isfile(tracker):
+    if not (load and getattr(args, "ckpt_format", None) == "torch_dist" and os.path.isfile(tracker)):
         return []
     with open(tracker) as f:
         text = f.read().strip()
@@ -148,7 +148,8 @@ def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     try:
-        config = core_transformer_config_from_args(args, config_class=StableLatentMoETransformerConfig)
+        config = core_transformer_config_from_args(
+            args, config_class=StableLatentMoETransformerConfig)
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
     except ValueError as err:  # Megatron's own TransformerConfig checks

@@ -16,13 +16,25 @@ from megatron_latentmoe.convert.arch import ModelArch
 from megatron_latentmoe.fields import ADDED, BY_NAME, FIELDS, HF_FIXED, REQUIRED, hf_defaults
 from megatron_latentmoe.ledger import _TABLE_NAMES, K3_FULL_SCALE, LatentMoEShape
 
-HF_FILE = Path(__file__).resolve().parents[2] / "megatron_latentmoe/hf/configuration_stable_latentmoe.py"
+HF_FILE = (
+    Path(__file__).resolve().parents[2] / "megatron_latentmoe/hf/configuration_stable_latentmoe.py"
+)
 HF_ONLY = {"initializer_range", "use_cache", "attention_dropout"}
 """HF keyword arguments that do not describe the model's weights or math (not in the table)."""
 
-SMALL = dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-             num_query_groups=2, kv_channels=16, vocab_size=128, num_experts=8, moe_router_topk=2,
-             moe_ffn_hidden_size=32, moe_latent_size=32)
+SMALL = dict(
+    num_layers=3,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    vocab_size=128,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_latent_size=32,
+)
 """The rows without a Megatron-side default, at a small size."""
 
 
@@ -55,7 +67,9 @@ def test_the_megatron_config_and_the_flags_have_the_tables_defaults():
     from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
 
     assert stable_latentmoe_fields() == tuple(f.name for f in ADDED)
-    config_defaults = {f.name: f.default for f in dataclasses.fields(StableLatentMoETransformerConfig)}
+    config_defaults = {
+        f.name: f.default for f in dataclasses.fields(StableLatentMoETransformerConfig)
+    }
     parser = argparse.ArgumentParser()  # Megatron's parser has this flag; ours extends it
     parser.add_argument("--moe-router-load-balancing-type", nargs="+", choices=["aux_loss", "none"])
     add_stable_latentmoe_args(parser)
@@ -78,8 +92,11 @@ def test_an_hf_config_without_the_optional_keys_means_the_same_everywhere():
         if f.hf:
             assert kwargs[f.hf] == getattr(hf, f.hf), f.hf
         if f.hf and not f.required and f.name != "kv_channels":
-            want = f.hf_default if f.from_hf is None or f.hf_default is None else \
-                f.from_hf(f.hf_default, given)
+            want = (
+                f.hf_default
+                if f.from_hf is None or f.hf_default is None
+                else f.from_hf(f.hf_default, given)
+            )
             assert getattr(from_hf, f.name) == want, f.name
     assert from_hf.latent_moe_use_norm is True  # was False in the ledger, True in the converter
     shape = LatentMoEShape.from_hf_config(given)
@@ -117,8 +134,9 @@ def test_a_megatron_config_without_the_optional_fields_means_the_same_everywhere
     builder = {BY_NAME[k].builder: v for k, v in SMALL.items() if BY_NAME[k].builder}
     builder["max_sequence_length"] = BY_NAME["max_position_embeddings"].default
     from_dict = ModelArch.from_megatron_config(fields, builder)
-    config = StableLatentMoETransformerConfig(**fields, moe_router_score_function="sigmoid",
-                                              add_bias_linear=False, **PROJECT_DEFAULTS)
+    config = StableLatentMoETransformerConfig(
+        **fields, moe_router_score_function="sigmoid", add_bias_linear=False, **PROJECT_DEFAULTS
+    )
     assert ModelArch.from_megatron_config(config, builder) == from_dict == ModelArch(**SMALL)
     shape = LatentMoEShape.from_megatron_config(config)
     for ours, name in _TABLE_NAMES.items():
@@ -126,18 +144,30 @@ def test_a_megatron_config_without_the_optional_fields_means_the_same_everywhere
             assert getattr(shape, ours) == getattr(from_dict, name), ours
 
 
-@pytest.mark.parametrize("change", [
-    {}, dict(moe_router_topk_scaling_factor=2.5), dict(hidden_act="swiglu", tie_embeddings=True),
-    dict(first_k_dense_replace=1, moe_shared_expert_intermediate_size=64, latent_moe_use_norm=False),
-    dict(bos_token_id=None, eos_token_id=3, pad_token_id=None),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        dict(moe_router_topk_scaling_factor=2.5),
+        dict(hidden_act="swiglu", tie_embeddings=True),
+        dict(
+            first_k_dense_replace=1,
+            moe_shared_expert_intermediate_size=64,
+            latent_moe_use_norm=False,
+        ),
+        dict(bos_token_id=None, eos_token_id=3, pad_token_id=None),
+    ],
+)
 def test_every_round_trip_goes_through_the_table(change):
     a = ModelArch(**SMALL, **change)
-    assert ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs())) \
+    assert (
+        ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs()))
         == a
+    )
     assert ModelArch.from_megatron_args(a.megatron_args_namespace()) == _megatron_side(a)
-    assert ModelArch.from_megatron_config(a.to_megatron_config(), a.builder_kwargs()) \
-        == _megatron_side(a)
+    assert ModelArch.from_megatron_config(
+        a.to_megatron_config(), a.builder_kwargs()
+    ) == _megatron_side(a)
     assert ModelArch.from_dict(a.to_dict()) == a
 
 
@@ -145,8 +175,9 @@ def _megatron_side(a: ModelArch) -> ModelArch:
     """Megatron does not store the HF-only rows (token ids): they come back as defaults."""
     import dataclasses
 
-    return dataclasses.replace(a, **{f.name: f.default for f in FIELDS if not f.megatron
-                                     and not f.builder})
+    return dataclasses.replace(
+        a, **{f.name: f.default for f in FIELDS if not f.megatron and not f.builder}
+    )
 
 
 def test_routed_scaling_factor_is_one_row():
