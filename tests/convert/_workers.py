@@ -183,6 +183,7 @@ def _save_with_old_norm_name(model, a: ModelArch, path: str, full: dict) -> dict
     loaded back the way a resumed training run does (``use_legacy_names_of`` its keys), and
     without that (which must fail: the test would otherwise prove nothing)."""
     from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
+    from megatron_latentmoe.convert.names import NORM_NAME
     from megatron_latentmoe.moe.layer import use_legacy_names_of
 
     use_legacy_names_of(model, ["decoder.layers.1.mlp.latent_norm.weight"])
@@ -197,7 +198,7 @@ def _save_with_old_norm_name(model, a: ModelArch, path: str, full: dict) -> dict
         plain_load = "loaded"
     except Exception as e:  # noqa: BLE001 - recorded; the test asserts it did not load
         plain_load = type(e).__name__
-    return {"old_names_keys": sorted(k for k in keys if "norm" in k and ".mlp." in k),
+    return {"old_names_keys": sorted(k for k in keys if "latent_norm" in k or NORM_NAME in k),
             "old_names_detected": legacy,
             "bad_old_names": _load_and_diff(fresh, path, full, strict="raise_all"),
             "old_names_without_detection": plain_load}
