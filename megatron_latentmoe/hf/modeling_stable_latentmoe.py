@@ -375,13 +375,16 @@ class StableLatentMoEBlock(nn.Module):
         self.record_routing = False
         self.last_routing: Optional[MoERouting] = None
 
+    @torch.compiler.disable
     def moe_infer(self, z: torch.Tensor, topk_indices: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
         """``u_t = sum_i p_{t,i} * E_{idx_{t,i}}(z_t)`` for latent tokens z [T, l].
 
         Tokens are grouped by expert with one stable sort; each expert runs once on its token
         group (a loop over experts, never over tokens) and the weighted outputs are scattered
         back with ``index_add_``. The sum is accumulated in fp32 (fp64 for fp64) and cast to
-        ``z.dtype``.
+        ``z.dtype``. The group sizes come to the host (one sync per MoE layer), so under
+        ``torch.compile`` this method runs eagerly (one graph break) instead of being traced
+        and recompiled for every new routing.
         """
         num_tokens, k = topk_indices.shape
         acc_dtype = compute_dtype(z.dtype)
@@ -465,7 +468,6 @@ class StableLatentMoEAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-        self.is_causal = True
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
@@ -583,8 +585,9 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
     * no FlashAttention / FlexAttention: the masks are boolean tensors built here (causal, padding,
       packed documents, custom 4D), never the 2D masks or BlockMasks those kernels take;
     * ``_can_compile_fullgraph = False``: the expert loop of ``StableLatentMoEBlock.moe_infer``
-      sizes its token groups on the host (one sync per MoE layer), a graph break under fullgraph.
-      ``torch.compile`` without fullgraph (what ``generate`` uses with a static cache) works;
+      sizes its token groups on the host (one sync per MoE layer) and runs eagerly under
+      ``torch.compile`` (a graph break, no recompilation per routing); compiling without
+      fullgraph works;
     * context parallelism: not declared (never exercised here);
     * static cache and custom 4D masks (boolean, or additive float) have no flag in transformers
       5.x; they are tested like the rest.
@@ -708,13 +711,16 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
                 cache = DynamicCache()
         past_len = cache.get_seq_length() if cache is not None else 0
         query_positions = torch.arange(past_len, past_len + q_len, device=device)
-        document_ids = None
-        if attention_mask is None and past_len == 0:
-            document_ids = packed_document_ids(q_len, position_ids, cu_seq_lens_q)
+        positions_given = position_ids is not None
         if position_ids is None:
             position_ids = query_positions[None].expand(bsz, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(bsz, -1)
+        document_ids = None
+        if attention_mask is None and past_len == 0:
+            document_ids = packed_document_ids(
+                q_len, position_ids if positions_given else None, cu_seq_lens_q
+            )
 
         mask_builder = None
         if attention_mask is not None and attention_mask.dim() == 4:
