@@ -5,12 +5,12 @@ For each model size: a wide random Stable LatentMoE model (fp32) is built with
 fresh process (so that its peak RSS is the conversion's own):
 
 * export: Megatron torch_dist -> HF safetensors (``python -m megatron_latentmoe.convert export``);
-* import: that HF directory -> Megatron torch_dist sharded for TP2 x EP2 (``... import``).
+* import: that HF directory -> Megatron torch_dist, layout-free (``... import``).
 
 Reported per conversion: seconds, MB/s (bytes written / wall time, imports of torch/megatron
 included), the process's peak RSS, its RSS before converting (imports only) and the growth
 during the conversion. Streaming means the growth stays bounded (about one read batch for
-export, one chunk for import) while the checkpoint grows.
+export, one tensor for import) while the checkpoint grows.
 
     python benchmarks/bench_convert.py [--layers 2 5 9] [--workdir DIR] [--keep]
 
@@ -121,7 +121,7 @@ def main() -> None:
             made = json.loads(proc.stdout.strip().splitlines()[-1])
             ck_bytes = dir_bytes(ck)
             ex = run_cli(["export", "--checkpoint", ck, "--output", hf], os.path.join(work, "ex.json"))
-            im = run_cli(["import", "--hf", hf, "--output", mg, "--tp", "2", "--ep", "2"], os.path.join(work, "im.json"))
+            im = run_cli(["import", "--hf", hf, "--output", mg], os.path.join(work, "im.json"))
             row = dict(layers=layers, params=made["params"], checkpoint_bytes=ck_bytes,
                        save_s=made["save_s"], export=ex, import_=im, hf_bytes=dir_bytes(hf), mg_bytes=dir_bytes(mg))
             rows.append(row)

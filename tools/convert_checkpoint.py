@@ -2,7 +2,7 @@
 """Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.
 
     tools/convert_checkpoint.py export --checkpoint SAVE_DIR --output HF_DIR [--dtype bf16] [--verify]
-    tools/convert_checkpoint.py import --hf HF_DIR --output SAVE_DIR --tp 2 --ep 4 [--pp 2]
+    tools/convert_checkpoint.py import --hf HF_DIR --output SAVE_DIR
     tools/convert_checkpoint.py verify --checkpoint SAVE_DIR --hf HF_DIR
 
 Same as ``python -m megatron_latentmoe.convert``; see megatron_latentmoe/convert/cli.py.

@@ -2,7 +2,7 @@
 <-> Hugging Face (``model_type = "stable_latentmoe"``, SPEC §6 names, remote code included).
 
 * :func:`export_checkpoint` -- Megatron -> HF (``export.py``), streaming, tensor by tensor;
-* :func:`import_checkpoint` -- HF -> Megatron, sharded for a requested layout (``importer.py``);
+* :func:`import_checkpoint` -- HF -> Megatron, one layout-free checkpoint (``importer.py``);
 * :func:`verify_export` -- both models on the same tokens (``verify.py``);
 * ``names.py`` -- the one name / layout mapping; ``dist_reader.py`` -- random access into a
   ``torch_dist`` checkpoint; ``arch.py`` -- where the model hyper-parameters come from.

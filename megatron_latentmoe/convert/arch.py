@@ -286,10 +286,11 @@ class ModelArch:
         """The ``build_gpt_model`` keyword arguments besides the config."""
         return {f.builder: getattr(self, f.name) for f in FIELDS if f.builder}
 
-    def megatron_args_namespace(self, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1):
+    def megatron_args_namespace(self):
         """A ``megatron.training``-style ``args`` Namespace describing this model (stored in the
         common state of imported checkpoints: ``--use-checkpoint-args`` and the resume-time
-        argument checks read it)."""
+        argument checks read it). The parallel sizes are 1: imports are written like a one-rank
+        save (whole tensors) and load at any layout."""
         from argparse import Namespace
 
         config = self.megatron_config_kwargs()
@@ -302,10 +303,10 @@ class ModelArch:
             untie_embeddings_and_output_weights=not self.tie_embeddings,
             **{k: want for k, (want, _) in MEGATRON_FIXED.items()},
             swiglu=True,
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=1,
             ckpt_format="torch_dist",
             no_save_optim=True,
             no_save_rng=True,

@@ -1,7 +1,7 @@
 """Command line of the converter: ``python -m megatron_latentmoe.convert`` / ``tools/convert_checkpoint.py``.
 
     export   Megatron torch_dist checkpoint (any layout) -> HF directory   [--verify]
-    import   HF directory -> Megatron torch_dist checkpoint at --tp/--pp/--ep/--etp   [--verify]
+    import   HF directory -> Megatron torch_dist checkpoint (loads at any layout)   [--verify]
     verify   compare a Megatron checkpoint with an HF directory (logits + greedy generation)
 
 Exit status: 0 success, 2 bad input (the message names the file / tensor / key / field),
@@ -32,6 +32,10 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
 
 
+IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
+"""Layout flags of earlier ``import`` versions: accepted and ignored (the output loads at any layout)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_latentmoe.convert",
@@ -60,10 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     im = sub.add_parser("import", help="HF -> Megatron torch_dist")
     im.add_argument("--hf", "--input", dest="hf", required=True, help="HF model directory")
     im.add_argument("--output", required=True, help="Megatron save root to create (--load it)")
-    im.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for")
-    im.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    im.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    im.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    for flag in IGNORED_IMPORT_FLAGS:  # accepted so that existing job scripts keep working
+        im.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
     im.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                     help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32")
     im.add_argument("--iteration", type=int, default=None,
@@ -146,8 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.command == "import":
             from .importer import import_checkpoint
 
+            ignored = [f for f in IGNORED_IMPORT_FLAGS if getattr(args, f.lstrip("-")) is not None]
+            if ignored:
+                print(f"note: {' '.join(ignored)} ignored: import writes one layout-free checkpoint "
+                      "that Megatron reshards on load at any layout", file=sys.stderr)
             summary = import_checkpoint(
-                args.hf, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
+                args.hf, args.output, dtype=args.dtype,
                 iteration=args.iteration, overwrite=args.overwrite, progress=not args.no_progress)
             print(summary.format())
             result["summary"] = summary.to_dict()

@@ -1,27 +1,27 @@
-"""Hugging Face model directory -> Megatron ``torch_dist`` checkpoint, sharded for a given layout.
+"""Hugging Face model directory -> one layout-free Megatron ``torch_dist`` checkpoint.
 
 Output (a ``megatron.training`` save root)::
 
     OUTPUT/latest_checkpointed_iteration.txt      "release" (or the --iteration number)
     OUTPUT/release/                               (or iter_XXXXXXX/)
-        .metadata  __0_0.distcp  __1_0.distcp ...  metadata.json
+        .metadata  __0_0.distcp  metadata.json
 
 Loading it with ``megatron.training``: ``--load OUTPUT --ckpt-format torch_dist`` plus the model
 flags of the same architecture (the checkpoint's ``args`` are checked against them; or use
-``--use-checkpoint-args``). A ``release`` checkpoint starts at iteration 0 with a fresh
-optimizer and RNG, so no extra flags are needed; with ``--iteration N`` add ``--finetune`` (or
-``--no-load-optim --no-load-rng``) because the checkpoint holds no optimizer / RNG state. Runs
-built with the Transformer Engine spec find every tensor under the same keys; they need
-``--dist-ckpt-strictness log_all`` (or ``ignore_all``) because TE modules ask for
-``_extra_state`` objects that a converted checkpoint cannot contain.
+``--use-checkpoint-args``), at ANY TP / PP / EP / ETP / DP layout. A ``release`` checkpoint
+starts at iteration 0 with a fresh optimizer and RNG, so no extra flags are needed; with
+``--iteration N`` add ``--finetune`` (or ``--no-load-optim --no-load-rng``) because the
+checkpoint holds no optimizer / RNG state. Runs built with the Transformer Engine spec find every
+tensor under the same keys; they need ``--dist-ckpt-strictness log_all`` (or ``ignore_all``)
+because TE modules ask for ``_extra_state`` objects that a converted checkpoint cannot contain.
 
-Keys and global shapes are Megatron's (independent of the layout: any layout can load the
-result, Megatron reshards on load). The layout decides the CHUNKS: each tensor is cut exactly as
-a run with (TP, PP, EP, ETP) would save it -- column-parallel rows / row-parallel columns per TP
-rank, gated fc1 halves separately, routed experts per expert and per ETP rank -- and each
-model-parallel rank's chunks go to its own ``__{rank}_0.distcp`` file, so loading at that layout
-reads whole chunks only. Tensors are read from the safetensors files row range by row range with
-``pread`` (no mmap) and written chunk by chunk: peak memory is about one chunk.
+Keys and global shapes are Megatron's, which do not depend on the layout; each tensor is written
+as one whole chunk (each routed expert its own chunk of the stacked expert tensor), as a one-rank
+run saves it, and Megatron's loader reshards on load: a rank reads the chunks that overlap its
+shard. (Cutting the chunks per layout saved only that a TP/ETP rank reads 1/TP of a dense tensor
+instead of all of it, once, at load; tested: the same import loads exactly into TP2+SP, EP2,
+PP2 and TP2xEP2 runs.) Tensors are read from the safetensors files with ``pread`` (no mmap) and
+written one at a time: peak memory is about one tensor.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from .dist_reader import TRACKER_FILE
 from .errors import ConversionError
 from .export import INDEX_FILE, parse_dtype
 from .names import (
-    TensorMap,
     check_shape,
     extra_state_key,
     iter_tensor_maps,
@@ -206,73 +205,6 @@ class HFCheckpointReader:
         return count
 
 
-# ------------------------------------------------------------------------------ layout
-
-
-def _owner(tm: TensorMap, arch: ModelArch, layout: dict, part: int) -> tuple:
-    """(pp stage, ep rank, tp/etp rank) of the rank that saves this chunk."""
-    pp = layout["pp"]
-    stage = 0 if tm.layer is None else min(tm.layer * pp // arch.num_layers, pp - 1)
-    if tm.megatron == "output_layer.weight":
-        stage = pp - 1
-    if tm.megatron == "decoder.final_layernorm.weight":
-        stage = pp - 1
-    ep_rank = 0
-    if tm.expert is not None:
-        ep_rank = tm.expert // (arch.num_experts // layout["ep"])
-    return stage, ep_rank, part
-
-
-def chunk_tensor(tm: TensorMap, arch: ModelArch, layout: dict) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """[(offsets, sizes, tp-rank)] of the canonical tensor ``tm`` as the layout saves it."""
-    sh = tm.sharding
-    if sh.dim is None:
-        return [((0,) * len(tm.shape), tm.shape, 0)]
-    g = layout["etp"] if sh.group == "etp" else layout["tp"]
-    dim, size = sh.dim, tm.shape[sh.dim]
-    halves = 2 if sh.glu else 1
-    part = size // halves
-    if part % g:
-        raise ConversionError(f"tensor {tm.megatron!r}: dimension {dim} of size {size}"
-                              f"{' (two gated halves)' if sh.glu else ''} cannot be split into "
-                              f"{g} {'expert-' if sh.group == 'etp' else ''}tensor-parallel parts")
-    step = part // g
-    out = []
-    for r in range(g):
-        for h in range(halves):
-            off = [0] * len(tm.shape)
-            sizes = list(tm.shape)
-            off[dim] = h * part + r * step
-            sizes[dim] = step
-            out.append((tuple(off), tuple(sizes), r))
-    return out
-
-
-def check_layout(arch: ModelArch, layout: dict) -> None:
-    for k in ("tp", "pp", "ep", "etp"):
-        v = layout[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConversionError(f"--{k}={v!r} must be a positive integer")
-    tp, ep, etp, pp = layout["tp"], layout["ep"], layout["etp"], layout["pp"]
-    if arch.num_query_groups % tp:
-        raise ConversionError(f"--tp={tp}: num_query_groups={arch.num_query_groups} (num_key_value_heads) "
-                              "must be divisible by the tensor-parallel size")
-    if arch.num_attention_heads % tp:
-        raise ConversionError(f"--tp={tp}: num_attention_heads={arch.num_attention_heads} must be divisible by it")
-    if arch.vocab_size % tp:
-        raise ConversionError(f"--tp={tp}: vocab_size={arch.vocab_size} must be divisible by it")
-    if arch.num_experts % ep:
-        raise ConversionError(f"--ep={ep}: num_experts={arch.num_experts} must be divisible by it")
-    if pp > arch.num_layers:
-        raise ConversionError(f"--pp={pp}: more pipeline stages than num_layers={arch.num_layers}")
-    if arch.moe_latent_size % tp:
-        raise ConversionError(f"--tp={tp}: moe_latent_size={arch.moe_latent_size} must be divisible by it "
-                              "(StableLatentMoETransformerConfig)")
-    if arch.moe_ffn_hidden_size % etp:
-        raise ConversionError(f"--etp={etp}: moe_ffn_hidden_size={arch.moe_ffn_hidden_size} "
-                              "(moe_intermediate_size) must be divisible by it")
-
-
 # ------------------------------------------------------------------------------ DCP writing
 
 
@@ -305,24 +237,26 @@ def _bytes_of(obj) -> io.BytesIO:
     return buf
 
 
+def _add_bytes(state_md: dict, items: list, resolvers: dict, key: str, obj) -> None:
+    """Plan a pickled object (a ``ShardedObject`` of Megatron's, or the common state)."""
+    state_md[key] = BytesStorageMetadata()
+    items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(0)))
+    resolvers[(key, ())] = lambda obj=obj: _bytes_of(obj)
+
+
 def import_checkpoint(
     hf_dir: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: Optional[int] = None,
     dtype: str = "auto",
     iteration: Optional[int] = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConversionSummary:
-    """Convert an HF Stable LatentMoE directory into a Megatron ``torch_dist`` save root.
+    """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save root.
 
-    ``etp`` defaults to ``tp`` (Megatron's default expert tensor parallel size). ``dtype``:
-    ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32. ``iteration``: None
-    writes a ``release`` checkpoint.
+    ``dtype``: ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32.
+    ``iteration``: None writes a ``release`` checkpoint.
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -331,94 +265,70 @@ def import_checkpoint(
     out_dtype = parse_dtype(dtype)
     hf = HFCheckpointReader(hf_dir)
     try:
-        return _import(hf, output, timer, out_dtype, dict(tp=tp, pp=pp, ep=ep, etp=tp if etp is None else etp),
-                       iteration, overwrite, progress)
+        return _import(hf, output, timer, out_dtype, iteration, overwrite, progress)
     finally:
         hf.close()
 
 
-def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dict, iteration, overwrite: bool,
+def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, overwrite: bool,
             progress: bool) -> ConversionSummary:
     arch = hf.arch
-    check_layout(arch, layout)
     n_maps = hf.check(arch)
 
-    # ---- plan: write items per owner rank, metadata per key
+    # ---- plan: one write item per tensor (per expert for the stacked experts), metadata per key
     state_md: dict = {}
-    per_rank: dict[tuple, list[WriteItem]] = {}
+    items: list[WriteItem] = []
     resolvers: dict = {}
     total, largest = 0, 0
 
-    def add_tensor(key, lead, key_shape, tm, chunk_off, chunk_size, dt, owner):
-        nonlocal total
-        offsets = torch.Size((*lead, *chunk_off))
-        sizes = torch.Size((1,) * len(lead) + tuple(chunk_size))
+    for tm in iter_tensor_maps(arch):
+        dt = torch.float32 if tm.fp32 else (out_dtype or hf.dtype(tm.hf[0][0]))
+        nbytes = tm.numel() * dt.itemsize
+        largest, total = max(largest, nbytes), total + nbytes
+        key, lead, key_shape = primary_checkpoint_key(tm, arch)
+        offsets = torch.Size((*lead, *(0,) * len(tm.shape)))
+        sizes = torch.Size((1,) * len(lead) + tuple(tm.shape))
         props = TensorProperties(dtype=dt)
-        md = state_md.get(key)
-        if md is None:
-            md = state_md[key] = TensorStorageMetadata(props, torch.Size(key_shape), [])
+        md = state_md.setdefault(key, TensorStorageMetadata(props, torch.Size(key_shape), []))
         md.chunks.append(ChunkStorageMetadata(offsets, sizes))
-        item = WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), props, torch.Size(key_shape)))
-        per_rank.setdefault(owner, []).append(item)
+        items.append(WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
+            ChunkStorageMetadata(offsets, sizes), props, torch.Size(key_shape))))
 
-        def resolve(tm=tm, chunk_off=chunk_off, chunk_size=chunk_size, dt=dt, sizes=sizes):
-            r0, r1 = chunk_off[0], chunk_off[0] + chunk_size[0]
-            cols = slice(chunk_off[1], chunk_off[1] + chunk_size[1]) if len(chunk_size) > 1 else slice(None)
-            t = tm.megatron_rows(hf.get, r0, r1, cols).to(dt).reshape(sizes).contiguous()
+        def resolve(tm=tm, dt=dt, sizes=sizes):
+            t = tm.megatron_rows(hf.get, 0, tm.shape[0]).to(dt).reshape(sizes).contiguous()
             bar.update(t.numel() * t.element_size())
             return t
 
         resolvers[(key, tuple(offsets))] = resolve
-        total += int(torch.Size(chunk_size).numel()) * dt.itemsize
-
-    def add_bytes(key, obj, owner=(0, 0, 0)):
-        state_md[key] = BytesStorageMetadata()
-        per_rank.setdefault(owner, []).append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
-                                                        bytes_io_data=BytesIOWriteData(0)))
-        resolvers[(key, ())] = lambda obj=obj: _bytes_of(obj)
-
-    for tm in iter_tensor_maps(arch):
-        dt = torch.float32 if tm.fp32 else (out_dtype or hf.dtype(tm.hf[0][0]))
-        largest = max(largest, tm.numel() * dt.itemsize)
-        key, lead, key_shape = primary_checkpoint_key(tm, arch)
-        for off, size, part in chunk_tensor(tm, arch, layout):
-            add_tensor(key, lead, key_shape, tm, off, size, dt, _owner(tm, arch, layout, part))
         es = extra_state_key(tm, arch)
         if es is not None and es not in state_md:
-            add_bytes(es, None, _owner(tm, arch, layout, 0))
+            _add_bytes(state_md, items, resolvers, es, None)
 
     common = {
-        "args": arch.megatron_args_namespace(**layout),
+        "args": arch.megatron_args_namespace(),
         "checkpoint_version": 3.0,
         "iteration": 0 if iteration is None else iteration,
         "num_floating_point_operations_so_far": 0,
         "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
         ARCH_STATE_KEY: arch.to_dict(),
     }
-    add_bytes(COMMON_STATE_KEY, common)
+    _add_bytes(state_md, items, resolvers, COMMON_STATE_KEY, common)
 
     summary = ConversionSummary("import", str(hf.dir), str(output), config_source=f"{hf.dir}/config.json",
                                 largest_tensor_bytes=largest)
-    owners = sorted(per_rank)
     sub = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(output, overwrite) as tmp:
         ckpt = tmp / sub
         writer = FileSystemWriter(str(ckpt), single_file_per_rank=True, thread_count=1, sync_files=False)
         writer.set_up_storage_writer(True)
-        plans = [writer.prepare_local_plan(SavePlan(per_rank[o])) for o in owners]
-        plans = writer.prepare_global_plan(plans)
+        (plan,) = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])
         planner = _StreamingSavePlanner(resolvers)
         bar = Progress(total, "import", enabled=progress)
         stream = Timer()
         try:
-            results = []
-            for plan in plans:
-                fut = writer.write_data(planner.finish_plan(plan), planner)
-                fut.wait()
-                results.append(fut.value())
-            metadata = Metadata(state_dict_metadata=state_md)
-            writer.finish(metadata, results)
+            fut = writer.write_data(planner.finish_plan(plan), planner)
+            fut.wait()
+            writer.finish(Metadata(state_dict_metadata=state_md), [fut.value()])
         finally:
             bar.close()
         stream_s = stream.elapsed()
@@ -432,12 +342,10 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, layout: dic
     summary.seconds = timer.elapsed()
     summary.peak_rss_bytes = peak_rss_bytes()
     summary.max_rss_growth_bytes = bar.max_growth
-    summary.extra.update(layout=layout, checkpoint_dir=f"{output}/{sub}", megatron_tensors=n_maps,
-                         chunks=sum(len(md.chunks) for md in state_md.values()
-                                    if isinstance(md, TensorStorageMetadata)),
-                         rank_files=len(owners), stream_seconds=round(stream_s, 3),
+    summary.extra.update(checkpoint_dir=f"{output}/{sub}", megatron_tensors=n_maps,
+                         stream_seconds=round(stream_s, 3),
                          stream_mb_per_s=round(summary.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
     return summary
 
 
-__all__ = ["import_checkpoint", "HFCheckpointReader", "chunk_tensor", "check_layout"]
+__all__ = ["import_checkpoint", "HFCheckpointReader"]

@@ -39,7 +39,7 @@ tests and all converter directions use it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -73,19 +73,6 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Sharding:
-    """How Megatron shards a tensor (used to write imported checkpoints the way a run with a given
-    layout would save them). ``dim``: the tensor-parallel axis (None = replicated); ``group``:
-    ``"tp"`` or ``"etp"`` (expert tensor parallel); ``glu``: split each [gate; up] half
-    separately (Megatron's swiglu sharded factory)."""
-
-    dim: Optional[int] = None
-    group: str = "tp"
-    glu: bool = False
-    expert: bool = False
-
-
-@dataclass(frozen=True)
 class TensorMap:
     """One canonical Megatron tensor and the HF tensor(s) it is made of."""
 
@@ -97,7 +84,6 @@ class TensorMap:
     fp32: bool = False  # always stored in fp32 (the QB / expert bias)
     layer: Optional[int] = None
     expert: Optional[int] = None
-    sharding: Sharding = field(default_factory=Sharding)
     extra_state: bool = False  # the Megatron module has an ``_extra_state`` (ShardedObject)
     checkpoint_name: Optional[str] = None  # saved under this name, not ``megatron`` (fused norms)
 
@@ -191,14 +177,6 @@ def _qkv(mg: str, prefix: str, arch: ModelArch, **kw) -> TensorMap:
     return TensorMap(mg, (row, d), shapes, tuple(segs), "qkv", **kw)
 
 
-COL = Sharding(dim=0)
-ROW = Sharding(dim=1)
-GLU_COL = Sharding(dim=0, glu=True)
-EXPERT_GLU_COL = Sharding(dim=0, group="etp", glu=True, expert=True)
-EXPERT_ROW = Sharding(dim=1, group="etp", expert=True)
-REPLICATED = Sharding()
-
-
 def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     """The TensorMaps of decoder layer ``i`` (global index), in module order."""
     d, hd = arch.hidden_size, arch.kv_channels
@@ -207,17 +185,17 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     moe_layer = arch.is_moe_layer(i)
     yield _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight", (d,),
                 checkpoint_name=mg + "self_attention.linear_qkv.layer_norm_weight", **lk)
-    yield _qkv(mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch, sharding=COL,
+    yield _qkv(mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch,
                extra_state=True, **lk)
     yield _copy(mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight",
-                (d, arch.num_attention_heads * hd), sharding=ROW, extra_state=True, **lk)
+                (d, arch.num_attention_heads * hd), extra_state=True, **lk)
     yield _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", (d,),
                 checkpoint_name=None if moe_layer else mg + "mlp.linear_fc1.layer_norm_weight", **lk)
     if not moe_layer:
         f = arch.ffn_hidden_size
         yield _glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
-                   f, d, sharding=GLU_COL, extra_state=True, **lk)
-        yield _copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (d, f), sharding=ROW,
+                   f, d, extra_state=True, **lk)
+        yield _copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (d, f),
                     extra_state=True, **lk)
         return
     n, lat, m = arch.num_experts, arch.moe_latent_size, arch.moe_ffn_hidden_size
@@ -227,15 +205,15 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     for j in range(n):
         e = f"{mg}mlp.experts.local_experts.{j}."
         yield _glu(e + "linear_fc1.weight", f"{moe}experts.{j}.w1.weight", f"{moe}experts.{j}.w3.weight",
-                   m, lat, sharding=EXPERT_GLU_COL, expert=j, extra_state=True, **lk)
+                   m, lat, expert=j, extra_state=True, **lk)
         yield _copy(e + "linear_fc2.weight", f"{moe}experts.{j}.w2.weight", (lat, m),
-                    sharding=EXPERT_ROW, expert=j, extra_state=True, **lk)
+                    expert=j, extra_state=True, **lk)
     if arch.moe_shared_expert_intermediate_size:
         s = arch.moe_shared_expert_intermediate_size
         yield _glu(mg + "mlp.shared_experts.linear_fc1.weight", moe + "shared_experts.gate_proj.weight",
-                   moe + "shared_experts.up_proj.weight", s, d, sharding=GLU_COL, extra_state=True, **lk)
+                   moe + "shared_experts.up_proj.weight", s, d, extra_state=True, **lk)
         yield _copy(mg + "mlp.shared_experts.linear_fc2.weight", moe + "shared_experts.down_proj.weight",
-                    (d, s), sharding=ROW, extra_state=True, **lk)
+                    (d, s), extra_state=True, **lk)
     yield _copy(mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d), **lk)
     if arch.latent_moe_use_norm:
         yield _copy(f"{mg}mlp.{NORM_NAME}.weight", moe + "routed_expert_norm.weight", (lat,), **lk)
@@ -246,13 +224,13 @@ def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
     """Every canonical Megatron tensor of the model, in model order (a generator: a full-scale
     model has ~10^5 routed-expert tensors)."""
     d, v = arch.hidden_size, arch.vocab_size
-    yield _copy("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, d), sharding=COL)
+    yield _copy("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, d))
     for i in range(arch.num_layers):
         yield from iter_layer_maps(arch, i)
     yield _copy("decoder.final_layernorm.weight", "model.norm.weight", (d,))
     if not arch.tie_embeddings:
         # (GPTModel drops the output layer's _extra_state from its sharded state dict)
-        yield _copy("output_layer.weight", "lm_head.weight", (v, d), sharding=COL)
+        yield _copy("output_layer.weight", "lm_head.weight", (v, d))
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -350,8 +328,7 @@ def hf_dtype_for(tm: TensorMap, dtype: torch.dtype) -> torch.dtype:
 
 
 __all__ = [
-    "COL", "EXPERT_GLU_COL", "EXPERT_ROW", "GLU_COL", "Location", "MODEL_KEY_PREFIXES",
-    "REPLICATED", "ROW", "Segment", "Sharding", "TensorMap",
+    "Location", "MODEL_KEY_PREFIXES", "Segment", "TensorMap",
     "check_shape", "checkpoint_locations", "extra_state_key",
     "hf_dtype_for", "hf_tensor_names", "is_model_key", "iter_layer_maps", "iter_tensor_maps",
     "primary_checkpoint_key",

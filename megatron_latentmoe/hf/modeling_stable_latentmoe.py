@@ -22,6 +22,13 @@ numerically faithful to Megatron-Core's ``GPTModel`` built with the project's sp
 
   with E_j(z) = w2(act(w1 z, w3 z)) and act = SiTU-GLU (SPEC §2) or SwiGLU.
 
+transformers conventions: attention weights (``output_attentions``, also through ``generate``;
+SDPA falls back to the eager kernel for such forwards), ``set_attn_implementation`` at run time,
+gradient checkpointing (``gradient_checkpointing_enable``), padding-free packed batches
+(``position_ids`` restarting per document or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
+makes them), custom 4D masks, static cache and ``torch.compile`` (not fullgraph); see the flags
+on ``StableLatentMoEPreTrainedModel``.
+
 Getting the routing out of a block: ``block(x, return_routing=True)`` returns ``(y, MoERouting)``;
 or set ``block.record_routing = True`` (``StableLatentMoEModel.set_record_routing(True)`` for all
 layers) and read ``block.last_routing`` after a forward.
@@ -39,9 +46,14 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 from .configuration_stable_latentmoe import StableLatentMoEConfig
+
+logger = logging.get_logger(__name__)
 
 ROUTER_PROB_EPS = 1e-20
 """Guard in the renormalisation denominator (Megatron-Core ``topk_routing_with_score_function``)."""
@@ -178,15 +190,40 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
 
 
+def packed_document_ids(
+    seq_len: int,
+    position_ids: Optional[torch.Tensor] = None,
+    cu_seq_lens: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """[B, seq_len] index of the document of each token in a padding-free (packed) batch.
+
+    ``cu_seq_lens`` (cumulative document lengths ``[0, n_0, n_0 + n_1, ..., seq_len]`` of a batch
+    of one row, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them as
+    ``cu_seq_lens_q``) wins; otherwise a document starts wherever ``position_ids`` [B, S] does not
+    go up by exactly 1 (they restart per document, as ``DataCollatorWithFlattening`` writes them).
+    All zeros for an ordinary sequence; None without either. Tensor ops only (no host sync).
+    """
+    if cu_seq_lens is not None:
+        ends = cu_seq_lens.reshape(-1)[1:]
+        tokens = torch.arange(seq_len, device=ends.device, dtype=ends.dtype)
+        return torch.searchsorted(ends, tokens, right=True)[None]
+    if position_ids is None:
+        return None
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
 def build_attention_mask(
     query_positions: torch.Tensor,
     kv_length: int,
     padding_mask: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Boolean mask [B or 1, 1, S, kv_length], True = may attend.
 
     ``query_positions`` [S]: cache positions of the queries (past length + arange(S)); key j is
-    visible to query i iff j <= query_positions[i] and ``padding_mask[b, j]`` (2D, 1 = real token).
+    visible to query i iff j <= query_positions[i] and ``padding_mask[b, j]`` (2D, 1 = real token)
+    and, for a packed batch without past tokens, ``document_ids[b, j] == document_ids[b, i]``.
     Rows with nothing visible (queries at padding positions) are opened completely so that the
     softmax stays finite; their outputs are never read by real tokens.
     """
@@ -197,6 +234,11 @@ def build_attention_mask(
         if pm.shape[-1] < kv_length:  # e.g. a preallocated cache: the tail is already causally masked
             pm = F.pad(pm, (0, kv_length - pm.shape[-1]), value=True)
         allowed = allowed & pm[:, None, None, :kv_length]
+    if document_ids is not None:
+        doc_k = document_ids
+        if doc_k.shape[-1] < kv_length:  # a preallocated cache's tail: causally masked anyway
+            doc_k = F.pad(doc_k, (0, kv_length - doc_k.shape[-1]), value=-1)
+        allowed = allowed & (document_ids[:, None, :, None] == doc_k[:, None, None, :kv_length])
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
@@ -333,13 +375,16 @@ class StableLatentMoEBlock(nn.Module):
         self.record_routing = False
         self.last_routing: Optional[MoERouting] = None
 
+    @torch.compiler.disable
     def moe_infer(self, z: torch.Tensor, topk_indices: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
         """``u_t = sum_i p_{t,i} * E_{idx_{t,i}}(z_t)`` for latent tokens z [T, l].
 
         Tokens are grouped by expert with one stable sort; each expert runs once on its token
         group (a loop over experts, never over tokens) and the weighted outputs are scattered
         back with ``index_add_``. The sum is accumulated in fp32 (fp64 for fp64) and cast to
-        ``z.dtype``.
+        ``z.dtype``. The group sizes come to the host (one sync per MoE layer), so under
+        ``torch.compile`` this method runs eagerly (one graph break) instead of being traced
+        and recompiled for every new routing.
         """
         num_tokens, k = topk_indices.shape
         acc_dtype = compute_dtype(z.dtype)
@@ -379,8 +424,39 @@ class StableLatentMoEBlock(nn.Module):
         return (y, routing) if return_routing else y
 
 
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit softmax attention for q [B, H, S, D], k / v [B, KV, L, D] and a boolean mask
+    [B or 1, 1, S, >= L] (True = attend). Softmax in fp32 (fp64 for fp64).
+
+    Returns (output [B, S, H, D], attention weights [B, H, S, L] in ``query.dtype``), the
+    signature of transformers' attention interface."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], float("-inf"))
+    probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
 class StableLatentMoEAttention(nn.Module):
-    """Causal GQA self-attention with RoPE (Megatron ``SelfAttention`` math), no biases."""
+    """Causal GQA self-attention with RoPE (Megatron ``SelfAttention`` math), no biases.
+
+    The kernel comes from transformers' attention interface for ``config._attn_implementation``
+    ("sdpa" or "eager", switchable at run time with ``model.set_attn_implementation``). SDPA
+    computes no weights: a forward with ``output_attentions=True`` runs this module on the eager
+    path instead (warning once), so attention weights are always returned when asked for.
+    """
 
     def __init__(self, config: StableLatentMoEConfig, layer_idx: int):
         super().__init__()
@@ -405,7 +481,8 @@ class StableLatentMoEAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         cache: Optional[Cache] = None,
         mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         bsz, q_len, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
@@ -416,27 +493,34 @@ class StableLatentMoEAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)
         if attention_mask is not None and attention_mask.shape[-1] != k.shape[-2] and mask_builder is not None:
             attention_mask = mask_builder(k.shape[-2])
-        k = repeat_kv(k, self.num_key_value_groups)
-        v = repeat_kv(v, self.num_key_value_groups)
-        dropout = self.attention_dropout if self.training else 0.0
-        if getattr(self.config, "_attn_implementation", None) == "eager":
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
-            if attention_mask is not None:
-                scores = scores.masked_fill(~attention_mask, float("-inf"))
-            probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
-            probs = F.dropout(probs, p=dropout, training=self.training)
-            out = torch.matmul(probs, v)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=self.scaling
+        implementation = self.config._attn_implementation
+        if output_attentions and implementation != "eager":
+            logger.warning_once(
+                f"StableLatentMoE: attn_implementation={implementation!r} returns no attention "
+                "weights; forwards with output_attentions=True run the eager path instead. Call "
+                "model.set_attn_implementation('eager') to make that the default."
             )
-        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+            implementation = "eager"
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+        )
+        out = self.o_proj(out.reshape(bsz, q_len, self.num_heads * self.head_dim))
+        return out, (weights if output_attentions else None)
 
 
-class StableLatentMoEDecoderLayer(nn.Module):
+class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm layer: x + attn(norm(x)), then h + ffn(norm(h)); ffn = ``mlp`` (dense) or
-    ``block_sparse_moe`` (layer_idx >= first_k_dense_replace)."""
+    ``block_sparse_moe`` (layer_idx >= first_k_dense_replace). Returns (hidden states, attention
+    weights or None). Recomputed in the backward under ``gradient_checkpointing_enable()``."""
 
     def __init__(self, config: StableLatentMoEConfig, layer_idx: int):
         super().__init__()
@@ -457,20 +541,22 @@ class StableLatentMoEDecoderLayer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         cache: Optional[Cache] = None,
         mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         residual = hidden_states
-        h = self.self_attn(
+        h, weights = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
             mask_builder=mask_builder,
+            output_attentions=output_attentions,
         )
         hidden_states = residual + h
         residual = hidden_states
         h = self.post_attention_layernorm(hidden_states)
         h = self.block_sparse_moe(h) if self.is_moe else self.mlp(h)
-        return residual + h
+        return residual + h, weights
 
 
 # ================================================================================ HF model classes
@@ -492,13 +578,31 @@ def _cache_of(output) -> Optional[Cache]:
 
 
 class StableLatentMoEPreTrainedModel(PreTrainedModel):
+    """Capability flags, each backed by a test in ``tests/hf/test_transformers_conventions.py``:
+
+    * gradient checkpointing: yes (decoder layers are ``GradientCheckpointingLayer``s; the QB
+      bias is a buffer, never trained); eager and SDPA attention, switchable at run time;
+    * no FlashAttention / FlexAttention: the masks are boolean tensors built here (causal, padding,
+      packed documents, custom 4D), never the 2D masks or BlockMasks those kernels take;
+    * ``_can_compile_fullgraph = False``: the expert loop of ``StableLatentMoEBlock.moe_infer``
+      sizes its token groups on the host (one sync per MoE layer) and runs eagerly under
+      ``torch.compile`` (a graph break, no recompilation per routing); compiling without
+      fullgraph works;
+    * context parallelism: not declared (never exercised here);
+    * static cache and custom 4D masks (boolean, or additive float) have no flag in transformers
+      5.x; they are tested like the rest.
+    """
+
     config_class = StableLatentMoEConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["StableLatentMoEDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _supports_attention_backend = False
+    _supports_context_parallel = False
     # The selection bias stays fp32 when the model is loaded in bf16/fp16 (SPEC §6: fp32 QB bias).
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
 
@@ -529,6 +633,7 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             [StableLatentMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -561,11 +666,16 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
         cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         past_key_values: Optional[Cache] = None,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
         **kwargs,
     ):
+        """Padding-free packed batches: without ``attention_mask`` and without past tokens, the
+        documents are told apart by ``cu_seq_lens_q`` or by ``position_ids`` restarting (see
+        ``packed_document_ids``); each token then attends only within its own document."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("StableLatentMoEModel: pass exactly one of input_ids or inputs_embeds")
         if cache is None:
@@ -576,10 +686,19 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
                 f"got {type(cache).__name__}"
             )
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        output_attentions = (
+            self.config.output_attentions if output_attentions is None else output_attentions
+        )
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
+            logger.warning_once(
+                "StableLatentMoE: use_cache=True is incompatible with gradient checkpointing; "
+                "setting use_cache=False."
+            )
+            use_cache, cache = False, None
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -592,10 +711,16 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
                 cache = DynamicCache()
         past_len = cache.get_seq_length() if cache is not None else 0
         query_positions = torch.arange(past_len, past_len + q_len, device=device)
+        positions_given = position_ids is not None
         if position_ids is None:
             position_ids = query_positions[None].expand(bsz, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(bsz, -1)
+        document_ids = None
+        if attention_mask is None and past_len == 0:
+            document_ids = packed_document_ids(
+                q_len, position_ids if positions_given else None, cu_seq_lens_q
+            )
 
         mask_builder = None
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -607,7 +732,12 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             padding_mask = attention_mask
             if padding_mask is not None and bool(padding_mask.all()):
                 padding_mask = None
-            mask_builder = partial(build_attention_mask, query_positions, padding_mask=padding_mask)
+            mask_builder = partial(
+                build_attention_mask,
+                query_positions,
+                padding_mask=padding_mask,
+                document_ids=document_ids,
+            )
             mask = mask_builder(past_len + q_len)
 
         position_embeddings = rope_cos_sin(
@@ -615,16 +745,20 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
         )
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states = layer(
+            hidden_states, weights = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=mask,
                 cache=cache,
                 mask_builder=mask_builder,
+                output_attentions=output_attentions,
             )
+            if output_attentions:
+                all_attentions += (weights,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -634,6 +768,7 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             cache if use_cache else None,
             last_hidden_state=hidden_states,
             hidden_states=all_hidden_states,
+            attentions=all_attentions,
         )
         return out if return_dict else out.to_tuple()
 
@@ -671,6 +806,7 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: int | torch.Tensor = 0,
@@ -685,8 +821,10 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
         )
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, int):
@@ -706,6 +844,7 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
         return out if return_dict else out.to_tuple()
 
@@ -725,8 +864,10 @@ __all__ = [
     "apply_rotary_pos_emb",
     "build_attention_mask",
     "compute_dtype",
+    "eager_attention_forward",
     "get_glu_activation",
     "noaux_tc_routing",
+    "packed_document_ids",
     "repeat_kv",
     "rms_norm",
     "rope_cos_sin",

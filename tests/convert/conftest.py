@@ -2,8 +2,8 @@
 
 1. 1 rank: the reference model (random, non-trivial weights) saved single-rank (fp32 and bf16);
    the homogeneous variant end to end (save -> export -> import -> strict Megatron load).
-2. parent: export the single-rank checkpoint to HF; import that HF dir back at several layouts.
-3. 2 ranks: the same weights saved under TP2+SP, EP2 and PP2; the imported checkpoints loaded
+2. parent: export the single-rank checkpoint to HF; import that HF dir back (layout-free).
+3. 2 ranks: the same weights saved under TP2+SP, EP2 and PP2; the imported checkpoint loaded
    into those layouts with Megatron's loader.
 4. 4 ranks: the same under TP2 x EP2 (ETP1).
 5. parent: every layout's checkpoint exported to HF.
@@ -26,11 +26,6 @@ LAYOUTS_2 = {
     "pp2": dict(tp=1, pp=2, ep=1, etp=1),
 }
 LAYOUTS_4 = {"tp2ep2": dict(tp=2, pp=1, ep=2, etp=1)}
-IMPORT_LAYOUTS = {  # HF -> Megatron at these layouts (then loaded into the layouts above)
-    "rt": dict(tp=1, pp=1, ep=1),
-    "imp_tp2ep2": dict(tp=2, pp=1, ep=2, etp=1),
-    "imp_pp2ep2": dict(tp=1, pp=2, ep=2),
-}
 MAX_SHARD = "300KB"  # several safetensors shards even for the tiny model
 
 
@@ -60,11 +55,10 @@ def workspace(tmp_path_factory) -> Workspace:
                                      timeout=600)[0]
     ws.results["export_main"] = _timed(ws, "export", export_checkpoint, ws.path("ck_single"), ws.path("hf_main"),
                                        max_shard_size=MAX_SHARD, progress=False)
-    for name, lay in IMPORT_LAYOUTS.items():
-        ws.results[f"import_{name}"] = import_checkpoint(ws.path("hf_main"), ws.path(f"mg_{name}"),
-                                                         progress=False, **lay)
-    # imports write exactly the keys Megatron asks for: load them with its strictest check
-    imported = [(ws.path(f"mg_{name}", "release"), "raise_all") for name in IMPORT_LAYOUTS]
+    # HF -> Megatron once, layout-free; loaded below into every layout above
+    ws.results["import_rt"] = import_checkpoint(ws.path("hf_main"), ws.path("mg_rt"), progress=False)
+    # the import writes exactly the keys Megatron asks for: load it with its strictest check
+    imported = [(ws.path("mg_rt", "release"), "raise_all")]
     for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
         ws.results[f"load_{world}"] = _timed(ws, f"{world} ranks", run_distributed, _workers.save_and_load,
                                              world, layouts, imported, ws.root, timeout=600)

@@ -145,9 +145,6 @@ def test_import_bad_hf_input(workspace, tmp_path):
 
     hf = _hf_copy(workspace, tmp_path)
     out = tmp_path / "mg"
-    _import_fails(hf, out, r"--ep=3: num_experts=8 must be divisible", ep=3)
-    _import_fails(hf, out, r"--tp=4: num_query_groups=2", tp=4)
-    _import_fails(hf, out, r"--etp=5: moe_ffn_hidden_size=32 \(moe_intermediate_size\)", etp=5)
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
     _import_fails(hf, out, r"experts.0.w1.weight' has shape \(32, 32\) but the model config implies \(16, 32\)")

@@ -3,7 +3,7 @@
 * the same global weights saved single-rank, TP2+SP, EP2, PP2 and TP2xEP2 export to
   bit-identical HF tensors;
 * Megatron -> HF -> Megatron: every checkpoint tensor bit-identical (fp32), and the imported
-  checkpoints (written for TP1, TP2xEP2, PP2xEP2) load with Megatron's own loader into every
+  checkpoint (layout-free: whole tensors, one file) loads with Megatron's own loader into every
   layout above with exactly the original weights, under strictness ``raise_all`` (no missing
   and no unexpected keys);
 * the norms are checkpointed under the Transformer Engine spec's names, so TE and local
@@ -28,11 +28,12 @@ import torch
 from safetensors import safe_open
 
 from megatron_latentmoe.convert import ModelArch
+from megatron_latentmoe.convert.arch import ARCH_STATE_KEY
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import iter_tensor_maps
 
 from . import _workers
-from .conftest import IMPORT_LAYOUTS, LAYOUTS_2, LAYOUTS_4, MAX_SHARD
+from .conftest import LAYOUTS_2, LAYOUTS_4, MAX_SHARD
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,27 +108,29 @@ def test_imported_checkpoints_load_into_every_layout(workspace, world):
     results = workspace.results[f"load_{world}"]
     for rank, per_layout in enumerate(results):
         for layout, per_ckpt in per_layout.items():
-            assert set(per_ckpt) == {f"mg_{n}" for n in IMPORT_LAYOUTS}
+            assert set(per_ckpt) == {"mg_rt"}
             for ckpt, bad in per_ckpt.items():
                 assert not bad, f"rank {rank}, layout {layout}, {ckpt}: {bad[:5]} differ"
 
 
-def test_import_writes_the_requested_layout(workspace):
-    s = workspace.results["import_imp_tp2ep2"]
-    # owners: the two TP ranks (dense tensors; experts of EP rank 0 with ETP1 sit with TP rank 0)
-    # and EP rank 1 (its 4 experts)
-    assert s.extra["rank_files"] == 3 and s.extra["layout"] == dict(tp=2, pp=1, ep=2, etp=1)
-    r = DistCheckpointReader(workspace.path("mg_imp_tp2ep2"))
-    qkv = r.tensors["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert len(qkv.chunks) == 2  # TP2 row halves, per query group
-    fc1 = r.tensors["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
-    assert len(fc1.chunks) == 4  # gate / up halves, each split over TP2 (Megatron's swiglu layout)
-    experts = r.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"]
-    assert len(experts.chunks) == 8 * 2  # per expert, per gated half (ETP1)
+def test_import_is_layout_free(workspace):
+    """Whole tensors (each routed expert its own chunk of the stacked key), one rank file, and
+    args saying TP = PP = EP = ETP = 1: what a one-rank run saves, resharded by Megatron on load."""
+    s = workspace.results["import_rt"]
+    assert s.files == 3  # .metadata, __0_0.distcp, metadata.json
+    r = DistCheckpointReader(workspace.path("mg_rt"))
+    n = r.common_state()[ARCH_STATE_KEY]["num_experts"]
+    for key, md in r.tensors.items():
+        stacked = ".mlp.experts.experts." in key
+        assert len(md.chunks) == (n if stacked else 1), key
+        covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
+        assert covered == torch.Size(md.size).numel(), key  # the chunks tile the key
+        if stacked:
+            assert sorted(c.offsets[0] for c in md.chunks) == list(range(n)), key
     args = r.common_state()["args"]
-    assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (2, 2)
-    assert (workspace.path("mg_imp_tp2ep2", "latest_checkpointed_iteration.txt"))
-    with open(workspace.path("mg_imp_tp2ep2", "latest_checkpointed_iteration.txt")) as f:
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (1, 1, 1, 1)
+    with open(workspace.path("mg_rt", "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "release"
 
 

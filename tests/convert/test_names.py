@@ -15,7 +15,6 @@ import torch
 from megatron_latentmoe.convert import ConversionError, ModelArch
 from megatron_latentmoe.convert.arch import arch_from_config_file
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
-from megatron_latentmoe.convert.importer import chunk_tensor
 from megatron_latentmoe.convert.names import (
     extra_state_key,
     hf_tensor_names,
@@ -89,21 +88,6 @@ def test_hf_names_follow_spec_section_6():
         assert n in names, n
     assert not any("block_sparse_moe" in n for n in names if n.startswith("model.layers.0."))
     assert "lm_head.weight" not in set(hf_tensor_names(small_arch(tie_embeddings=True)))
-
-
-def test_chunks_tile_each_tensor_exactly():
-    a = small_arch()
-    layout = dict(tp=3, pp=2, ep=4, etp=1)  # 3 query groups, vocab 96, 8 experts
-    for tm in iter_tensor_maps(a):
-        if "shared_experts" in tm.megatron:
-            continue  # shared width 64 is not divisible by 3 (checked below with another case)
-        cover = torch.zeros(tm.shape, dtype=torch.int32)
-        for off, size, _ in chunk_tensor(tm, a, layout):
-            cover[tuple(slice(o, o + s) for o, s in zip(off, size))] += 1
-        assert bool((cover == 1).all()), tm.megatron
-    tm = next(t for t in iter_tensor_maps(a) if t.megatron.endswith("0.mlp.linear_fc1.weight"))
-    with pytest.raises(ConversionError, match=r"linear_fc1.weight.*cannot be split into 5"):
-        chunk_tensor(tm, a, dict(tp=5, pp=1, ep=1, etp=5))
 
 
 @pytest.mark.slow

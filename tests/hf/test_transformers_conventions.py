@@ -1,0 +1,497 @@
+"""The exported model behaves like a first-class transformers model (issue #13).
+
+Modelled on what transformers checks for its own MoE decoders (ModelTesterMixin /
+GenerationTesterMixin / CausalLMModelTest): attention outputs, generate dict outputs for every
+decoding strategy, gradient checkpointing, padding-free batches, run-time attention switching,
+custom 4D masks, static cache and compile. Every check compares numbers against an independent
+computation (naive softmax attention, the unpacked run, the run without checkpointing, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DataCollatorWithFlattening  # noqa: E402
+from transformers.cache_utils import StaticCache  # noqa: E402
+
+from megatron_latentmoe.hf import StableLatentMoEForCausalLM, copy_remote_code  # noqa: E402
+from megatron_latentmoe.hf import modeling_stable_latentmoe as modeling  # noqa: E402
+from tests.unit.test_hf_modeling import randomize_, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_model(
+    impl: str = "sdpa", dtype=torch.float64, seed: int = 0, **overrides
+) -> StableLatentMoEForCausalLM:
+    """Tiny model with large random weights and a non-zero QB bias (the bias changes routing)."""
+    cfg = tiny_config(**overrides)
+    cfg._attn_implementation = impl
+    torch.manual_seed(seed)
+    model = StableLatentMoEForCausalLM(cfg).to(dtype).eval()
+    randomize_(model, std=0.3, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for block in model.model.moe_blocks().values():
+        block.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
+    return model
+
+
+def naive_attention_probs(model, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """[B, H, S, S] causal softmax attention of one layer, from its input hidden states (fp64)."""
+    cfg = model.config
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    p = f"model.layers.{layer_idx}."
+    bsz, seq, _ = hidden.shape
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = hidden.double()
+    h = (
+        x
+        / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        * sd[p + "input_layernorm.weight"]
+    )
+    q = (h @ sd[p + "self_attn.q_proj.weight"].T).view(bsz, seq, heads, hd)
+    k = (h @ sd[p + "self_attn.k_proj.weight"].T).view(bsz, seq, kv, hd)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+
+    def rope(t):
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2 :]
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
+
+    q, k = rope(q), rope(k)
+    k = k.repeat_interleave(heads // kv, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    future = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+# ============================================================================ attention outputs
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_output_attentions_are_the_softmax_weights(impl, caplog):
+    model = make_model(impl)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 7))
+    logging.Logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
+        plain = model(ids, use_cache=False)
+        tup = model(
+            ids,
+            output_attentions=True,
+            output_hidden_states=True,
+            use_cache=False,
+            return_dict=False,
+        )
+        base = model.model(ids, output_attentions=True, use_cache=False)
+    fallback = [r for r in caplog.records if "returns no attention weights" in r.getMessage()]
+    assert len(fallback) == (1 if impl == "sdpa" else 0)  # SDPA: one clear warning, then eager
+    assert plain.attentions is None
+    assert len(out.attentions) == cfg.num_hidden_layers
+    for i, weights in enumerate(out.attentions):
+        assert (
+            weights.shape == (2, cfg.num_attention_heads, 7, 7) and weights.dtype == torch.float64
+        )
+        torch.testing.assert_close(
+            weights, naive_attention_probs(model, out.hidden_states[i], i), rtol=1e-10, atol=1e-12
+        )
+    torch.testing.assert_close(out.logits, plain.logits, rtol=1e-10, atol=1e-10)
+    # the tuple form carries them too, after the logits and the hidden states
+    assert torch.equal(tup[0], out.logits) and all(
+        torch.equal(a, b) for a, b in zip(tup[-1], out.attentions)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(base.attentions, out.attentions))
+
+
+def test_output_attentions_with_cache_padding_and_config_default():
+    model = make_model("eager")
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    with torch.no_grad():
+        first = model(ids, attention_mask=mask, use_cache=True, output_attentions=True)
+        cache = modeling._cache_of(first)
+        step = model(
+            ids[:, :1],
+            attention_mask=torch.cat([mask, mask[:, :1]], 1),
+            cache=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
+    for weights in step.attentions:
+        assert weights.shape == (2, cfg.num_attention_heads, 1, 7)
+        assert torch.equal(
+            weights[0, :, :, :2], torch.zeros_like(weights[0, :, :, :2])
+        )  # pads get nothing
+        torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+    for weights in first.attentions:  # real queries never look at the padding
+        assert torch.equal(weights[0, :, 2:, :2], torch.zeros_like(weights[0, :, 2:, :2]))
+    model.config.output_attentions = True
+    with torch.no_grad():
+        assert len(model(ids, use_cache=False).attentions) == cfg.num_hidden_layers
+
+
+# ============================================================================ generate outputs
+GEN = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+STRATEGIES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=0, temperature=1.0),
+    "beam": dict(do_sample=False, num_beams=3),
+    "greedy_static_cache": dict(do_sample=False, cache_implementation="static"),
+    "greedy_no_cache": dict(do_sample=False, use_cache=False),
+}
+
+
+def _generate(model, ids, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, **GEN, **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_generate_returns_attentions_and_the_same_tokens(strategy, impl):
+    model = make_model(impl)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 5))
+    kw = STRATEGIES[strategy]
+    plain = _generate(model, ids, **kw)
+    out = _generate(
+        model,
+        ids,
+        return_dict_in_generate=True,
+        output_attentions=True,
+        output_hidden_states=True,
+        output_scores=True,
+        **kw,
+    )
+    assert torch.equal(out.sequences, plain)
+    assert len(out.attentions) == len(out.hidden_states) == GEN["max_new_tokens"]
+    rows = 2 * kw.get("num_beams", 1)
+    for step, per_layer in enumerate(out.attentions):
+        assert len(per_layer) == cfg.num_hidden_layers
+        no_cache = kw.get("use_cache") is False
+        q_len = 5 + step if (step == 0 or no_cache) else 1
+        for weights in per_layer:
+            assert weights.shape[:3] == (rows, cfg.num_attention_heads, q_len)
+            kv = weights.shape[-1]  # the static cache's keys are preallocated
+            assert kv == (5 + step if kw.get("cache_implementation") != "static" else kv)
+            torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+    # the first step's weights are those of a plain forward of the prompt
+    if rows == 2:
+        with torch.no_grad():
+            ref = model(ids, output_attentions=True, use_cache=False).attentions
+        for got, want in zip(out.attentions[0], ref):
+            torch.testing.assert_close(got[..., : want.shape[-1]], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_assisted_decoding_with_attentions(impl):
+    model = make_model(impl)
+    assistant = make_model(impl, seed=3, num_hidden_layers=2)
+    ids = torch.randint(3, model.config.vocab_size, (1, 5))
+    plain = _generate(model, ids, do_sample=False)
+    assisted = _generate(model, ids, do_sample=False, assistant_model=assistant)
+    out = _generate(
+        model,
+        ids,
+        do_sample=False,
+        assistant_model=assistant,
+        return_dict_in_generate=True,
+        output_attentions=True,
+        output_hidden_states=True,
+    )
+    assert torch.equal(assisted, plain) and torch.equal(out.sequences, plain)
+    assert len(out.attentions) == GEN["max_new_tokens"]
+    for step, per_layer in enumerate(out.attentions):
+        for weights in per_layer:
+            assert weights.shape[:3] == (1, model.config.num_attention_heads, 5 if step == 0 else 1)
+            assert weights.shape[-1] == 5 + step
+            torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)))
+
+
+# ============================================================================ run-time attention
+def test_set_attn_implementation_at_run_time(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        sdpa_logits = model(ids).logits
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    logging.Logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        out = model(ids, output_attentions=True)
+    assert not [r for r in caplog.records if "returns no attention weights" in r.getMessage()]
+    assert out.attentions is not None
+    torch.testing.assert_close(out.logits, sdpa_logits, rtol=1e-10, atol=1e-10)
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    for unsupported in ("flash_attention_2", "flex_attention"):
+        with pytest.raises((ValueError, ImportError)):
+            model.set_attn_implementation(unsupported)
+    # the shipped remote code (loaded from the checkpoint folder) switches as well
+    model.save_pretrained(tmp_path)
+    copy_remote_code(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, trust_remote_code=True, dtype=torch.float64
+    )
+    assert (
+        type(loaded) is not StableLatentMoEForCausalLM
+        and loaded.config._attn_implementation == "sdpa"
+    )
+    loaded.set_attn_implementation("eager")
+    assert loaded.config._attn_implementation == "eager"
+    eager = AutoModelForCausalLM.from_pretrained(
+        tmp_path, trust_remote_code=True, attn_implementation="eager"
+    )
+    assert eager.config._attn_implementation == "eager"
+
+
+# ============================================================================ padding-free
+DOC_LENGTHS = (5, 3, 8, 1)
+
+
+def _docs(cfg, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, cfg.vocab_size, (n,), generator=gen) for n in DOC_LENGTHS]
+
+
+def packed_vs_unpacked_max_diff(model, how: str) -> float:
+    """Max |logit difference| between the documents run one by one and packed into one row."""
+    docs = _docs(model.config)
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=(how == "cu_seq_lens"))
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    # everything the collator gives: input_ids, labels, position_ids (+ cu_seq_lens_q/k, ...)
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits[0]
+        flat = model(batch["input_ids"], position_ids=batch["position_ids"][0], use_cache=False)
+        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+    assert torch.equal(flat.logits[0], packed)  # 1D position_ids work the same
+    assert packed.shape == alone.shape
+    return (packed - alone).abs().max().item()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_packed_batch_equals_the_documents_unpacked(impl, how):
+    model = make_model(impl, dtype=torch.float32)
+    diff = packed_vs_unpacked_max_diff(model, how)
+    print(f"packed vs unpacked ({impl}, {how}): max |logit diff| = {diff:.3e}")
+    assert diff <= 1e-5
+    # and the packing matters: without boundaries the later documents see the earlier ones
+    docs = _docs(model.config)
+    with torch.no_grad():
+        leaky = model(torch.cat(docs)[None], use_cache=False).logits[0]
+        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+    assert (leaky[DOC_LENGTHS[0] :] - alone[DOC_LENGTHS[0] :]).abs().max() > 1e-2
+
+
+def test_packed_document_ids_from_both_sources_agree():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    cu = torch.tensor([0, 3, 5, 6, 10], dtype=torch.int32)
+    expected = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, 3]])
+    assert torch.equal(modeling.packed_document_ids(10, pos), expected)
+    assert torch.equal(modeling.packed_document_ids(10, None, cu).long(), expected)
+    assert torch.equal(
+        modeling.packed_document_ids(4, torch.arange(7, 11)[None]),
+        torch.zeros(1, 4, dtype=torch.long),
+    )
+
+
+def test_custom_4d_mask_packs_documents():
+    """A block-diagonal 4D mask (bool or additive) + restarting position_ids == separate runs."""
+    model = make_model("sdpa", dtype=torch.float32)
+    docs = _docs(model.config)
+    total = sum(DOC_LENGTHS)
+    doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(DOC_LENGTHS))
+    allowed = (doc_of[:, None] == doc_of[None, :]) & torch.ones(
+        total, total, dtype=torch.bool
+    ).tril()
+    pos = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+    additive = torch.zeros(1, 1, total, total).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+        for mask in (allowed[None, None], additive):
+            got = model(
+                torch.cat(docs)[None], attention_mask=mask, position_ids=pos, use_cache=False
+            ).logits[0]
+            torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+# ============================================================================ static cache, compile
+def test_static_cache_forward_equals_full_forward():
+    model = make_model("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        first = model(ids[:, :5], cache=cache, use_cache=True).logits
+        rest = [model(ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(5, 9)]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_torch_compile_matches_eager_without_recompiling_per_routing():
+    """torch.compile (not fullgraph) works; the expert loop runs eagerly (one graph break), so new
+    routings of same-shaped inputs reuse the graphs (traced, the loop's host-side group sizes
+    would add graphs for every new routing); fullgraph is honestly refused."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = make_model("sdpa", dtype=torch.float32)
+    compiled = torch.compile(model, backend="eager")
+    graphs = []
+    try:
+        with torch.no_grad():
+            for seed in range(4):
+                gen = torch.Generator().manual_seed(seed)
+                ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=gen)
+                got = compiled(ids, use_cache=False).logits
+                graphs.append(counters["stats"]["unique_graphs"])
+                want = model(ids, use_cache=False).logits
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert graphs[3] == graphs[1], graphs  # calls 3 and 4 (new routings) compiled nothing
+            assert model._can_compile_fullgraph is False
+            torch._dynamo.reset()  # else the cached graphs above would be reused
+            with pytest.raises(Exception, match="(?i)graph break|compiler.disable|unsupported"):
+                torch.compile(model, backend="eager", fullgraph=True)(ids, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+
+
+# ============================================================================ flags
+def test_capability_flags_are_the_tested_ones():
+    cls = modeling.StableLatentMoEPreTrainedModel
+    assert cls.supports_gradient_checkpointing is True
+    assert cls._supports_sdpa is True
+    assert cls._supports_flash_attn is False and cls._supports_flex_attn is False
+    assert cls._can_compile_fullgraph is False
+    assert cls._supports_attention_backend is False and cls._supports_context_parallel is False
+    assert StableLatentMoEForCausalLM._can_set_attn_implementation() is True
+
+
+# ============================================================================ training
+def _loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(use_reentrant):
+    model = make_model("sdpa").train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 8))
+    block = model.model.layers[1].block_sparse_moe
+    calls = []
+    block.register_forward_pre_hook(lambda *_: calls.append(1))
+    loss_ref, grads_ref = _loss_and_grads(model, input_ids=ids, labels=ids, use_cache=False)
+    assert len(calls) == 1
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
+    )
+    assert model.is_gradient_checkpointing and all(
+        layer.gradient_checkpointing for layer in model.model.layers
+    )
+    calls.clear()
+    loss, grads = _loss_and_grads(
+        model, input_ids=ids, labels=ids
+    )  # use_cache defaults to True: turned off
+    assert len(calls) == 2  # the MoE block ran again in the backward
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-9, atol=1e-12, msg=name)
+    # router and experts are trained; the QB bias is a buffer with no gradient
+    assert not any("e_score_correction_bias" in n for n, _ in model.named_parameters())
+    assert not block.gate.e_score_correction_bias.requires_grad
+    assert grads["model.layers.1.block_sparse_moe.gate.weight"].abs().sum() > 0
+    used = block.gate(model.model.embed_tokens(ids)).topk_indices.unique()  # any experts will do
+    assert any(
+        grads[f"model.layers.1.block_sparse_moe.experts.{int(e)}.w1.weight"].abs().sum() > 0
+        for e in used
+    )
+    model.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_fine_tuning_on_the_embedded_corpus_with_checkpointing_and_packing():
+    """A plain loop (``Trainer`` needs ``accelerate``, not a dependency): 40 AdamW steps on packed
+    batches of the shipped corpus with gradient checkpointing; the held-out loss goes down, the
+    router and experts move, the exported QB bias does not."""
+    from transformers import AutoTokenizer
+
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir, iter_corpus_texts
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_dir())
+    texts = []
+    for text in iter_corpus_texts():
+        texts.append(tok(text, truncation=True, max_length=48)["input_ids"])
+        if len(texts) == 72:
+            break
+    cfg = tiny_config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        routed_expert_hidden_size=16,
+        num_experts=8,
+        moe_intermediate_size=16,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = StableLatentMoEForCausalLM(cfg)
+    gate = model.model.layers[1].block_sparse_moe.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts))
+    bias0 = gate.e_score_correction_bias.clone()
+    router0 = gate.weight.detach().clone()
+    expert0 = torch.cat(
+        [
+            p.detach().flatten().clone()
+            for p in model.model.layers[1].block_sparse_moe.experts.parameters()
+        ]
+    )
+    collate = DataCollatorWithFlattening()
+    held_out = collate([{"input_ids": t} for t in texts[64:]])
+    train = [collate([{"input_ids": t} for t in texts[i : i + 4]]) for i in range(0, 64, 4)]
+
+    def held_out_loss():
+        model.eval()
+        with torch.no_grad():
+            return model(**held_out, use_cache=False).loss.item()
+
+    before = held_out_loss()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(40):
+        loss = model(**train[step % len(train)]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after = held_out_loss()
+    print(f"fine-tuning held-out loss: {before:.4f} -> {after:.4f} (drop {before - after:.4f})")
+    assert after < before - 0.5
+    assert (
+        torch.equal(gate.e_score_correction_bias, bias0)
+        and gate.e_score_correction_bias.dtype == torch.float32
+    )
+    assert (gate.weight.detach() - router0).abs().max() > 1e-3
+    expert1 = torch.cat(
+        [p.detach().flatten() for p in model.model.layers[1].block_sparse_moe.experts.parameters()]
+    )
+    assert (expert1 - expert0).abs().max() > 1e-3
