@@ -50,8 +50,8 @@ from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, chec
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
           "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.uint8: "U8"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.uint8: "U8"}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -84,7 +84,8 @@ EXPERT_DTYPES = ("auto", "mxfp4")
 def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
     """Validate ``expert_dtype`` for ``arch``; True for MXFP4 (before anything is written)."""
     if expert_dtype not in EXPERT_DTYPES:
-        raise ConversionError(f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}")
+        raise ConversionError(
+            f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}")
     if expert_dtype != "mxfp4":
         return False
     from megatron_latentmoe.ops.mxfp4 import BLOCK
@@ -93,9 +94,9 @@ def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
                                   ("moe_ffn_hidden_size", arch.moe_ffn_hidden_size, "w2")):
         if value % BLOCK:
             raise ConversionError(
-                f"--expert-dtype mxfp4: {field}={value} (the reduction width of the routed experts' "
-                f"{tensors}) is not a multiple of the MXFP4 block size {BLOCK}; MXFP4 blocks are "
-                "never padded. Export with --expert-dtype auto")
+                f"--expert-dtype mxfp4: {field}={value} (the reduction width of the routed "
+                f"experts' {tensors}) is not a multiple of the MXFP4 block size {BLOCK}; MXFP4 "
+                "blocks are never padded. Export with --expert-dtype auto")
     return True
 
 
@@ -472,4 +473,5 @@ def export_checkpoint(
 
 
 __all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
-           "parse_dtype", "check_expert_dtype", "EXPERT_DTYPES", "resolve_tokenizer_dir", "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]
+           "parse_dtype", "check_expert_dtype", "EXPERT_DTYPES", "resolve_tokenizer_dir",
+           "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]

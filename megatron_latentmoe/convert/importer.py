@@ -177,8 +177,8 @@ class HFCheckpointReader:
         uint8 = sorted(k for k in self.names if self._raw_dtype(k) == torch.uint8)
         if not mxfp4.is_mxfp4(quantization_config):
             if uint8:
-                raise ConversionError(f"{str(self.dir)!r}: uint8 tensor(s) {uint8[:3]} but config.json has no "
-                                      "MXFP4 quantization_config (convert/mxfp4.py)")
+                raise ConversionError(f"{str(self.dir)!r}: uint8 tensor(s) {uint8[:3]} but "
+                                      "config.json has no MXFP4 quantization_config")
             return {}
         pairs = {}
         for name in uint8:
@@ -186,11 +186,12 @@ class HFCheckpointReader:
                 dense = name.removesuffix(mxfp4.PACKED) + "weight"
                 pairs[dense] = mxfp4.names(dense)
         orphans = sorted(set(uint8) - {n for pair in pairs.values() for n in pair})
-        if orphans or any(scale not in self.names for _, scale in pairs.values()):
-            raise ConversionError(f"{str(self.dir)!r}: MXFP4 tensors without their pair: "
-                                  f"{orphans[:3] or [s for _, s in pairs.values() if s not in self.names][:3]}")
+        orphans += sorted(scale for _, scale in pairs.values() if scale not in self.names)
+        if orphans:
+            raise ConversionError(
+                f"{str(self.dir)!r}: MXFP4 tensors without their pair: {orphans[:3]}")
         dense_dtypes = {self._raw_dtype(k) for k in self.names if k not in uint8}
-        self._dense_dtype = next(iter(sorted(dense_dtypes - {torch.float32}, key=str)), torch.float32)
+        self._dense_dtype = min(dense_dtypes - {torch.float32}, key=str, default=torch.float32)
         return pairs
 
     def _raw_dtype(self, name: str) -> torch.dtype:
@@ -198,7 +199,8 @@ class HFCheckpointReader:
 
     def tensor_names(self) -> set[str]:
         """The dense tensor names this directory provides (an MXFP4 pair counts as its weight)."""
-        return (set(self.names) - {n for pair in self.mxfp4.values() for n in pair}) | set(self.mxfp4)
+        packed = {n for pair in self.mxfp4.values() for n in pair}
+        return (set(self.names) - packed) | set(self.mxfp4)
 
     def dtype(self, name: str) -> torch.dtype:
         return self._dense_dtype if name in self.mxfp4 else self._raw_dtype(name)

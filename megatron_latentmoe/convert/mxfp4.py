@@ -16,7 +16,6 @@ are ``ops/mxfp4.py``'s (OCP MX v1.0), bit-exact with what QAT trains on.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -30,21 +29,42 @@ TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 
 def quantization_config() -> dict:
     """``config.json``'s ``quantization_config`` (compressed-tensors ``QuantizationConfig``)."""
-    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK,
-               "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}
-    group = {"targets": [TARGET], "weights": weights, "input_activations": None,
-             "output_activations": None, "format": FORMAT}
-    return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": BLOCK,
+        "strategy": "group",
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    }
+    group = {
+        "targets": [TARGET],
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+        "format": FORMAT,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
 
 
-def is_mxfp4(config: Optional[dict]) -> bool:
+def is_mxfp4(config: dict | None) -> bool:
     """Whether an HF ``quantization_config`` (dict) is this layout."""
     if not config:
         return False
     groups = config.get("config_groups") or {}
-    return (config.get("quant_method") == "compressed-tensors" and config.get("format") == FORMAT
-            and [g.get("targets") for g in groups.values()] == [[TARGET]])
+    return (
+        config.get("quant_method") == "compressed-tensors"
+        and config.get("format") == FORMAT
+        and [g.get("targets") for g in groups.values()] == [[TARGET]]
+    )
 
 
 def names(name: str) -> tuple[str, str]:

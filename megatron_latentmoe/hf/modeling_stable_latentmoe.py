@@ -490,7 +490,7 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(``weight_packed`` [out, in/2], ``weight_scale`` [out, in/32]) -> dense [out, in] in ``dtype``."""
+    """(``weight_packed`` [out, in/2], ``weight_scale`` [out, in/32]) -> [out, in] in ``dtype``."""
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
     values = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)[codes]
     blocks = values.unflatten(-1, (scale.shape[-1], -1))
@@ -498,9 +498,9 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 
 def _is_mxfp4_experts(quantization_config) -> bool:
-    config = quantization_config if isinstance(quantization_config, dict) else None
-    if config is None and quantization_config is not None and hasattr(quantization_config, "to_dict"):
-        config = quantization_config.to_dict()
+    config = quantization_config
+    if config is not None and not isinstance(config, dict) and hasattr(config, "to_dict"):
+        config = config.to_dict()
     return bool(config) and config.get("format") == MXFP4_FORMAT
 
 

@@ -1,4 +1,4 @@
-"""Quantization-aware training of the routed experts (``moe_expert_weight_qat = "mxfp4"``, SPEC §5).
+"""Quantization-aware training of the routed experts (``moe_expert_weight_qat="mxfp4"``, SPEC §5).
 
 Each routed expert's fc1 ([w1; w3], reduction dim = latent width) and fc2 (w2, reduction dim =
 its ETP shard of ``moe_ffn_hidden_size``) run their GEMM on ``fake_quantize_mxfp4(weight)``: the
@@ -54,21 +54,27 @@ def _te_linears():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if getattr(self, "single_grouped_weight", False):
-                raise ValueError("moe_expert_weight_qat='mxfp4' is not allowed with TE's single "
-                                 "grouped weight: one weight tensor per expert is needed")
+                raise ValueError(
+                    "moe_expert_weight_qat='mxfp4' is not allowed with TE's single "
+                    "grouped weight: one weight tensor per expert is needed"
+                )
             self.fuse_wgrad_accumulation = False
 
         def _get_weight_tensors(self):
             return [fake_quantize_mxfp4(w) for w in super()._get_weight_tensors()]
 
-    class MXFP4TEColumnParallelGroupedLinear(_MXFP4WeightGroupedLinear, TEColumnParallelGroupedLinear):
+    class MXFP4TEColumnParallelGroupedLinear(
+        _MXFP4WeightGroupedLinear, TEColumnParallelGroupedLinear
+    ):
         pass
 
     class MXFP4TERowParallelGroupedLinear(_MXFP4WeightGroupedLinear, TERowParallelGroupedLinear):
         pass
 
-    return {TEColumnParallelGroupedLinear: MXFP4TEColumnParallelGroupedLinear,
-            TERowParallelGroupedLinear: MXFP4TERowParallelGroupedLinear}
+    return {
+        TEColumnParallelGroupedLinear: MXFP4TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear: MXFP4TERowParallelGroupedLinear,
+    }
 
 
 def with_expert_weight_qat(experts, config):
@@ -76,13 +82,18 @@ def with_expert_weight_qat(experts, config):
     with its fc1 / fc2 replaced by the fake-quantizing linears; unchanged when QAT is off."""
     if config.moe_expert_weight_qat == "none":
         return experts
-    swap = {ColumnParallelLinear: MXFP4ColumnParallelLinear, RowParallelLinear: MXFP4RowParallelLinear}
+    swap = {
+        ColumnParallelLinear: MXFP4ColumnParallelLinear,
+        RowParallelLinear: MXFP4RowParallelLinear,
+    }
     sub = experts.keywords["submodules"]
     if sub.linear_fc1 not in swap:
         swap = _te_linears()
     fc1, fc2 = swap.get(sub.linear_fc1), swap.get(sub.linear_fc2)
     if fc1 is None or fc2 is None:
-        raise ValueError(f"moe_expert_weight_qat={config.moe_expert_weight_qat!r} is not supported "
-                         f"for experts built from {sub.linear_fc1.__name__} / {sub.linear_fc2.__name__}")
+        raise ValueError(
+            f"moe_expert_weight_qat={config.moe_expert_weight_qat!r} is not supported "
+            f"for experts built from {sub.linear_fc1.__name__} / {sub.linear_fc2.__name__}"
+        )
     sub = dataclasses.replace(sub, linear_fc1=fc1, linear_fc2=fc2)
     return partial(experts.func, *experts.args, **{**experts.keywords, "submodules": sub})

@@ -41,15 +41,24 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # Round-to-nearest-even decision points between consecutive codes k and k+1: a magnitude
 # strictly above the midpoint moves up; AT the midpoint it moves up only if k+1 is even.
-_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-              (3.5, True), (5.0, False))
+_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 def check_width(width: int, what: str) -> None:
     """Raise ``ValueError`` unless ``width`` (a reduction dim) is a multiple of ``BLOCK``."""
     if width % BLOCK:
-        raise ValueError(f"{what}={width} is not a multiple of the MXFP4 block size {BLOCK}: "
-                         "MXFP4 blocks run along the reduction dim and are never padded")
+        raise ValueError(
+            f"{what}={width} is not a multiple of the MXFP4 block size {BLOCK}: "
+            "MXFP4 blocks run along the reduction dim and are never padded"
+        )
 
 
 def _blocks(w: torch.Tensor, what: str) -> torch.Tensor:
@@ -84,8 +93,10 @@ def _lut(device, dtype=torch.float32) -> torch.Tensor:
 def _check_finite(w: torch.Tensor, what: str) -> None:
     if not torch.isfinite(w).all():
         bad = (~torch.isfinite(w)).sum().item()
-        raise ValueError(f"{what} has {bad} NaN/inf value(s): MXFP4 (E8M0 scales, E2M1 elements) "
-                         "encodes finite values only")
+        raise ValueError(
+            f"{what} has {bad} NaN/inf value(s): MXFP4 (E8M0 scales, E2M1 elements) "
+            "encodes finite values only"
+        )
 
 
 def quantize_mxfp4(w: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +111,21 @@ def quantize_mxfp4(w: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor,
     return packed.contiguous(), (exp + E8M0_BIAS).to(torch.uint8).squeeze(-1)
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxfp4(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``(packed [..., K/2], scales [..., K/32])`` -> ``[..., K]`` in ``dtype`` (exact for bf16
     and fp32 except scales below their normal range)."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scales "
-                         f"{scales.dtype}")
+        raise ValueError(
+            f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scales {scales.dtype}"
+        )
     k = packed.shape[-1] * 2
     if tuple(scales.shape) != (*packed.shape[:-1], k // BLOCK) or k % BLOCK:
-        raise ValueError(f"MXFP4 scales of shape {tuple(scales.shape)} do not fit packed values of "
-                         f"shape {tuple(packed.shape)} (one scale per {BLOCK} values)")
+        raise ValueError(
+            f"MXFP4 scales of shape {tuple(scales.shape)} do not fit packed values of "
+            f"shape {tuple(packed.shape)} (one scale per {BLOCK} values)"
+        )
     if (scales == 255).any():
         raise ValueError("MXFP4 scales hold the E8M0 NaN byte 255")
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], k)

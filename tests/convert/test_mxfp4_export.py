@@ -26,9 +26,19 @@ def _make(rank, world, out_dir):
     from megatron_latentmoe.convert.arch import ModelArch
 
     initialize_parallel_cpu(seed=_workers.SEED)
-    for name, a in (("ck", _workers.arch("main")),
-                    ("ck48", ModelArch(**dict(_workers.TEST_ARCH, moe_ffn_hidden_size=48,
-                                                moe_shared_expert_intermediate_size=96)))):
+    for name, a in (
+        ("ck", _workers.arch("main")),
+        (
+            "ck48",
+            ModelArch(
+                **dict(
+                    _workers.TEST_ARCH,
+                    moe_ffn_hidden_size=48,
+                    moe_shared_expert_intermediate_size=96,
+                )
+            ),
+        ),
+    ):
         model = _workers._build(a)
         _workers._randomise(model, _workers.SEED)
         if name == "ck":
@@ -43,7 +53,11 @@ def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("mxfp4")
     run_distributed(_make, 1, str(root), timeout=600)
     out = {"root": root}
-    for name, kw in (("hf_mx", dict(expert_dtype="mxfp4")), ("hf_fp32", {}), ("hf_bf16", dict(dtype="bf16"))):
+    for name, kw in (
+        ("hf_mx", dict(expert_dtype="mxfp4")),
+        ("hf_fp32", {}),
+        ("hf_bf16", dict(dtype="bf16")),
+    ):
         out[name] = export_checkpoint(root / "ck", root / name, progress=False, **kw)
     return out
 
@@ -89,6 +103,7 @@ def test_routed_experts_are_3_76x_smaller_than_bf16(ws):
 
 
 def test_hf_forward_of_the_export_equals_megatron_qat_forward(ws):
+    from megatron_latentmoe.convert.dist_reader import open_checkpoint
     from megatron_latentmoe.convert.verify import (
         load_hf_model,
         load_megatron_model,
@@ -96,7 +111,6 @@ def test_hf_forward_of_the_export_equals_megatron_qat_forward(ws):
         sample_tokens,
         verify_export,
     )
-    from megatron_latentmoe.convert.dist_reader import open_checkpoint
 
     root = ws["root"]
     report = verify_export(root / "ck", root / "hf_mx")
@@ -117,8 +131,13 @@ def test_import_reads_mxfp4_back_and_re_export_is_identical(ws, tmp_path):
 
     root = ws["root"]
     import_checkpoint(root / "hf_mx", tmp_path / "mg", ep=2, progress=False)
-    export_checkpoint(tmp_path / "mg", tmp_path / "hf_again", expert_dtype="mxfp4", progress=False,
-                      tokenizer_dir=None)
+    export_checkpoint(
+        tmp_path / "mg",
+        tmp_path / "hf_again",
+        expert_dtype="mxfp4",
+        progress=False,
+        tokenizer_dir=None,
+    )
     assert _tensors(tmp_path / "hf_again").keys() == _tensors(root / "hf_mx").keys()
     again, first = _tensors(tmp_path / "hf_again"), _tensors(root / "hf_mx")
     assert all(torch.equal(again[k], first[k]) for k in first)
@@ -127,9 +146,14 @@ def test_import_reads_mxfp4_back_and_re_export_is_identical(ws, tmp_path):
 def test_expert_width_not_a_multiple_of_32_is_refused_before_writing(ws, tmp_path):
     from megatron_latentmoe.convert import export_checkpoint
 
-    with pytest.raises(ConversionError, match=r"moe_ffn_hidden_size=48 \(the reduction width of the "
-                                              r"routed experts' w2\) is not a multiple of the MXFP4 block size 32"):
-        export_checkpoint(ws["root"] / "ck48", tmp_path / "out", expert_dtype="mxfp4", progress=False)
+    with pytest.raises(
+        ConversionError,
+        match=r"moe_ffn_hidden_size=48 \(the reduction width of the "
+        r"routed experts' w2\) is not a multiple of the MXFP4 block size 32",
+    ):
+        export_checkpoint(
+            ws["root"] / "ck48", tmp_path / "out", expert_dtype="mxfp4", progress=False
+        )
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
@@ -140,8 +164,9 @@ def test_compressed_tensors_decompresses_the_export(ws):
     from compressed_tensors.quantization import QuantizationConfig
 
     root = ws["root"]
-    config = QuantizationConfig.model_validate(json.loads((root / "hf_mx" / "config.json").read_text())
-                                               ["quantization_config"])
+    config = QuantizationConfig.model_validate(
+        json.loads((root / "hf_mx" / "config.json").read_text())["quantization_config"]
+    )
     scheme = config.config_groups["group_0"]
     compressor = BaseCompressor.get_value_from_registry(config.format)
     mx, plain = _tensors(root / "hf_mx"), _tensors(root / "hf_fp32")
@@ -149,7 +174,9 @@ def test_compressed_tensors_decompresses_the_export(ws):
 
     for k in (k for k in plain if ".block_sparse_moe.experts." in k):
         packed, scale = mxfp4.names(k)
-        dense = compressor.decompress({"weight_packed": mx[packed], "weight_scale": mx[scale]}, scheme)["weight"]
+        dense = compressor.decompress(
+            {"weight_packed": mx[packed], "weight_scale": mx[scale]}, scheme
+        )["weight"]
         assert torch.equal(dense.float(), mxfp4_round_trip(plain[k])), k
     # transformers' compressed-tensors loader on the export == our own dequantizing loader
     from transformers import AutoModelForCausalLM
@@ -157,8 +184,12 @@ def test_compressed_tensors_decompresses_the_export(ws):
 
     from megatron_latentmoe.convert.verify import load_hf_model
 
-    ct = AutoModelForCausalLM.from_pretrained(str(root / "hf_mx"), trust_remote_code=True, dtype=torch.float32,
-                                              quantization_config=CompressedTensorsConfig(dequantize=True))
+    ct = AutoModelForCausalLM.from_pretrained(
+        str(root / "hf_mx"),
+        trust_remote_code=True,
+        dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(dequantize=True),
+    )
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ct(tokens).logits, load_hf_model(root / "hf_mx")(tokens).logits)

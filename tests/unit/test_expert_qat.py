@@ -30,11 +30,13 @@ def _compare(rank, world_size):
         layers["qat"].router.expert_bias.normal_(0.0, 0.05)
     state = layers["qat"].state_dict()
     keys_match = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)} == {
-        k: tuple(v.shape) for k, v in layers["plain"].state_dict().items() if torch.is_tensor(v)}
+        k: tuple(v.shape) for k, v in layers["plain"].state_dict().items() if torch.is_tensor(v)
+    }
     expert_keys = [k for k in state if k.startswith("experts.") and k.endswith(".weight")]
     layers["plain"].load_state_dict(state)
-    layers["rounded"].load_state_dict({k: mxfp4_round_trip(v) if k in expert_keys else v
-                                       for k, v in state.items()})
+    layers["rounded"].load_state_dict(
+        {k: mxfp4_round_trip(v) if k in expert_keys else v for k, v in state.items()}
+    )
     x = torch.randn(SEQ, BATCH, 64)
     upstream = torch.randn(SEQ, BATCH, 64)
     out = {}
@@ -42,11 +44,20 @@ def _compare(rank, world_size):
         xi = x.clone().requires_grad_()
         y, _ = layer(xi)
         (y * upstream).sum().backward()
-        out[name] = dict(y=y.detach(), dx=xi.grad, grads={k: p.grad.clone() for k, p in layer.named_parameters()
-                                                          if p.grad is not None})
-    master_unchanged = all(torch.equal(layers["qat"].state_dict()[k], state[k]) for k in expert_keys)
-    return dict(out=out, keys_match=keys_match, n_expert_weights=len(expert_keys),
-                master_unchanged=master_unchanged)
+        out[name] = dict(
+            y=y.detach(),
+            dx=xi.grad,
+            grads={k: p.grad.clone() for k, p in layer.named_parameters() if p.grad is not None},
+        )
+    master_unchanged = all(
+        torch.equal(layers["qat"].state_dict()[k], state[k]) for k in expert_keys
+    )
+    return dict(
+        out=out,
+        keys_match=keys_match,
+        n_expert_weights=len(expert_keys),
+        master_unchanged=master_unchanged,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +80,29 @@ def test_qat_layer_equals_plain_layer_on_mxfp4_weights(result):
     assert (plain["y"] - qat["y"]).abs().max() > 1e-3 * scale
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(moe_ffn_hidden_size=48), "moe_ffn_hidden_size=48 is not allowed: a multiple of 32 x "
-                                   "expert_tensor_parallel_size=1"),
-    (dict(moe_ffn_hidden_size=32, expert_tensor_parallel_size=2),
-     "moe_ffn_hidden_size=32 is not allowed: a multiple of 32 x expert_tensor_parallel_size=2"),
-    (dict(moe_latent_size=48, moe_ffn_hidden_size=64), "moe_latent_size=48 is not allowed: a multiple of 32"),
-    (dict(moe_ffn_hidden_size=64, moe_expert_weight_qat="nvfp4"),
-     r"moe_expert_weight_qat='nvfp4' is not allowed: one of \('none', 'mxfp4'\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(moe_ffn_hidden_size=48),
+            "moe_ffn_hidden_size=48 is not allowed: a multiple of 32 x "
+            "expert_tensor_parallel_size=1",
+        ),
+        (
+            dict(moe_ffn_hidden_size=32, expert_tensor_parallel_size=2),
+            "moe_ffn_hidden_size=32 is not allowed: a multiple of 32 x "
+            "expert_tensor_parallel_size=2",
+        ),
+        (
+            dict(moe_latent_size=48, moe_ffn_hidden_size=64),
+            "moe_latent_size=48 is not allowed: a multiple of 32",
+        ),
+        (
+            dict(moe_ffn_hidden_size=64, moe_expert_weight_qat="nvfp4"),
+            r"moe_expert_weight_qat='nvfp4' is not allowed: one of \('none', 'mxfp4'\)",
+        ),
+    ],
+)
 def test_qat_config_errors_name_the_width(overrides, message):
     from megatron_latentmoe.config import tiny_config
 

@@ -1,4 +1,4 @@
-"""MXFP4 quantizer (``ops/mxfp4.py``): OCP MX v1.0 rules, bit-exact against torchao, STE gradient."""
+"""MXFP4 quantizer (``ops/mxfp4.py``): OCP MX v1.0 rules, bit-exact vs torchao, STE gradient."""
 
 import math
 
@@ -22,7 +22,9 @@ def _torchao_to_mx():
         pytest.skip("torchao (reference MX implementation) is not installed")
 
     def reference(x):
-        scale, packed = to_mx(x.contiguous(), torch.float4_e2m1fn_x2, BLOCK, ScaleCalculationMode.FLOOR)
+        scale, packed = to_mx(
+            x.contiguous(), torch.float4_e2m1fn_x2, BLOCK, ScaleCalculationMode.FLOOR
+        )
         return packed.view(torch.uint8), scale.view(torch.uint8)
 
     return reference
@@ -39,9 +41,42 @@ def _cases():
     x = torch.randn(16, 64, generator=g) * torch.exp(4 * torch.randn(16, 64, generator=g))
     cases["lognormal"] = x
     # every E2M1 tie, saturation band (6, 8) and negative zeros, for several block scales
-    grid = torch.tensor([4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 7.99, 6.0, 5.01, 4.99,
-                         0.2499, 0.2501, 0.0, -0.0, -0.1, -0.25, -0.75, -5.0, -7.5, 3.0, 1.5,
-                         0.5, 1.0, 2.0, 2.4999, 2.5001, 3.4999, 1.7499, 0.7499])
+    grid = torch.tensor(
+        [
+            4.0,
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            7.0,
+            7.99,
+            6.0,
+            5.01,
+            4.99,
+            0.2499,
+            0.2501,
+            0.0,
+            -0.0,
+            -0.1,
+            -0.25,
+            -0.75,
+            -5.0,
+            -7.5,
+            3.0,
+            1.5,
+            0.5,
+            1.0,
+            2.0,
+            2.4999,
+            2.5001,
+            3.4999,
+            1.7499,
+            0.7499,
+        ]
+    )
     cases["ties"] = torch.stack([grid * 2.0**e for e in (-20, -3, 0, 5, 40)])
     cases["zeros"] = torch.zeros(3, 64)
     return cases
@@ -65,8 +100,40 @@ def test_spec_rules_by_hand():
     packed, scales = quantize_mxfp4(CASES["ties"][2:3])
     assert scales.tolist() == [[127]]
     got = dequantize_mxfp4(packed, scales)[0].tolist()
-    want = [4, 0, 1, 1, 2, 2, 4, 4, 6, 6, 6, 6, 4, 0, 0.5, 0, 0, 0, 0, -1, -4, -6, 3, 1.5,
-            0.5, 1, 2, 2, 3, 3, 1.5, 0.5]  # ties to even, (6, 8) saturates to 6
+    want = [
+        4,
+        0,
+        1,
+        1,
+        2,
+        2,
+        4,
+        4,
+        6,
+        6,
+        6,
+        6,
+        4,
+        0,
+        0.5,
+        0,
+        0,
+        0,
+        0,
+        -1,
+        -4,
+        -6,
+        3,
+        1.5,
+        0.5,
+        1,
+        2,
+        2,
+        3,
+        3,
+        1.5,
+        0.5,
+    ]  # ties to even, (6, 8) saturates to 6
     assert got == want
     # signs of values rounding to zero are kept (-0.0), as in the reference libraries
     assert packed[0, 8] >> 4 == 0x8 and packed[0, 9] & 0xF == 0x8  # elements 17 (-0.1), 18 (-0.25)
@@ -74,7 +141,9 @@ def test_spec_rules_by_hand():
     x = torch.zeros(2, 64)
     x[0, 0], x[0, 40], x[1, 5], x[1, 63] = 1.0, 7.99, 0.3, -1000.0
     _, s = quantize_mxfp4(x)
-    expect = [[math.floor(math.log2(a)) - 2 + 127 for a in row] for row in ((1.0, 7.99), (0.3, 1000.0))]
+    expect = [
+        [math.floor(math.log2(a)) - 2 + 127 for a in row] for row in ((1.0, 7.99), (0.3, 1000.0))
+    ]
     assert s.tolist() == expect
 
 
@@ -101,7 +170,9 @@ def test_non_finite_input_is_a_clear_error(bad):
 
 
 def test_width_not_a_multiple_of_32_is_a_clear_error():
-    with pytest.raises(ValueError, match="w2 reduction width.*=48 is not a multiple of the MXFP4 block size 32"):
+    with pytest.raises(
+        ValueError, match="w2 reduction width.*=48 is not a multiple of the MXFP4 block size 32"
+    ):
         quantize_mxfp4(torch.randn(4, 48), "w2")
 
 
