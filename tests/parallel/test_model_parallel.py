@@ -15,7 +15,7 @@ ETP1 and ETP2, PP2 x EP2 (world 4). With recompute the QB router must still coun
 once: the bias after the step proves it. Virtual pipeline stages (interleaved 1F1B): PP2 x VPP2
 (world 2) and PP2 x VPP2 x EP2 (world 4), on a 4-layer model against its own single process.
 MXFP4 QAT of the routed experts (m_e = 64): TP2+SP (ETP2: w2's MXFP4 blocks inside each shard),
-EP2 with recompute (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
+EP2 with recompute, PP2 (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ P2P_OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
 QAT = dict(moe_expert_weight_qat="mxfp4", moe_ffn_hidden_size=64)
 LAYOUTS_QAT = {
     2: {"TP2+SP QAT": dict(tp=2, pp=1, ep=1, etp=2, **QAT),
-        "EP2 recompute QAT": dict(tp=1, pp=1, ep=2, etp=1, **RECOMPUTE, **QAT)},
+        "EP2 recompute QAT": dict(tp=1, pp=1, ep=2, etp=1, **RECOMPUTE, **QAT),
+        "PP2 QAT": dict(tp=1, pp=2, ep=1, etp=1, **QAT)},
     4: {"TP2xEP2-ETP2 QAT": dict(tp=2, pp=1, ep=2, etp=2, **QAT)},
 }
 LAYOUTS_VPP = {
