@@ -32,7 +32,6 @@ layers) and read ``block.last_routing`` after a forward.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from functools import partial
 from typing import Callable, NamedTuple, Optional
@@ -565,9 +564,8 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
         if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
             getattr(config, "quantization_config", None)
         ):
-            config = copy.deepcopy(config)
-            del config.quantization_config
-            kwargs["config"] = config
+            dense = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+            kwargs["config"] = type(config).from_dict(dense)
             _register_mxfp4_loading()
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
