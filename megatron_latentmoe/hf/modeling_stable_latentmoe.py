@@ -503,24 +503,36 @@ def _is_mxfp4_experts(quantization_config) -> bool:
     return bool(config) and config.get("format") == MXFP4_FORMAT
 
 
-def _register_mxfp4_loading() -> None:
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+def _register_mxfp4_loading():
+    """Make loading this model type turn each MXFP4 pair into its dense ``weight`` (a transformers
+    weight conversion). Returns (the conversion op class, a function that unregisters it): it
+    is registered for one load only, as a registered conversion is also reverted by
+    ``save_pretrained``, which must write the dense weights."""
+    from transformers import conversion_mapping
     from transformers.core_model_loading import ConversionOps, WeightConverter
 
     class DequantizeMXFP4(ConversionOps):
-        def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None,
-                    **kwargs):
+        def convert(self, input_dict, source_patterns=None, target_patterns=None,
+                    full_layer_name=None, **kwargs):
             # transformers casts every checkpoint tensor to the load dtype first: the uint8 bytes
             # come back as exact small integers (0..255 are exact even in bf16)
-            tensors = {k: (v[0] if isinstance(v, list) else v).to(torch.uint8) for k, v in input_dict.items()}
+            t = {k: (v[0] if isinstance(v, list) else v).to(torch.uint8) for k, v in input_dict.items()}
             dtype = kwargs["model"].get_parameter(full_layer_name).dtype
-            return {full_layer_name: dequantize_mxfp4(tensors["weight_packed"], tensors["weight_scale"], dtype)}
+            return {full_layer_name: dequantize_mxfp4(t["weight_packed"], t["weight_scale"], dtype)}
 
-    register_checkpoint_conversion_mapping(
-        StableLatentMoEConfig.model_type,
-        [WeightConverter(["weight_packed", "weight_scale"], "weight", [DequantizeMXFP4()])],
-        overwrite=True,
-    )
+    model_type = StableLatentMoEConfig.model_type
+    previous = conversion_mapping.get_checkpoint_conversion_mapping(model_type)
+    converter = WeightConverter(["weight_packed", "weight_scale"], "weight", [DequantizeMXFP4()])
+    conversion_mapping.register_checkpoint_conversion_mapping(model_type, [converter], overwrite=True)
+
+    def unregister():
+        if previous is not None:
+            conversion_mapping.register_checkpoint_conversion_mapping(model_type, previous, overwrite=True)
+        else:  # transformers has no public "unregister"
+            conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
+            conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
+
+    return DequantizeMXFP4, unregister
 
 
 # ================================================================================ HF model classes
@@ -566,7 +578,16 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
         ):
             dense = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
             kwargs["config"] = type(config).from_dict(dense)
-            _register_mxfp4_loading()
+            dequantize, unregister = _register_mxfp4_loading()
+            try:
+                model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            finally:
+                unregister()
+            model._weight_conversions = [  # nothing to revert: the loaded model is dense
+                c for c in getattr(model, "_weight_conversions", None) or []
+                if not any(isinstance(op, dequantize) for op in getattr(c, "operations", ()))
+            ]
+            return model
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:

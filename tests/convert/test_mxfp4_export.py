@@ -193,3 +193,21 @@ def test_compressed_tensors_decompresses_the_export(ws):
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ct(tokens).logits, load_hf_model(root / "hf_mx")(tokens).logits)
+
+
+def test_hf_model_loaded_from_mxfp4_saves_as_a_dense_model(ws, tmp_path):
+    from transformers import conversion_mapping
+
+    from megatron_latentmoe.convert.verify import load_hf_model
+
+    model = load_hf_model(ws["root"] / "hf_mx")
+    assert conversion_mapping.get_checkpoint_conversion_mapping("stable_latentmoe") is None
+    model.save_pretrained(tmp_path / "dense")
+    from safetensors.torch import load_file
+
+    saved = {k for f in (tmp_path / "dense").glob("*.safetensors") for k in load_file(str(f))}
+    assert not any(k.endswith((mxfp4.PACKED, mxfp4.SCALE)) for k in saved)
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(load_hf_model(tmp_path / "dense")(tokens).logits, model(tokens).logits)
