@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                     help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32")
     ex.add_argument("--expert-dtype", default="auto", choices=["auto", "mxfp4"],
-                    help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed (compressed-tensors "
-                         "mxfp4-pack-quantized, 4.25 bits/weight; QAT-trained models export losslessly)")
+                    help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed "
+                         "(compressed-tensors mxfp4-pack-quantized, 4.25 bits/weight; "
+                         "QAT-trained models export losslessly)")
     ex.add_argument("--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)")
     ex.add_argument("--tokenizer", default="default",
                     help="tokenizer directory to ship ('default' = the one the checkpoint was trained "

@@ -121,7 +121,8 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
 
     reader = DistCheckpointReader(checkpoint)
     path = reader.path
-    config = arch.to_megatron_config(perform_initialization=False, moe_expert_weight_qat=expert_weight_qat)
+    config = arch.to_megatron_config(perform_initialization=False,
+                                     moe_expert_weight_qat=expert_weight_qat)
     model = build_gpt_model(config, **arch.builder_kwargs())
     model.eval()
     sharded = model.sharded_state_dict()

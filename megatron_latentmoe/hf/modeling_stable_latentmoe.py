@@ -516,18 +516,20 @@ def _register_mxfp4_loading():
                     full_layer_name=None, **kwargs):
             # transformers casts every checkpoint tensor to the load dtype first: the uint8 bytes
             # come back as exact small integers (0..255 are exact even in bf16)
-            t = {k: (v[0] if isinstance(v, list) else v).to(torch.uint8) for k, v in input_dict.items()}
+            t = {k: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
+            t = {k: v.to(torch.uint8) for k, v in t.items()}
             dtype = kwargs["model"].get_parameter(full_layer_name).dtype
             return {full_layer_name: dequantize_mxfp4(t["weight_packed"], t["weight_scale"], dtype)}
 
     model_type = StableLatentMoEConfig.model_type
     previous = conversion_mapping.get_checkpoint_conversion_mapping(model_type)
     converter = WeightConverter(["weight_packed", "weight_scale"], "weight", [DequantizeMXFP4()])
-    conversion_mapping.register_checkpoint_conversion_mapping(model_type, [converter], overwrite=True)
+    register = conversion_mapping.register_checkpoint_conversion_mapping
+    register(model_type, [converter], overwrite=True)
 
     def unregister():
         if previous is not None:
-            conversion_mapping.register_checkpoint_conversion_mapping(model_type, previous, overwrite=True)
+            register(model_type, previous, overwrite=True)
         else:  # transformers has no public "unregister"
             conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
             conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
@@ -570,7 +572,8 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
         checkpoints") unless a ``quantization_config`` is passed."""
         config = kwargs.get("config")
         if config is None:
-            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                   "subfolder")
             config = cls.config_class.from_pretrained(pretrained_model_name_or_path,
                                                       **{k: kwargs[k] for k in hub if k in kwargs})
         if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
@@ -580,7 +583,8 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
             kwargs["config"] = type(config).from_dict(dense)
             dequantize, unregister = _register_mxfp4_loading()
             try:
-                model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+                model = super().from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                **kwargs)
             finally:
                 unregister()
             model._weight_conversions = [  # nothing to revert: the loaded model is dense
