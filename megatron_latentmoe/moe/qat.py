@@ -8,10 +8,10 @@ optimizer state are those of the plain model, so the flag can be switched on whe
 
 * local spec: Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` with the weight
   fake-quantized in ``_forward_impl`` (the one place both hand their weight to the GEMM);
-* TE spec: Megatron's TE grouped linears with the weights fake-quantized in
-  ``_get_weight_tensors`` (TE's hook between the parameters and the grouped GEMM). Under a TE
-  MXFP8 recipe the MXFP4 values are re-encoded exactly (each E2M1 value times 2**6 fits E4M3
-  under the same block's E8M0 scale), so the GEMM still sees the MXFP4 weights.
+* TE spec: Megatron's TE grouped linears (or, for sequential TE experts, TE linears) with the
+  weights fake-quantized in ``_get_weight_tensors`` (TE's hook between parameters and GEMM).
+  Under a TE MXFP8 recipe the MXFP4 values are re-encoded exactly (each E2M1 value times 2**6
+  fits E4M3 under the same block's E8M0 scale), so the GEMM still sees the MXFP4 weights.
 
 Both turn off fused wgrad accumulation for these layers: the GEMM's weight is the fake-quantized
 copy, which has no ``main_grad``; its gradient flows back to the parameter, whose ``.grad``
@@ -45,12 +45,16 @@ class MXFP4RowParallelLinear(_MXFP4WeightLinear, RowParallelLinear):
 
 
 def _te_linears():
+    """{Megatron TE expert linear: its fake-quantizing subclass} (grouped-GEMM and sequential
+    experts; both hand their weights to the GEMM through TE's ``_get_weight_tensors``)."""
     from megatron.core.extensions.transformer_engine import (
         TEColumnParallelGroupedLinear,
+        TEColumnParallelLinear,
         TERowParallelGroupedLinear,
+        TERowParallelLinear,
     )
 
-    class _MXFP4WeightGroupedLinear:
+    class _MXFP4WeightTELinear:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if getattr(self, "single_grouped_weight", False):
@@ -63,17 +67,10 @@ def _te_linears():
         def _get_weight_tensors(self):
             return [fake_quantize_mxfp4(w) for w in super()._get_weight_tensors()]
 
-    class MXFP4TEColumnParallelGroupedLinear(
-        _MXFP4WeightGroupedLinear, TEColumnParallelGroupedLinear
-    ):
-        pass
-
-    class MXFP4TERowParallelGroupedLinear(_MXFP4WeightGroupedLinear, TERowParallelGroupedLinear):
-        pass
-
     return {
-        TEColumnParallelGroupedLinear: MXFP4TEColumnParallelGroupedLinear,
-        TERowParallelGroupedLinear: MXFP4TERowParallelGroupedLinear,
+        base: type(f"MXFP4{base.__name__}", (_MXFP4WeightTELinear, base), {})
+        for base in (TEColumnParallelGroupedLinear, TERowParallelGroupedLinear,
+                     TEColumnParallelLinear, TERowParallelLinear)
     }
 
 
