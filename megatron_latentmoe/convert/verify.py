@@ -110,7 +110,7 @@ def _ensure_single_process_world() -> None:
 
 
 def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
-                        expert_weight_qat: Optional[str] = None):
+                        expert_weight_qat: str = "none"):
     """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader),
     ``expert_weight_qat`` as in training (``moe_expert_weight_qat``)."""
     _ensure_single_process_world()
@@ -247,14 +247,15 @@ def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: i
         raise ConversionError(f"atol (--verify-atol) = {atol!r} is not allowed: a positive finite number")
 
 
-def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> Optional[str]:
-    """``"mxfp4"`` if the export's routed experts are MXFP4 (``convert/mxfp4.py``), else None."""
+def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:
+    """``"mxfp4"`` if the export's routed experts are MXFP4 (``convert/mxfp4.py``), else
+    ``"none"``: the ``moe_expert_weight_qat`` under which Megatron computes what the export does."""
     import json
 
     from . import mxfp4
 
     with open(os.path.join(hf_dir, "config.json")) as f:
-        return "mxfp4" if mxfp4.is_mxfp4(json.load(f).get("quantization_config")) else None
+        return "mxfp4" if mxfp4.is_mxfp4(json.load(f).get("quantization_config")) else "none"
 
 
 def check_hf_dir(hf_dir: str | os.PathLike) -> None:

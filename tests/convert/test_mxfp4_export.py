@@ -120,7 +120,7 @@ def test_hf_forward_of_the_export_equals_megatron_qat_forward(ws):
     # the test can fail: without QAT the Megatron model is far from the MXFP4 export
     reader, arch, _, _ = open_checkpoint(root / "ck")
     tokens, _ = sample_tokens(root / "hf_mx", arch.vocab_size)
-    plain = megatron_logits(load_megatron_model(reader.path, arch, None), tokens)
+    plain = megatron_logits(load_megatron_model(reader.path, arch, "none"), tokens)
     with torch.no_grad():
         hf = load_hf_model(root / "hf_mx")(tokens).logits.float()
     assert (plain - hf).abs().max() > 1e3 * report.atol
