@@ -175,6 +175,34 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                           f"{QUANTILE_HISTOGRAM!r} alone (it cannot be combined with other types)")
     if lb in (QUANTILE_HISTOGRAM, [QUANTILE_HISTOGRAM]):
         _check_quantile_balancing(get)
+    if get("moe_expert_weight_qat") != "none":
+        _check_expert_weight_qat(get)
+
+
+def _check_expert_weight_qat(get: Callable[[str], Any]) -> None:
+    from megatron_latentmoe.ops.mxfp4 import BLOCK
+
+    qat = {"moe_expert_weight_qat": get("moe_expert_weight_qat")}
+    # MXFP4 blocks run along each GEMM's reduction dim: w1/w3 reduce over the latent width,
+    # w2 over its expert-tensor-parallel shard of moe_ffn_hidden_size (blocks never straddle
+    # shards, so every layout quantizes exactly like one process).
+    etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size")
+    name = "moe_latent_size" if get("moe_latent_size") else "hidden_size"
+    if get(name) % BLOCK:
+        raise ConfigError(name, get(name), f"a multiple of {BLOCK} with {{moe_expert_weight_qat}}",
+                          **qat)
+    ffn = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    if ffn % (BLOCK * etp):
+        raise ConfigError("moe_ffn_hidden_size", ffn, f"a multiple of {BLOCK} x "
+                          "{expert_tensor_parallel_size} with {moe_expert_weight_qat}",
+                          expert_tensor_parallel_size=etp, **qat)
+    if get("fp8") and get("fp8_recipe") != "mxfp8":
+        raise ConfigError("fp8_recipe", get("fp8_recipe"), "'mxfp8' with {moe_expert_weight_qat} "
+                          "(MXFP4 weights are exact in MXFP8; per-tensor FP8 scales would re-round "
+                          "them)", **qat)
+    if get("fp8_param"):
+        raise ConfigError("fp8_param", True, "False with {moe_expert_weight_qat} (the fake-quant "
+                          "reads high-precision master weights)", **qat)
 
 
 def _check_quantile_balancing(get: Callable[[str], Any]) -> None:

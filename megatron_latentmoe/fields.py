@@ -44,6 +44,9 @@ HIDDEN_ACTS = ("situ", "swiglu")
 QB_BINNINGS = ("uniform", "centered")
 """``moe_qb_binning``: SPEC §4's uniform bins, or bins centred on each expert's bias."""
 
+EXPERT_WEIGHT_QATS = ("none", "mxfp4")
+"""``moe_expert_weight_qat``: off, or fake-quantize the routed experts' weights to MXFP4."""
+
 HF_FIXED = {
     "moe_router_activation_func": "sigmoid",
     "moe_renormalize": True,
@@ -223,6 +226,11 @@ FIELDS: tuple[ModelField, ...] = (
                help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or "
                "'centered' on each expert's bias (same traffic; ~6x closer to the exact quantile "
                "at equal B, see benchmarks/bench_balancing.py)."),
+    ModelField("moe_expert_weight_qat", None, "none", kind=EXPERT_WEIGHT_QATS, added=True,
+               help="Quantization-aware training of the routed experts (SPEC §5): 'mxfp4' "
+               "fake-quantizes every routed expert's w1/w3/w2 to MXFP4 in the forward "
+               "(straight-through gradient; master weights and optimizer state keep their "
+               "dtype; moe/qat.py). Off by default; may be switched on when resuming."),
     # ---- HF-only: token ids (defaults: the shipped tokenizer's, data/assets/tokenizer)
     ModelField("bos_token_id", "bos_token_id", 0, hf_default=None, kind="token id",
                megatron=None, args=None),

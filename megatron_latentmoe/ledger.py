@@ -10,6 +10,9 @@ Activated per token per MoE layer: k routed experts, the shared experts, the pro
 whole router (every token is scored against all n experts).
 Dense layers (the first `first_k_dense_replace`): one gated MLP, 3 d dense_ffn_hidden_size.
 Embedding V d and LM head V d (none when tied).
+Bytes of the counted parameters: all bf16 (2 B), and the K3 deployment (routed experts MXFP4:
+4.25 bits = an E2M1 element + its share of one E8M0 scale per 32, ``ops/mxfp4.py``; the rest
+bf16). The fp32 router bias buffer is not counted.
 
 NOT counted: attention (model-specific: K3 mixes KDA and MLA layers), the per-layer norms outside
 the MoE block, MTP / vision modules. Every FFN is taken to be 3-matrix gated (SiTU-GLU) and
@@ -238,6 +241,14 @@ def parameter_ledger(shape: LatentMoEShape) -> dict:
     moe_all = L_moe * layer_total
     ffn_all = moe_all + dense_all  # > 0: with no MoE layer, the dense layers have a dense FFN
     counted = ffn_all + emb + head
+
+    from megatron_latentmoe.ops.mxfp4 import BITS_PER_PARAM
+
+    groups = {"routed_experts": L_moe * routed, "shared_experts": L_moe * shared,
+              "projections": L_moe * proj, "routers": L_moe * router, "dense_ffn": dense_all,
+              "embedding_and_lm_head": emb + head}
+    bf16_bytes = {g: 2 * v for g, v in groups.items()}
+    mxfp4_bytes = dict(bf16_bytes, routed_experts=L_moe * routed * BITS_PER_PARAM / 8)
     return {
         "shape": dataclasses.asdict(shape),
         "num_moe_layers": L_moe,
@@ -290,6 +301,11 @@ def parameter_ledger(shape: LatentMoEShape) -> dict:
             "routed_share_of_counted": L_moe * routed / counted,
             "activated_per_token": L_moe * act_total + dense_all + emb + head,
             "ffn_activated_per_token": L_moe * act_total + dense_all,
+        },
+        "bytes": {
+            "routed_expert_bits_mxfp4": BITS_PER_PARAM,
+            "bf16": {**bf16_bytes, "total": sum(bf16_bytes.values())},
+            "mxfp4_routed_experts": {**mxfp4_bytes, "total": sum(mxfp4_bytes.values())},
         },
         "not_counted": NOT_COUNTED,
     }
@@ -354,6 +370,19 @@ def format_ledger(ledger: Mapping[str, Any]) -> str:
         ("  counted (FFN + embeddings)", t["counted_params"], None),
         ("  activated per token (counted)", t["activated_per_token"],
          "FFN + embedding + LM head"),
+    ]
+    b = ledger["bytes"]
+    b16, bmx = b["bf16"], b["mxfp4_routed_experts"]
+    rows += [
+        ("bytes of the counted params: all bf16", None, None),
+        ("  routed experts", b16["routed_experts"], "2 B/param"),
+        ("  everything else", b16["total"] - b16["routed_experts"], None),
+        ("  total", b16["total"], None),
+        ("bytes: routed experts MXFP4, rest bf16 (K3 deployment)", None, None),
+        ("  routed experts", round(bmx["routed_experts"]),
+         f"{b['routed_expert_bits_mxfp4']} bits/param (E2M1 + E8M0 per 32); "
+         f"{b16['routed_experts'] / bmx['routed_experts']:.2f}x smaller"),
+        ("  total", round(bmx["total"]), f"{b16['total'] / bmx['total']:.2f}x smaller"),
     ]
     w = max(len(r[0]) for r in rows)
     out = [

@@ -7,7 +7,8 @@ Built by swapping submodules in Megatron's own GPT layer specs, never by forking
 * Megatron's ``get_mlp_module_spec_for_backend`` / ``get_moe_module_spec_for_backend`` with that
   provider give the dense MLP and the experts / shared experts;
 * the MoE layer becomes ``StableLatentMoELayer`` with the latent projections, the latent norm and
-  the QB router plugged in.
+  the QB router plugged in; with ``moe_expert_weight_qat`` the routed experts' linears
+  fake-quantize their weights (``moe/qat.py``).
 
 Two variants with the same numerics: ``local`` (pure PyTorch / Megatron-Core modules; runs
 anywhere) and ``te`` (Transformer Engine linears, grouped GEMM experts, TE norms; usable under
@@ -42,6 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
+from megatron_latentmoe.moe.qat import with_expert_weight_qat
 from megatron_latentmoe.moe.router import QuantileBalancingRouter
 from megatron_latentmoe.ops.rms_norm import RMSNorm
 from megatron_latentmoe.ops.situ import SiTUGLU
@@ -147,7 +149,7 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     return partial(
         StableLatentMoELayer,
         submodules=StableLatentMoESubmodules(
-            experts=moe_sub.experts,
+            experts=with_expert_weight_qat(moe_sub.experts, config),
             shared_experts=moe_sub.shared_experts if config.moe_shared_expert_intermediate_size else None,
             router=router,
             latent_down_proj=down,

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "an HF config.json); default: from the checkpoint")
     ex.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                     help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32")
+    ex.add_argument("--expert-dtype", default="auto", choices=["auto", "mxfp4"],
+                    help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed "
+                         "(compressed-tensors mxfp4-pack-quantized, 4.25 bits/weight; "
+                         "QAT-trained models export losslessly)")
     ex.add_argument("--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)")
     ex.add_argument("--tokenizer", default="default",
                     help="tokenizer directory to ship ('default' = the one the checkpoint was trained "
@@ -141,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 max_shard_size=args.max_shard_size,
                 tokenizer_dir=None if args.tokenizer == "none" else args.tokenizer,
                 overwrite=args.overwrite, progress=not args.no_progress,
-                read_batch_bytes=args.read_batch_mb << 20)
+                read_batch_bytes=args.read_batch_mb << 20, expert_dtype=args.expert_dtype)
             print(summary.format())
             result["summary"] = summary.to_dict()
             report = _verify(args, args.checkpoint, args.output, args.megatron_config) if args.verify else None

@@ -14,6 +14,12 @@ checkpoint in small batches (``read_batch_bytes``), converted, and appended to t
 Peak memory is about one read batch plus the largest tensor, independent of the model size.
 The HF config and the tokenizer are checked before any tensor is read.
 
+``expert_dtype="mxfp4"``: the routed experts are written MXFP4-packed (``convert/mxfp4.py``:
+compressed-tensors ``mxfp4-pack-quantized``, 4.25 bits per weight) with the quantization config in
+``config.json``; every other tensor is exported exactly as without it. They are quantized from
+the checkpoint's own values (before any ``dtype`` cast), as QAT's forward does. Expert widths
+that are not a multiple of 32 are refused before anything is written.
+
 Tokenizer (``tokenizer_dir="default"``): the HF tokenizer directory the checkpoint was trained
 with (megatron.training's ``--tokenizer-model``, read from the checkpoint's args; the package's
 own tokenizer if the run used it, wherever that clone was), else the package's tokenizer for a
@@ -37,13 +43,15 @@ import torch
 
 from .arch import ARCH_STATE_KEY, ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
+from . import mxfp4
 from .errors import ConversionError
 from .names import TensorMap, hf_dtype_for, iter_tensor_maps
 from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
           "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.uint8: "U8"}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -67,6 +75,29 @@ def parse_size(text: str | int) -> int:
         return int(s)
     except ValueError:
         raise ConversionError(f"size {text!r} is not understood: use e.g. 5GB, 500MB, 2GiB") from None
+
+
+EXPERT_DTYPES = ("auto", "mxfp4")
+"""``--expert-dtype``: routed experts in the export dtype, or MXFP4-packed."""
+
+
+def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
+    """Validate ``expert_dtype`` for ``arch``; True for MXFP4 (before anything is written)."""
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ConversionError(
+            f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}")
+    if expert_dtype != "mxfp4":
+        return False
+    from megatron_latentmoe.ops.mxfp4 import BLOCK
+
+    for field, value, tensors in (("moe_latent_size", arch.moe_latent_size, "w1/w3"),
+                                  ("moe_ffn_hidden_size", arch.moe_ffn_hidden_size, "w2")):
+        if value % BLOCK:
+            raise ConversionError(
+                f"--expert-dtype mxfp4: {field}={value} (the reduction width of the routed "
+                f"experts' {tensors}) is not a multiple of the MXFP4 block size {BLOCK}; MXFP4 "
+                "blocks are never padded. Export with --expert-dtype auto")
+    return True
 
 
 def parse_dtype(name: str) -> Optional[torch.dtype]:
@@ -354,11 +385,13 @@ def export_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+    expert_dtype: str = "auto",
 ) -> ConversionSummary:
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
 
     ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp32`` or ``fp16``;
-    ``e_score_correction_bias`` is always fp32. ``tokenizer_dir``: ``"default"`` = the training
+    ``e_score_correction_bias`` is always fp32. ``expert_dtype``: ``auto`` or ``mxfp4`` (routed
+    experts MXFP4-packed, see the module docstring). ``tokenizer_dir``: ``"default"`` = the training
     run's (see the module docstring), a directory, or None = none. Raises :class:`ConversionError` on bad input; never leaves a partial
     output directory.
     """
@@ -369,6 +402,7 @@ def export_checkpoint(
     if max_shard <= 0:
         raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
     reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
+    packed_experts = check_expert_dtype(expert_dtype, arch)
     name = str(reader.path)
     n_maps = match_checkpoint(reader, arch, name)
     tok = resolve_tokenizer_dir(tokenizer_dir, common)
@@ -383,10 +417,16 @@ def export_checkpoint(
     for tm in iter_tensor_maps(arch):
         dt = hf_dtype_for(tm, model_dtype)
         for hf_name, shape in tm.hf:
-            plan.append((hf_name, shape, dt))
+            if packed_experts and tm.expert is not None:
+                plan.extend((n, s, torch.uint8) for n, s in mxfp4.packed_shapes(hf_name, shape))
+            else:
+                plan.append((hf_name, shape, dt))
         largest = max(largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize))
 
     hf_config, arch, tok_files = prepare_hf_metadata(arch, model_dtype, tok, adopt_token_ids=trained_by_megatron)
+    if packed_experts:
+        hf_config.quantization_config = mxfp4.quantization_config()
+    expert_bytes = 0
     summary = ConversionSummary("export", name, str(output), config_source=config_source,
                                 largest_tensor_bytes=largest)
     with atomic_output_dir(output, overwrite) as tmp:
@@ -400,9 +440,18 @@ def export_checkpoint(
                 tensors = reader.read_locations(locs)
                 for tm, t in zip(batch, tensors):
                     for hf_name, hf_t in tm.to_hf(t).items():
-                        hf_t = hf_t.to(hf_dtype_for(tm, model_dtype))
-                        bar.update(writer.write(hf_name, hf_t))
-                        summary.tensors += 1
+                        if packed_experts and tm.expert is not None:
+                            try:
+                                out = mxfp4.pack(hf_name, hf_t)
+                            except ValueError as e:
+                                raise ConversionError(f"--expert-dtype mxfp4: {e}") from None
+                        else:
+                            out = {hf_name: hf_t.to(hf_dtype_for(tm, model_dtype))}
+                        for out_name, out_t in out.items():
+                            n = writer.write(out_name, out_t)
+                            bar.update(n)
+                            expert_bytes += n if tm.expert is not None else 0
+                            summary.tensors += 1
                 del tensors
             writer.close()
         finally:
@@ -416,10 +465,13 @@ def export_checkpoint(
     summary.peak_rss_bytes = peak_rss_bytes()
     summary.max_rss_growth_bytes = bar.max_growth
     summary.extra.update(dtype=str(model_dtype).replace("torch.", ""), shards=len(writer.files),
+                         expert_dtype="mxfp4" if packed_experts else "auto",
+                         routed_expert_bytes=expert_bytes,
                          megatron_tensors=n_maps, stream_seconds=round(stream_s, 3),
                          stream_mb_per_s=round(writer.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
     return summary
 
 
 __all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
-           "parse_dtype", "resolve_tokenizer_dir", "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]
+           "parse_dtype", "check_expert_dtype", "EXPERT_DTYPES", "resolve_tokenizer_dir",
+           "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]

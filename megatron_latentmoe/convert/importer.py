@@ -22,6 +22,9 @@ shard. (Cutting the chunks per layout saved only that a TP/ETP rank reads 1/TP o
 instead of all of it, once, at load; tested: the same import loads exactly into TP2+SP, EP2,
 PP2 and TP2xEP2 runs.) Tensors are read from the safetensors files with ``pread`` (no mmap) and
 written one at a time: peak memory is about one tensor.
+
+MXFP4 routed experts (``export --expert-dtype mxfp4``, ``convert/mxfp4.py``) are read back
+dequantized (exact) into the dtype of the other tensors, or ``dtype``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
 from .dist_reader import TRACKER_FILE
 from .errors import ConversionError
@@ -98,6 +102,8 @@ class SafetensorsFile:
             numel = 1
             for d in shape:
                 numel *= d
+            if info.get("dtype") == "U8" and name.endswith((mxfp4.PACKED, mxfp4.SCALE)):
+                dt = torch.uint8  # MXFP4 routed experts (checked against config.json by the reader)
             if dt is None:
                 raise ConversionError(f"{str(path)!r}: tensor {name!r} has dtype {info.get('dtype')}: "
                                       "not a supported float type (F32, BF16, F16, F64)")
@@ -163,14 +169,55 @@ class HFCheckpointReader:
             if lost:
                 raise ConversionError(f"{str(index)!r} names tensor(s) not found in their files: {lost[:5]}")
         self.bytes_read = 0
+        self.mxfp4 = self._mxfp4_pairs(json.loads(cfg.read_text()).get("quantization_config"))
 
-    def dtype(self, name: str) -> torch.dtype:
+    def _mxfp4_pairs(self, quantization_config) -> dict[str, tuple[str, str]]:
+        """{dense routed-expert weight name: (packed, scale) names} of an MXFP4 export, else {}."""
+        uint8 = sorted(k for k in self.names if self._raw_dtype(k) == torch.uint8)
+        if not mxfp4.is_mxfp4(quantization_config):
+            if uint8:
+                raise ConversionError(f"{str(self.dir)!r}: uint8 tensor(s) {uint8[:3]} but "
+                                      "config.json has no MXFP4 quantization_config")
+            return {}
+        pairs = {}
+        for name in uint8:
+            if name.endswith("." + mxfp4.PACKED):
+                dense = name.removesuffix(mxfp4.PACKED) + "weight"
+                pairs[dense] = mxfp4.names(dense)
+        orphans = sorted(set(uint8) - {n for pair in pairs.values() for n in pair})
+        orphans += sorted(scale for _, scale in pairs.values() if scale not in self.names)
+        if orphans:
+            raise ConversionError(
+                f"{str(self.dir)!r}: MXFP4 tensors without their pair: {orphans[:3]}")
+        dense_dtypes = {self._raw_dtype(k) for k in self.names if k not in uint8}
+        self._dense_dtype = min(dense_dtypes - {torch.float32}, key=str, default=torch.float32)
+        return pairs
+
+    def _raw_dtype(self, name: str) -> torch.dtype:
         return self._files[self.names[name]].entries[name][0]
 
+    def tensor_names(self) -> set[str]:
+        """The dense tensor names this directory provides (an MXFP4 pair counts as its weight)."""
+        packed = {n for pair in self.mxfp4.values() for n in pair}
+        return (set(self.names) - packed) | set(self.mxfp4)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dense_dtype if name in self.mxfp4 else self._raw_dtype(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4:
+            rows, half = self.shape(self.mxfp4[name][0])
+            return rows, 2 * half
         return self._files[self.names[name]].entries[name][1]
 
     def get(self, name: str, r0: int, r1: int, cols: slice = slice(None)) -> torch.Tensor:
+        if name in self.mxfp4:
+            pair = {n: self.get(n, r0, r1) for n in self.mxfp4[name]}
+            try:
+                t = mxfp4.unpack(name, pair, self._dense_dtype)
+            except ValueError as e:
+                raise ConversionError(f"{str(self.dir)!r}: {name!r}: {e}") from None
+            return t[:, cols]
         t = self._files[self.names[name]].read_rows(name, r0, r1)
         self.bytes_read += t.numel() * t.element_size()
         return t[:, cols] if t.dim() > 1 else t
@@ -183,11 +230,12 @@ class HFCheckpointReader:
         """Every expected HF tensor present with the right shape and nothing else (lm_head
         of a tied model is ignored). Returns the number of Megatron tensors."""
         expected, problems, count = set(), [], 0
+        present = self.tensor_names()
         for tm in iter_tensor_maps(arch):
             count += 1
             for name, shape in tm.hf:
                 expected.add(name)
-                if name not in self.names:
+                if name not in present:
                     problems.append(f"missing tensor {name!r}")
                     continue
                 try:
@@ -195,7 +243,7 @@ class HFCheckpointReader:
                 except ConversionError as e:
                     problems.append(str(e))
         ignored = {"lm_head.weight"} if arch.tie_embeddings else set()
-        unexpected = sorted(set(self.names) - expected - ignored)
+        unexpected = sorted(present - expected - ignored)
         if unexpected:
             problems.append(f"unexpected tensor(s) not described by config.json ({len(unexpected)}): "
                             f"{unexpected[:8]}")

@@ -2,6 +2,7 @@
 
 * Megatron side: ``build_gpt_model`` (local spec, fp32, one process, TP = EP = PP = 1) with the
   weights loaded from the ``torch_dist`` checkpoint by Megatron's own ``dist_checkpointing.load``
+  (with MXFP4 QAT of the routed experts when the export is MXFP4: training's forward)
   (an independent path from the converter's reader, so a mapping bug cannot cancel out). It runs
   where Megatron expects to run: on the GPU when CUDA is present (Megatron's router moves its
   weight to the current CUDA device), else on the CPU with the CPU shims.
@@ -108,8 +109,10 @@ def _ensure_single_process_world() -> None:
         apply_cpu_compat()
 
 
-def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
-    """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader)."""
+def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
+                        expert_weight_qat: str = "none"):
+    """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader),
+    ``expert_weight_qat`` as in training (``moe_expert_weight_qat``)."""
     _ensure_single_process_world()
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -118,7 +121,8 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch):
 
     reader = DistCheckpointReader(checkpoint)
     path = reader.path
-    config = arch.to_megatron_config(perform_initialization=False)
+    config = arch.to_megatron_config(perform_initialization=False,
+                                     moe_expert_weight_qat=expert_weight_qat)
     model = build_gpt_model(config, **arch.builder_kwargs())
     model.eval()
     sharded = model.sharded_state_dict()
@@ -243,6 +247,17 @@ def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: i
         raise ConversionError(f"atol (--verify-atol) = {atol!r} is not allowed: a positive finite number")
 
 
+def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:
+    """``"mxfp4"`` if the export's routed experts are MXFP4 (``convert/mxfp4.py``), else
+    ``"none"``: the ``moe_expert_weight_qat`` under which Megatron computes what the export does."""
+    import json
+
+    from . import mxfp4
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return "mxfp4" if mxfp4.is_mxfp4(json.load(f).get("quantization_config")) else "none"
+
+
 def check_hf_dir(hf_dir: str | os.PathLike) -> None:
     """Raise :class:`ConversionError` unless ``hf_dir`` is a directory with a ``config.json``."""
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -266,7 +281,7 @@ def verify_export(
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
     torch.manual_seed(0)
-    mg = load_megatron_model(reader.path, arch)
+    mg = load_megatron_model(reader.path, arch, hf_expert_weight_qat(hf_dir))
     hf = load_hf_model(hf_dir)
     tokens, source = sample_tokens(hf_dir, arch.vocab_size, batch, seq_len, text)
     lm = megatron_logits(mg, tokens)

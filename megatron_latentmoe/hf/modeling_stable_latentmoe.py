@@ -29,6 +29,9 @@ gradient checkpointing (``gradient_checkpointing_enable``), padding-free packed 
 makes them), custom 4D masks, static cache and ``torch.compile`` (not fullgraph); see the flags
 on ``StableLatentMoEPreTrainedModel``.
 
+MXFP4 routed experts (``convert export --expert-dtype mxfp4``: compressed-tensors
+``mxfp4-pack-quantized``, see "MXFP4 checkpoints" below) load dequantized to the compute dtype.
+
 Getting the routing out of a block: ``block(x, return_routing=True)`` returns ``(y, MoERouting)``;
 or set ``block.record_routing = True`` (``StableLatentMoEModel.set_record_routing(True)`` for all
 layers) and read ``block.last_routing`` after a forward.
@@ -559,6 +562,67 @@ class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
         return residual + h, weights
 
 
+# ============================================================================= MXFP4 checkpoints
+# Routed experts stored as compressed-tensors "mxfp4-pack-quantized" (OCP MX v1.0): per expert
+# linear ``weight_packed`` uint8 [out, in/2] (two E2M1 codes per byte, element 2i in the low
+# nibble, bit 3 = sign) and ``weight_scale`` uint8 [out, in/32] (E8M0: 2**(byte - 127) per block of
+# 32 along ``in``). Without compressed-tensors installed, transformers cannot build its quantizer
+# for such a config.json, so ``from_pretrained`` drops the quantization config and a conversion
+# registered for this model type dequantizes each pair into the dense ``weight`` (exact in fp32
+# and bf16). Pass ``quantization_config=...`` to use compressed-tensors' own loader instead.
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(``weight_packed`` [out, in/2], ``weight_scale`` [out, in/32]) -> [out, in] in ``dtype``."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
+    values = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)[codes]
+    blocks = values.unflatten(-1, (scale.shape[-1], -1))
+    return (blocks * torch.exp2(scale.float() - 127.0).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def _is_mxfp4_experts(quantization_config) -> bool:
+    config = quantization_config
+    if config is not None and not isinstance(config, dict) and hasattr(config, "to_dict"):
+        config = config.to_dict()
+    return bool(config) and config.get("format") == MXFP4_FORMAT
+
+
+def _register_mxfp4_loading():
+    """Make loading this model type turn each MXFP4 pair into its dense ``weight`` (a transformers
+    weight conversion). Returns (the conversion op class, a function that unregisters it): it
+    is registered for one load only, as a registered conversion is also reverted by
+    ``save_pretrained``, which must write the dense weights."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class DequantizeMXFP4(ConversionOps):
+        def convert(self, input_dict, source_patterns=None, target_patterns=None,
+                    full_layer_name=None, **kwargs):
+            # transformers casts every checkpoint tensor to the load dtype first: the uint8 bytes
+            # come back as exact small integers (0..255 are exact even in bf16)
+            t = {k: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
+            t = {k: v.to(torch.uint8) for k, v in t.items()}
+            dtype = kwargs["model"].get_parameter(full_layer_name).dtype
+            return {full_layer_name: dequantize_mxfp4(t["weight_packed"], t["weight_scale"], dtype)}
+
+    model_type = StableLatentMoEConfig.model_type
+    previous = conversion_mapping.get_checkpoint_conversion_mapping(model_type)
+    converter = WeightConverter(["weight_packed", "weight_scale"], "weight", [DequantizeMXFP4()])
+    register = conversion_mapping.register_checkpoint_conversion_mapping
+    register(model_type, [converter], overwrite=True)
+
+    def unregister():
+        if previous is not None:
+            register(model_type, previous, overwrite=True)
+        else:  # transformers has no public "unregister"
+            conversion_mapping._checkpoint_conversion_mapping_cache.pop(model_type, None)
+            conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
+
+    return DequantizeMXFP4, unregister
+
+
 # ================================================================================ HF model classes
 def _cache_field(output_cls) -> str:
     """Name of the cache field of a transformers ModelOutput class (``cache`` in recent 5.x,
@@ -605,6 +669,34 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
     _supports_context_parallel = False
     # The selection bias stays fp32 when the model is loaded in bf16/fp16 (SPEC §6: fp32 QB bias).
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained``; MXFP4 routed experts load dequantized (see "MXFP4
+        checkpoints") unless a ``quantization_config`` is passed."""
+        config = kwargs.get("config")
+        if config is None:
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                   "subfolder")
+            config = cls.config_class.from_pretrained(pretrained_model_name_or_path,
+                                                      **{k: kwargs[k] for k in hub if k in kwargs})
+        if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
+            getattr(config, "quantization_config", None)
+        ):
+            dense = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+            kwargs["config"] = type(config).from_dict(dense)
+            dequantize, unregister = _register_mxfp4_loading()
+            try:
+                model = super().from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                **kwargs)
+            finally:
+                unregister()
+            model._weight_conversions = [  # nothing to revert: the loaded model is dense
+                c for c in getattr(model, "_weight_conversions", None) or []
+                if not any(isinstance(op, dequantize) for op in getattr(c, "operations", ()))
+            ]
+            return model
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         # torch.nn.init is looked up at call time so transformers can guard it during loading.
@@ -864,6 +956,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "build_attention_mask",
     "compute_dtype",
+    "dequantize_mxfp4",
     "eager_attention_forward",
     "get_glu_activation",
     "noaux_tc_routing",

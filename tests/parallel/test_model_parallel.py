@@ -14,6 +14,8 @@ Layouts: TP2+SP, EP2, PP2, EP2 with full activation recompute (world 2); EP4, TP
 ETP1 and ETP2, PP2 x EP2 (world 4). With recompute the QB router must still count every token
 once: the bias after the step proves it. Virtual pipeline stages (interleaved 1F1B): PP2 x VPP2
 (world 2) and PP2 x VPP2 x EP2 (world 4), on a 4-layer model against its own single process.
+MXFP4 QAT of the routed experts (m_e = 64): TP2+SP (ETP2: w2's MXFP4 blocks inside each shard),
+EP2 with recompute, PP2 (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ LAYOUTS_4 = {
 # VPP with PP2 otherwise), overlap the p2p communication instead of batching it, so the two
 # directions travel on different groups.
 P2P_OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
+QAT = dict(moe_expert_weight_qat="mxfp4", moe_ffn_hidden_size=64)
+LAYOUTS_QAT = {
+    2: {"TP2+SP QAT": dict(tp=2, pp=1, ep=1, etp=2, **QAT),
+        "EP2 recompute QAT": dict(tp=1, pp=1, ep=2, etp=1, **RECOMPUTE, **QAT),
+        "PP2 QAT": dict(tp=1, pp=2, ep=1, etp=1, **QAT)},
+    4: {"TP2xEP2-ETP2 QAT": dict(tp=2, pp=1, ep=2, etp=2, **QAT)},
+}
 LAYOUTS_VPP = {
     2: {"PP2-VPP2": dict(pp=2, vpp=2, layers=4, **P2P_OVERLAP)},
     4: {"PP2-VPP2xEP2": dict(pp=2, vpp=2, ep=2, layers=4, **P2P_OVERLAP)},
@@ -96,12 +105,12 @@ def _biases(model):
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.expert_bias")}
 
 
-def _reference(rank, world_size, layers):
+def _reference(rank, world_size, layers, extra):
     import torch
 
     out = {}
     for dispatcher in DISPATCHERS:
-        (model,), ddps, optimizer = _build(dispatcher, layers=layers)
+        (model,), ddps, optimizer = _build(dispatcher, layers=layers, **extra)
         full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
         loss, (grads,), grad_norm, loss_after = train_step([model], ddps, optimizer)
         out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
@@ -136,8 +145,8 @@ def _layouts(rank, world_size, layouts, reference):
     return results
 
 
-def _single_process(layers):
-    (ref,) = run_distributed(_reference, 1, layers)
+def _single_process(layers, **extra):
+    (ref,) = run_distributed(_reference, 1, layers, extra)
     for r in ref.values():
         assert r["loss_after"] < r["loss"]
         assert any(b.abs().max() > 0 for b in r["bias"].values()), "QB should move the bias"
@@ -147,6 +156,11 @@ def _single_process(layers):
 @pytest.fixture(scope="module")
 def reference():
     return _single_process(layers=2)
+
+
+@pytest.fixture(scope="module")
+def reference_qat():
+    return _single_process(layers=2, **QAT)
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +186,8 @@ def test_world4_matches_single_process(reference):
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS_VPP))
 def test_virtual_pipeline_matches_single_process(world_size, reference_4_layers):
     _check_with_bias(run_distributed(_layouts, world_size, LAYOUTS_VPP[world_size], reference_4_layers))
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS_QAT))
+def test_mxfp4_qat_matches_single_process(world_size, reference_qat):
+    _check_with_bias(run_distributed(_layouts, world_size, LAYOUTS_QAT[world_size], reference_qat))

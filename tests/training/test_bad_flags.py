@@ -45,6 +45,11 @@ CASES = {
         ["--hidden-act", "gelu"],
         ["--hidden-act", "gelu", "situ", "swiglu"],
     ),
+    "qat_expert_width_not_a_multiple_of_32": (  # refused by the config, naming the flag
+        ["--moe-expert-weight-qat", "mxfp4", "--moe-ffn-hidden-size", "48",
+         "--moe-shared-expert-intermediate-size", "96", "--save-interval", "1000"],
+        ["--moe-ffn-hidden-size 48", "multiple of 32", "--moe-expert-weight-qat mxfp4"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],

@@ -55,6 +55,7 @@ def test_added_fields_are_listed():
         "first_k_dense_replace",
         "moe_qb_num_bins",
         "moe_qb_binning",
+        "moe_expert_weight_qat",
     }
 
 

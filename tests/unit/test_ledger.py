@@ -335,3 +335,17 @@ def test_ledger_module_does_not_import_megatron():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_k3_bytes_bf16_vs_mxfp4_routed_experts():
+    """SPEC §5 deployment: 2.72 T routed params at 4.25 bits ~ 1.45 TB vs 5.44 TB in bf16."""
+    led = parameter_ledger(K3_FULL_SCALE)
+    routed = led["all_moe_layers"]["routed_expert_params"]
+    b16, bmx = led["bytes"]["bf16"], led["bytes"]["mxfp4_routed_experts"]
+    assert b16["routed_experts"] == 2 * routed and bmx["routed_experts"] == routed * 17 / 32
+    assert round(b16["routed_experts"] / 1e12, 2) == 5.45 and round(bmx["routed_experts"] / 1e12, 2) == 1.45
+    assert b16["routed_experts"] / bmx["routed_experts"] == 64 / 17  # 3.76x
+    others = {k: v for k, v in b16.items() if k not in ("routed_experts", "total")}
+    assert {k: bmx[k] for k in others} == others  # nothing else is quantized
+    assert b16["total"] == 2 * led["totals"]["counted_params"]
+    assert "1.45 T" in format_ledger(led) and "3.76x smaller" in format_ledger(led)

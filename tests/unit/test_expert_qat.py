@@ -1,0 +1,110 @@
+"""MXFP4 QAT of the routed experts (``moe_expert_weight_qat``, ``moe/qat.py``) on one rank.
+
+A QAT layer == the plain layer whose routed-expert weights were replaced by their MXFP4
+round trip: same output, same input gradient and same gradient for EVERY parameter (straight
+through: the master weight gets the gradient of the quantized one). The state dicts have the
+same keys and shapes (checkpoints are interchangeable: QAT can be switched on when resuming).
+"""
+
+import pytest
+import torch
+
+from tests.parallel.launcher import run_distributed
+
+SEQ, BATCH = 12, 3
+
+
+def _compare(rank, world_size):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.ops.mxfp4 import mxfp4_round_trip
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    torch.manual_seed(3)
+    layers = {}
+    for name, qat in (("qat", "mxfp4"), ("plain", "none"), ("rounded", "none")):
+        cfg = tiny_config(moe_ffn_hidden_size=64, moe_latent_size=64, moe_expert_weight_qat=qat)
+        layers[name] = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+    with torch.no_grad():
+        layers["qat"].router.expert_bias.normal_(0.0, 0.05)
+    state = layers["qat"].state_dict()
+    keys_match = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)} == {
+        k: tuple(v.shape) for k, v in layers["plain"].state_dict().items() if torch.is_tensor(v)
+    }
+    expert_keys = [k for k in state if k.startswith("experts.") and k.endswith(".weight")]
+    layers["plain"].load_state_dict(state)
+    layers["rounded"].load_state_dict(
+        {k: mxfp4_round_trip(v) if k in expert_keys else v for k, v in state.items()}
+    )
+    x = torch.randn(SEQ, BATCH, 64)
+    upstream = torch.randn(SEQ, BATCH, 64)
+    out = {}
+    for name, layer in layers.items():
+        xi = x.clone().requires_grad_()
+        y, _ = layer(xi)
+        (y * upstream).sum().backward()
+        out[name] = dict(
+            y=y.detach(),
+            dx=xi.grad,
+            grads={k: p.grad.clone() for k, p in layer.named_parameters() if p.grad is not None},
+        )
+    master_unchanged = all(
+        torch.equal(layers["qat"].state_dict()[k], state[k]) for k in expert_keys
+    )
+    return dict(
+        out=out,
+        keys_match=keys_match,
+        n_expert_weights=len(expert_keys),
+        master_unchanged=master_unchanged,
+    )
+
+
+@pytest.fixture(scope="module")
+def result():
+    (r,) = run_distributed(_compare, 1)
+    return r
+
+
+def test_qat_layer_equals_plain_layer_on_mxfp4_weights(result):
+    qat, rounded, plain = (result["out"][k] for k in ("qat", "rounded", "plain"))
+    assert result["keys_match"] and result["n_expert_weights"] == 16  # 8 experts x fc1, fc2
+    assert result["master_unchanged"]
+    scale = rounded["y"].abs().max()
+    assert (qat["y"] - rounded["y"]).abs().max() <= 1e-6 * scale
+    assert (qat["dx"] - rounded["dx"]).abs().max() <= 1e-6 * rounded["dx"].abs().max()
+    assert qat["grads"].keys() == rounded["grads"].keys()
+    for k, g in rounded["grads"].items():
+        assert (qat["grads"][k] - g).abs().max() <= 1e-6 * g.abs().max().clamp_min(1e-30), k
+    # and QAT is really on: the plain layer on the master weights differs by the quantization
+    assert (plain["y"] - qat["y"]).abs().max() > 1e-3 * scale
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(moe_ffn_hidden_size=48),
+            "moe_ffn_hidden_size=48 is not allowed: a multiple of 32 x "
+            "expert_tensor_parallel_size=1",
+        ),
+        (
+            dict(moe_ffn_hidden_size=32, expert_tensor_parallel_size=2),
+            "moe_ffn_hidden_size=32 is not allowed: a multiple of 32 x "
+            "expert_tensor_parallel_size=2",
+        ),
+        (
+            dict(moe_latent_size=48, moe_ffn_hidden_size=64),
+            "moe_latent_size=48 is not allowed: a multiple of 32",
+        ),
+        (
+            dict(moe_ffn_hidden_size=64, moe_expert_weight_qat="nvfp4"),
+            r"moe_expert_weight_qat='nvfp4' is not allowed: one of \('none', 'mxfp4'\)",
+        ),
+    ],
+)
+def test_qat_config_errors_name_the_width(overrides, message):
+    from megatron_latentmoe.config import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**{"moe_expert_weight_qat": "mxfp4", **overrides})
