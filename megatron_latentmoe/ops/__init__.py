@@ -1,2 +1,1 @@
-"""Elementwise ops of Stable LatentMoE (no Megatron imports here): ``situ`` (SPEC §2) and
-``rms_norm`` (SPEC §1 latent norm)."""
+"""Elementwise ops of Stable LatentMoE (no Megatron imports here): ``situ`` (SPEC §2)."""
