@@ -166,11 +166,13 @@ def _plan_layout_change(args, saved) -> None:
             return
         if opt_param_scheduler is not None and iteration > 0:
             opt_param_scheduler.step(increment=iteration * args.global_batch_size)
+        why = "--no-load-optim" if keep else (
+            "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
+            f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
+        )
         _print0(
-            f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over "
-            "(megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
-            f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}); LR schedule stepped to the "
-            "loaded iteration."
+            f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over ({why}); "
+            "LR schedule stepped to the loaded iteration."
         )
 
     install_layout_change_load(args, keep, on_load)
