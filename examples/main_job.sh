@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The README's main job: on a fresh machine (2 CPU cores are enough), set up the environment and
 # pretrain a tiny Stable LatentMoE with Quantile Balancing across 2 processes with expert
-# parallelism (EP2), on the shipped corpus and tokenizer; save a distributed checkpoint
-# (torch_dist); print a summary showing the loss went down and the balance; draw the expert loads;
+# parallelism (EP2) and Megatron's distributed optimizer, on the shipped corpus and tokenizer;
+# save a distributed checkpoint (torch_dist; optimizer state fully reshardable: a resume with
+# another TP/EP/PP layout keeps the Adam moments); print a summary showing the loss went down and
+# the balance; draw the expert loads;
 # export to HF (logits verified against Megatron) and generate a line of text from the export.
 #
 #   bash examples/main_job.sh
@@ -41,6 +43,7 @@ set +e
 PYTHON="$python" NPROC="${NPROC:-2}" bash "$repo/examples/run_torchrun.sh" "$repo/examples/args/tiny.sh" \
     --train-iters "$iters" \
     --save "$ckpt" --load "$ckpt" --save-interval 100 \
+    --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable \
     --balance-log-file "$out/balance.jsonl" \
     --tensorboard-dir "$out/tensorboard" \
     --data-cache-path "$repo/outputs/cache" \

@@ -3,7 +3,8 @@
 Built by swapping submodules in Megatron's own GPT layer specs, never by forking them:
 
 * a backend spec provider that answers "which activation" with SiTU-GLU (when
-  ``hidden_act == "situ"``) and, for the local backend, "which norm" with our SP-capable RMSNorm;
+  ``hidden_act == "situ"``) and, for the local backend, "which norm" with Megatron's torch
+  RMSNorm made SP-capable by ``compat.core``;
 * Megatron's ``get_mlp_module_spec_for_backend`` / ``get_moe_module_spec_for_backend`` with that
   provider give the dense MLP and the experts / shared experts;
 * the MoE layer becomes ``StableLatentMoELayer`` with the latent projections, the latent norm and
@@ -31,6 +32,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -40,28 +42,30 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_latentmoe.compat.core import apply_core_compat
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
 from megatron_latentmoe.moe.qat import with_expert_weight_qat
 from megatron_latentmoe.moe.router import QuantileBalancingRouter
-from megatron_latentmoe.ops.rms_norm import RMSNorm
 from megatron_latentmoe.ops.situ import SiTUGLU
 
 BACKENDS = ("local", "te")
 
 
 class _LocalBackend(LocalSpecProvider):
-    """Megatron's local backend with SiTU-GLU and an RMSNorm that accepts sequence parallelism."""
+    """Megatron's local backend with SiTU-GLU and its torch RMSNorm, which ``compat.core`` lets
+    accept sequence parallelism."""
 
     def __init__(self, activation):
+        apply_core_compat()
         self._activation = activation
 
     def activation_func(self):
         return self._activation
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
-        return RMSNorm
+        return WrappedTorchNorm
 
 
 def _te_backend(activation):
@@ -91,30 +95,17 @@ def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> No
 
 
 def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, moe: bool):
-    """Megatron's GPT layer submodules for this backend (attention, norms), MLP still Megatron's."""
+    """Megatron's GPT layer submodules for this backend (attention, norms), MLP still Megatron's.
+
+    Local: with ``normalization="RMSNorm"`` Megatron picks ``WrappedTorchNorm`` for every norm."""
     if backend == "local":
         sub = get_gpt_layer_local_submodules(
             num_experts=None, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
         )
-        attention = sub.self_attention
-        attention = dataclasses.replace(
-            attention,
-            submodules=dataclasses.replace(
-                attention.submodules,
-                q_layernorm=RMSNorm if config.qk_layernorm else attention.submodules.q_layernorm,
-                k_layernorm=RMSNorm if config.qk_layernorm else attention.submodules.k_layernorm,
-            ),
-        )
         keys_map = dict(sub.sharded_state_dict_keys_map)
         if moe:  # TE MoE layers keep a separate pre-MLP norm: checkpoint it under the same name
             keys_map.pop("pre_mlp_layernorm.", None)
-        return dataclasses.replace(
-            sub,
-            input_layernorm=RMSNorm,
-            pre_mlp_layernorm=RMSNorm,
-            self_attention=attention,
-            sharded_state_dict_keys_map=keys_map,
-        )
+        return dataclasses.replace(sub, sharded_state_dict_keys_map=keys_map)
     return get_gpt_layer_with_transformer_engine_submodules(
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=moe,
@@ -138,7 +129,7 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     )
     if backend == "local":
         down = up = LatentProjection
-        norm = RMSNorm
+        norm = WrappedTorchNorm
     else:
         from megatron.core.extensions.transformer_engine import TELinear, TENorm
 
@@ -206,7 +197,7 @@ def get_stable_latentmoe_block_spec(
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if backend == "local":
-        final_norm = RMSNorm
+        final_norm = WrappedTorchNorm
     else:
         from megatron.core.extensions.transformer_engine import TENorm
 

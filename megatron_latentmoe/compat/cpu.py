@@ -8,71 +8,40 @@ why); with CUDA available it does nothing. :func:`initialize_parallel_cpu` then 
 parallel groups and seeds its RNG tracker in an initialised gloo world -- the step
 ``megatron.training.initialize`` skips when there is no GPU.
 
-Checked against megatron-core 0.19.2 only; other versions are refused unless
-``MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1`` (then a warning).
+Checked against megatron-core 0.19.2 only (:mod:`.registry`); it also applies the shims needed on
+every device (:mod:`.core`).
 
-The patches are process-wide module attributes, recorded so that :func:`revert_cpu_compat` can
-undo them, except :class:`CudaToCpuDeviceMode`: a ``TorchFunctionMode`` is per thread, so it is
-entered on the thread that calls :func:`apply_cpu_compat` (call it again on any other thread
-that runs Megatron code).
+The patches are process-wide module attributes, recorded in :mod:`.registry` so that
+:func:`revert_cpu_compat` can undo them, except :class:`CudaToCpuDeviceMode`: a
+``TorchFunctionMode`` is per thread, so it is entered on the thread that calls
+:func:`apply_cpu_compat` (call it again on any other thread that runs Megatron code).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import os
 import threading
-import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from . import core, registry
+
 __all__ = [
-    "TESTED_MEGATRON_CORE_VERSION",
     "CudaToCpuDeviceMode",
     "apply_cpu_compat",
-    "check_megatron_core_version",
     "initialize_parallel_cpu",
     "revert_cpu_compat",
 ]
 
-TESTED_MEGATRON_CORE_VERSION = "0.19.2"
-ALLOW_UNTESTED_ENV = "MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"
-
 _CPU = torch.device("cpu")
-# (owner, attribute, original value) of every attribute patched, in patch order.
-_patched: list[tuple[object, str, object]] = []
+_GROUP = "cpu"
 _modes: dict[int, "CudaToCpuDeviceMode"] = {}  # thread id -> the mode entered on that thread
 
 
 def _patch(owner: object, name: str, value: object) -> None:
-    _patched.append((owner, name, getattr(owner, name)))
-    setattr(owner, name, value)
-
-
-def check_megatron_core_version() -> str:
-    """Return the installed megatron-core version; raise unless it is the tested one.
-
-    With ``MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1`` an untested version only warns. A local
-    suffix is ignored: ``megatron.core.package_info`` appends ``+<git hash>`` of whatever git
-    checkout the installed package sits in (unless ``NO_VCS_VERSION=1``).
-    """
-    import megatron.core
-
-    version = megatron.core.__version__.split("+")[0]
-    if version != TESTED_MEGATRON_CORE_VERSION:
-        msg = (
-            f"megatron_latentmoe's CPU shims were written for megatron-core "
-            f"{TESTED_MEGATRON_CORE_VERSION}, found {version}: the patched functions may have "
-            f"moved or changed. Install megatron-core=={TESTED_MEGATRON_CORE_VERSION} or set "
-            f"{ALLOW_UNTESTED_ENV}=1 to try anyway."
-        )
-        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-            raise RuntimeError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
-    return version
+    registry.patch(_GROUP, owner, name, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,68 +326,40 @@ def _shim_uneven_all_gather() -> None:
     _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
 
 
-def _shim_torch_norm_sequence_parallel() -> None:
-    """Let the local spec's torch norm run with sequence parallelism.
-
-    ``transformer/torch_norm.WrappedTorchNorm`` (the ``LNImpl`` of the local spec without apex)
-    asserts ``not config.sequence_parallel``, yet MoE with TP>1 requires sequence parallelism.
-    The norm itself is per-token, so it is SP-safe once its weights carry
-    ``sequence_parallel=True`` like Megatron's fused/TE norms: ``finalize_model_grads`` then
-    all-reduces their grads over the TP group.
-    """
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    original = WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original(cls, config, hidden_size, eps, **kwargs)
-        config = copy.copy(config)
-        config.sequence_parallel = False
-        norm = original(cls, config, hidden_size, eps, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    _patch(WrappedTorchNorm, "__new__", staticmethod(__new__))
-
-
 _SHIMS = (
     _shim_streams,
     _shim_device_queries,
     _shim_rng,
     _shim_alltoall_split_sizes,
     _shim_uneven_all_gather,
-    _shim_torch_norm_sequence_parallel,
     _shim_mode_in_backward,
 )
 
 
 def apply_cpu_compat() -> bool:
-    """Install the CPU shims (idempotent). Returns False, doing nothing, when CUDA is available.
+    """Install the CPU shims and :func:`.core.apply_core_compat` (idempotent). Returns False,
+    doing nothing, when CUDA is available.
 
-    Raises RuntimeError if megatron-core is not the tested version (see
-    :func:`check_megatron_core_version`).
+    Raises RuntimeError if megatron-core is not the tested version
+    (:func:`.registry.check_megatron_core_version`).
     """
     if torch.cuda.is_available():
         return False
-    if not _patched:
-        check_megatron_core_version()
-        for shim in _SHIMS:
-            shim()
+    core.apply_core_compat()
+    registry.apply_group(_GROUP, _SHIMS)
     _enter_cuda_to_cpu_mode()
     return True
 
 
 def revert_cpu_compat() -> None:
-    """Undo :func:`apply_cpu_compat` (for tests): restore patched attributes, leave the mode.
+    """Undo :func:`apply_cpu_compat` (for tests): restore every patched attribute (the
+    :mod:`.core` ones too), leave the mode.
 
     The mode can only be left on the thread that entered it; an RNG tracker already created
     stays what it is.
     """
-    while _patched:
-        owner, name, original = _patched.pop()
-        setattr(owner, name, original)
+    registry.revert(_GROUP)
+    registry.revert(core.GROUP)
     mode = _modes.pop(threading.get_ident(), None)
     if mode is not None:
         mode.__exit__(None, None, None)
@@ -431,18 +372,19 @@ def initialize_parallel_cpu(
     expert_tensor_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     seed: int = 1234,
+    data_parallel_random_init: bool = False,
     **kwargs,
 ) -> None:
     """Build Megatron's model-parallel groups and seed its RNGs, in a gloo world.
 
     What ``megatron.training.initialize`` skips when ``torch.cuda.device_count() == 0``. Needs an
     initialised ``torch.distributed`` default group: ``parallel_state.initialize_model_parallel``
-    creates its groups with the default backend (``backend=None``), i.e. gloo here. Seeds as
-    ``megatron.training.initialize._set_random_seed`` does (``seed + 100 * pp_rank`` for
-    ``random``, numpy, torch, then ``model_parallel_cuda_manual_seed``), the CPU generator
-    standing in for the CUDA one. Applies :func:`apply_cpu_compat` first. Extra keyword
-    arguments go to ``initialize_model_parallel``; undo with
-    ``megatron.core.parallel_state.destroy_model_parallel()``.
+    creates its groups with the default backend (``backend=None``), i.e. gloo here. Seeds once,
+    as ``megatron.training.initialize._set_random_seed`` does (``seed + 100 * pp_rank``, ``+ 10 *
+    dp_rank`` with ``data_parallel_random_init``, for ``random``, numpy, torch, then
+    ``model_parallel_cuda_manual_seed``), the CPU generator standing in for the CUDA one. Applies
+    :func:`apply_cpu_compat` first. Extra keyword arguments go to ``initialize_model_parallel``;
+    undo with ``megatron.core.parallel_state.destroy_model_parallel()``.
     """
     import random
 
@@ -462,6 +404,8 @@ def initialize_parallel_cpu(
         **kwargs,
     )
     seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -1,18 +1,37 @@
-"""``megatron.training`` walls (megatron-core 0.19.2), next to the megatron-core ones in ``cpu.py``.
+"""``megatron.training`` (megatron-core 0.19.2 wheel) patches of the training entry point.
 
-* :func:`cpu_training_defaults`: flags that need CUDA kernels, switched off on CPU;
+Every rebinding goes through :mod:`.registry` (version-checked, revertible):
+
+* :func:`cpu_training_defaults`: flags that need CUDA kernels, switched off on CPU (no patch);
 * :func:`apply_cpu_training_compat`: ``initialize_megatron`` gets ``allow_no_cuda``, the CUDA
   fusion warm-up is skipped, ``validate_args``' GPU-architecture query answers 0;
 * :func:`init_cpu_world`: what ``initialize_megatron`` skips without a GPU (gloo world, parallel
   groups, seeded RNG tracker);
-* :func:`skip_dataset_helper_build` (CPU and GPU): the wheel has no Makefile for the dataset
-  helpers but ships them compiled.
+* :func:`parse_with_our_flags`: every parse of the command line includes our flags;
+* per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time` and
+  :func:`install_layout_change_load`.
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
-from typing import List
+from typing import Callable, List
+
+from . import registry
+
+__all__ = [
+    "apply_cpu_training_compat",
+    "begin_run",
+    "cpu_training_defaults",
+    "exclude_from_step_time",
+    "init_cpu_world",
+    "install_layout_change_load",
+    "parse_with_our_flags",
+]
+
+_CPU_GROUP, _FLAGS_GROUP, _RUN_GROUP = "training-cpu", "training-flags", "training-run"
+
 
 def cpu_training_defaults(args) -> List[str]:
     """Flags that only work with CUDA kernels: switched off on CPU (returns the notes)."""
@@ -34,54 +53,40 @@ def cpu_training_defaults(args) -> List[str]:
     return notes
 
 
-def apply_cpu_training_compat() -> None:
-    """``megatron.training`` walls on a machine without CUDA.
-
-    * ``pretrain`` calls ``initialize_megatron()`` without ``allow_no_cuda``: pass it.
-    * ``set_jit_fusion_options`` warms torch.compile'd CUDA fusions up with ``device="cuda"``
-      tensors: nothing to warm on CPU (the fusions are switched off by :func:`cpu_training_defaults`).
-    * ``validate_args`` asks the GPU architecture for TP/CP > 1: report "pre-Blackwell" (0), so
-      Megatron applies its CUDA_DEVICE_MAX_CONNECTIONS=1 rule (the entry point sets it).
-    """
-    import functools
-
+def _shim_cpu_training() -> None:
     import megatron.training.arguments as margs
     import megatron.training.training as mtraining
 
-    if not getattr(mtraining.initialize_megatron, "_latentmoe_cpu", False):
-        original = mtraining.initialize_megatron
+    original = mtraining.initialize_megatron
 
-        @functools.wraps(original)
-        def initialize_megatron(*a, **kw):
-            kw["allow_no_cuda"] = True
-            return original(*a, **kw)
+    @functools.wraps(original)
+    def initialize_megatron(*a, **kw):
+        kw["allow_no_cuda"] = True
+        return original(*a, **kw)
 
-        initialize_megatron._latentmoe_cpu = True
-        mtraining.initialize_megatron = initialize_megatron
-        mtraining.set_jit_fusion_options = lambda *a, **kw: None
-    margs.get_device_arch_version = lambda: 0
+    registry.patch(_CPU_GROUP, mtraining, "initialize_megatron", initialize_megatron)
+    registry.patch(_CPU_GROUP, mtraining, "set_jit_fusion_options", lambda *a, **kw: None)
+    registry.patch(_CPU_GROUP, margs, "get_device_arch_version", lambda: 0)
 
 
-def skip_dataset_helper_build() -> None:
-    """``initialize_megatron`` runs ``make`` for the dataset helpers, and the megatron-core wheel
-    ships no Makefile (the compiled ``helpers_cpp`` is inside): keep the compiled one."""
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return  # a source checkout: let Megatron build them
-    import megatron.core.datasets.utils as dutils
+def apply_cpu_training_compat() -> None:
+    """``megatron.training`` walls on a machine without CUDA (idempotent).
 
-    dutils.compile_helpers = lambda: None
+    * ``pretrain`` calls ``initialize_megatron()`` without ``allow_no_cuda``: pass it.
+    * ``set_jit_fusion_options`` warms torch.compile'd CUDA fusions up with ``device="cuda"``
+      tensors: nothing to warm on CPU (:func:`cpu_training_defaults` switches the fusions off).
+    * ``validate_args`` asks the GPU architecture for TP/CP > 1: report "pre-Blackwell" (0), so
+      Megatron applies its CUDA_DEVICE_MAX_CONNECTIONS=1 rule (the entry point sets it).
+    """
+    registry.apply_group(_CPU_GROUP, [_shim_cpu_training])
 
 
 def init_cpu_world(args) -> None:
-    """gloo process group, Megatron parallel groups and the CPU RNG tracker (seeded like
-    ``megatron.training.initialize._set_random_seed`` seeds the CUDA one)."""
+    """gloo process group, Megatron parallel groups and the CPU RNG tracker, seeded once like
+    ``megatron.training.initialize._set_random_seed`` seeds the CUDA one."""
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_latentmoe.compat.cpu import initialize_parallel_cpu
+    from .cpu import initialize_parallel_cpu
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
@@ -97,13 +102,76 @@ def init_cpu_world(args) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         context_parallel_size=args.context_parallel_size,
         seed=args.seed,
+        data_parallel_random_init=args.data_parallel_random_init,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
         create_gloo_process_groups=args.use_gloo_process_groups,
     )
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    if args.data_parallel_random_init:
-        seed += 10 * parallel_state.get_data_parallel_rank()
-    model_parallel_cuda_manual_seed(seed)
+
+
+def parse_with_our_flags(add_args: Callable):
+    """Parse ``sys.argv`` with Megatron's parser plus ``add_args(parser)``.
+
+    ``pretrain`` re-parses the command line on its own (``ft_integration.setup``; in-process
+    restart) with Megatron's bare parser, which would reject our flags: Megatron's
+    ``parse_args`` is wrapped (once per process) so that every parse includes them.
+    """
+    import megatron.training.arguments as margs
+
+    def shim() -> None:
+        original = margs.parse_args
+
+        @functools.wraps(original)
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            def provider(parser):
+                parser = add_args(parser)
+                return extra_args_provider(parser) if extra_args_provider else parser
+
+            return original(provider, ignore_unknown_args)
+
+        registry.patch(_FLAGS_GROUP, margs, "parse_args", parse_args)
+
+    registry.apply_group(_FLAGS_GROUP, [shim])
+    return margs.parse_args()
+
+
+def begin_run() -> None:
+    """Drop the per-run patches of a previous run in this process (``main`` called again)."""
+    registry.revert(_RUN_GROUP)
+
+
+def exclude_from_step_time(wrap: Callable[[Callable], Callable]) -> None:
+    """``megatron.training.training``'s checkpoint save and evaluation run inside ``wrap`` (the
+    balance logger's timer: tokens/s of a step must not include them)."""
+    import megatron.training.training as mtraining
+
+    for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
+        registry.patch(_RUN_GROUP, mtraining, name, wrap(getattr(mtraining, name)))
+
+
+def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> None:
+    """``megatron.training.training.load_checkpoint`` for a checkpoint of another parallel layout.
+
+    Megatron reshards the model (and with it the QB ``router.expert_bias``) itself. Its RNG
+    state is per (PP, TP, DP) rank and is not loaded (``--no-load-rng``); the optimizer and
+    scheduler state only if ``load_optim`` (the caller knows where megatron-core can reshard
+    it). ``on_load(iteration, opt_param_scheduler)`` runs after the load (the entry point's
+    announcement; the LR schedule where the scheduler state was not loaded).
+    """
+    import megatron.training.training as mtraining
+
+    original = mtraining.load_checkpoint
+    explicit_optim, explicit_rng = args.no_load_optim, args.no_load_rng
+
+    def load_checkpoint(model, optimizer, opt_param_scheduler, *a, **kw):
+        args.no_load_optim, args.no_load_rng = explicit_optim or not load_optim, True
+        try:
+            iteration, flops = original(model, optimizer, opt_param_scheduler, *a, **kw)
+        finally:
+            args.no_load_optim, args.no_load_rng = explicit_optim, explicit_rng
+        on_load(iteration, opt_param_scheduler)
+        return iteration, flops
+
+    registry.patch(_RUN_GROUP, mtraining, "load_checkpoint", load_checkpoint)

@@ -29,9 +29,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-DEFAULT_CORPUS_PATH = ASSETS_DIR / "default_corpus.jsonl.gz"
-DEFAULT_TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+from . import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR
+
 DEFAULT_DATASET_NAME = "default_corpus"
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -106,7 +105,7 @@ def prepare_default_dataset(
     few milliseconds). Safe to call from several processes at once (a file lock serialises them)
     and safe to kill (files are written under temporary names and renamed at the end).
     """
-    from .indexed import preprocess_jsonl  # lazy: keeps `import corpus` light
+    from .indexed import preprocess_jsonl  # lazy: keeps `import corpus` light (numpy, Megatron)
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
     out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
+from . import DEFAULT_TOKENIZER_DIR
+
 PathLike = Union[str, os.PathLike]
 
 # Lines handed to a worker (or tokenized in one batch call) at a time.
@@ -78,8 +80,6 @@ def load_tokenizer(tokenizer: Union[PathLike, Any, None] = None):
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     if tokenizer is None:
-        from .corpus import DEFAULT_TOKENIZER_DIR
-
         tokenizer = DEFAULT_TOKENIZER_DIR
     path = os.fspath(tokenizer)
     try:
@@ -369,38 +369,3 @@ def preprocess_jsonl(
         dtype=numpy.dtype(dtype).name,
         per_key_tokens=per_key,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Megatron glue
-# ----------------------------------------------------------------------------------------------
-
-
-def ensure_dataset_helpers() -> None:
-    """Make ``megatron.training.initialize`` use the compiled dataset helpers shipped in the wheel.
-
-    ``initialize_megatron`` calls ``megatron.core.datasets.utils.compile_helpers()``, which runs
-    ``make`` in the installed package; the wheel has no Makefile (but does have the compiled
-    ``helpers_cpp`` extension), so ``make`` fails and Megatron calls ``sys.exit(1)``. This replaces
-    ``compile_helpers`` with a check that the compiled extension imports. Call it before
-    ``initialize_megatron`` / ``pretrain``; idempotent. (``GPTDataset`` itself never compiles: it
-    imports ``megatron.core.datasets.helpers`` directly.)
-    """
-    import importlib
-
-    import megatron.core.datasets.utils as mcore_data_utils
-
-    if getattr(mcore_data_utils.compile_helpers, "_latentmoe_checked", False):
-        return
-
-    def compile_helpers() -> None:
-        try:
-            importlib.import_module("megatron.core.datasets.helpers_cpp")
-        except ImportError as e:
-            raise RuntimeError(
-                "megatron.core.datasets.helpers_cpp (Megatron's compiled dataset helpers) is missing "
-                "from this megatron-core install; reinstall the megatron-core wheel"
-            ) from e
-
-    compile_helpers._latentmoe_checked = True
-    mcore_data_utils.compile_helpers = compile_helpers

@@ -7,7 +7,7 @@ Order of work (everything that can be wrong about the command line fails before 
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
-   (``compat.cpu``), and four ``megatron.training`` walls moved aside (``compat.training``);
+   (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
 5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired (:func:`repair_checkpoint_tracker`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
@@ -115,85 +115,67 @@ LAYOUT_FIELDS = (
 )
 
 
-def checkpoint_layout(load_dir: str, ckpt_format: str = "torch_dist") -> Optional[dict]:
-    """The parallel layout of the checkpoint a run will resume from (None: nothing to load)."""
+# Both runs need these for megatron-core 0.19.2 to reshard the Adam moments on a layout change.
+RESHARDABLE_OPTIM_FLAGS = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
+
+
+def saved_args(load_dir: str, ckpt_format: str = "torch_dist"):
+    """The arguments of the checkpoint a run will resume from (None: nothing to load)."""
     iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
     if iteration is None:
         return None
     from megatron.core import dist_checkpointing
 
     try:
-        common = dist_checkpointing.load_common_state_dict(os.path.join(load_dir, f"iter_{iteration:07d}"))
+        common = dist_checkpointing.load_common_state_dict(
+            os.path.join(load_dir, f"iter_{iteration:07d}")
+        )
     except Exception:  # noqa: BLE001 - not a distributed checkpoint: Megatron will report it
         return None
-    saved = common.get("args")
-    return None if saved is None else {f: getattr(saved, f, None) for f in LAYOUT_FIELDS}
+    return common.get("args")
 
 
-def _install_layout_change_load(args, saved_layout: dict) -> None:
-    """Loading a checkpoint saved with another parallel layout (e.g. EP2 -> EP1, EP2 -> TP2+SP).
+def _reshardable_optim(a) -> bool:
+    """Megatron saves (and loads) this run's optimizer state in a layout-independent form:
+    the distributed optimizer in the ``fully_reshardable`` format."""
+    return bool(getattr(a, "use_distributed_optimizer", False)) and bool(
+        getattr(a, "dist_ckpt_optim_fully_reshardable", False)
+    )
 
-    Megatron reshards the model (and with it the QB ``router.expert_bias``) itself, but
-    megatron-core 0.19.2 cannot map its (non-distributed) optimizer's saved param groups onto
-    another layout's ("Could not find parameter group with key ...") and its scheduler state is
-    loaded only together with the optimizer. So for such a load: weights + QB bias from the
-    checkpoint, Adam moments start over (``--no-load-optim``), the RNG state is not loaded
-    (``--no-load-rng``), and the LR / weight-decay schedule is restored by stepping a fresh
-    scheduler to the loaded iteration -- loudly announced, never silent.
+
+def _plan_layout_change(args, saved) -> None:
+    """Loading a checkpoint saved with another parallel layout (e.g. EP2 -> TP2+SP, EP2 -> PP2).
+
+    Megatron reshards the weights and QB biases. The Adam moments and the scheduler state are
+    loaded too where megatron-core 0.19.2 reshards them: the distributed optimizer in the fully
+    reshardable format, at save and now (:data:`RESHARDABLE_OPTIM_FLAGS`). Otherwise (its plain
+    optimizer cannot map saved param groups onto another layout: "Could not find parameter
+    group with key ...") the moments start over and the LR / weight-decay schedule is stepped to
+    the loaded iteration; a warning names the flags that would have kept them.
     """
-    import megatron.training.training as mtraining
+    from megatron_latentmoe.compat.training import install_layout_change_load
 
-    original = mtraining.load_checkpoint
-    mine = {f: getattr(args, f, None) for f in LAYOUT_FIELDS}
-    explicit_optim, explicit_rng = args.no_load_optim, args.no_load_rng
+    before = {f: getattr(saved, f, None) for f in LAYOUT_FIELDS}
+    now = {f: getattr(args, f, None) for f in LAYOUT_FIELDS}
+    keep = _reshardable_optim(saved) and _reshardable_optim(args)
 
-    def load_checkpoint(model, optimizer, opt_param_scheduler, *a, **kw):
-        args.no_load_optim, args.no_load_rng = True, True
-        try:
-            iteration, flops = original(model, optimizer, opt_param_scheduler, *a, **kw)
-        finally:
-            args.no_load_optim, args.no_load_rng = explicit_optim, explicit_rng
-        if opt_param_scheduler is not None and iteration > 0 and not args.finetune:
+    def on_load(iteration: int, opt_param_scheduler) -> None:
+        what = f"checkpoint layout {before} -> this run's {now}: loaded the resharded model, QB bias"
+        if keep and not args.no_load_optim:
+            _print0(f"[{PROG}] {what} and optimizer state at iteration {iteration}")
+            return
+        if opt_param_scheduler is not None and iteration > 0:
             opt_param_scheduler.step(increment=iteration * args.global_batch_size)
-        _print0(
-            f"[{PROG}] WARNING: checkpoint layout {saved_layout} != this run's {mine}: loaded the "
-            f"resharded model and QB biases at iteration {iteration}; Adam moments start over "
-            "(megatron-core 0.19.2 cannot reshard this optimizer's state); LR schedule stepped to "
-            "the loaded iteration."
+        why = "--no-load-optim" if keep else (
+            "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
+            f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
         )
-        return iteration, flops
+        _print0(
+            f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over ({why}); "
+            "LR schedule stepped to the loaded iteration."
+        )
 
-    mtraining.load_checkpoint = load_checkpoint
-
-
-# ------------------------------------------------------------------------------------ main
-def _parse():
-    """Parse ``sys.argv`` with Megatron's parser plus ours.
-
-    ``pretrain`` re-parses the command line on its own (``ft_integration.setup``; in-process
-    restart) with Megatron's bare parser, which would reject ``quantile_histogram``: Megatron's
-    ``parse_args`` is wrapped so that every parse includes our flags.
-    """
-    import functools
-
-    import megatron.training.arguments as margs
-
-    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
-
-    if not getattr(margs.parse_args, "_latentmoe", False):
-        original = margs.parse_args
-
-        @functools.wraps(original)
-        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-            def provider(parser):
-                parser = add_stable_latentmoe_args(parser)
-                return extra_args_provider(parser) if extra_args_provider else parser
-
-            return original(provider, ignore_unknown_args)
-
-        parse_args._latentmoe = True
-        margs.parse_args = parse_args
-    return margs.parse_args()
+    install_layout_change_load(args, keep, on_load)
 
 
 def main(argv: Optional[List[str]] = None, check_only: bool = False) -> int:
@@ -217,18 +199,21 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.compat import apply_python311_compat
     from megatron_latentmoe.compat.training import (
         apply_cpu_training_compat,
+        begin_run,
         cpu_training_defaults,
+        exclude_from_step_time,
         init_cpu_world,
-        skip_dataset_helper_build,
+        parse_with_our_flags,
     )
 
     apply_python311_compat()
     import torch
 
-    has_cuda = torch.cuda.is_available()
-    if not has_cuda:
-        from megatron_latentmoe.compat import apply_cpu_compat
+    from megatron_latentmoe.compat import apply_core_compat, apply_cpu_compat
 
+    has_cuda = torch.cuda.is_available()
+    apply_core_compat()
+    if not has_cuda:
         apply_cpu_compat()
     from megatron.training.arguments import validate_args
 
@@ -240,13 +225,15 @@ def _main(check_only: bool = False) -> int:
     )
     from megatron_latentmoe.training.arguments import (
         FlagError,
+        add_stable_latentmoe_args,
         apply_default_tokenizer,
         uses_default_data,
         validate_stable_latentmoe_args,
     )
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
 
-    args = _parse()
+    begin_run()
+    args = parse_with_our_flags(add_stable_latentmoe_args)
     default_data_dir = None
     try:
         validate_stable_latentmoe_args(args, has_cuda=has_cuda)
@@ -293,7 +280,6 @@ def _main(check_only: bool = False) -> int:
         model_config_from_args,
     )
 
-    skip_dataset_helper_build()
     set_global_variables(args)
     model_cfg = model_config_from_args(args, transformer_config)
     cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
@@ -303,18 +289,16 @@ def _main(check_only: bool = False) -> int:
     if args.load and _rank() == 0:
         repair_checkpoint_tracker(args.load, args.ckpt_format)
     if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
-        saved_layout = checkpoint_layout(args.load, args.ckpt_format)
-        if saved_layout is not None and any(
-            saved_layout[f] is not None and saved_layout[f] != getattr(args, f, None) for f in LAYOUT_FIELDS
+        saved = saved_args(args.load, args.ckpt_format)
+        if saved is not None and any(
+            getattr(saved, f, None) not in (None, getattr(args, f, None)) for f in LAYOUT_FIELDS
         ):
-            _install_layout_change_load(args, saved_layout)
+            _plan_layout_change(args, saved)
 
     balance_logger = _make_balance_logger(args, BalanceLogger, default_jsonl_path(args))
     fstep.set_balance_logger(balance_logger)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger))
-    # tokens/s of a step must not include the checkpoint save or evaluation before it
-    for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
-        setattr(mtraining, name, balance_logger.excluded(getattr(mtraining, name)))
+    exclude_from_step_time(balance_logger.excluded)
 
     try:
         mtraining.pretrain(

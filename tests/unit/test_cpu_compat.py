@@ -1,4 +1,4 @@
-"""Each CPU shim of megatron_latentmoe.compat does its job, and megatron-core fails without it.
+"""Each shim of megatron_latentmoe.compat does its job, and megatron-core fails without it.
 
 The shims are applied in this process only for the duration of a test (``compat`` fixture) and
 reverted afterwards, so other tests see torch as it was. The two-rank checks (uneven all-gather,
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_latentmoe.compat import cpu
+from megatron_latentmoe.compat import core, cpu, registry
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU shims are inert when CUDA is available"
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def compat():
     """Shims applied for this test only (re-applied afterwards if they were on before)."""
-    was_applied = bool(cpu._patched)
+    was_applied = registry.is_applied("cpu")
     cpu.revert_cpu_compat()
     assert cpu.apply_cpu_compat()
     yield cpu
@@ -35,7 +35,7 @@ def compat():
 @pytest.fixture
 def no_compat():
     """Shims off for this test (re-applied afterwards if they were on before)."""
-    was_applied = bool(cpu._patched)
+    was_applied = registry.is_applied("cpu")
     cpu.revert_cpu_compat()
     yield
     if was_applied:
@@ -50,16 +50,16 @@ def _mode_on():
 
 # ------------------------------------------------------------------ apply / version / revert
 def test_apply_is_idempotent(compat):
-    patched = list(cpu._patched)
+    patched = registry.patched()
     assert cpu.apply_cpu_compat() and cpu.apply_cpu_compat()
-    assert cpu._patched == patched and _mode_on() == 1
+    assert registry.patched() == patched and _mode_on() == 1
 
 
 def test_noop_when_cuda_is_available(no_compat, monkeypatch):
     original_current_device = torch.cuda.current_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu.apply_cpu_compat() is False
-    assert not cpu._patched and _mode_on() == 0
+    assert not registry.patched("cpu") and not registry.patched("core") and _mode_on() == 0
     assert torch.cuda.current_device is original_current_device
 
 
@@ -69,24 +69,44 @@ def test_revert_restores_torch(no_compat):
     cpu.revert_cpu_compat()
     assert (torch.cuda.Stream, torch.cuda.current_device,
             torch.autograd._engine_run_backward) == originals
-    assert not cpu._patched and _mode_on() == 0
+    assert not registry.patched("cpu") and not registry.patched("core") and _mode_on() == 0
 
 
 def test_version_check(no_compat, monkeypatch):
     import megatron.core
 
-    monkeypatch.delenv(cpu.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(megatron.core, "__version__", "0.19.2+abc1234")  # git suffix: fine
-    assert cpu.check_megatron_core_version() == "0.19.2"
+    assert registry.check_megatron_core_version() == "0.19.2"
     monkeypatch.setattr(megatron.core, "__version__", "0.18.0")
     with pytest.raises(RuntimeError, match="0.19.2, found 0.18.0"):
-        cpu.check_megatron_core_version()
+        registry.check_megatron_core_version()
     with pytest.raises(RuntimeError, match="MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"):
         cpu.apply_cpu_compat()
-    assert not cpu._patched  # refused before patching anything
-    monkeypatch.setenv(cpu.ALLOW_UNTESTED_ENV, "1")
+    assert not registry.patched("cpu") and not registry.patched("core")  # refused before patching
+    monkeypatch.setenv(registry.ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(RuntimeWarning, match="found 0.18.0"):
-        assert cpu.check_megatron_core_version() == "0.18.0"
+        assert registry.check_megatron_core_version() == "0.18.0"
+
+
+def test_registry_reverts_one_group_and_refuses_to_reapply():
+    class Owner:
+        a, b = 1, 2
+
+    try:
+        assert registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 10)])
+        assert not registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 11)])
+        registry.apply_group("test-b", [lambda: registry.patch("test-b", Owner, "b", 20)])
+        assert (Owner.a, Owner.b) == (10, 20) and registry.patched("test-a") == [(Owner, "a", 1)]
+        registry.revert("test-a")
+        assert (Owner.a, Owner.b) == (1, 20) and not registry.is_applied("test-a")
+        with pytest.raises(ZeroDivisionError):  # a failing shim leaves nothing of its group
+            registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 12), lambda: 1 / 0])
+        assert Owner.a == 1 and not registry.is_applied("test-a")
+    finally:
+        registry.revert("test-a")
+        registry.revert("test-b")
+    assert Owner.b == 2
 
 
 # ------------------------------------------------------------------ streams and device queries
@@ -243,16 +263,17 @@ def test_alltoall_split_sizes_become_numpy(compat):
     assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits
 
 
-def _sp_config():
+def _sp_config(**kwargs):
     from megatron.core.transformer import TransformerConfig
 
+    kwargs = {"sequence_parallel": True, **kwargs}
     return TransformerConfig(
         num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
-        sequence_parallel=True, normalization="RMSNorm",
+        normalization="RMSNorm", **kwargs,
     )
 
 
-def test_torch_norm_accepts_sequence_parallel(compat):
+def test_torch_norm_accepts_sequence_parallel(compat):  # compat.core, applied by apply_cpu_compat
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     config = _sp_config()
@@ -261,6 +282,10 @@ def test_torch_norm_accepts_sequence_parallel(compat):
     assert all(p.sequence_parallel for p in norm.parameters())  # grads all-reduced over TP
     x = torch.randn(3, 8)
     assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-5))
+    # megatron.training's default --persist-layer-norm (an apex kernel choice) is accepted too
+    config = _sp_config(sequence_parallel=False, persist_layer_norm=True)
+    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
+    assert not any(p.sequence_parallel for p in norm.parameters()) and config.persist_layer_norm
 
 
 def test_torch_norm_refuses_sequence_parallel_without_shim(no_compat):
@@ -268,6 +293,25 @@ def test_torch_norm_refuses_sequence_parallel_without_shim(no_compat):
 
     with pytest.raises(AssertionError, match="sequence parallel"):
         WrappedTorchNorm(config=_sp_config(), hidden_size=8)
+    with pytest.raises(AssertionError, match="persist_layer_norm"):
+        WrappedTorchNorm(config=_sp_config(sequence_parallel=False, persist_layer_norm=True), hidden_size=8)
+
+
+def test_dataset_helpers_need_no_make(compat):
+    import megatron.core.datasets.utils as dutils
+
+    assert dutils.compile_helpers is not registry.patched("core")[-1][2]
+    dutils.compile_helpers()  # Megatron's runs `make` (no Makefile in the wheel) and sys.exit(1)
+    from megatron.core.datasets import helpers
+
+    assert hasattr(helpers, "build_sample_idx")
+
+
+def test_dataset_helpers_make_fails_without_shim(no_compat, capfd):
+    import megatron.core.datasets.utils as dutils
+
+    with pytest.raises(SystemExit):
+        dutils.compile_helpers()
 
 
 # ------------------------------------------------------------------ two ranks
@@ -284,7 +328,7 @@ def _two_rank_checks(rank, world_size):
     local = torch.full((sizes[rank], 4), float(rank + 1))
     gathered = mappings._gather_along_first_dim(local, tp_group, output_split_sizes=sizes)
     (megatrons,) = [
-        f for o, n, f in cpu._patched if o is mappings and n == "_gather_along_first_dim"
+        f for o, n, f in registry.patched() if o is mappings and n == "_gather_along_first_dim"
     ]
     try:
         megatrons(local, tp_group, output_split_sizes=sizes)

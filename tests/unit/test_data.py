@@ -14,14 +14,9 @@ from pathlib import Path
 import numpy
 import pytest
 
-from megatron_latentmoe.data import corpus
-from megatron_latentmoe.data.corpus import (
-    DEFAULT_CORPUS_PATH,
-    DEFAULT_TOKENIZER_DIR,
-    iter_corpus_texts,
-    prepare_default_dataset,
-)
-from megatron_latentmoe.data.indexed import PreprocessError, ensure_dataset_helpers, preprocess_jsonl
+from megatron_latentmoe.data import ASSETS_DIR, DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR
+from megatron_latentmoe.data.corpus import iter_corpus_texts, prepare_default_dataset
+from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -88,7 +83,7 @@ def test_corpus_asset_is_real_text_of_useful_size():
     for leftover in ("<w", "</", "strong:", "<note", "osisID", "&amp;", "\u00a0"):
         assert leftover not in text, leftover
     assert "In the beginning, God created the heavens and the earth." in text
-    assert (corpus.ASSETS_DIR / "SOURCES.md").read_text().count("public domain") >= 1
+    assert (ASSETS_DIR / "SOURCES.md").read_text().count("public domain") >= 1
 
 
 def test_tokenizer_loads_offline_with_transformers_and_round_trips(hf_tok):
@@ -338,16 +333,3 @@ def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monk
     assert cache.is_dir()
     prepare_default_dataset(Path(default_prefix).parent, force=True)
     assert not cache.exists()  # a rebuilt dataset drops the now stale sample indices
-
-
-def test_ensure_dataset_helpers_replaces_make(monkeypatch):
-    _mcore_quiet()
-    import megatron.core.datasets.utils as mcore_data_utils
-
-    monkeypatch.setattr(mcore_data_utils, "compile_helpers", mcore_data_utils.compile_helpers)
-    ensure_dataset_helpers()
-    ensure_dataset_helpers()
-    mcore_data_utils.compile_helpers()  # would run `make` and sys.exit(1) without the patch
-    from megatron.core.datasets import helpers
-
-    assert hasattr(helpers, "build_sample_idx")

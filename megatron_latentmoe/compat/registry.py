@@ -1,0 +1,99 @@
+"""The one registry of every patch this package makes to megatron-core, megatron.training and torch.
+
+Each shim module of ``compat`` applies its patches with :func:`apply_group`: the installed
+megatron-core is checked against the tested version first (:func:`check_megatron_core_version`),
+then every ``patch(owner, name, value)`` is recorded under the group's name, so that
+:func:`revert` can restore the originals (tests) and :func:`is_applied` makes applying idempotent.
+Nothing outside ``compat`` rebinds a Megatron attribute.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Iterable, Optional
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "TESTED_MEGATRON_CORE_VERSION",
+    "apply_group",
+    "check_megatron_core_version",
+    "is_applied",
+    "patch",
+    "patched",
+    "revert",
+]
+
+TESTED_MEGATRON_CORE_VERSION = "0.19.2"
+ALLOW_UNTESTED_ENV = "MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"
+
+# (group, owner, attribute, original value) of every attribute patched, in patch order.
+_patched: list[tuple[str, object, str, object]] = []
+_groups: set[str] = set()
+
+
+def check_megatron_core_version() -> str:
+    """Return the installed megatron-core version; raise unless it is the tested one.
+
+    With ``MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1`` an untested version only warns. A local
+    suffix is ignored: ``megatron.core.package_info`` appends ``+<git hash>`` of whatever git
+    checkout the installed package sits in (unless ``NO_VCS_VERSION=1``).
+    """
+    import megatron.core
+
+    version = megatron.core.__version__.split("+")[0]
+    if version != TESTED_MEGATRON_CORE_VERSION:
+        msg = (
+            f"megatron_latentmoe's compat shims were written for megatron-core "
+            f"{TESTED_MEGATRON_CORE_VERSION}, found {version}: the patched functions may have "
+            f"moved or changed. Install megatron-core=={TESTED_MEGATRON_CORE_VERSION} or set "
+            f"{ALLOW_UNTESTED_ENV}=1 to try anyway."
+        )
+        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+            raise RuntimeError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return version
+
+
+def patch(group: str, owner: object, name: str, value: object) -> None:
+    """Set ``owner.name = value``, remembering the original for :func:`revert`."""
+    _patched.append((group, owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def is_applied(group: str) -> bool:
+    return group in _groups
+
+
+def apply_group(group: str, shims: Iterable[Callable[[], None]]) -> bool:
+    """Run ``shims`` (each calls :func:`patch`) once per process under ``group``, after the
+    version check. Returns False if the group was already applied."""
+    if group in _groups:
+        return False
+    check_megatron_core_version()
+    _groups.add(group)
+    try:
+        for shim in shims:
+            shim()
+    except BaseException:
+        revert(group)
+        raise
+    return True
+
+
+def patched(group: Optional[str] = None) -> list[tuple[object, str, object]]:
+    """(owner, attribute, original) of the live patches of ``group`` (all groups: None)."""
+    return [(o, n, v) for g, o, n, v in _patched if group is None or g == group]
+
+
+def revert(group: Optional[str] = None) -> None:
+    """Restore the attributes patched under ``group`` (every group: None), newest first."""
+    for i in range(len(_patched) - 1, -1, -1):
+        g, owner, name, original = _patched[i]
+        if group is None or g == group:
+            setattr(owner, name, original)
+            del _patched[i]
+    if group is None:
+        _groups.clear()
+    else:
+        _groups.discard(group)
