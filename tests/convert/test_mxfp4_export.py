@@ -130,7 +130,7 @@ def test_import_reads_mxfp4_back_and_re_export_is_identical(ws, tmp_path):
     from megatron_latentmoe.convert import export_checkpoint, import_checkpoint
 
     root = ws["root"]
-    import_checkpoint(root / "hf_mx", tmp_path / "mg", ep=2, progress=False)
+    import_checkpoint(root / "hf_mx", tmp_path / "mg", progress=False)
     export_checkpoint(
         tmp_path / "mg",
         tmp_path / "hf_again",
