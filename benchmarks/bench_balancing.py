@@ -44,6 +44,8 @@ from megatron_latentmoe.balancing import (  # noqa: E402
     CenteredQuantileHistogram,
     QuantileHistogram,
     cutoff_route,
+)
+from megatron_latentmoe.balancing_reference import (  # noqa: E402
     exact_quantiles,
     max_violation,
     sign_update_bias,

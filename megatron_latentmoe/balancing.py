@@ -34,7 +34,7 @@ the bound and raises ``OverflowError`` instead of solving from wrapped counts.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -44,30 +44,20 @@ __all__ = [
     "MAX_RANKS",
     "QuantileHistogram",
     "CenteredQuantileHistogram",
-    "pack_all",
-    "unpack_all_",
     "cutoff_route",
-    "exact_quantiles",
-    "exact_quantile_bias",
-    "sign_update_bias",
-    "topk_loads",
-    "max_violation",
 ]
 
 INT32_MAX = 2**31 - 1
 # Trailing words of pack(): every word is a sum over the contributing ranks after the all-reduce.
 HEADER_FIELDS = (
     "ranks",  # 1 per packed buffer -> number of buffers summed
-    "observers",  # 1 if this rank observed a bias window, else 0
     "tokens_lo",  # observed tokens mod 2**16
     "tokens_hi",  # observed tokens // 2**16  (exact global total = hi * 2**16 + lo)
-    "bias_fingerprint",  # 15-bit hash of the bias in force (0 if no window); sum = observers * fp
-    "bad_inputs",  # observe() calls with NaN/inf/out-of-[0,1] input seen in deferred mode
-    "bias_changes",  # observe() calls whose bias differed from the window's (deferred mode)
+    "bad_inputs",  # observe() calls with NaN/inf/out-of-[0,1] input
+    "bias_changes",  # observe() calls whose bias differed from the window's
 )
 _TOKEN_SPLIT = 1 << 16
-_FP_PRIME = 32749  # < 2**15, so that sum over MAX_RANKS ranks fits in int32
-MAX_RANKS = 32767  # keeps every header word of the summed buffer inside int32
+MAX_RANKS = 32767  # keeps every header word of the summed buffer inside int32 (tokens_lo < 2**16)
 
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _BIAS_DTYPES = (torch.float32, torch.float64)
@@ -111,26 +101,6 @@ def _check_valid(valid_M, m: int, device) -> None:
         raise ValueError(f"valid_M.device={valid_M.device}; allowed: scores_ME.device={device}")
 
 
-def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
-    """Eager finiteness / range check (one host sync for all three flags)."""
-    flags = torch.stack(
-        [
-            torch.isfinite(scores_ME).all(),
-            torch.isfinite(bias_E).all(),
-            ((scores_ME >= 0) & (scores_ME <= 1)).all(),
-        ]
-    ).tolist()
-    if not flags[0]:
-        raise ValueError("scores_ME contains NaN or inf; allowed: finite sigmoid scores in [0, 1]")
-    if not flags[1]:
-        raise ValueError("bias_E contains NaN or inf; allowed: finite values")
-    if not flags[2]:
-        lo, hi = scores_ME.min().item(), scores_ME.max().item()
-        raise ValueError(
-            f"scores_ME has values in [{lo:.4g}, {hi:.4g}]; allowed: [0, 1] (sigmoid scores, not logits)"
-        )
-
-
 # ----------------------------------------------------------------------------- routing helpers
 def cutoff_route(
     scores_ME: torch.Tensor, bias_E: torch.Tensor, topk: int
@@ -139,86 +109,6 @@ def cutoff_route(
     (best first), ``alpha_M`` [m] is the (k+1)-th biased score. No validation (hot path)."""
     top = (scores_ME.float() + bias_E.float()).topk(topk + 1, dim=1, sorted=True)
     return top.indices[:, :topk], top.values[:, topk].contiguous()
-
-
-def topk_loads(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
-    _check_scores_bias(scores_ME, bias_E, topk)
-    _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)
-    n = scores_ME.shape[1]
-    idx_MK = (scores_ME.float() + bias_E.float()).topk(topk, dim=1, sorted=False).indices
-    loads_E = torch.zeros(n, dtype=torch.int64, device=scores_ME.device)
-    if valid_M is None:
-        src = torch.ones(1, dtype=torch.int64, device=idx_MK.device).expand(idx_MK.numel())
-    else:
-        src = valid_M.to(torch.int64)[:, None].expand_as(idx_MK).reshape(-1)
-    return loads_E.scatter_add_(0, idx_MK.reshape(-1), src)
-
-
-def max_violation(loads_E: torch.Tensor) -> float:
-    """MaxVio = (max load - mean load) / mean load (0.0 for an empty batch)."""
-    loads = loads_E.double()
-    mean = loads.mean().item()
-    return 0.0 if mean <= 0 else (loads.max().item() - mean) / mean
-
-
-def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3 baseline (SignSGD on the dual, SPEC §4): ``b += rate * sign(mean(load) - load)``."""
-    _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
-    if loads_E.shape != bias_E.shape:
-        raise ValueError(f"loads_E.shape={tuple(loads_E.shape)}; allowed: bias_E.shape={tuple(bias_E.shape)}")
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
-        raise ValueError(f"rate={rate!r}; allowed: finite float >= 0")
-    loads = loads_E.to(device=bias_E.device, dtype=torch.float64)
-    return (bias_E.float() + rate * torch.sign(loads.mean() - loads).float()).float()
-
-
-# ----------------------------------------------------------------------------- exact reference
-def exact_quantiles(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
-    bias unchanged if m = 0.
-
-    This is the order statistic that appendix D's histogram rule estimates (the first bin whose
-    cumulative count reaches ceil(q)). Q - 1 tokens have r strictly below it and Q have r <= it;
-    SPEC §4 step 2's "exactly q below" holds for any value in (r_(Q), r_(Q+1)]. The choice moves
-    the bias by one order statistic, far less than a bin, and the histogram tests compare with it.
-    """
-    return _exact_quantiles(scores_ME, bias_E, topk, valid_M)[0]
-
-
-def _exact_quantiles(scores_ME, bias_E, topk, valid_M):
-    _check_scores_bias(scores_ME, bias_E, topk)
-    _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)
-    _raise_if_bad(scores_ME, bias_E)
-    s32, b32 = scores_ME.float(), bias_E.float()
-    n = s32.shape[1]
-    _, alpha_M = cutoff_route(s32, b32, topk)
-    r_ME = alpha_M[:, None] - s32
-    if valid_M is not None:
-        r_ME = r_ME[valid_M]
-    m = r_ME.shape[0]
-    if m == 0:
-        return b32.clone(), 0
-    big_q = -(-m * topk // n)  # ceil(m k / n), exact integer arithmetic
-    if 4 * big_q <= m:  # partial selection is much cheaper than kthvalue for the small k/n tail
-        return r_ME.topk(big_q, dim=0, largest=False, sorted=True).values[big_q - 1], m
-    return r_ME.kthvalue(big_q, dim=0).values, m
-
-
-def exact_quantile_bias(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Exact sort-based QB update (SPEC §4 steps 2-3): column Q-th smallest r, minus its mean."""
-    q_E, m = _exact_quantiles(scores_ME, bias_E, topk, valid_M)
-    return q_E if m == 0 else q_E - q_E.mean()  # empty batch: bias unchanged
-
-
-# ----------------------------------------------------------------------------- fingerprint
-def _bias_fingerprint(bias32_E: torch.Tensor) -> torch.Tensor:
-    """Deterministic 15-bit hash of the bias bits (0-d int64, device-side, no sync)."""
-    bits = bias32_E.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    n = bits.shape[0]
-    weights = (torch.arange(n, device=bits.device, dtype=torch.int64) * 40503 + 1) % 65521 + 1
-    mixed = (bits % 65521) * weights + (bits // 65521) % 65521
-    return (mixed.sum() % _FP_PRIME).to(torch.int64)
 
 
 # ----------------------------------------------------------------------------- histogram
@@ -232,13 +122,14 @@ class _QuantileHistogramBase:
     of m. ``solve`` reads, per expert, the first bin whose cumulative count reaches Q = ceil(m k / n)
     and interpolates linearly inside it, so the estimate lies in the bin of the exact ``r_(Q)``.
 
-    ``validate=True`` (default) raises at the offending ``observe`` call (one host sync per call).
-    ``validate=False`` is sync-free: bad input (NaN/inf, scores outside [0, 1], a changed bias) is
-    counted in device flags that travel in the header and raise in ``unpack_``/``solve``.
+    ``observe`` is sync-free: bad input (NaN/inf, scores outside [0, 1], a bias other than the
+    window's) is counted in device flags that travel in the header and raise in
+    ``unpack_``/``solve``, on every rank. Every rank bins with the bias in force, which the
+    step-end solve made identical on all of them, so no cross-rank bias check is needed.
     """
 
     def __init__(
-        self, num_experts: int, topk: int, num_bins: int = 1000, device=None, *, validate: bool = True
+        self, num_experts: int, topk: int, num_bins: int = 1000, device=None
     ):
         for name, v, low in (("num_experts", num_experts, 2), ("num_bins", num_bins, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -248,7 +139,6 @@ class _QuantileHistogramBase:
         if num_experts * num_bins + len(HEADER_FIELDS) > INT32_MAX:
             raise ValueError(f"num_experts*num_bins={num_experts * num_bins}; allowed: < 2**31")
         self.num_experts, self.topk, self.num_bins = num_experts, topk, num_bins
-        self.validate = bool(validate)
         self._device_fixed = device is not None
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=self._device)
@@ -265,7 +155,6 @@ class _QuantileHistogramBase:
         self._token_bound = 0  # python upper bound on local tokens (sync-free overflow check)
         self._bias_E: Optional[torch.Tensor] = None  # fp32 copy of the bias in force
         self._range = None  # window-fixed parameters of the binning
-        self._fingerprint = None
         self._reduced = None  # header sums after unpack_()
 
     @property
@@ -318,8 +207,7 @@ class _QuantileHistogramBase:
             self._range = saved
 
     def _finite_clamp_(self, idx: torch.Tensor) -> torch.Tensor:
-        if not self.validate:  # NaN input is only flagged in deferred mode: keep indices in range
-            idx.nan_to_num_(nan=0.0, posinf=self.num_bins - 1.0, neginf=0.0)
+        idx.nan_to_num_(nan=0.0, posinf=self.num_bins - 1.0, neginf=0.0)  # NaN is flagged apart
         return idx.clamp_(0.0, self.num_bins - 1.0)
 
     # ------------------------------------------------------------------ observe
@@ -338,16 +226,8 @@ class _QuantileHistogramBase:
         if self._bias_E is None:
             self._bias_E = bias32.detach().clone()
             self._range = self._make_range(self._bias_E)
-            self._fingerprint = _bias_fingerprint(self._bias_E)
             return
-        if self.validate:
-            if not torch.equal(bias32, self._bias_E):
-                raise ValueError(
-                    "bias_E differs from the bias in force when this accumulation window opened; "
-                    "allowed: the same bias for every observe() until reset() (SPEC §4 step 4)"
-                )
-        else:
-            self._flags[1] += (bias32 != self._bias_E).any().to(torch.int64)
+        self._flags[1] += (bias32 != self._bias_E).any().to(torch.int64)
 
     def observe(
         self,
@@ -375,11 +255,8 @@ class _QuantileHistogramBase:
         self._adopt_device(scores_ME.device, "scores_ME")
         s32 = scores_ME.detach().float()
         b32 = bias_E.detach().float()
-        if self.validate:
-            _raise_if_bad(s32, b32)
-        else:
-            bad = ~torch.isfinite(s32).all() | ~torch.isfinite(b32).all() | ~((s32 >= 0) & (s32 <= 1)).all()
-            self._flags[0] += bad.to(torch.int64)
+        bad = ~torch.isfinite(s32).all() | ~torch.isfinite(b32).all() | ~((s32 >= 0) & (s32 <= 1)).all()
+        self._flags[0] += bad.to(torch.int64)
         self._open_or_check_window(b32)
         if m == 0:
             return
@@ -412,20 +289,16 @@ class _QuantileHistogramBase:
     # ------------------------------------------------------------------ communication
     def pack(self) -> torch.Tensor:
         """1-D int32 ``[counts.flatten() (n*B), header (len(HEADER_FIELDS))]`` to be SUM-all-reduced
-        over the ranks that saw different tokens (concatenate layers: see ``pack_all``)."""
+        over the ranks that saw different tokens (``balance_step`` concatenates all layers)."""
         if self._reduced is not None:
             raise ValueError("pack() after unpack_(); allowed: reset() first")
         dev = self._device
         tok = self._num_tokens
-        observed = self._bias_E is not None
-        fp = self._fingerprint if observed else torch.zeros((), dtype=torch.int64, device=dev)
         header = torch.stack(
             [
                 torch.ones((), dtype=torch.int64, device=dev),
-                torch.full((), int(observed), dtype=torch.int64, device=dev),
                 tok % _TOKEN_SPLIT,
                 tok // _TOKEN_SPLIT,
-                fp,
                 self._flags[0],
                 self._flags[1],
             ]
@@ -441,8 +314,8 @@ class _QuantileHistogramBase:
         self._adopt_device(buffer.device, "buffer")
         nb_cells = self.num_experts * self.num_bins
         head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist()))
-        if not 1 <= head["ranks"] <= MAX_RANKS or not 0 <= head["observers"] <= head["ranks"]:
-            raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}, observers <= ranks")
+        if not 1 <= head["ranks"] <= MAX_RANKS:
+            raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}")
         tokens = head["tokens_hi"] * _TOKEN_SPLIT + head["tokens_lo"]
         if tokens > INT32_MAX:
             raise OverflowError(
@@ -481,12 +354,6 @@ class _QuantileHistogramBase:
             raise ValueError(
                 f"{f[0]} observe() calls had bad input, {f[1]} changed the bias (deferred checks)"
             )
-        if self._reduced is not None and self._reduced["observers"]:
-            fp = int(_bias_fingerprint(b32))
-            if self._reduced["bias_fingerprint"] != self._reduced["observers"] * fp:
-                raise ValueError(
-                    "ranks observed with different biases (fingerprint mismatch); allowed: one bias"
-                )
         return b32
 
     def raw_quantiles(self, bias_E: torch.Tensor) -> torch.Tensor:
@@ -548,13 +415,13 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
     """
 
     def __init__(self, num_experts: int, topk: int, num_bins: int = 1000, device=None, *,
-                 sigma: float = 0.005, validate: bool = True):
+                 sigma: float = 0.005):
         if not isinstance(num_bins, int) or isinstance(num_bins, bool) or num_bins < 2 or num_bins % 2:
             raise ValueError(f"num_bins={num_bins!r}; allowed: even int >= 2")
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and 0 < sigma <= 1):
             raise ValueError(f"sigma={sigma!r}; allowed: float in (0, 1]")
         self.sigma = float(sigma)
-        super().__init__(num_experts, topk, num_bins, device, validate=validate)
+        super().__init__(num_experts, topk, num_bins, device)
 
     def _make_range(self, bias32_E):
         u_max = torch.asinh((bias32_E.max() - bias32_E.min() + 1.0) / self.sigma)
@@ -571,17 +438,3 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
         lower = centre_E.double() + self.sigma * torch.sinh(u_lo)
         upper = centre_E.double() + self.sigma * torch.sinh(u_lo + du.double())
         return lower.float(), (upper - lower).float()
-
-
-def pack_all(hists: Sequence[_QuantileHistogramBase]) -> torch.Tensor:
-    """One int32 buffer for all layers (one all-reduce per step): concatenation of ``pack()``."""
-    return torch.cat([h.pack() for h in hists])
-
-
-def unpack_all_(hists: Sequence[_QuantileHistogramBase], buffer: torch.Tensor) -> None:
-    """Inverse of ``pack_all`` after the SUM all-reduce."""
-    total = sum(h.packed_numel for h in hists)
-    if buffer.dim() != 1 or buffer.numel() != total:
-        raise ValueError(f"buffer.shape={tuple(buffer.shape)}; allowed: ({total},) = sum of packed_numel")
-    for h, part in zip(hists, torch.split(buffer, [h.packed_numel for h in hists])):
-        h.unpack_(part)

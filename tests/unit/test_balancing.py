@@ -12,13 +12,13 @@ from megatron_latentmoe.balancing import (
     CenteredQuantileHistogram,
     QuantileHistogram,
     cutoff_route,
+)
+from megatron_latentmoe.balancing_reference import (
     exact_quantile_bias,
     exact_quantiles,
     max_violation,
-    pack_all,
     sign_update_bias,
     topk_loads,
-    unpack_all_,
 )
 
 HIST_CLASSES = [QuantileHistogram, CenteredQuantileHistogram]
@@ -309,18 +309,18 @@ def test_pack_unpack_and_two_rank_sum(cls):
         h.unpack_(buf_a + buf_b)
         assert torch.equal(h.counts, union.counts) and int(h.num_tokens) == 1255
         assert torch.equal(h.solve(bias), union.solve(bias))
-    assert rank_a._reduced["ranks"] == 2 and rank_a._reduced["observers"] == 2
+    assert rank_a._reduced["ranks"] == 2
     # a rank that saw no tokens still contributes a valid buffer and reads the global result
     idle = cls(n, k, nb)
     idle_buf = idle.pack()
     assert idle_buf.numel() == buf_a.numel() and int(idle_buf.abs().sum()) == 1
     reader = cls(n, k, nb)
     reader.unpack_(buf_a + idle_buf)
-    assert reader._reduced["ranks"] == 2 and reader._reduced["observers"] == 1
+    assert reader._reduced["ranks"] == 2
     assert torch.equal(reader.solve(bias), solo.solve(bias))
 
 
-def test_pack_size_independent_of_m_and_pack_all():
+def test_pack_size_independent_of_m():
     n, k, nb = 64, 4, 100
     bias = torch.zeros(n)
     sizes = set()
@@ -329,22 +329,8 @@ def test_pack_size_independent_of_m_and_pack_all():
         h.observe(router_scores(m, n, m), bias)
         sizes.add(h.pack().numel())
     assert sizes == {n * nb + len(HEADER_FIELDS)}
-    # two layers, two ranks: one concatenated buffer per rank, one sum, split back
-    layers = lambda: [QuantileHistogram(n, k, nb), CenteredQuantileHistogram(n, k, nb)]  # noqa: E731
-    ranks = [layers(), layers()]
-    ref = layers()
-    for r, hs in enumerate(ranks):
-        for li, h in enumerate(hs):
-            s = router_scores(300 + 50 * r, n, 100 * r + li)
-            h.observe(s, bias)
-            ref[li].observe(s, bias)
-    total = pack_all(ranks[0]) + pack_all(ranks[1])
-    assert total.numel() == 2 * (n * nb + len(HEADER_FIELDS))
-    unpack_all_(ranks[0], total)
-    for got, want in zip(ranks[0], ref):
-        assert torch.equal(got.counts, want.counts) and int(got.num_tokens) == 650
     with pytest.raises(ValueError, match="buffer"):
-        unpack_all_(layers(), total[:-1])
+        QuantileHistogram(n, k, nb).unpack_(h.pack()[:-1])
 
 
 def test_overflow_and_corruption_detected():
@@ -355,7 +341,7 @@ def test_overflow_and_corruption_detected():
     buf = h.pack()
     # a global token count beyond int32: the split header still recovers it exactly -> refuse
     big = buf.clone()
-    big[-len(HEADER_FIELDS) + 3] = 40000  # tokens_hi -> 40000 * 65536 > 2**31
+    big[-len(HEADER_FIELDS) + HEADER_FIELDS.index("tokens_hi")] = 40000  # 40000 * 65536 > 2**31
     with pytest.raises(OverflowError, match="2\\*\\*31"):
         QuantileHistogram(n, k, 10).unpack_(big)
     # local guard (white box: pretend the window already holds almost 2**31 tokens)
@@ -370,13 +356,6 @@ def test_overflow_and_corruption_detected():
     bad[0] += 1
     with pytest.raises(ValueError, match="row"):
         QuantileHistogram(n, k, 10).unpack_(bad)
-    # ranks with different biases: fingerprint mismatch on solve
-    other = QuantileHistogram(n, k, 10)
-    other.observe(router_scores(4, n, 0), bias + torch.linspace(0, 1, n))
-    mixed = QuantileHistogram(n, k, 10)
-    mixed.unpack_(buf + other.pack())
-    with pytest.raises(ValueError, match="fingerprint"):
-        mixed.solve(bias)
 
 
 # ----------------------------------------------------------------------------- masking, errors
@@ -407,17 +386,6 @@ def test_bad_input_raises(cls):
     s = router_scores(20, n, 61)
     b = torch.zeros(n)
     h = cls(n, k)
-    bad = s.clone()
-    bad[3, 5] = float("nan")
-    with pytest.raises(ValueError, match="scores_ME.*NaN"):
-        h.observe(bad, b)
-    bad[3, 5] = float("inf")
-    with pytest.raises(ValueError, match="scores_ME.*NaN or inf"):
-        h.observe(bad, b)
-    with pytest.raises(ValueError, match="bias_E.*NaN or inf"):
-        h.observe(s, torch.full((n,), float("inf")))
-    with pytest.raises(ValueError, match="scores_ME.*\\[0, 1\\]"):
-        h.observe(s * 3 - 1, b)  # logits, not sigmoid scores
     with pytest.raises(ValueError, match="scores_ME.dtype=torch.int64; allowed"):
         h.observe(torch.zeros(4, n, dtype=torch.long), b)
     with pytest.raises(ValueError, match="scores_ME.shape\\[1\\]=31; allowed: num_experts=32"):
@@ -437,6 +405,14 @@ def test_bad_input_raises(cls):
     with pytest.raises(ValueError, match="scores_ME.*NaN"):
         exact_quantile_bias(torch.full((3, n), float("nan")), b, k)
     assert int(h.num_tokens) == 0  # nothing was counted by the failed calls
+    # bad values are counted on the device (no sync) and raise at the step end
+    bad = s.clone()
+    bad[3, 5] = float("nan")
+    for scores, bias in ((bad, b), (s, torch.full((n,), float("inf"))), (s * 3 - 1, b)):
+        lazy = cls(n, k)
+        lazy.observe(scores, bias)
+        with pytest.raises(ValueError, match="1 observe\\(\\) calls had bad input|NaN or inf"):
+            lazy.solve(bias)
 
 
 @pytest.mark.parametrize("cls", HIST_CLASSES)
@@ -448,15 +424,13 @@ def test_bias_fixed_within_window(cls):
     h.observe(s, b)
     h.observe(s, b.clone())  # same values, other tensor: fine
     with pytest.raises(ValueError, match="bias_E differs"):
-        h.observe(s, b + 1e-3)
-    with pytest.raises(ValueError, match="bias_E differs"):
         h.solve(b + 1e-3)
     new = h.solve(b)
     h.reset()
     h.observe(s, new)  # new window, new bias: fine
     assert int(h.num_tokens) == 50
-    # deferred mode (sync-free): the same mistakes are counted and raised at solve / unpack
-    lazy = cls(n, k, validate=False)
+    # sync-free: a changed bias and NaN are counted and raised at solve / unpack
+    lazy = cls(n, k)
     lazy.observe(s, b)
     lazy.observe(s, b + 1e-3)
     nan = s.clone()
