@@ -9,7 +9,9 @@ Built by swapping submodules in Megatron's own GPT layer specs, never by forking
   provider give the dense MLP and the experts / shared experts;
 * the MoE layer becomes ``StableLatentMoELayer`` with the latent projections, the latent norm and
   the QB router plugged in; with ``moe_expert_weight_qat`` the routed experts' linears
-  fake-quantize their weights (``moe/qat.py``).
+  fake-quantize their weights (``moe/qat.py``); without ``moe_latent_size`` it stays Megatron's own
+  ``MoELayer`` with only the router swapped (QB as a drop-in for any Megatron MoE). Every balancing
+  type gets a load-counting router (``moe/router.py``), so the balance metrics exist for all.
 
 Two variants with the same numerics: ``local`` (pure PyTorch / Megatron-Core modules; runs
 anywhere) and ``te`` (Transformer Engine linears, grouped GEMM experts, TE norms; usable under
@@ -30,7 +32,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_mlp_module_spec_for_backend,
 )
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -47,7 +48,7 @@ from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
 from megatron_latentmoe.moe.qat import with_expert_weight_qat
-from megatron_latentmoe.moe.router import QuantileBalancingRouter
+from megatron_latentmoe.moe.router import BalanceCountingRouter, QuantileBalancingRouter
 from megatron_latentmoe.ops.situ import SiTUGLU
 
 BACKENDS = ("local", "te")
@@ -115,7 +116,8 @@ def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, mo
 
 
 def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
-    """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``."""
+    """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``, or without
+    ``moe_latent_size`` Megatron's own MoE layer spec with our router."""
     _check_backend(config, backend)
     activation = SiTUGLU if config.hidden_act == "situ" else None
     provider = _LocalBackend(activation) if backend == "local" else _te_backend(activation)
@@ -127,6 +129,10 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
         moe_grouped_gemm=backend == "te" and bool(config.moe_grouped_gemm),
         use_te_activation_func=config.use_te_activation_func,
     )
+    router = QuantileBalancingRouter if config.uses_quantile_balancing else BalanceCountingRouter
+    moe_sub = megatron_moe.keywords["submodules"]
+    if not config.moe_latent_size:
+        return partial(megatron_moe.func, submodules=dataclasses.replace(moe_sub, router=router))
     if backend == "local":
         down = up = LatentProjection
         norm = WrappedTorchNorm
@@ -135,8 +141,6 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
 
         down = up = TELinear
         norm = TENorm
-    router = QuantileBalancingRouter if config.uses_quantile_balancing else TopKRouter
-    moe_sub = megatron_moe.keywords["submodules"]
     return partial(
         StableLatentMoELayer,
         submodules=StableLatentMoESubmodules(

@@ -1,14 +1,16 @@
-"""Step-end Quantile Balancing update (SPEC §4, appendix D), hooked into Megatron's training loop.
+"""Step-end balance update and metrics (SPEC §4, appendix D), hooked into Megatron's training loop.
 
 ``finalize_model_grads_with_quantile_balancing`` is a drop-in ``finalize_model_grads_func``:
 Megatron's own training loop (and its pipeline schedules) call it once per step after the last
-micro-batch's backward. It runs Megatron's ``finalize_model_grads`` and then, for ALL QB routers
-of this pipeline stage at once:
+micro-batch's backward. It runs Megatron's ``finalize_model_grads`` (which applies Megatron's own
+sign update / ``quantile_balancing`` step) and then, for ALL load-counting routers of this
+pipeline stage at once (``moe/router.py``: every balancing type):
 
-1. packs each router's histogram (n·B counts + token count) and its routed loads (n) into ONE
-   integer buffer and all-reduces it (sum) over exactly the ranks that hold different tokens:
-   data × context parallel, plus tensor parallel when sequence parallelism splits the tokens;
-2. every rank solves the same new bias from the same global histogram (bit-identical);
+1. packs each QB router's histogram (n·B counts + header) and every router's routed loads (n)
+   and token count into ONE integer buffer and all-reduces it (sum) over exactly the ranks that
+   hold different tokens: data × context parallel, plus tensor parallel when sequence
+   parallelism splits the tokens;
+2. every rank solves the same new QB bias from the same global histogram (bit-identical);
 3. records the balance metrics of the step that was just routed, and resets the scratch.
 """
 
@@ -23,8 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.utils import get_model_config
 
-from megatron_latentmoe.balancing import max_violation
-from megatron_latentmoe.moe.router import QuantileBalancingRouter
+from megatron_latentmoe.moe.router import BalanceCountingRouter, QuantileBalancingRouter
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class BalanceMetrics:
     max_load: int
     frac_under_half: float
     """Fraction of experts with less than half the mean load."""
+    num_dead: int
+    """Experts that received no token (load 0)."""
     num_tokens: int
 
     @classmethod
@@ -44,21 +47,23 @@ class BalanceMetrics:
         loads = loads_E.double()
         mean = loads.mean().item()
         return cls(
-            max_vio=max_violation(loads_E),
+            max_vio=(loads.max().item() - mean) / mean if mean > 0 else 0.0,
             min_load=int(loads_E.min().item()),
             max_load=int(loads_E.max().item()),
             frac_under_half=float((loads < 0.5 * mean).double().mean().item()) if mean else 0.0,
+            num_dead=int((loads_E == 0).sum().item()),
             num_tokens=int(num_tokens),
         )
 
 
-def quantile_balancing_routers(model_chunks: Iterable[torch.nn.Module]) -> List[QuantileBalancingRouter]:
-    """The QB routers of this pipeline stage in a fixed order (same on every rank of a stage)."""
+def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> List[BalanceCountingRouter]:
+    """The load-counting routers (QB or not) of this pipeline stage in training mode, in a fixed
+    order (the same on every rank of a stage)."""
     return [
         module
         for chunk in model_chunks
         for module in chunk.modules()
-        if isinstance(module, QuantileBalancingRouter) and module.training
+        if isinstance(module, BalanceCountingRouter) and module.training
     ]
 
 
@@ -69,18 +74,40 @@ def token_parallel_group(config) -> Optional[dist.ProcessGroup]:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
+# The mean router input travels in the integer all-reduce as fixed point: each rank adds its
+# local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
+# up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4.
+_FIXED_SCALE = 2.0**12
+_FIXED_CLAMP = 2.0**4 - 1
+
+
+def _to_fixed(x: torch.Tensor) -> torch.Tensor:
+    return (x.clamp(-_FIXED_CLAMP, _FIXED_CLAMP) * _FIXED_SCALE).round().to(torch.int32)
+
+
+def _from_fixed(words: torch.Tensor, ranks: int) -> torch.Tensor:
+    return words.to(torch.float32) / (_FIXED_SCALE * max(ranks, 1))
+
+
 @torch.no_grad()
-def update_quantile_balancing(
+def update_balance(
     model_chunks: Iterable[torch.nn.Module], group: Optional[dist.ProcessGroup]
 ) -> List[BalanceMetrics]:
-    """ONE integer all-reduce for all QB layers of this stage, then solve and reset (SPEC §4)."""
-    routers = quantile_balancing_routers(model_chunks)
+    """ONE integer all-reduce for all counting routers of this stage: QB histograms, routed loads
+    and token counts; then every QB router solves its new bias (SPEC §4); metrics; reset."""
+    routers = balance_routers(model_chunks)
     if not routers:
         return []
     packed = []
     for r in routers:
-        hist = r.qb_histogram.pack()
-        packed.append(torch.cat([hist, r.step_loads_E.to(hist.dtype)]))
+        parts = []
+        if isinstance(r, QuantileBalancingRouter):
+            mean_D = r.step_input_sum_D / r.step_tokens.clamp(min=1)
+            parts = [r.qb_histogram.pack(), _to_fixed(mean_D)]
+        # int32 words: a layer's routed copies per expert and its tokens are <= the global
+        # tokens per step, bounded by the histogram's int32 check (balancing.py)
+        parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
+        packed.append(torch.cat(parts))
     sizes = [p.numel() for p in packed]
     buffer = torch.cat(packed)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -88,27 +115,33 @@ def update_quantile_balancing(
     metrics = []
     for router, part in zip(routers, buffer.split(sizes)):
         n = router.config.num_moe_experts
-        hist_part, loads_E = part[:-n], part[-n:]
-        try:
-            router.qb_histogram.unpack_(hist_part)
-        except (ValueError, OverflowError) as err:
-            raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
-        num_tokens = int(router.qb_histogram.num_tokens)
+        loads_E, num_tokens = part[-n - 1 : -1].to(torch.int64), int(part[-1])
         router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None
-        router.last_loads_E = loads_E.clone() if num_tokens else None
+        router.last_loads_E = loads_E if num_tokens else None
         if router.last_balance is not None:
             metrics.append(router.last_balance)
-        router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
-        router.qb_histogram.reset()
         router.step_loads_E.zero_()
+        router.step_tokens.zero_()
+        if isinstance(router, QuantileBalancingRouter):
+            d = router.step_input_sum_D.numel()
+            hist_words = part.numel() - n - 1 - d
+            try:
+                router.qb_histogram.unpack_(part[:hist_words])
+            except (ValueError, OverflowError) as err:
+                raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
+            router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
+            ranks = router.qb_histogram._reduced["ranks"]
+            router.set_drift_reference(_from_fixed(part[hist_words : hist_words + d], ranks))
+            router.qb_histogram.reset()
+            router.step_input_sum_D.zero_()
     return metrics
 
 
 def finalize_model_grads_with_quantile_balancing(
     model, num_tokens=None, pg_collection=None, force_all_reduce=False
 ):
-    """Megatron's ``finalize_model_grads`` followed by the QB step-end update."""
+    """Megatron's ``finalize_model_grads`` followed by the step-end balance update."""
     finalize_model_grads(
         model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
     )
-    update_quantile_balancing(model, token_parallel_group(get_model_config(model[0])))
+    update_balance(model, token_parallel_group(get_model_config(model[0])))

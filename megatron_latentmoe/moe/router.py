@@ -1,17 +1,26 @@
-"""The Quantile Balancing router (SPEC §3, §4) as a Megatron ``TopKRouter`` subclass.
+"""Routers that count their global-batch loads (every balancing type) and the Quantile Balancing
+router (SPEC §3, §4), both Megatron ``TopKRouter`` subclasses.
 
-Selection: top-k of ``scores + bias`` (in fp32) with ``scores = sigmoid(logits)``; the same
-top-(k+1) gives the QB cutoffs. Weights: the RAW scores
-of the selected experts renormalised over the k (times ``moe_router_topk_scaling_factor``); the
-bias never enters the weights or the gradient. In a training forward with autograd on, the
-router feeds this micro-batch's scores into the layer's ``QuantileHistogram`` (SPEC §4 step
-1-2) and counts the routed load for the balance metrics. The bias itself changes only at the
-step end (``balance_step.py``), so a batch is never routed with a bias computed from itself.
+``BalanceCountingRouter`` is Megatron's ``TopKRouter`` unchanged (``aux_loss``, ``seq_aux_loss``,
+``global_aux_loss``, ``none`` with or without ``--moe-router-enable-expert-bias``, Megatron's own
+``quantile_balancing``) plus one int64 load counter per step, so the balance metrics of every
+router come from the same count (``balance_step.py``). Its only behavioural change: megatron-core
+0.19.2's ``_apply_expert_bias`` masks a [T, n] routing map with a [T] padding mask (no broadcast,
+a crash at the first step); here padding is broadcast over the experts, so padding is counted out
+of the sign update's loads as Megatron intends.
 
-Not observed: padding tokens (``padding_mask`` True = padding, as in Megatron's own expert-bias
-counting), eval / inference forwards (``self.training`` False or autograd off), and the first
-pass of an activation-recomputed forward (Megatron runs it under ``no_grad``; the recompute in
-backward, with autograd on, is the one that counts), so every token is counted exactly once.
+``QuantileBalancingRouter`` selects the top-k of ``scores + bias`` (in fp32) with ``scores =
+sigmoid(logits)``; the same top-(k+1) gives the QB cutoffs. Weights: the RAW scores of the
+selected experts renormalised over the k (times ``moe_router_topk_scaling_factor``); the bias
+never enters the weights or the gradient. In a training forward with autograd on, the router
+feeds this micro-batch's scores into the layer's ``QuantileHistogram`` (SPEC §4 step 1-2). The
+bias itself changes only at the step end (``balance_step.py``), so a batch is never routed with
+a bias computed from itself.
+
+Counted / observed: the non-padding tokens (``padding_mask`` True = padding) of training
+forwards with autograd on. Not counted: eval / inference forwards and the first pass of an
+activation-recomputed forward (Megatron runs it under ``no_grad``; the recompute in backward is
+the one that counts), so every token is counted exactly once. No host sync in the forward.
 """
 
 from __future__ import annotations
@@ -30,7 +39,60 @@ def _buffer_device() -> torch.device:
     return torch.device("cpu")
 
 
-class QuantileBalancingRouter(TopKRouter):
+class BalanceCountingRouter(TopKRouter):
+    """Megatron's ``TopKRouter`` plus a per-step count of the tokens routed to each expert.
+
+    ``step_loads_E`` [n] int64 (routed copies per expert) and ``step_tokens`` (tokens routed)
+    are per-step scratch, out of checkpoints; the step end all-reduces and resets them.
+    """
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        device = _buffer_device()
+        n = config.num_moe_experts
+        self.register_buffer("step_loads_E", torch.zeros(n, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("step_tokens", torch.zeros((), dtype=torch.int64, device=device),
+                             persistent=False)
+        self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
+        self.last_loads_E = None  # global routed tokens per expert of the last step
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        if padding_mask is not None and self.routing_type == "quantile_balancing":
+            raise ValueError(
+                "--moe-router-load-balancing-type quantile_balancing: Megatron-Core 0.19.2's "
+                "per-micro-batch QB cannot skip loss-masked tokens (this batch has some, e.g. "
+                "from --eod-mask-loss or pad tokens); use quantile_histogram"
+            )
+        probs_ME, routing_map_TE = super().routing(logits, padding_mask=padding_mask)
+        self._count(routing_map_TE, padding_mask)
+        return probs_ME, routing_map_TE
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """Megatron's sign-update load count with the [T] padding mask broadcast over experts."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    def _count(self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            self._count_loads(routing_map_TE, padding_mask)
+
+    def _count_loads(self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
+        if padding_mask is None:
+            self.step_loads_E += routing_map_TE.sum(dim=0)
+            self.step_tokens += routing_map_TE.shape[0]
+        else:
+            valid_M = ~padding_mask.reshape(-1)
+            self.step_loads_E += (routing_map_TE & valid_M[:, None]).sum(dim=0)
+            self.step_tokens += valid_M.sum()
+
+
+class QuantileBalancingRouter(BalanceCountingRouter):
     """Sigmoid top-k router whose ``expert_bias`` is set by Quantile Balancing.
 
     ``expert_bias`` ([n], fp32, persistent) is Megatron's own buffer name, so distributed
@@ -45,45 +107,85 @@ class QuantileBalancingRouter(TopKRouter):
         # TopKRouter leaves ``expert_bias = None`` when Megatron's sign-update bias is off.
         del self.expert_bias
         self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "step_loads_E", torch.zeros(n, dtype=torch.int64, device=device), persistent=False
-        )
         histogram = CenteredQuantileHistogram if config.moe_qb_binning == "centered" else QuantileHistogram
-        # validate=False: no host sync in the forward; NaN/inf scores are counted on the device and
-        # raise at the step-end update, on every rank (balance_step.py).
-        self.qb_histogram = histogram(
-            n, self.topk, num_bins=config.moe_qb_num_bins, device=device, validate=False
-        )
-        self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
-        self.last_loads_E = None  # global routed tokens per expert of the last step
+        # Sync-free: NaN/inf scores are counted on the device and raise at the step-end update,
+        # on every rank (balance_step.py).
+        self.qb_histogram = histogram(n, self.topk, num_bins=config.moe_qb_num_bins, device=device)
+        # Router-weight drift correction (see ``forward``): this step's summed router input
+        # (per-step scratch) and, between the step-end solve and the next forward, the global
+        # mean input and the scores it had under the weights the bias was solved with.
+        self.register_buffer("step_input_sum_D", torch.zeros(config.hidden_size, dtype=torch.float32,
+                                                             device=device), persistent=False)
+        self._drift_ref = None
+
+    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """Megatron's router forward, after applying a pending drift correction, and summing the
+        router input of training tokens (no host sync).
+
+        The step-end solve fits the bias to this step's scores under the weights W_t; the next
+        batch is routed under W_{t+1}, after the optimizer step. Early in training the router
+        inputs of all tokens become nearly parallel (mean cosine 0.05 -> 0.95 by iteration 12 in
+        the K3-shaped race), so the weight update shifts every token's score for expert j by about
+        the same amount -- measured: 0.006-0.007 per step, against a spread of scores across
+        tokens of only 0.01-0.015 -- and a bias solved under W_t routes the same tokens under
+        W_{t+1} at MaxVio 11-20 (3-5 under W_t). The correction moves the bias by that common
+        shift, estimated at the global mean router input h (from the step-end all-reduce):
+        ``b_j -= (s_j(h; W_{t+1}) - s_j(h; W_t))``, re-centred. It is a function of replicated
+        weights and all-reduced numbers, so every rank applies the same one; no batch is routed
+        with a bias computed from itself.
+        """
+        self._apply_drift_correction()
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                h_TD = input.detach().reshape(-1, input.shape[-1]).float()
+                if padding_mask is not None:
+                    h_TD = h_TD * (~padding_mask.reshape(-1, 1)).float()
+                self.step_input_sum_D += h_TD.sum(dim=0)
+        return super().forward(input, padding_mask=padding_mask)
+
+    def _scores_at(self, h_D: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.weight.detach().float() @ h_D)
+
+    @torch.no_grad()
+    def set_drift_reference(self, mean_input_D: torch.Tensor) -> None:
+        """Step end, after the solve: remember the mean input and its scores under W_t."""
+        self._drift_ref = (mean_input_D, self._scores_at(mean_input_D))
+
+    @torch.no_grad()
+    def _apply_drift_correction(self) -> None:
+        if self._drift_ref is None:
+            return
+        mean_input_D, old_E = self._drift_ref
+        self._drift_ref = None
+        shift_E = self._scores_at(mean_input_D) - old_E
+        self.expert_bias.sub_(shift_E - shift_E.mean())
+
+    def _save_to_state_dict(self, *args, **kwargs):
+        self._apply_drift_correction()  # a checkpoint holds the bias the next batch will use
+        return super()._save_to_state_dict(*args, **kwargs)
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """Return dense ``probs`` [m, n] and the boolean ``routing_map`` [m, n] (SPEC §3);
-        suffixes as in ``balancing.py``: M tokens, E experts, K top-k."""
+        """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
         logits_ME = logits.view(-1, self.config.num_moe_experts)
         padding_M = padding_mask.reshape(-1) if padding_mask is not None else None
         logits_ME = self.apply_z_loss(logits_ME, padding_mask=padding_M)
 
         scores_ME = torch.sigmoid(logits_ME)
         with torch.no_grad():  # top-(k+1) of fp32 s + b: k routes and the QB cutoff alpha
-            topk_idx_MK, alpha_M = cutoff_route(scores_ME, self.expert_bias, self.topk)
-        weights_MK = scores_ME.gather(1, topk_idx_MK)
+            topk_idx_TK, alpha_M = cutoff_route(scores_ME, self.expert_bias, self.topk)
+        weights_MK = scores_ME.gather(1, topk_idx_TK)
         if self.topk > 1:
             weights_MK = weights_MK / (weights_MK.sum(dim=-1, keepdim=True) + 1e-20)
         if self.config.moe_router_topk_scaling_factor:
             weights_MK = weights_MK * self.config.moe_router_topk_scaling_factor
-        probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_MK, weights_MK)
-        routing_map_ME = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_MK, True)
+        probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
+        routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
         if self.training and torch.is_grad_enabled():
-            self._observe(scores_ME.detach(), alpha_M, routing_map_ME, padding_M)
-        return probs_ME, routing_map_ME
+            valid_M = None if padding_M is None else ~padding_M.bool()
+            self.qb_histogram.observe(
+                scores_ME.detach().float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M
+            )
+        self._count(routing_map_TE, padding_M)
+        return probs_ME, routing_map_TE
 
-    @torch.no_grad()
-    def _observe(self, scores_ME, alpha_M, routing_map_ME, padding_M) -> None:
-        valid_M = None if padding_M is None else ~padding_M.bool()
-        self.qb_histogram.observe(
-            scores_ME.float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M
-        )
-        counted_ME = routing_map_ME if valid_M is None else routing_map_ME & valid_M[:, None]
-        self.step_loads_E += counted_ME.sum(dim=0)

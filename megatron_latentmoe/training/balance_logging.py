@@ -2,12 +2,13 @@
 
 Megatron's ``train()`` calls ``config.finalize_model_grads_func`` exactly once per training step,
 on every rank, after the last micro-batch's backward. :func:`make_finalize_model_grads_func`
-wraps the project's QB step-end update (:func:`finalize_model_grads_with_quantile_balancing`)
-so that, right after the new bias is solved, :class:`BalanceLogger` gathers what happened in the
-step just routed:
+wraps the project's step-end balance update (:func:`finalize_model_grads_with_quantile_balancing`)
+so that, right after it, :class:`BalanceLogger` gathers what happened in the step just routed,
+for every balancing type (``aux_loss``, sign update, Megatron's ``quantile_balancing``, QB, ...):
 
-* per MoE layer: MaxVio, min / max expert load, fraction of experts under half the mean load
-  (``router.last_balance``, already global over the token-parallel ranks) and, every
+* per MoE layer: MaxVio, min / max expert load, fraction of experts under half the mean load,
+  dead experts (load 0) (``router.last_balance``: global over the token-parallel ranks, padding
+  excluded, the tokens the QB histogram observes) and, every
   ``loads_interval`` steps, the per-expert loads (global: one small integer all-reduce);
 * the step's loss (token mean over the global batch: the ``[sum, count]`` pairs the forward step
   hands in, summed over data-parallel ranks) and tokens/s (global batch tokens / step-to-step
@@ -18,7 +19,7 @@ float64 tensor (row ``layer_number - 1``; the last row holds the loss, filled by
 and one SUM all-reduce over the pipeline group brings all of them to every stage, so the logging
 rank (Megatron's: the last rank, which owns the TensorBoard writer) sees every layer.
 
-Outputs on the logging rank: a ``[QB]`` line on stdout every ``log_interval`` steps, TensorBoard
+Outputs on the logging rank: a ``[balance]`` line on stdout every ``log_interval`` steps, TensorBoard
 scalars under ``balance/`` and ``throughput/`` every ``tensorboard_log_interval`` steps (when a
 writer exists), and one JSONL record per step (``tools/plot_balance.py`` reads it). A resumed run
 appends; records of iterations re-run after a restart appear twice (readers keep the last).
@@ -37,12 +38,12 @@ import torch.distributed as dist
 
 from megatron_latentmoe.moe.balance_step import (
     finalize_model_grads_with_quantile_balancing,
-    quantile_balancing_routers,
+    balance_routers,
 )
 
 # Columns of one layer row of the gathered tensor (before the optional per-expert loads).
-_PRESENT, _MAX_VIO, _MIN_LOAD, _MAX_LOAD, _UNDER_HALF, _TOKENS = range(6)
-_FIXED_COLUMNS = 6
+_PRESENT, _MAX_VIO, _MIN_LOAD, _MAX_LOAD, _UNDER_HALF, _DEAD, _TOKENS = range(7)
+_FIXED_COLUMNS = 7
 
 
 def _mean(values: List[float]) -> float:
@@ -143,10 +144,10 @@ class BalanceLogger:
         self._last_step_end, self._excluded_s = now, 0.0
         iteration = int(self.iteration_fn())
         with_loads = iteration % self.loads_interval == 0 or iteration == 1
-        routers = quantile_balancing_routers(model_chunks) if routers is None else routers
+        routers = balance_routers(model_chunks) if routers is None else routers
 
         columns = _FIXED_COLUMNS + (self.num_experts if with_loads else 0)
-        device = routers[0].expert_bias.device if routers else _device_of(model_chunks)
+        device = routers[0].step_loads_E.device if routers else _device_of(model_chunks)
         table = torch.zeros(self.num_layers + 1, columns, dtype=torch.float64, device=device)
         loads = [r.last_loads_E for r in routers] if with_loads else None
         for i, router in enumerate(routers):
@@ -160,6 +161,7 @@ class BalanceLogger:
             row[_MIN_LOAD] = metrics.min_load
             row[_MAX_LOAD] = metrics.max_load
             row[_UNDER_HALF] = metrics.frac_under_half
+            row[_DEAD] = metrics.num_dead
             row[_TOKENS] = metrics.num_tokens
             if loads is not None and loads[i] is not None:
                 row[_FIXED_COLUMNS:] = loads[i].to(device=device, dtype=torch.float64)
@@ -195,6 +197,7 @@ class BalanceLogger:
                 "min_load": int(row[_MIN_LOAD]),
                 "max_load": int(row[_MAX_LOAD]),
                 "frac_under_half": float(row[_UNDER_HALF]),
+                "num_dead": int(row[_DEAD]),
                 "num_tokens": int(row[_TOKENS]),
             }
             if with_loads and table.shape[1] > _FIXED_COLUMNS:
@@ -215,6 +218,7 @@ class BalanceLogger:
             "min_load": min((e["min_load"] for e in layers), default=None),
             "max_load": max((e["max_load"] for e in layers), default=None),
             "frac_under_half": _mean([e["frac_under_half"] for e in layers]),
+            "num_dead": sum(e["num_dead"] for e in layers) if layers else None,
             "num_experts": self.num_experts,
             "layers": layers,
         }
@@ -228,7 +232,8 @@ class BalanceLogger:
             print(format_record(record), flush=True)
         writer = self.writer_fn()
         if writer is not None and iteration % self.tensorboard_log_interval == 0:
-            for key in ("maxvio_mean", "maxvio_max", "min_load", "max_load", "frac_under_half"):
+            for key in ("maxvio_mean", "maxvio_max", "min_load", "max_load", "frac_under_half",
+                        "num_dead"):
                 value = record[key]
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     writer.add_scalar(f"balance/{key}", value, iteration)
@@ -249,10 +254,10 @@ def format_record(record: dict) -> str:
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
     return (
-        f" [QB] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
+        f" [balance] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
         f"tokens/s {num(record['tokens_per_s'], ',.0f')} | MaxVio mean {num(record['maxvio_mean'], '.3f')}"
         f" max {num(record['maxvio_max'], '.3f')} | load min/max {record['min_load']}/{record['max_load']} | "
-        f"under-half {num(record['frac_under_half'], '.3f')}"
+        f"under-half {num(record['frac_under_half'], '.3f')} | dead {record['num_dead']}"
     )
 
 
@@ -264,10 +269,11 @@ def _device_of(model_chunks) -> torch.device:
 
 
 def make_finalize_model_grads_func(balance_logger: Optional[BalanceLogger]):
-    """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, the QB update, logging."""
+    """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, the balance update,
+    logging."""
 
     def finalize_model_grads_and_log_balance(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        routers = quantile_balancing_routers(model) if balance_logger is not None else None
+        routers = balance_routers(model) if balance_logger is not None else None
         finalize_model_grads_with_quantile_balancing(
             model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
         )

@@ -6,7 +6,9 @@
   for the padding mask below, and no tensor-parallel broadcast is needed.
 * :func:`forward_step` runs the model with ``padding_mask = (loss_mask == 0)``: tokens whose
   loss is masked (padding, and EOD with ``--eod-mask-loss``) are not observed by Quantile
-  Balancing and not counted in the expert loads (the router's convention: True = padding).
+  Balancing and not counted in the expert loads (the router's convention: True = padding). A
+  micro-batch without masked tokens passes ``padding_mask=None`` (the same routing, decided on
+  the loader's host tensor: no device sync), which Megatron's own ``quantile_balancing`` needs.
 * :func:`loss_func` returns Megatron's ``(loss sum, token count, {"lm loss": [sum, count]})``
   and feeds the same pair to the balance logger for the per-iteration JSONL.
 """
@@ -97,6 +99,8 @@ def get_batch(data_iterator, *, pre_process: bool, config=None):
     from megatron.core import parallel_state
 
     batch = next(data_iterator)
+    # Decided on the loader's (host) tensor: no device sync. None == an all-False mask.
+    has_padding = bool((batch["loss_mask"] == 0).any())
     device = _device()
     tokens = batch["tokens"].to(device, non_blocking=True).long()
     labels = batch["labels"].to(device, non_blocking=True).long()
@@ -105,9 +109,9 @@ def get_batch(data_iterator, *, pre_process: bool, config=None):
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device, non_blocking=True)
-    padding_mask = loss_mask == 0
+    padding_mask = (loss_mask == 0) if has_padding else None
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if not pre_process and config is not None and config.sequence_parallel and tp > 1:
+    if has_padding and not pre_process and config is not None and config.sequence_parallel and tp > 1:
         # GPTModel scatters the padding mask to this rank's sequence chunk only on the first
         # pipeline stage (with the embedding); later stages receive hidden states that are
         # already split, so split the mask the same way here.

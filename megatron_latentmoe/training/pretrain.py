@@ -286,6 +286,9 @@ def _main(check_only: bool = False) -> int:
 
     if not has_cuda:
         init_cpu_world(args)
+        from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
+
+        apply_qb_gloo_compat()
     if args.load and _rank() == 0:
         repair_checkpoint_tracker(args.load, args.ckpt_format)
     if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):

@@ -2,7 +2,7 @@
 
 Several micro-batches of a global batch are routed by the QB routers of 2 MoE layers, each rank
 seeing its own share of the tokens (the share of the ranks that hold different tokens: DP, EP,
-CP, and TP under sequence parallelism). Then ``update_quantile_balancing`` runs as it does at the
+CP, and TP under sequence parallelism). Then ``update_balance`` runs as it does at the
 end of a Megatron step. Which tokens a rank sees follows from its DP / CP / TP coordinates, not
 from the group under test, so a group that leaves out a dimension fails. Checked against ONE
 process that observed the whole global batch:
@@ -10,8 +10,9 @@ process that observed the whole global batch:
 * the all-reduced counts equal the single-process counts, as integers, for every layer, and so
   do the all-reduced routed loads per expert (what MaxVio is computed from);
 * every rank ends with the same bias, bit for bit, equal to the single-process solve;
-* exactly one all-reduce per step for all layers, of L·(n·B + header + n) integers, whatever the
-  number of tokens;
+* exactly one all-reduce per step for all layers, of L·(n·B + header + d + n + 1) integers
+  (histogram, mean router input in fixed point, loads, tokens), whatever the number of tokens;
+* the same with QB as a drop-in router in Megatron's own ``MoELayer`` (no latent projections).
 * the second step bins with the new bias (the range moves) and still agrees.
 """
 
@@ -24,7 +25,8 @@ EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
 
 LAYOUTS = {
     2: {"DP2": dict(), "TP2+SP": dict(tp=2), "CP2": dict(cp=2), "EP2": dict(ep=2),
-        "EP2-centered": dict(ep=2, binning="centered")},
+        "EP2-centered": dict(ep=2, binning="centered"),
+        "EP2-megatron-moe": dict(ep=2, latent=False)},
     4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2), "CP2xEP2": dict(cp=2, ep=2),
         "TP2+SPxCP2": dict(tp=2, cp=2)},
 }
@@ -39,7 +41,8 @@ def _global_logits(step, layer, micro_batch, tokens):
 def _reference(tokens, binning="uniform"):
     """One process, the whole global batch: per step and layer the counts, the routed loads per
     expert and the bias after the step."""
-    from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram, topk_loads
+    from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram
+    from megatron_latentmoe.balancing_reference import topk_loads
 
     histogram = CenteredQuantileHistogram if binning == "centered" else QuantileHistogram
     bias = [torch.zeros(EXPERTS) for _ in range(LAYERS)]
@@ -83,7 +86,7 @@ def _run_layout(rank, world_size, layout, tokens):
 
     from megatron_latentmoe.compat import initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
-    from megatron_latentmoe.moe.balance_step import token_parallel_group, update_quantile_balancing
+    from megatron_latentmoe.moe.balance_step import token_parallel_group, update_balance
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
     tp, ep, cp = layout.get("tp", 1), layout.get("ep", 1), layout.get("cp", 1)
@@ -95,11 +98,14 @@ def _run_layout(rank, world_size, layout, tokens):
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp,
         sequence_parallel=tp > 1,
         moe_qb_binning=layout.get("binning", "uniform"),
+        **({} if layout.get("latent", True) else dict(moe_latent_size=None, latent_moe_use_norm=False)),
     )
     layers = torch.nn.ModuleList(
         [get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=i + 1) for i in range(LAYERS)]
     )
     layers.train()
+    expected_type = "StableLatentMoELayer" if layout.get("latent", True) else "MoELayer"
+    assert type(layers[0]).__name__ == expected_type
     group = token_parallel_group(cfg)
     index, share = _token_share(cfg.sequence_parallel)
     group_size = dist.get_world_size(group) if group is not None else 1
@@ -123,14 +129,14 @@ def _run_layout(rank, world_size, layout, tokens):
         reduced.clear()
         dist.all_reduce = recording_all_reduce
         try:
-            update_quantile_balancing([layers], group)
+            update_balance([layers], group)
         finally:
             dist.all_reduce = original_all_reduce
         n_bins = EXPERTS * BINS
         per_layer = len(reduced[0]) // LAYERS if reduced else 0
         counts = [reduced[0][i * per_layer : i * per_layer + n_bins].view(EXPERTS, BINS).clone()
                   for i in range(LAYERS)] if reduced else []
-        loads = [reduced[0][(i + 1) * per_layer - EXPERTS : (i + 1) * per_layer].to(torch.int64)
+        loads = [reduced[0][(i + 1) * per_layer - EXPERTS - 1 : (i + 1) * per_layer - 1].to(torch.int64)
                  for i in range(LAYERS)] if reduced else []
         per_step.append(dict(
             all_reduces=len(reduced),
@@ -173,4 +179,5 @@ def test_all_reduce_size_is_independent_of_the_batch():
     for tokens in (16, 96):
         per_rank = run_distributed(_run_layout, 2, {"ep": 2}, tokens)
         sizes |= {s["numel"] for steps in per_rank for s in steps}
-    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + EXPERTS)}
+    hidden = 64  # tiny_config's hidden size: the mean router input rides along in fixed point
+    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + hidden + EXPERTS + 1)}

@@ -48,7 +48,7 @@ def test_ep2_loss_goes_down():
     print(f"loss first 5 {first:.4f} -> last 5 {last:.4f} ({ref.seconds:.0f} s)")
     assert last < first - 0.5, (first, last)
     # stdout carries the per-iteration balance line on the logging rank
-    assert ref.output.count("[QB] iteration") == REF_ITERS
+    assert ref.output.count("[balance] iteration") == REF_ITERS
 
 
 def test_ep2_quantile_balancing_reduces_maxvio():

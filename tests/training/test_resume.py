@@ -96,7 +96,7 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
     def after_checkpoint_20(line: str) -> bool:
         if "successfully saved checkpoint from iteration      20" in line:
             seen["saved20"] = True
-        return seen["saved20"] and "[QB] iteration      23" in line
+        return seen["saved20"] and "[balance] iteration      23" in line
 
     run2 = run_and_kill(args, after_checkpoint_20)
     assert "successfully loaded checkpoint" not in run2.output

@@ -56,5 +56,5 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
     )
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "[slurm] 1 nodes x 2 GPUs" in proc.stdout
-    assert proc.stdout.count("[QB] iteration") == 3, proc.stdout[-3000:]
+    assert proc.stdout.count("[balance] iteration") == 3, proc.stdout[-3000:]
     assert "expert_model_parallel_size ...................... 2" in proc.stdout  # tiny.sh's EP2

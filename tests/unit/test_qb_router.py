@@ -84,7 +84,7 @@ def _run(rank, world_size):
     out["eval"] = _observed(layer)
 
     # 4. NaN router input: the forward does not sync; the step-end update names layer and cause
-    from megatron_latentmoe.moe.balance_step import update_quantile_balancing
+    from megatron_latentmoe.moe.balance_step import update_balance
 
     layer.router.qb_histogram.reset()
     layer.router.step_loads_E.zero_()
@@ -92,7 +92,7 @@ def _run(rank, world_size):
     bad[0, 0, :] = float("nan")
     layer(bad.requires_grad_())
     try:
-        update_quantile_balancing([layer], None)
+        update_balance([layer], None)
         out["nan_error"] = None
     except ValueError as err:
         out["nan_error"] = str(err)
@@ -106,6 +106,29 @@ def _run(rank, world_size):
     out["recompute_after_forward"] = _observed(layer_rc)
     y.sum().backward()
     out["recompute"] = _observed(layer_rc)
+    # 6. drift correction: after the step-end solve and a change of the router weight (what the
+    # optimizer step does), the next forward moves the bias by the score shift at the mean input
+    layer.router.qb_histogram.reset()
+    layer.router.step_loads_E.zero_()
+    layer.router.step_tokens.zero_()
+    layer.router.step_input_sum_D.zero_()
+    y, _ = layer(x.clone().requires_grad_(), padding_mask=padding)
+    y.sum().backward()
+    update_balance([layer], None)
+    solved = layer.router.expert_bias.clone()
+    mean_input = x.transpose(0, 1)[~padding].mean(dim=0)  # padding excluded
+    w_old = layer.router.weight.detach().clone()
+    with torch.no_grad():
+        layer.router.weight.add_(0.05 * torch.randn_like(layer.router.weight))
+    shift = torch.sigmoid(layer.router.weight.detach() @ mean_input) - torch.sigmoid(w_old @ mean_input)
+    out["drift_expected"] = solved - (shift - shift.mean())
+    out["drift_solved"] = solved
+    out["drift_saved"] = layer.router.state_dict()["expert_bias"].clone()  # applies it once
+    layer.eval()
+    layer(x)
+    out["drift_after_forward"] = layer.router.expert_bias.clone()  # not applied twice
+    layer.train()
+
     return out
 
 
@@ -147,6 +170,13 @@ def test_nan_scores_raise_at_the_step_end_naming_the_layer(result):
     assert result["nan_error"] is not None
     assert "layer 1" in result["nan_error"] and "NaN/inf" in result["nan_error"]
     assert torch.isfinite(result["bias_after_nan"]).all()
+
+
+def test_drift_correction_moves_the_bias_by_the_score_shift_once(result):
+    # fixed-point mean input (resolution 2.4e-4): the bias agrees to ~1e-5, far below the shift
+    assert not torch.allclose(result["drift_expected"], result["drift_solved"], atol=1e-3)
+    torch.testing.assert_close(result["drift_saved"], result["drift_expected"], atol=2e-5, rtol=0)
+    assert torch.equal(result["drift_after_forward"], result["drift_saved"])
 
 
 def test_recomputed_forward_is_observed_exactly_once(result):

@@ -1,0 +1,67 @@
+"""Megatron-Core 0.19.2's own ``quantile_balancing`` step on gloo (CPU runs).
+
+``megatron.core.distributed.finalize_model_grads._update_router_qb_beta`` averages the routers'
+per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refuses ("Cannot use
+ReduceOp.AVG with Gloo"). :func:`apply_qb_gloo_compat` replaces it, on gloo only, with the same
+update written as a SUM all-reduce divided by the group size (NCCL keeps Megatron's function).
+Checked against megatron-core 0.19.2 (``compat.cpu.check_megatron_core_version``); undo with
+:func:`revert_qb_gloo_compat`. (The other router wall, ``TopKRouter._apply_expert_bias``'s
+unbroadcast padding mask, is fixed in our router subclass, ``moe/router.py``.)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_original = None
+# the package re-exports the function under the module's name: import the module by path
+_MODULE = "megatron.core.distributed.finalize_model_grads"
+
+
+def _update_router_qb_beta(model, config, dp_cp_group=None):
+    """Megatron's ``_update_router_qb_beta`` with AVG = SUM / group size."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    betas, avgs = [], []
+    for chunk in model:
+        for module in get_attr_wrapped_model(chunk, "modules")():
+            if getattr(module, "qb_beta_accum", None) is not None and module.training:
+                betas.append(module.qb_beta)
+                avgs.append(module.qb_beta_accum / module.qb_beta_count.clamp(min=1).to(module.qb_beta_accum.dtype))
+    if not betas:
+        return
+    stacked_avg = torch.stack(avgs, dim=0)
+    torch.distributed.all_reduce(stacked_avg, op=torch.distributed.ReduceOp.SUM, group=dp_cp_group)
+    stacked_avg /= torch.distributed.get_world_size(dp_cp_group)
+    ema = config.moe_router_quantile_balancing_ema
+    new = ema * torch.stack(betas, dim=0) + (1.0 - ema) * stacked_avg
+    new = new - new.mean(dim=-1, keepdim=True)
+    for beta, value in zip(betas, new):
+        beta.copy_(value)
+
+
+def apply_qb_gloo_compat() -> bool:
+    """Install the replacement when the default process group is gloo (idempotent)."""
+    global _original
+    fmg = importlib.import_module(_MODULE)
+
+    from .cpu import check_megatron_core_version
+
+    if _original is not None:
+        return True
+    if not (torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"):
+        return False
+    check_megatron_core_version()
+    _original = fmg._update_router_qb_beta
+    fmg._update_router_qb_beta = _update_router_qb_beta
+    return True
+
+
+def revert_qb_gloo_compat() -> None:
+    global _original
+    fmg = importlib.import_module(_MODULE)
+
+    if _original is not None:
+        fmg._update_router_qb_beta, _original = _original, None

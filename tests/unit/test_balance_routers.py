@@ -1,0 +1,92 @@
+"""Every Megatron balancer with our MoE layers (latent and Megatron's own): the balance metrics
+of a step equal a recount from the routing map the router returned (padding excluded), and
+Megatron's sign update counts the same loads (its [T, n] & [T] padding crash is fixed).
+"""
+
+import pytest
+import torch
+
+from tests.parallel.launcher import run_distributed
+
+SEQ, BATCH, HIDDEN = 12, 4, 64
+# (name, config overrides); Megatron's quantile_balancing cannot take a padding mask
+BALANCERS = {
+    "aux_loss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
+    "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2),
+    "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+    "sign_update": dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True),
+    "none": dict(moe_router_load_balancing_type="none"),
+    "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
+    "qb_uniform": dict(moe_qb_binning="uniform"),
+    "qb_centered": dict(moe_qb_binning="centered"),
+}
+
+
+def _run(rank, world_size):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe.balance_step import BalanceMetrics, update_balance
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    out = {}
+    for latent in (True, False):
+        for name, overrides in BALANCERS.items():
+            extra = {} if latent else dict(moe_latent_size=None, latent_moe_use_norm=False)
+            cfg = tiny_config(**overrides, **extra)
+            torch.manual_seed(5)
+            layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg)
+            layer.set_layer_number(1)
+            layer.train()
+            seen = []
+            layer.router.register_forward_hook(lambda m, i, o: seen.append(o[1].detach().clone()))
+            padding = None
+            if name != "megatron_qb":
+                padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+                padding[:, -3:] = True
+            recount = torch.zeros(cfg.num_moe_experts, dtype=torch.int64)
+            tokens = 0
+            for step in range(2):  # two micro-batches of one step
+                x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+                y, _ = layer(x, padding_mask=padding)
+                y.float().sum().backward()
+                valid = torch.ones(SEQ * BATCH, dtype=torch.bool) if padding is None else ~padding.T.reshape(-1)
+                recount += seen[-1][valid].sum(dim=0)
+                tokens += int(valid.sum())
+            sign_loads = None
+            if layer.router.enable_expert_bias:
+                sign_loads = layer.router.local_tokens_per_expert.clone()
+            update_balance([layer], None)
+            out[(latent, name)] = dict(
+                layer_type=type(layer).__name__,
+                metrics=layer.router.last_balance,
+                loads=layer.router.last_loads_E.clone(),
+                expected=BalanceMetrics.from_loads(recount, tokens),
+                recount=recount,
+                sign_loads=sign_loads,
+                tokens=tokens,
+            )
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    (r,) = run_distributed(_run, 1)
+    return r
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "megatron_moe"])
+@pytest.mark.parametrize("name", list(BALANCERS))
+def test_metrics_equal_recount_from_routing_map(result, latent, name):
+    r = result[(latent, name)]
+    assert r["layer_type"] == ("StableLatentMoELayer" if latent else "MoELayer")
+    assert torch.equal(r["loads"], r["recount"])
+    assert r["metrics"] == r["expected"]
+    assert r["metrics"].num_tokens == r["tokens"]
+    assert int(r["loads"].sum()) == r["tokens"] * 2  # top-2, nothing dropped
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "megatron_moe"])
+def test_sign_update_counts_padding_out(result, latent):
+    r = result[(latent, "sign_update")]
+    assert torch.equal(r["sign_loads"].to(torch.int64), r["recount"])
