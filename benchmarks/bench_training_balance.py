@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""The balance race: every balancer a Megatron user has, against QB, in real Megatron training.
+
+    python benchmarks/bench_training_balance.py [--iters 300] [--args-file examples/args/k3_sparse_tiny.sh]
+
+Trains the same model (default: the K3-shaped sparse tiny config, 128 routed experts top-4, EP2
+over 2 processes) once per method through the project's entry point
+(``examples/run_torchrun.sh``) with the same seed, data order, layout and iterations, reads each
+run's balance JSONL (global-batch loads per layer, padding excluded; ``--balance-log-file``) and
+writes ``benchmarks/results/training_balance.json`` and ``training_balance.png`` (MaxVio per
+iteration, log scale, one line per method; loss per iteration; the table), then prints the table.
+
+Per method: mean MaxVio (mean over layers) over iterations 1-50 and 51-end, the worst single
+iteration, iterations with a dead expert (load 0 in some layer), final loss (mean of the last 20
+iterations), tokens/s (median over iterations after the first 5) relative to ``none``.
+
+A method whose JSONL already holds every iteration is not re-run (``--fresh`` re-runs all), so a
+killed race resumes where it stopped. Timing is the benchmark's output, never a test assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tools.plot_balance import read_records  # noqa: E402
+
+# (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
+# usual coefficient 1e-2; the sign update (DeepSeek-V3, aux-loss-free) Megatron's default rate
+# 1e-3 and a 10x faster one.
+METHODS = {
+    "none": ["--moe-router-load-balancing-type", "none"],
+    "QB centered (ours)": ["--moe-router-load-balancing-type", "quantile_histogram", "--moe-qb-binning", "centered"],
+    "QB uniform (ours)": ["--moe-router-load-balancing-type", "quantile_histogram", "--moe-qb-binning", "uniform"],
+    "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
+    "sign 1e-3": ["--moe-router-load-balancing-type", "none", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "1e-3"],
+    "megatron quantile_balancing": ["--moe-router-load-balancing-type", "quantile_balancing"],
+    "seq_aux_loss": ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2"],
+    "global_aux_loss": ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2"],
+    "sign 1e-2": ["--moe-router-load-balancing-type", "none", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "1e-2"],
+}
+EARLY = 50  # iterations 1-EARLY vs EARLY+1-end
+FINAL = 20  # final loss: mean of the last FINAL iterations
+WARM = 5  # tokens/s: median over iterations after the first WARM
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def run_method(name, flags, args, jsonl):
+    """Train once with ``flags``; returns the wall time (s). Raises with the log tail on failure."""
+    log = jsonl[: -len(".jsonl")] + ".log"
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    cmd = ["bash", os.path.join(REPO, "examples", "run_torchrun.sh"), args.args_file,
+           "--train-iters", str(args.iters), "--log-interval", "50", "--eval-iters", "0",
+           "--balance-log-file", jsonl, "--balance-log-loads-interval", "1000000", *flags]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    start = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    wall = time.time() - start
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{name}: exit {proc.returncode}; log {log}:\n{tail}")
+    return wall
+
+
+def summarize(name, records, iters):
+    its = [r["iteration"] for r in records]
+    vio = [r["maxvio_mean"] for r in records]
+    early = [v for i, v in zip(its, vio) if i <= EARLY]
+    late = [v for i, v in zip(its, vio) if i > EARLY]
+    worst = max(range(len(vio)), key=lambda i: vio[i])
+    tps = [r["tokens_per_s"] for r in records if r["iteration"] > WARM and math.isfinite(r["tokens_per_s"])]
+    return {
+        "method": name,
+        "iterations": len(records),
+        "maxvio_1_50": statistics.fmean(early),
+        "maxvio_51_end": statistics.fmean(late) if late else float("nan"),
+        "maxvio_worst": vio[worst],
+        "maxvio_worst_iteration": its[worst],
+        "iterations_with_dead_expert": sum(1 for r in records if (r.get("num_dead") or 0) > 0),
+        "final_loss": statistics.fmean(r["loss"] for r in records[-FINAL:]),
+        "tokens_per_s": statistics.median(tps) if tps else float("nan"),
+        "curve_maxvio": vio,
+        "curve_maxvio_max": [r["maxvio_max"] for r in records],
+        "curve_loss": [r["loss"] for r in records],
+        "curve_dead": [r.get("num_dead") for r in records],
+        "curve_under_half": [r.get("frac_under_half") for r in records],
+    }
+
+
+TABLE_HEADER = (f"{'method':<30} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} "
+                f"{'dead its':>8} {'final loss':>10} {'tok/s vs none':>13}")
+
+
+def table_rows(results):
+    rows = [TABLE_HEADER]
+    for r in results:
+        rows.append(
+            f"{r['method']:<30} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
+            f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
+            f"{r['iterations_with_dead_expert']:>8d} {r['final_loss']:>10.4f} {r['tokens_per_s_rel']:>13.3f}"
+        )
+    return rows
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(14, 10), constrained_layout=True)
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.25, 0.8])
+    ax_vio, ax_loss = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    for r in result["methods"]:
+        ours = "ours" in r["method"]
+        style = dict(lw=2.0 if ours else 1.0, alpha=1.0 if ours else 0.8)
+        its = range(1, len(r["curve_maxvio"]) + 1)
+        ax_vio.plot(its, [max(v, 1e-3) for v in r["curve_maxvio"]], label=r["method"], **style)
+        ax_loss.plot(its, r["curve_loss"], label=r["method"], **style)
+    ax_vio.set_yscale("log")
+    ax_vio.set_xlabel("iteration")
+    ax_vio.set_ylabel("MaxVio of the global batch (mean over MoE layers)")
+    ax_vio.set_title("load balance per iteration")
+    ax_vio.grid(True, which="both", alpha=0.3)
+    ax_vio.legend(fontsize=8)
+    ax_loss.set_xlabel("iteration")
+    ax_loss.set_ylabel("lm loss")
+    ax_loss.set_ylim(top=min(8.0, max(max(r["curve_loss"]) for r in result["methods"])))
+    ax_loss.set_title("training loss")
+    ax_loss.grid(True, alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    ax_tab = fig.add_subplot(grid[1, :])
+    ax_tab.set_axis_off()
+    ax_tab.text(0.0, 1.0, "\n".join(table_rows(result["methods"])), family="monospace",
+                fontsize=10, va="top")
+    ax_tab.set_title(result["title"], loc="left", fontsize=10)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh"))
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS), metavar="M")
+    p.add_argument("--workdir", default=os.path.join(REPO, "runs", "training_balance"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--fresh", action="store_true", help="re-run methods that already finished")
+    args = p.parse_args(argv)
+    if args.iters <= EARLY:
+        p.error(f"--iters {args.iters}: must be > {EARLY} (the windows are 1-{EARLY} and {EARLY + 1}-end)")
+    os.makedirs(args.workdir, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+
+    results, walls = [], {}
+    for name in args.methods:
+        jsonl = os.path.join(args.workdir, _slug(name) + ".jsonl")
+        records = read_records(jsonl) if os.path.exists(jsonl) else []
+        if args.fresh or len(records) < args.iters:
+            print(f"[race] {name}: training {args.iters} iterations ...", flush=True)
+            walls[name] = run_method(name, METHODS[name], args, jsonl)
+            records = read_records(jsonl)
+            print(f"[race] {name}: {walls[name]:.0f} s", flush=True)
+        results.append(summarize(name, records[: args.iters], args.iters))
+    base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), float("nan"))
+    for r in results:
+        r["tokens_per_s_rel"] = r["tokens_per_s"] / base
+    title = (f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
+             "same seed and data order; MaxVio = (max load - mean) / mean of the global batch")
+    result = {"title": title, "args_file": os.path.relpath(args.args_file, REPO),
+              "iters": args.iters, "run_wall_s": walls, "methods": results}
+    json_path = os.path.join(args.out, "training_balance.json")
+    tmp = json_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, json_path)
+    try:
+        plot(result, os.path.join(args.out, "training_balance.png"))
+    except ImportError:
+        print("[race] matplotlib missing: no PNG")
+    print(title)
+    print("\n".join(table_rows(results)))
+    print(f"wrote {json_path} and training_balance.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
