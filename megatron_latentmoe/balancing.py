@@ -1,8 +1,8 @@
 """Quantile Balancing math (SPEC §4). Pure PyTorch: this module never imports Megatron.
 
-Notation (SPEC §4): m tokens, n experts, top-k; sigmoid scores ``s`` [m, n] in [0, 1]; bias ``b`` [n]
-(selection only); token i's cutoff ``alpha_i`` = its (k+1)-th largest biased score; ``r_ij =
-alpha_i - s_ij``. Token i picks expert j under a bias b' iff ``r_ij < b'_j``. Target load
+Notation (SPEC §4): m tokens, n experts, top-k; sigmoid scores ``s`` [m, n] in [0, 1]; bias
+``b`` [n] (selection only); token i's cutoff ``alpha_i`` = its (k+1)-th largest biased score;
+``r_ij = alpha_i - s_ij``. Token i picks expert j under a bias b' iff ``r_ij < b'_j``. Target load
 ``q = m·k/n``, ``Q = ceil(q)``. Suffixes name dimensions (torchtitan-style legend): M tokens
 (m), E experts (n), K top-k (k), B bins; so ``scores_ME`` is [m, n] (not "TE": Transformer Engine).
 
@@ -26,9 +26,9 @@ covering every possible r), several times finer where the answer lies once balan
 
 int32 bound: a cell counts at most the tokens observed in the window, so the all-reduced counts are
 exact while the GLOBAL tokens per layer per step <= 2**31 - 1 (~2.1e9; a 64M-token global batch
-uses 3% of it). Each rank checks its local total in ``observe`` (sync-free unless near the bound); the
-token total travels split in two words, so ``unpack_`` recovers it exactly even when it exceeds
-the bound and raises ``OverflowError`` instead of solving from wrapped counts.
+uses 3% of it). Each rank checks its local total in ``observe`` (sync-free unless near the
+bound); the token total travels split in two words, so ``unpack_`` recovers it exactly even when
+it exceeds the bound and raises ``OverflowError`` instead of solving from wrapped counts.
 """
 
 from __future__ import annotations
@@ -84,11 +84,17 @@ def _check_scores_bias(scores_ME, bias_E, topk: int, num_experts: Optional[int] 
     if num_experts is not None and n != num_experts:
         raise ValueError(f"scores_ME.shape[1]={n}; allowed: num_experts={num_experts}")
     if bias_E.shape[0] != n:
-        raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({n},) = scores_ME.shape[1]")
+        raise ValueError(
+            f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({n},) = scores_ME.shape[1]"
+        )
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < n:
-        raise ValueError(f"topk={topk!r}; allowed: int in [1, num_experts-1={n - 1}] (top-(k+1) must exist)")
+        raise ValueError(
+            f"topk={topk!r}; allowed: int in [1, num_experts-1={n - 1}] (top-(k+1) must exist)"
+        )
     if bias_E.device != scores_ME.device:
-        raise ValueError(f"bias_E.device={bias_E.device}; allowed: scores_ME.device={scores_ME.device}")
+        raise ValueError(
+            f"bias_E.device={bias_E.device}; allowed: scores_ME.device={scores_ME.device}"
+        )
 
 
 def _check_valid(valid_M, m: int, device) -> None:
@@ -96,7 +102,9 @@ def _check_valid(valid_M, m: int, device) -> None:
         return
     _check_tensor("valid_M", valid_M, 1, (torch.bool,))
     if valid_M.shape[0] != m:
-        raise ValueError(f"valid_M.shape={tuple(valid_M.shape)}; allowed: ({m},) = scores_ME.shape[0]")
+        raise ValueError(
+            f"valid_M.shape={tuple(valid_M.shape)}; allowed: ({m},) = scores_ME.shape[0]"
+        )
     if valid_M.device != device:
         raise ValueError(f"valid_M.device={valid_M.device}; allowed: scores_ME.device={device}")
 
@@ -119,8 +127,9 @@ class _QuantileHistogramBase:
     binning is a function of the bias in force only (fixed for the window, so every rank derives
     the same bins). Counts add across micro-batches and ranks; ``pack()``/``unpack_()`` move counts
     plus a constant header in ONE int32 buffer of ``n*B + len(HEADER_FIELDS)`` words, independent
-    of m. ``solve`` reads, per expert, the first bin whose cumulative count reaches Q = ceil(m k / n)
-    and interpolates linearly inside it, so the estimate lies in the bin of the exact ``r_(Q)``.
+    of m. ``solve`` reads, per expert, the first bin whose cumulative count reaches
+    Q = ceil(m k / n) and interpolates linearly inside it, so the estimate lies in the bin of the
+    exact ``r_(Q)``.
 
     ``observe`` is sync-free: bad input (NaN/inf, scores outside [0, 1], a bias other than the
     window's) is counted in device flags that travel in the header and raise in
@@ -128,9 +137,7 @@ class _QuantileHistogramBase:
     step-end solve made identical on all of them, so no cross-rank bias check is needed.
     """
 
-    def __init__(
-        self, num_experts: int, topk: int, num_bins: int = 1000, device=None
-    ):
+    def __init__(self, num_experts: int, topk: int, num_bins: int = 1000, device=None):
         for name, v, low in (("num_experts", num_experts, 2), ("num_bins", num_bins, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name}={v!r}; allowed: int >= {low}")
@@ -143,7 +150,9 @@ class _QuantileHistogramBase:
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=self._device)
         self._num_tokens = torch.zeros((), dtype=torch.int64, device=self._device)
-        self._flags = torch.zeros(2, dtype=torch.int64, device=self._device)  # bad_inputs, bias_changes
+        self._flags = torch.zeros(
+            2, dtype=torch.int64, device=self._device
+        )  # bad_inputs, bias_changes
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -163,7 +172,7 @@ class _QuantileHistogramBase:
 
     @property
     def num_tokens(self) -> torch.Tensor:
-        """Observed (after ``unpack_``: global) tokens, 0-d int64 tensor; each counts row sums to it."""
+        """Observed (after ``unpack_``: global) tokens, 0-d int64; each counts row sums to it."""
         return self._num_tokens
 
     @property
@@ -194,7 +203,9 @@ class _QuantileHistogramBase:
         """int64 bin of each ``r_ME`` [m, n] under the window's (or ``bias_E``'s) binning."""
         saved, self._range = self._range, self._window_range(bias_E)
         try:
-            return self._finite_clamp_(self._bin_index_(r_ME.detach().float().clone())).to(torch.int64)
+            return self._finite_clamp_(self._bin_index_(r_ME.detach().float().clone())).to(
+                torch.int64
+            )
         finally:
             self._range = saved
 
@@ -255,12 +266,16 @@ class _QuantileHistogramBase:
         self._adopt_device(scores_ME.device, "scores_ME")
         s32 = scores_ME.detach().float()
         b32 = bias_E.detach().float()
-        bad = ~torch.isfinite(s32).all() | ~torch.isfinite(b32).all() | ~((s32 >= 0) & (s32 <= 1)).all()
+        bad = (
+            ~torch.isfinite(s32).all()
+            | ~torch.isfinite(b32).all()
+            | ~((s32 >= 0) & (s32 <= 1)).all()
+        )
         self._flags[0] += bad.to(torch.int64)
         self._open_or_check_window(b32)
         if m == 0:
             return
-        # Local overflow guard: python upper bound first, exact (synchronising) check only near 2**31.
+        # Local overflow guard: python upper bound first, exact (syncing) check only near 2**31.
         self._token_bound += m
         if self._token_bound > INT32_MAX:
             extra = m if valid_M is None else int(valid_M.sum())
@@ -310,7 +325,9 @@ class _QuantileHistogramBase:
         Raises on overflow, corruption (rows must sum to the token total), or flagged bad input."""
         _check_tensor("buffer", buffer, 1, (torch.int32,))
         if buffer.numel() != self.packed_numel:
-            raise ValueError(f"buffer.numel()={buffer.numel()}; allowed: packed_numel={self.packed_numel}")
+            raise ValueError(
+                f"buffer.numel()={buffer.numel()}; allowed: packed_numel={self.packed_numel}"
+            )
         self._adopt_device(buffer.device, "buffer")
         nb_cells = self.num_experts * self.num_bins
         head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist()))
@@ -330,7 +347,9 @@ class _QuantileHistogramBase:
         counts = buffer[:nb_cells].view(self.num_experts, self.num_bins)
         rows_ok = bool((counts.sum(dim=1, dtype=torch.int64) == tokens).all())
         if not rows_ok:
-            raise ValueError("every counts row must sum to the token total; buffer is corrupt or misaligned")
+            raise ValueError(
+                "every counts row must sum to the token total; buffer is corrupt or misaligned"
+            )
         self.counts.copy_(counts)
         self._num_tokens.fill_(tokens)
         self._reduced = head
@@ -362,14 +381,18 @@ class _QuantileHistogramBase:
         m = int(self._num_tokens)
         if m == 0:
             return b32.clone()
-        if self._range is None:  # e.g. a rank that only unpacked: the range is a function of the bias
+        if (
+            self._range is None
+        ):  # e.g. a rank that only unpacked: the range is a function of the bias
             self._range = self._make_range(b32)
         big_q = -(-m * self.topk // self.num_experts)  # ceil(q), exact
         cum_EB = self.counts.cumsum(dim=1, dtype=torch.int64)
         c_E = (cum_EB < big_q).sum(dim=1).clamp_(max=self.num_bins - 1)  # first bin with cum >= Q
         in_bin_E = self.counts.gather(1, c_E[:, None]).squeeze(1).to(torch.int64)
         before_E = cum_EB.gather(1, c_E[:, None]).squeeze(1) - in_bin_E
-        frac_E = ((big_q - before_E).double() / in_bin_E.clamp(min=1).double()).clamp_(0.0, 1.0).float()
+        frac_E = (
+            ((big_q - before_E).double() / in_bin_E.clamp(min=1).double()).clamp_(0.0, 1.0).float()
+        )
         edge_E, width_E = self._bounds(c_E)
         return edge_E + frac_E * width_E
 
@@ -414,9 +437,21 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
     side-by-side accuracy (|bias - exact|) and MaxVio against the uniform bins.
     """
 
-    def __init__(self, num_experts: int, topk: int, num_bins: int = 1000, device=None, *,
-                 sigma: float = 0.005):
-        if not isinstance(num_bins, int) or isinstance(num_bins, bool) or num_bins < 2 or num_bins % 2:
+    def __init__(
+        self,
+        num_experts: int,
+        topk: int,
+        num_bins: int = 1000,
+        device=None,
+        *,
+        sigma: float = 0.005,
+    ):
+        if (
+            not isinstance(num_bins, int)
+            or isinstance(num_bins, bool)
+            or num_bins < 2
+            or num_bins % 2
+        ):
             raise ValueError(f"num_bins={num_bins!r}; allowed: even int >= 2")
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and 0 < sigma <= 1):
             raise ValueError(f"sigma={sigma!r}; allowed: float in (0, 1]")

@@ -22,7 +22,13 @@ from megatron_latentmoe.balancing import (
     cutoff_route,
 )
 
-__all__ = ["exact_quantiles", "exact_quantile_bias", "sign_update_bias", "topk_loads", "max_violation"]
+__all__ = [
+    "exact_quantiles",
+    "exact_quantile_bias",
+    "sign_update_bias",
+    "topk_loads",
+    "max_violation",
+]
 
 
 def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
@@ -41,12 +47,14 @@ def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
     if not flags[2]:
         lo, hi = scores_ME.min().item(), scores_ME.max().item()
         raise ValueError(
-            f"scores_ME has values in [{lo:.4g}, {hi:.4g}]; allowed: [0, 1] (sigmoid scores, not logits)"
+            f"scores_ME has values in [{lo:.4g}, {hi:.4g}]; "
+            "allowed: [0, 1] (sigmoid scores, not logits)"
         )
 
 
-
-def topk_loads(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
+def topk_loads(
+    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
     _check_scores_bias(scores_ME, bias_E, topk)
     _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)
@@ -68,10 +76,13 @@ def max_violation(loads_E: torch.Tensor) -> float:
 
 
 def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3 baseline (SignSGD on the dual, SPEC §4): ``b += rate * sign(mean(load) - load)``."""
+    """DeepSeek-V3 baseline (SignSGD on the dual, SPEC §4):
+    ``b += rate * sign(mean(load) - load)``."""
     _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
     if loads_E.shape != bias_E.shape:
-        raise ValueError(f"loads_E.shape={tuple(loads_E.shape)}; allowed: bias_E.shape={tuple(bias_E.shape)}")
+        raise ValueError(
+            f"loads_E.shape={tuple(loads_E.shape)}; allowed: bias_E.shape={tuple(bias_E.shape)}"
+        )
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
         raise ValueError(f"rate={rate!r}; allowed: finite float >= 0")
     loads = loads_E.to(device=bias_E.device, dtype=torch.float64)
@@ -79,7 +90,9 @@ def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -
 
 
 # ----------------------------------------------------------------------------- exact reference
-def exact_quantiles(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_quantiles(
+    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
     bias unchanged if m = 0.
 
@@ -110,9 +123,9 @@ def _exact_quantiles(scores_ME, bias_E, topk, valid_M):
     return r_ME.kthvalue(big_q, dim=0).values, m
 
 
-def exact_quantile_bias(scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_quantile_bias(
+    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Exact sort-based QB update (SPEC §4 steps 2-3): column Q-th smallest r, minus its mean."""
     q_E, m = _exact_quantiles(scores_ME, bias_E, topk, valid_M)
     return q_E if m == 0 else q_E - q_E.mean()  # empty batch: bias unchanged
-
-

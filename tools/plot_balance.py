@@ -4,12 +4,15 @@
     python tools/plot_balance.py RUN/balance.jsonl --out RUN/expert_load.png [--window 20] [--summary]
 
 The JSONL (``--balance-log-file``; by default ``<--save>/balance.jsonl``) has one record per
-iteration: loss, tokens/s, MaxVio over the MoE layers and, per layer, the global per-expert loads.
+iteration, for every balancing type (QB, aux losses, sign update, Megatron's QB, none): loss,
+tokens/s, MaxVio, min / max load, experts under half the mean load and dead experts (load 0) over
+the MoE layers and, per layer, the same numbers and the global per-expert loads.
 The picture has three panels:
 
 1. expert-load heatmaps, layers x experts, as load / mean load (1.0 = perfectly balanced): the
    first recorded iteration beside the average over the last ``--window`` iterations;
-2. MaxVio per iteration: mean and max over layers (each layer thin), log scale;
+2. MaxVio per iteration: mean and max over layers (each layer thin), log scale; on a second axis
+   the fraction of experts under half the mean load and the dead experts (all layers);
 3. the training loss.
 
 ``--summary`` prints the first-vs-last-window loss and MaxVio (what the main job reports).
@@ -67,6 +70,8 @@ def summarize(records: List[dict], window: int) -> dict:
         "maxvio_first": _avg(r.get("maxvio_mean") for r in first),
         "maxvio_last": _avg(r.get("maxvio_mean") for r in last),
         "maxvio_max_last": _avg(r.get("maxvio_max") for r in last),
+        "dead_iterations": sum(1 for r in rows if (r.get("num_dead") or 0) > 0),
+        "maxvio_worst": max(_finite(r.get("maxvio_mean") for r in rows), default=float("nan")),
         "tokens_per_s_last": _avg(r.get("tokens_per_s") for r in last),
     }
 
@@ -81,7 +86,9 @@ def summary_lines(s: dict) -> List[str]:
         f"iterations {a}-{b} (windows of {w}):",
         f"  lm loss   {s['loss_first']:.4f} (first {w}) -> {s['loss_last']:.4f} (last {w})  [{verdict}]",
         f"  MaxVio    mean over layers {s['maxvio_first']:.3f} -> {s['maxvio_last']:.3f}"
-        f"  (max over layers, last {w}: {s['maxvio_max_last']:.3f})",
+        f"  (max over layers, last {w}: {s['maxvio_max_last']:.3f}; worst iteration "
+        f"{s['maxvio_worst']:.3f})",
+        f"  dead experts in {s['dead_iterations']} iteration(s)",
         f"  tokens/s  {s['tokens_per_s_last']:,.0f} (last {w})",
     ]
 
@@ -164,7 +171,17 @@ def plot(records: List[dict], out: str, window: int, title: Optional[str] = None
     ax.set_ylabel("MaxVio = (max load - mean) / mean")
     ax.set_title("load balance per iteration (thin: each MoE layer)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    twin = ax.twinx()
+    twin.plot(its, [r.get("frac_under_half") for r in records], color="tab:green", lw=0.8, ls="--",
+              label="experts under half the mean (fraction)")
+    n_slots = max(1, len(per_layer)) * max(1, records[0].get("num_experts") or 1)
+    twin.plot(its, [(r.get("num_dead") or 0) / n_slots for r in records], color="tab:purple", lw=0.8,
+              ls=":", label="dead experts (fraction of all layers' experts)")
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("fraction of experts")
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
 
     ax = fig.add_subplot(grid[1, 1])
     ax.plot(its, [r.get("loss") for r in records], color="tab:blue", lw=1.0)

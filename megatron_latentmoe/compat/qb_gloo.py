@@ -29,7 +29,10 @@ def _update_router_qb_beta(model, config, dp_cp_group=None):
         for module in get_attr_wrapped_model(chunk, "modules")():
             if getattr(module, "qb_beta_accum", None) is not None and module.training:
                 betas.append(module.qb_beta)
-                avgs.append(module.qb_beta_accum / module.qb_beta_count.clamp(min=1).to(module.qb_beta_accum.dtype))
+                avgs.append(
+                    module.qb_beta_accum
+                    / module.qb_beta_count.clamp(min=1).to(module.qb_beta_accum.dtype)
+                )
     if not betas:
         return
     stacked_avg = torch.stack(avgs, dim=0)

@@ -50,10 +50,12 @@ class BalanceCountingRouter(TopKRouter):
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         device = _buffer_device()
         n = config.num_moe_experts
-        self.register_buffer("step_loads_E", torch.zeros(n, dtype=torch.int64, device=device),
-                             persistent=False)
-        self.register_buffer("step_tokens", torch.zeros((), dtype=torch.int64, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "step_loads_E", torch.zeros(n, dtype=torch.int64, device=device), persistent=False
+        )
+        self.register_buffer(
+            "step_tokens", torch.zeros((), dtype=torch.int64, device=device), persistent=False
+        )
         self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
         self.last_loads_E = None  # global routed tokens per expert of the last step
 
@@ -68,7 +70,9 @@ class BalanceCountingRouter(TopKRouter):
         self._count(routing_map_TE, padding_mask)
         return probs_ME, routing_map_TE
 
-    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def _apply_expert_bias(
+        self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ):
         """Megatron's sign-update load count with the [T] padding mask broadcast over experts."""
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
@@ -82,7 +86,9 @@ class BalanceCountingRouter(TopKRouter):
         with torch.no_grad():
             self._count_loads(routing_map_TE, padding_mask)
 
-    def _count_loads(self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
+    def _count_loads(
+        self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]
+    ) -> None:
         if padding_mask is None:
             self.step_loads_E += routing_map_TE.sum(dim=0)
             self.step_tokens += routing_map_TE.shape[0]
@@ -107,15 +113,20 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         # TopKRouter leaves ``expert_bias = None`` when Megatron's sign-update bias is off.
         del self.expert_bias
         self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32, device=device))
-        histogram = CenteredQuantileHistogram if config.moe_qb_binning == "centered" else QuantileHistogram
+        histogram = (
+            CenteredQuantileHistogram if config.moe_qb_binning == "centered" else QuantileHistogram
+        )
         # Sync-free: NaN/inf scores are counted on the device and raise at the step-end update,
         # on every rank (balance_step.py).
         self.qb_histogram = histogram(n, self.topk, num_bins=config.moe_qb_num_bins, device=device)
         # Router-weight drift correction (see ``forward``): this step's summed router input
         # (per-step scratch) and, between the step-end solve and the next forward, the global
         # mean input and the scores it had under the weights the bias was solved with.
-        self.register_buffer("step_input_sum_D", torch.zeros(config.hidden_size, dtype=torch.float32,
-                                                             device=device), persistent=False)
+        self.register_buffer(
+            "step_input_sum_D",
+            torch.zeros(config.hidden_size, dtype=torch.float32, device=device),
+            persistent=False,
+        )
         self._drift_ref = None
 
     def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
@@ -188,4 +199,3 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             )
         self._count(routing_map_TE, padding_M)
         return probs_ME, routing_map_TE
-

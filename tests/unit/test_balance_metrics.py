@@ -12,6 +12,8 @@ def test_metrics_of_a_known_load_vector():
     assert m.max_vio == pytest.approx(4 / 6)
     assert (m.min_load, m.max_load, m.num_tokens) == (2, 10, 12)
     assert m.frac_under_half == pytest.approx(0.25)
+    assert m.num_dead == 0
+    assert BalanceMetrics.from_loads(torch.tensor([8, 0, 4, 0]), num_tokens=6).num_dead == 2
 
 
 def test_perfect_balance_and_exactly_half_the_mean():

@@ -13,7 +13,9 @@ SEQ, BATCH, HIDDEN = 12, 4, 64
 BALANCERS = {
     "aux_loss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
     "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2),
-    "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+    "global_aux_loss": dict(
+        moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2
+    ),
     "sign_update": dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True),
     "none": dict(moe_router_load_balancing_type="none"),
     "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
@@ -50,7 +52,11 @@ def _run(rank, world_size):
                 x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
                 y, _ = layer(x, padding_mask=padding)
                 y.float().sum().backward()
-                valid = torch.ones(SEQ * BATCH, dtype=torch.bool) if padding is None else ~padding.T.reshape(-1)
+                valid = (
+                    torch.ones(SEQ * BATCH, dtype=torch.bool)
+                    if padding is None
+                    else ~padding.T.reshape(-1)
+                )
                 recount += seen[-1][valid].sum(dim=0)
                 tokens += int(valid.sum())
             sign_loads = None
