@@ -50,7 +50,7 @@ def apply_qb_gloo_compat() -> bool:
     global _original
     fmg = importlib.import_module(_MODULE)
 
-    from .cpu import check_megatron_core_version
+    from .registry import check_megatron_core_version
 
     if _original is not None:
         return True
