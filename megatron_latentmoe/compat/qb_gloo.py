@@ -4,7 +4,7 @@
 per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refuses ("Cannot use
 ReduceOp.AVG with Gloo"). :func:`apply_qb_gloo_compat` replaces it, on gloo only, with the same
 update written as a SUM all-reduce divided by the group size (NCCL keeps Megatron's function).
-Checked against megatron-core 0.19.2 (``compat.cpu.check_megatron_core_version``); undo with
+Checked against megatron-core 0.19.2 (``compat.registry.check_megatron_core_version``); undo with
 :func:`revert_qb_gloo_compat`. (The other router wall, ``TopKRouter._apply_expert_bias``'s
 unbroadcast padding mask, is fixed in our router subclass, ``moe/router.py``.)
 """
