@@ -39,7 +39,9 @@ from megatron_latentmoe.fields import (
     HF_FIXED,
     QUANTILE_HISTOGRAM,
     REQUIRED,
+    ConfigError,
     ModelField,
+    check_stable_latentmoe,
     megatron_values,
     not_allowed,
     read_hf,
@@ -96,28 +98,37 @@ class ModelArch:
 
     # ------------------------------------------------------------------ checks
     def validate(self, source: str) -> None:
-        def fail(key, value, allowed):
-            return not_allowed(f"{source}: {key}", value, allowed, ConversionError)
+        """Each row's kind, the model config's rules (``fields.check_stable_latentmoe``, on the
+        Megatron fields this description implies) and what the HF model can express besides;
+        a wrong value raises :class:`ConversionError` naming ``source`` and the field."""
+
+        def fail(key, value, allowed, **refs):
+            return not_allowed(f"{source}: {key}", value, allowed, ConversionError, **refs)
 
         for f in FIELDS:
             allowed = f.problem(getattr(self, f.name))
             if allowed:
                 raise fail(f.name, getattr(self, f.name), allowed)
+        megatron = {key: want for key, (want, _) in MEGATRON_FIXED.items()}
+        megatron.update(self.megatron_config_kwargs(), moe_layer_freq=self.moe_layer_freq)
+        try:
+            check_stable_latentmoe(megatron.get)
+        except ConfigError as err:  # named as this description names them
+            names = {f.megatron: f.name for f in FIELDS if f.megatron}
+            raise ConversionError(f"{source}: " + err.render(
+                lambda key, value: f"{names.get(key, key)}={value!r}")) from None
         if self.num_attention_heads % self.num_query_groups:
             raise fail("num_query_groups", self.num_query_groups,
-                       f"a divisor of num_attention_heads={self.num_attention_heads}")
+                       "a divisor of {num_attention_heads}",
+                       num_attention_heads=self.num_attention_heads)
         if self.kv_channels % 2:
             raise fail("kv_channels", self.kv_channels, "an even head dim (RoPE)")
-        if not self.moe_router_topk <= self.num_experts:
-            raise fail("moe_router_topk", self.moe_router_topk,
-                       f"an integer in [1, num_experts={self.num_experts}]")
-        if not self.first_k_dense_replace < self.num_layers:
-            raise fail("first_k_dense_replace", self.first_k_dense_replace,
-                       f"an integer in [0, num_layers={self.num_layers})")
         if self.moe_shared_expert_intermediate_size % self.moe_ffn_hidden_size:
             raise fail("moe_shared_expert_intermediate_size",
-                       self.moe_shared_expert_intermediate_size, f"a multiple of moe_ffn_hidden_size={self.moe_ffn_hidden_size} (HF stores "
-                       "num_shared_experts = shared width / moe_intermediate_size)")
+                       self.moe_shared_expert_intermediate_size,
+                       "a multiple of {moe_ffn_hidden_size} (HF stores num_shared_experts = "
+                       "shared width / moe_intermediate_size)",
+                       moe_ffn_hidden_size=self.moe_ffn_hidden_size)
 
     # ------------------------------------------------------------------ derived
     def is_moe_layer(self, layer: int) -> bool:

@@ -26,7 +26,7 @@ Reused Megatron names: ``--num-experts``, ``--moe-latent-size``, ``--moe-router-
 :func:`validate_stable_latentmoe_args` runs right after parsing, before Megatron's
 ``validate_args`` and before any process group, model or dataset exists. It checks what only the
 command line can get wrong (flags this entry point does not support, backend, data paths) and
-runs the model config's own rules (``config.check_stable_latentmoe``) on the parsed flags, so
+runs the model config's own rules (``fields.check_stable_latentmoe``) on the parsed flags, so
 every wrong combination raises :class:`FlagError` naming the flags, in one line.
 """
 
@@ -36,7 +36,13 @@ import argparse
 import os
 from typing import Iterable, List, Optional
 
-from megatron_latentmoe.fields import ADDED, BY_NAME, QUANTILE_HISTOGRAM
+from megatron_latentmoe.fields import (
+    ADDED,
+    BY_NAME,
+    QUANTILE_HISTOGRAM,
+    ConfigError,
+    check_stable_latentmoe,
+)
 
 BACKENDS = {"local": "local", "transformer_engine": "te"}
 
@@ -229,8 +235,6 @@ def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
     qb = QUANTILE_HISTOGRAM in (lb if isinstance(lb, (list, tuple)) else [lb])
     if args.moe_router_score_function is None:
         args.moe_router_score_function = "sigmoid" if qb else "softmax"
-    from megatron_latentmoe.config import ConfigError, check_stable_latentmoe
-
     try:
         check_stable_latentmoe(lambda field: getattr(args, _ARG_DEST.get(field, field), None))
     except ConfigError as err:

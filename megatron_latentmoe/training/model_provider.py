@@ -31,8 +31,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-from megatron_latentmoe.config import ConfigError, StableLatentMoETransformerConfig
+from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.convert.names import LEGACY_NORM_NAME
+from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
 from megatron_latentmoe.moe.layer import use_legacy_names_of
 from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_message
