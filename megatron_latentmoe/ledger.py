@@ -61,12 +61,13 @@ class LatentMoEShape:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        for name in ("hidden_size", "latent_size", "moe_ffn_hidden_size", "num_experts", "topk",
-                     "num_layers"):
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("shared_ffn_hidden_size", "first_k_dense_replace", "dense_ffn_hidden_size",
-                     "vocab_size"):
-            _check_int(name, getattr(self, name), minimum=0)
+        for name, low in (("hidden_size", 1), ("latent_size", 1), ("moe_ffn_hidden_size", 1),
+                          ("num_experts", 1), ("topk", 1), ("num_layers", 1),
+                          ("shared_ffn_hidden_size", 0), ("first_k_dense_replace", 0),
+                          ("dense_ffn_hidden_size", 0), ("vocab_size", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise not_allowed(name, value, f"an integer >= {low}")
         for name in ("latent_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise not_allowed(name, getattr(self, name), "True or False")
@@ -182,11 +183,6 @@ _TABLE_NAMES = {
     "tie_word_embeddings": "tie_embeddings",
 }
 """``LatentMoEShape`` field -> row of ``fields.FIELDS`` (the ledger's short names)."""
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise not_allowed(name, value, f"an integer >= {minimum}")
 
 
 def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:

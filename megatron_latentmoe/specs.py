@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_latentmoe.compat.core import apply_core_compat
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
+from megatron_latentmoe.fields import not_allowed
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
 from megatron_latentmoe.moe.qat import with_expert_weight_qat
@@ -83,7 +84,7 @@ def _te_backend(activation):
 
 def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed: one of {BACKENDS}")
+        raise not_allowed("backend", backend, f"one of {BACKENDS}")
     if backend == "te" and not HAVE_TE:
         raise ValueError(
             "backend='te' is not allowed here: Transformer Engine is not installed "

@@ -104,6 +104,8 @@ def _verify(args, checkpoint: str, hf_dir: str, config_file: Optional[str]):
 
 def _check_options(args) -> None:
     """Refuse bad options before any work (a typo must not cost a full conversion)."""
+    from megatron_latentmoe.fields import not_allowed
+
     from .errors import ConversionError
     from .verify import check_hf_dir, check_verify_options
 
@@ -113,7 +115,7 @@ def _check_options(args) -> None:
     if args.command in ("import", "verify"):
         check_hf_dir(args.hf)
     if getattr(args, "read_batch_mb", 1) < 1:
-        raise ConversionError(f"--read-batch-mb={args.read_batch_mb} is not allowed: an integer >= 1")
+        raise not_allowed("--read-batch-mb", args.read_batch_mb, "an integer >= 1", ConversionError)
     if args.summary_json:
         parent = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):

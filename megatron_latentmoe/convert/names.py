@@ -44,6 +44,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from megatron_latentmoe.fields import not_allowed
+
 from .arch import ModelArch
 from .errors import ConversionError
 
@@ -143,9 +145,8 @@ class TensorMap:
 def check_shape(name: str, found: Sequence[int], expected: Sequence[int], source: str = "") -> None:
     if tuple(found) != tuple(expected):
         where = f"{source}: " if source else ""
-        raise ConversionError(
-            f"{where}tensor {name!r} has shape {tuple(found)} but the model config implies "
-            f"{tuple(expected)}")
+        raise not_allowed(f"{where}tensor {name!r} shape", tuple(found),
+                          f"{tuple(expected)}, what the model config implies", ConversionError)
 
 
 # ------------------------------------------------------------------------------------ builders

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from megatron_latentmoe.fields import not_allowed
+
 from .arch import ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
@@ -242,9 +244,9 @@ def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: i
     for name, flag, value in (("new_tokens", "--verify-tokens", new_tokens), ("batch", "--verify-batch", batch),
                               ("seq_len", "--verify-seq-len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConversionError(f"{name} ({flag}) = {value!r} is not allowed: an integer >= 1")
+            raise not_allowed(f"{name} ({flag})", value, "an integer >= 1", ConversionError)
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol > 0):
-        raise ConversionError(f"atol (--verify-atol) = {atol!r} is not allowed: a positive finite number")
+        raise not_allowed("atol (--verify-atol)", atol, "a positive finite number", ConversionError)
 
 
 def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 
+from megatron_latentmoe.fields import not_allowed
+
 
 class LatentProjection(torch.nn.Module):
     """A replicated linear with Megatron's linear call convention: ``forward(x) -> (y, None)``."""
@@ -30,7 +32,7 @@ class LatentProjection(torch.nn.Module):
     ):
         super().__init__()
         if bias:
-            raise ValueError("bias=True is not allowed for the latent projections: bias-free")
+            raise not_allowed("bias", True, "False (the latent projections are bias-free)")
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype)
         )

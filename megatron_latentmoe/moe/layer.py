@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatche
 
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.convert.names import LEGACY_NORM_NAME, NORM_NAME
+from megatron_latentmoe.fields import not_allowed
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 
 
@@ -66,10 +67,8 @@ class StableLatentMoELayer(MoELayer):
         name: str | None = None,
     ):
         if not config.moe_latent_size:
-            raise ValueError(
-                f"moe_latent_size={config.moe_latent_size!r} is not allowed for "
-                "StableLatentMoELayer: a positive latent width l"
-            )
+            raise not_allowed("moe_latent_size", config.moe_latent_size,
+                              "a positive latent width l (StableLatentMoELayer)")
         # Megatron's MoELayer builds its own TE-only latent projections whenever
         # moe_latent_size is set. Build the parent as a plain MoE and hand the real config to
         # the experts only, so they (and only they) run in latent width.

@@ -48,6 +48,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron_latentmoe.fields import not_allowed
+
 __all__ = [
     "DEFAULT_SITU_BETA",
     "DEFAULT_SITU_LINEAR_BETA",
@@ -63,15 +65,10 @@ DEFAULT_SITU_LINEAR_BETA = 25.0  # b2, config key `activation_situ_linear_beta`
 
 def validate_situ_beta(name: str, value: Any) -> float:
     """Return ``value`` as a float, or raise ValueError if it is not a finite real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"{name} must be a finite real number in (0, inf); got {value!r} "
-            f"of type {type(value).__name__}"
-        )
-    v = float(value)
-    if not math.isfinite(v) or v <= 0.0:
-        raise ValueError(f"{name} must be a finite real number in (0, inf); got {value!r}")
-    return v
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and value > 0):
+        raise not_allowed(name, value, "a finite real number in (0, inf)")
+    return float(value)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -147,7 +147,7 @@ def test_import_bad_hf_input(workspace, tmp_path):
     out = tmp_path / "mg"
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
-    _import_fails(hf, out, r"experts.0.w1.weight' has shape \(32, 32\) but the model config implies \(16, 32\)")
+    _import_fails(hf, out, r"experts.0.w1.weight' shape=\(32, 32\) is not allowed: \(16, 32\), what the model config implies")
     (hf / "config.json").write_text(json.dumps(dict(cfg, hidden_act="relu")))
     _import_fails(hf, out, r"hidden_act='relu' is not allowed")
     (hf / "config.json").write_text(json.dumps(cfg))
@@ -185,9 +185,9 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--verify-batch", "0"], r"batch \(--verify-batch\) = 0 is not allowed: an integer >= 1"),
-    (["--verify-tokens", "-1"], r"new_tokens \(--verify-tokens\) = -1"),
-    (["--verify-atol", "nan"], r"atol \(--verify-atol\) = nan"),
+    (["--verify-batch", "0"], r"batch \(--verify-batch\)=0 is not allowed: an integer >= 1"),
+    (["--verify-tokens", "-1"], r"new_tokens \(--verify-tokens\)=-1 is not allowed"),
+    (["--verify-atol", "nan"], r"atol \(--verify-atol\)=nan is not allowed"),
     (["--summary-json", "/nonexistent/s.json"], r"--summary-json '/nonexistent/s.json': directory"),
 ])
 def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, argv, match):
