@@ -94,6 +94,20 @@ def stable_latentmoe_fields() -> tuple[str, ...]:
     )
 
 
+SMALL_RUN = dict(
+    moe_router_score_function="sigmoid",
+    moe_aux_loss_coeff=0.0,
+    moe_token_dispatcher_type="alltoall",
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+    init_method_std=0.02,
+)
+"""The run settings of the small fp32 configs (:func:`tiny_config`, the converter's
+``ModelArch.to_megatron_config``): sigmoid router, no aux loss, no biases, no dropout, CPU init."""
+
+
 def tiny_config(**overrides) -> StableLatentMoETransformerConfig:
     """A small fp32 Stable LatentMoE config for tests, demos and the CPU default run."""
     values = dict(
@@ -106,15 +120,8 @@ def tiny_config(**overrides) -> StableLatentMoETransformerConfig:
         moe_ffn_hidden_size=48,
         moe_latent_size=32,
         moe_shared_expert_intermediate_size=96,
-        moe_router_score_function="sigmoid",
         moe_router_load_balancing_type=QUANTILE_HISTOGRAM,
-        moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        init_method_std=0.02,
+        **SMALL_RUN,
     )
     values.update(overrides)
     return StableLatentMoETransformerConfig(**values)

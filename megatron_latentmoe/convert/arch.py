@@ -274,21 +274,14 @@ class ModelArch:
     def to_megatron_config(self, **overrides):
         """A Megatron config of this architecture (fp32, CPU init, no dropout, TP=EP=PP=1 unless
         overridden): what ``verify`` and the tests build the Megatron model from."""
-        from megatron_latentmoe.config import StableLatentMoETransformerConfig
+        from megatron_latentmoe.config import SMALL_RUN, StableLatentMoETransformerConfig
 
         qb = self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
         values = dict(
             self.megatron_config_kwargs(),
-            moe_router_score_function="sigmoid",
+            **SMALL_RUN,
             moe_router_load_balancing_type=QUANTILE_HISTOGRAM if qb else "none",
             moe_router_enable_expert_bias=not qb,
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
-            add_bias_linear=False,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            init_method_std=0.02,
         )
         values.update(overrides)
         return StableLatentMoETransformerConfig(**values)
