@@ -203,3 +203,24 @@ def test_k3_presets_are_the_hf_defaults():
         if f.megatron and f.hf:
             want = k3.megatron_config_kwargs()[f.megatron]
             assert getattr(config, f.megatron) == want, f.name
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(moe_router_topk=8), "moe_router_topk=8 is not allowed: an integer in [1, num_experts=8)"),
+        (dict(first_k_dense_replace=3),
+         "first_k_dense_replace=3 is not allowed: an integer in [0, num_layers=3)"),
+        (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1 is not allowed: an integer >= 2"),
+        (dict(num_query_groups=3),
+         "num_query_groups=3 is not allowed: a divisor of num_attention_heads=4"),
+    ],
+)
+def test_the_converter_runs_the_configs_rules(change, message):
+    """ModelArch states no rule of the config again: it runs fields.check_stable_latentmoe and
+    names the fields its own way (num_experts, not num_moe_experts)."""
+    from megatron_latentmoe.convert.errors import ConversionError
+
+    with pytest.raises(ConversionError) as err:
+        ModelArch(**dict(SMALL, **change))
+    assert str(err.value) == f"model config: {message}"
