@@ -147,7 +147,8 @@ def test_import_bad_hf_input(workspace, tmp_path):
     out = tmp_path / "mg"
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
-    _import_fails(hf, out, r"experts.0.w1.weight' shape=\(32, 32\) is not allowed: \(16, 32\), what the model config implies")
+    _import_fails(hf, out, r"experts.0.w1.weight' shape=\(32, 32\) is not allowed: \(16, 32\), "
+                  r"what the model config implies")
     (hf / "config.json").write_text(json.dumps(dict(cfg, hidden_act="relu")))
     _import_fails(hf, out, r"hidden_act='relu' is not allowed")
     (hf / "config.json").write_text(json.dumps(cfg))

@@ -208,7 +208,8 @@ def test_k3_presets_are_the_hf_defaults():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(moe_router_topk=8), "moe_router_topk=8 is not allowed: an integer in [1, num_experts=8)"),
+        (dict(moe_router_topk=8),
+         "moe_router_topk=8 is not allowed: an integer in [1, num_experts=8)"),
         (dict(first_k_dense_replace=3),
          "first_k_dense_replace=3 is not allowed: an integer in [0, num_layers=3)"),
         (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1 is not allowed: an integer >= 2"),
