@@ -85,7 +85,9 @@ class DriftingRouter:
             x = self.mu[c] + torch.randn(m_mb, self.d, generator=self.g)
             mbs.append(torch.sigmoid(self.gain * x @ self.w + self.pop - 2.0))
         eps = self.drift
-        self.w = self.w * math.sqrt(1 - eps**2) + eps * torch.randn(self.d, self.n, generator=self.g) / math.sqrt(self.d)
+        self.w = self.w * math.sqrt(1 - eps**2) + eps * torch.randn(
+            self.d, self.n, generator=self.g
+        ) / math.sqrt(self.d)
         self.pop = self.pop + eps * torch.randn(self.n, generator=self.g)
         return mbs
 
@@ -109,7 +111,9 @@ class Method:
         raise NotImplementedError
 
     def run_step(self, mbs):
-        t0 = time.process_time()  # CPU time of this (single-threaded) process: robust to a busy machine
+        t0 = (
+            time.process_time()
+        )  # CPU time of this (single-threaded) process: robust to a busy machine
         for s in mbs:
             self.route_micro_batch(s)
         new = self.step_end()
@@ -166,7 +170,9 @@ class MegatronQB(Method):
         self.fn, self.acc, self.count = qb_dual_update, torch.zeros(n), 0
 
     def route_micro_batch(self, s):
-        _, beta_local = self.fn(s, self.k, -self.bias, update_beta=True)  # selection on s - beta = s + b
+        _, beta_local = self.fn(
+            s, self.k, -self.bias, update_beta=True
+        )  # selection on s - beta = s + b
         self.acc += beta_local
         self.count += 1
 
@@ -214,7 +220,9 @@ def build_methods(args, m_step, with_sign=True, with_megatron=True):
 def drift_run(args):
     n, k = args.experts, args.topk
     if (args.micro_batch * k) % n:
-        raise SystemExit(f"--micro-batch {args.micro_batch}: m_mb*k % n must be 0 for megatron-core QB")
+        raise SystemExit(
+            f"--micro-batch {args.micro_batch}: m_mb*k % n must be 0 for megatron-core QB"
+        )
     m_step = args.micro_batch * args.micro_batches
     router = DriftingRouter(n, args.hidden, args.clusters, args.seed, args.drift)
     methods = build_methods(args, m_step)
@@ -253,24 +261,47 @@ def stationary_run(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--experts", type=int, default=896, help="n (default 896)")
     p.add_argument("--topk", type=int, default=16, help="k (default 16)")
     p.add_argument("--steps", type=int, default=50, help="training steps simulated (default 50)")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
-    p.add_argument("--micro-batch", type=int, default=504, help="tokens per micro-batch; m_mb*k %% n == 0 (default 504)")
-    p.add_argument("--bins", type=int, nargs="+", default=[250, 1000, 4000], help="histogram sizes B")
+    p.add_argument(
+        "--micro-batches", type=int, default=8, help="micro-batches per step (default 8)"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=504,
+        help="tokens per micro-batch; m_mb*k %% n == 0 (default 504)",
+    )
+    p.add_argument(
+        "--bins", type=int, nargs="+", default=[250, 1000, 4000], help="histogram sizes B"
+    )
     p.add_argument("--no-centred", action="store_true", help="skip the centred-bin variant")
-    p.add_argument("--sign-rate", type=float, default=1e-3, help="gamma of the sign update (default 1e-3)")
+    p.add_argument(
+        "--sign-rate", type=float, default=1e-3, help="gamma of the sign update (default 1e-3)"
+    )
     p.add_argument("--clusters", type=int, default=4, help="token clusters (default 4)")
     p.add_argument("--hidden", type=int, default=64, help="router input width (default 64)")
     p.add_argument("--drift", type=float, default=0.01, help="router drift per step (default 0.01)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--err-every", type=int, default=5, help="accuracy vs exact every N steps (default 5)")
-    p.add_argument("--stationary-iters", type=int, default=12, help="fixed-batch iterations (0: skip)")
-    p.add_argument("--stationary-micro-batch", type=int, default=1008, help="tokens per micro-batch there")
-    p.add_argument("--control-steps", type=int, default=20,
-                   help="steps of the homogeneous control (1 cluster: every micro-batch alike; 0: skip)")
+    p.add_argument(
+        "--err-every", type=int, default=5, help="accuracy vs exact every N steps (default 5)"
+    )
+    p.add_argument(
+        "--stationary-iters", type=int, default=12, help="fixed-batch iterations (0: skip)"
+    )
+    p.add_argument(
+        "--stationary-micro-batch", type=int, default=1008, help="tokens per micro-batch there"
+    )
+    p.add_argument(
+        "--control-steps",
+        type=int,
+        default=20,
+        help="steps of the homogeneous control (1 cluster: every micro-batch alike; 0: skip)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--out", default=RESULTS, help="output folder for JSON + PNG")
     p.add_argument("--verbose", action="store_true")
@@ -279,11 +310,19 @@ def main(argv=None):
     t_start = time.time()
 
     methods, plain, m_step = drift_run(args)
-    stationary, m_stat = (stationary_run(args) if args.stationary_iters > 0 else ({}, 0))
+    stationary, m_stat = stationary_run(args) if args.stationary_iters > 0 else ({}, 0)
     control = {}
     if args.control_steps > 0:  # same router with ONE cluster: micro-batches are alike
-        cargs = argparse.Namespace(**{**vars(args), "clusters": 1, "steps": args.control_steps,
-                                      "bins": [1000], "no_centred": True, "verbose": False})
+        cargs = argparse.Namespace(
+            **{
+                **vars(args),
+                "clusters": 1,
+                "steps": args.control_steps,
+                "bins": [1000],
+                "no_centred": True,
+                "verbose": False,
+            }
+        )
         cmeth, _, _ = drift_run(cargs)
         tail = max(1, args.control_steps // 2)
         control = {m.name: sum(m.curve[-tail:]) / tail for m in cmeth}
@@ -298,7 +337,9 @@ def main(argv=None):
                 "method": meth.name,
                 "maxvio_next_mean_last20": sum(meth.curve[-last:]) / last,
                 "maxvio_next_curve": meth.curve,
-                "mean_abs_bias_err_vs_exact": (sum(meth.est_err) / len(meth.est_err)) if meth.est_err else None,
+                "mean_abs_bias_err_vs_exact": (sum(meth.est_err) / len(meth.est_err))
+                if meth.est_err
+                else None,
                 "router_time_ratio": meth.seconds / plain.seconds,
                 "bytes_per_step_per_layer": meth.bytes_per_step,
                 "stationary_final_maxvio": stationary.get(meth.name, [None])[-1],
@@ -319,11 +360,22 @@ def main(argv=None):
     ]
     result = {
         "config": {
-            "experts": n, "topk": k, "steps": args.steps, "micro_batches": args.micro_batches,
-            "micro_batch_tokens": args.micro_batch, "tokens_per_step": m_step, "target_load_q": q,
-            "clusters": args.clusters, "hidden": args.hidden, "drift": args.drift, "seed": args.seed,
-            "sign_rate": args.sign_rate, "threads": args.threads, "torch": torch.__version__,
-            "stationary_tokens": m_stat, "stationary_iters": args.stationary_iters,
+            "experts": n,
+            "topk": k,
+            "steps": args.steps,
+            "micro_batches": args.micro_batches,
+            "micro_batch_tokens": args.micro_batch,
+            "tokens_per_step": m_step,
+            "target_load_q": q,
+            "clusters": args.clusters,
+            "hidden": args.hidden,
+            "drift": args.drift,
+            "seed": args.seed,
+            "sign_rate": args.sign_rate,
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "stationary_tokens": m_stat,
+            "stationary_iters": args.stationary_iters,
         },
         "methods": rows,
         "stationary_curves": stationary,
@@ -333,21 +385,34 @@ def main(argv=None):
     }
 
     hdr = f"{'method':24s} {'MaxVio next (last20)':>20s} {'|b-exact|':>10s} {'fixed-batch':>11s} {'time x':>7s} {'bytes/step/layer':>17s}"
-    print(f"\nn={n} k={k}  {args.micro_batches} micro-batches x {args.micro_batch} tokens = {m_step} tokens/step "
-          f"(q={q:.1f}), {args.steps} steps, drifting router, {args.clusters} clusters")
+    print(
+        f"\nn={n} k={k}  {args.micro_batches} micro-batches x {args.micro_batch} tokens = {m_step} tokens/step "
+        f"(q={q:.1f}), {args.steps} steps, drifting router, {args.clusters} clusters"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        err = "-" if r["mean_abs_bias_err_vs_exact"] is None else f"{r['mean_abs_bias_err_vs_exact']:.2e}"
+        err = (
+            "-"
+            if r["mean_abs_bias_err_vs_exact"] is None
+            else f"{r['mean_abs_bias_err_vs_exact']:.2e}"
+        )
         st = "-" if r["stationary_final_maxvio"] is None else f"{r['stationary_final_maxvio']:.4f}"
-        print(f"{r['method']:24s} {r['maxvio_next_mean_last20']:20.4f} {err:>10s} {st:>11s} "
-              f"{r['router_time_ratio']:7.2f} {r['bytes_per_step_per_layer']:17,d}")
+        print(
+            f"{r['method']:24s} {r['maxvio_next_mean_last20']:20.4f} {err:>10s} {st:>11s} "
+            f"{r['router_time_ratio']:7.2f} {r['bytes_per_step_per_layer']:17,d}"
+        )
     if stationary:
-        print(f"fixed-batch = MaxVio on one fixed batch of {m_stat} tokens (q={m_stat * k / n:.0f}) "
-              f"after {args.stationary_iters} updates")
+        print(
+            f"fixed-batch = MaxVio on one fixed batch of {m_stat} tokens (q={m_stat * k / n:.0f}) "
+            f"after {args.stationary_iters} updates"
+        )
     if control:
-        print(f"homogeneous control ({args.control_steps} steps, 1 cluster, mean MaxVio next over the last "
-              f"{max(1, args.control_steps // 2)}): " + ", ".join(f"{k_}: {v:.4f}" for k_, v in control.items()))
+        print(
+            f"homogeneous control ({args.control_steps} steps, 1 cluster, mean MaxVio next over the last "
+            f"{max(1, args.control_steps // 2)}): "
+            + ", ".join(f"{k_}: {v:.4f}" for k_, v in control.items())
+        )
     for line in notes:
         print("note:", line)
 
@@ -377,7 +442,11 @@ def plot(result, path):
         if name.startswith(("ours", "centred")):
             cmap = plt.get_cmap("Blues" if name.startswith("ours") else "Greens")
             b = name.split("=")[-1]
-            return cmap(shades.get(b, 0.7)), ("-" if name.startswith("ours") else "--"), (2.0 if b == "1000" else 1.0)
+            return (
+                cmap(shades.get(b, 0.7)),
+                ("-" if name.startswith("ours") else "--"),
+                (2.0 if b == "1000" else 1.0),
+            )
         if name.startswith("exact"):
             return "black", ":", 2.0
         if name.startswith("megatron"):
@@ -390,7 +459,9 @@ def plot(result, path):
     axes[0].set_yscale("log")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("MaxVio of the next global batch")
-    axes[0].set_title(f"drifting router, n={c['experts']} k={c['topk']}, {c['tokens_per_step']} tok/step")
+    axes[0].set_title(
+        f"drifting router, n={c['experts']} k={c['topk']}, {c['tokens_per_step']} tok/step"
+    )
     axes[0].legend(fontsize=7)
     for name, curve in result["stationary_curves"].items():
         col, ls, lw = style(name)

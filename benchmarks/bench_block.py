@@ -79,28 +79,50 @@ def build_variants(a, dtype):
     on_gpu = torch.cuda.is_available()
     te = HAVE_TE and on_gpu
     common = dict(
-        hidden_size=a.hidden, num_attention_heads=8, ffn_hidden_size=4 * a.hidden,
-        num_moe_experts=a.experts, moe_router_topk=a.topk,
+        hidden_size=a.hidden,
+        num_attention_heads=8,
+        ffn_hidden_size=4 * a.hidden,
+        num_moe_experts=a.experts,
+        moe_router_topk=a.topk,
         moe_shared_expert_intermediate_size=a.shared_ffn or None,
-        moe_token_dispatcher_type=a.dispatcher, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, moe_router_dtype="fp32",
+        moe_token_dispatcher_type=a.dispatcher,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        moe_router_dtype="fp32",
         use_cpu_initialization=not on_gpu,
     )
     variants, notes = {}, {}
     if te:
-        cfg = tiny_config(**common, moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
-                          latent_moe_use_norm=False, hidden_act="swiglu",
-                          moe_router_load_balancing_type="none", moe_grouped_gemm=True)
-        variants["megatron_moe"] = get_moe_module_spec(True, a.experts, True)(config=cfg, layer_number=1)
+        cfg = tiny_config(
+            **common,
+            moe_ffn_hidden_size=a.expert_ffn,
+            moe_latent_size=a.latent,
+            latent_moe_use_norm=False,
+            hidden_act="swiglu",
+            moe_router_load_balancing_type="none",
+            moe_grouped_gemm=True,
+        )
+        variants["megatron_moe"] = get_moe_module_spec(True, a.experts, True)(
+            config=cfg, layer_number=1
+        )
         notes["megatron_moe"] = "Megatron MoELayer with moe_latent_size (TE)"
     else:
         activated = a.topk * 3 * a.latent * a.expert_ffn + 2 * a.hidden * a.latent
         wide_ffn = round(activated / (3 * a.hidden * a.topk))
-        cfg = tiny_config(**common, moe_ffn_hidden_size=wide_ffn, moe_latent_size=None,
-                          latent_moe_use_norm=False, hidden_act="swiglu",
-                          moe_router_load_balancing_type="none")
-        variants["megatron_moe"] = get_moe_module_spec(False, a.experts, False)(config=cfg, layer_number=1)
-        notes["megatron_moe"] = f"plain Megatron MoELayer, full width, expert ffn {wide_ffn} (equal activated params)"
+        cfg = tiny_config(
+            **common,
+            moe_ffn_hidden_size=wide_ffn,
+            moe_latent_size=None,
+            latent_moe_use_norm=False,
+            hidden_act="swiglu",
+            moe_router_load_balancing_type="none",
+        )
+        variants["megatron_moe"] = get_moe_module_spec(False, a.experts, False)(
+            config=cfg, layer_number=1
+        )
+        notes["megatron_moe"] = (
+            f"plain Megatron MoELayer, full width, expert ffn {wide_ffn} (equal activated params)"
+        )
     backend = "te" if te else "local"
     for name, extra in {
         "stable": dict(),
@@ -109,10 +131,17 @@ def build_variants(a, dtype):
         "stable_no_norm_swiglu": dict(latent_moe_use_norm=False, hidden_act="swiglu"),
         "stable_eager_situ": dict(),
     }.items():
-        cfg = tiny_config(**common, moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
-                          moe_grouped_gemm=te, **extra)
+        cfg = tiny_config(
+            **common,
+            moe_ffn_hidden_size=a.expert_ffn,
+            moe_latent_size=a.latent,
+            moe_grouped_gemm=te,
+            **extra,
+        )
         variants[name] = get_stable_latentmoe_mlp_spec(cfg, backend)(config=cfg, layer_number=1)
-        notes[name] = f"ours ({backend} spec) " + (", ".join(f"{k}={v}" for k, v in extra.items()) or "full")
+        notes[name] = f"ours ({backend} spec) " + (
+            ", ".join(f"{k}={v}" for k, v in extra.items()) or "full"
+        )
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
     return {k: v.to(device).train() for k, v in variants.items()}, notes, device
 
@@ -160,34 +189,55 @@ def main():
     rows = {}
     for name, (seconds, best) in time_variants(variants, x, grad, a.iters, a.warmup).items():
         layer = variants[name]
-        rows[name] = dict(seconds=seconds, seconds_min=best, tokens_per_s=a.tokens / seconds, note=notes[name],
-                          params=sum(p.numel() for p in layer.parameters()))
+        rows[name] = dict(
+            seconds=seconds,
+            seconds_min=best,
+            tokens_per_s=a.tokens / seconds,
+            note=notes[name],
+            params=sum(p.numel() for p in layer.parameters()),
+        )
     base = rows["megatron_moe"]["tokens_per_s"]
-    print(f"\nfwd+bwd, {a.tokens} tokens, d={a.hidden} l={a.latent} m_e={a.expert_ffn} "
-          f"n={a.experts} k={a.topk} shared={a.shared_ffn}, {a.dtype}, {device.type}")
+    print(
+        f"\nfwd+bwd, {a.tokens} tokens, d={a.hidden} l={a.latent} m_e={a.expert_ffn} "
+        f"n={a.experts} k={a.topk} shared={a.shared_ffn}, {a.dtype}, {device.type}"
+    )
     print(f"{'variant':<24}{'ms/iter':>10}{'tokens/s':>12}{'vs megatron':>13}{'params':>11}  note")
     for name, r in rows.items():
         r["ratio_vs_megatron_moe"] = r["tokens_per_s"] / base
-        print(f"{name:<24}{1e3 * r['seconds']:>10.2f}{r['tokens_per_s']:>12.0f}"
-              f"{r['ratio_vs_megatron_moe']:>12.2f}x{r['params']:>11d}  {r['note']}")
+        print(
+            f"{name:<24}{1e3 * r['seconds']:>10.2f}{r['tokens_per_s']:>12.0f}"
+            f"{r['ratio_vs_megatron_moe']:>12.2f}x{r['params']:>11d}  {r['note']}"
+        )
+
     # SiTU-GLU's share of our block's fwd+bwd: the time it adds over SwiGLU, side by side.
     def share(key, variant):
         return 1.0 - rows["stable_swiglu"][key] / rows[variant][key]
 
     situ_share, eager_share = share("seconds", "stable"), share("seconds", "stable_eager_situ")
-    print(f"SiTU-GLU share of the block's fwd+bwd (1 - t(stable_swiglu) / t(stable)): median "
-          f"{100 * situ_share:.1f} % fused, {100 * eager_share:.1f} % eager math; min "
-          f"{100 * share('seconds_min', 'stable'):.1f} % fused, "
-          f"{100 * share('seconds_min', 'stable_eager_situ'):.1f} % eager math")
+    print(
+        f"SiTU-GLU share of the block's fwd+bwd (1 - t(stable_swiglu) / t(stable)): median "
+        f"{100 * situ_share:.1f} % fused, {100 * eager_share:.1f} % eager math; min "
+        f"{100 * share('seconds_min', 'stable'):.1f} % fused, "
+        f"{100 * share('seconds_min', 'stable_eager_situ'):.1f} % eager math"
+    )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(args=vars(a), device=device.type, torch=torch.__version__,
-                                   situ_share=situ_share,
-                                   situ_share_eager=eager_share,
-                                   situ_share_min=share("seconds_min", "stable"),
-                                   situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
-                                   results=rows), indent=2))
+    tmp.write_text(
+        json.dumps(
+            dict(
+                args=vars(a),
+                device=device.type,
+                torch=torch.__version__,
+                situ_share=situ_share,
+                situ_share_eager=eager_share,
+                situ_share_min=share("seconds_min", "stable"),
+                situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
+                results=rows,
+            ),
+            indent=2,
+        )
+    )
     tmp.replace(out)
     print(f"wrote {out}")
 

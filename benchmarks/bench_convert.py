@@ -36,9 +36,19 @@ sys.path.insert(0, REPO)
 # experts, vocab 32000: ~57 M parameters per MoE layer, 15 M for the dense first layer,
 # 66 M for embedding + output layer.
 WIDE_ARCH = dict(
-    hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16, num_query_groups=4, kv_channels=64,
-    vocab_size=32000, num_experts=64, moe_router_topk=4, moe_ffn_hidden_size=512, moe_latent_size=512,
-    moe_shared_expert_intermediate_size=1024, first_k_dense_replace=1, max_position_embeddings=4096,
+    hidden_size=1024,
+    ffn_hidden_size=4096,
+    num_attention_heads=16,
+    num_query_groups=4,
+    kv_channels=64,
+    vocab_size=32000,
+    num_experts=64,
+    moe_router_topk=4,
+    moe_ffn_hidden_size=512,
+    moe_latent_size=512,
+    moe_shared_expert_intermediate_size=1024,
+    first_k_dense_replace=1,
+    max_position_embeddings=4096,
 )
 
 
@@ -79,10 +89,25 @@ def dir_bytes(path: str) -> int:
 
 
 def run_cli(args: list, summary_path: str) -> dict:
-    env = dict(os.environ, NO_VCS_VERSION="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = dict(
+        os.environ, NO_VCS_VERSION="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")
+    )
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "megatron_latentmoe.convert", *args, "--no-progress",
-                           "--summary-json", summary_path], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_latentmoe.convert",
+            *args,
+            "--no-progress",
+            "--summary-json",
+            summary_path,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"conversion failed: {' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
@@ -94,11 +119,18 @@ def run_cli(args: list, summary_path: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, nargs="+", default=[2, 5, 9],
-                    help="model sizes as number of layers (1 dense + MoE); 5 ~ 1.2 GB fp32")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=[2, 5, 9],
+        help="model sizes as number of layers (1 dense + MoE); 5 ~ 1.2 GB fp32",
+    )
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
-    ap.add_argument("--output", default=os.path.join(REPO, "benchmarks", "results", "bench_convert.json"))
+    ap.add_argument(
+        "--output", default=os.path.join(REPO, "benchmarks", "results", "bench_convert.json")
+    )
     ap.add_argument("--_make", nargs=2, metavar=("PATH", "LAYERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._make:
@@ -114,20 +146,38 @@ def main() -> None:
             ck, hf, mg = (os.path.join(work, f"{k}_{layers}") for k in ("ck", "hf", "mg"))
             for p in (ck, hf, mg):
                 shutil.rmtree(p, ignore_errors=True)
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_make", ck, str(layers)],
-                                  cwd=REPO, env=dict(os.environ, NO_VCS_VERSION="1"), capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--_make", ck, str(layers)],
+                cwd=REPO,
+                env=dict(os.environ, NO_VCS_VERSION="1"),
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 raise SystemExit(proc.stdout + proc.stderr)
             made = json.loads(proc.stdout.strip().splitlines()[-1])
             ck_bytes = dir_bytes(ck)
-            ex = run_cli(["export", "--checkpoint", ck, "--output", hf], os.path.join(work, "ex.json"))
+            ex = run_cli(
+                ["export", "--checkpoint", ck, "--output", hf], os.path.join(work, "ex.json")
+            )
             im = run_cli(["import", "--hf", hf, "--output", mg], os.path.join(work, "im.json"))
-            row = dict(layers=layers, params=made["params"], checkpoint_bytes=ck_bytes,
-                       save_s=made["save_s"], export=ex, import_=im, hf_bytes=dir_bytes(hf), mg_bytes=dir_bytes(mg))
+            row = dict(
+                layers=layers,
+                params=made["params"],
+                checkpoint_bytes=ck_bytes,
+                save_s=made["save_s"],
+                export=ex,
+                import_=im,
+                hf_bytes=dir_bytes(hf),
+                mg_bytes=dir_bytes(mg),
+            )
             rows.append(row)
-            print(f"layers={layers}: {ck_bytes / 1e9:.2f} GB, export {ex['mb_per_s']:.0f} MB/s "
-                  f"peak {ex['peak_rss_bytes'] / 2**30:.2f} GiB, import {im['mb_per_s']:.0f} MB/s "
-                  f"peak {im['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+            print(
+                f"layers={layers}: {ck_bytes / 1e9:.2f} GB, export {ex['mb_per_s']:.0f} MB/s "
+                f"peak {ex['peak_rss_bytes'] / 2**30:.2f} GiB, import {im['mb_per_s']:.0f} MB/s "
+                f"peak {im['peak_rss_bytes'] / 2**30:.2f} GiB",
+                flush=True,
+            )
             if not args.keep:
                 for p in (ck, hf, mg):
                     shutil.rmtree(p, ignore_errors=True)
@@ -136,19 +186,41 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     gib = 2**30
-    header = ("layers", "params M", "ckpt GB", "export s", "export MB/s (stream)", "exp peak RSS GiB",
-              "exp growth GiB", "import s", "import MB/s (stream)", "imp peak RSS GiB", "imp growth GiB",
-              "largest tensor MiB")
+    header = (
+        "layers",
+        "params M",
+        "ckpt GB",
+        "export s",
+        "export MB/s (stream)",
+        "exp peak RSS GiB",
+        "exp growth GiB",
+        "import s",
+        "import MB/s (stream)",
+        "imp peak RSS GiB",
+        "imp growth GiB",
+        "largest tensor MiB",
+    )
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         ex, im = r["export"], r["import_"]
-        lines.append(" | ".join([
-            str(r["layers"]), f"{r['params'] / 1e6:.0f}", f"{r['checkpoint_bytes'] / 1e9:.2f}",
-            f"{ex['seconds']:.1f}", f"{ex['mb_per_s']:.0f} ({ex['extra']['stream_mb_per_s']:.0f})",
-            f"{ex['peak_rss_bytes'] / gib:.2f}", f"{ex['max_rss_growth_bytes'] / gib:.2f}", f"{im['seconds']:.1f}",
-            f"{im['mb_per_s']:.0f} ({im['extra']['stream_mb_per_s']:.0f})",
-            f"{im['peak_rss_bytes'] / gib:.2f}", f"{im['max_rss_growth_bytes'] / gib:.2f}",
-            f"{ex['largest_tensor_bytes'] / 2**20:.0f}"]))
+        lines.append(
+            " | ".join(
+                [
+                    str(r["layers"]),
+                    f"{r['params'] / 1e6:.0f}",
+                    f"{r['checkpoint_bytes'] / 1e9:.2f}",
+                    f"{ex['seconds']:.1f}",
+                    f"{ex['mb_per_s']:.0f} ({ex['extra']['stream_mb_per_s']:.0f})",
+                    f"{ex['peak_rss_bytes'] / gib:.2f}",
+                    f"{ex['max_rss_growth_bytes'] / gib:.2f}",
+                    f"{im['seconds']:.1f}",
+                    f"{im['mb_per_s']:.0f} ({im['extra']['stream_mb_per_s']:.0f})",
+                    f"{im['peak_rss_bytes'] / gib:.2f}",
+                    f"{im['max_rss_growth_bytes'] / gib:.2f}",
+                    f"{ex['largest_tensor_bytes'] / 2**20:.0f}",
+                ]
+            )
+        )
     table = "\n".join(lines)
     print(table)
     import torch
@@ -157,15 +229,23 @@ def main() -> None:
         benchmark="bench_convert",
         description=__doc__.split("\n\n")[0],
         arch=WIDE_ARCH,
-        machine=dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-                     cpus=os.cpu_count(), loadavg_before=load_before, loadavg_after=os.getloadavg()),
-        notes=("seconds / MB/s are the conversion call's wall time (reading, converting, writing, "
-               "metadata, lazy imports of megatron / transformers) measured inside the process, excluding "
-               "interpreter start-up; '(stream)' is MB/s of the tensor loop alone; peak RSS is the "
-               "whole process's (torch, megatron, transformers imported); growth = max RSS sampled during "
-               "the tensor loop minus RSS before it. The import writes TP2 x EP2 chunks. The machine is shared "
-               "(see loadavg: other jobs ran on its 2 cores), so MB/s is a lower bound; on an idle "
-               "machine with a warm page cache the 0.55 GB export's tensor loop ran at ~970 MB/s."),
+        machine=dict(
+            platform=platform.platform(),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            cpus=os.cpu_count(),
+            loadavg_before=load_before,
+            loadavg_after=os.getloadavg(),
+        ),
+        notes=(
+            "seconds / MB/s are the conversion call's wall time (reading, converting, writing, "
+            "metadata, lazy imports of megatron / transformers) measured inside the process, excluding "
+            "interpreter start-up; '(stream)' is MB/s of the tensor loop alone; peak RSS is the "
+            "whole process's (torch, megatron, transformers imported); growth = max RSS sampled during "
+            "the tensor loop minus RSS before it. The import writes TP2 x EP2 chunks. The machine is shared "
+            "(see loadavg: other jobs ran on its 2 cores), so MB/s is a lower bound; on an idle "
+            "machine with a warm page cache the 0.55 GB export's tensor loop ran at ~970 MB/s."
+        ),
         rows=rows,
         table=table,
     )

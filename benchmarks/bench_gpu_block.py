@@ -43,8 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--recipes", nargs="*", default=list(FP8_RECIPES), choices=FP8_RECIPES)
-    p.add_argument("--no-grouped-gemm", action="store_true",
-                   help="sequential TE experts (where cuBLASLt grouped GEMM is unavailable)")
+    p.add_argument(
+        "--no-grouped-gemm",
+        action="store_true",
+        help="sequential TE experts (where cuBLASLt grouped GEMM is unavailable)",
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_gpu_block.json"))
     return p.parse_args(argv)
 
@@ -62,8 +65,10 @@ def skip_reason() -> str | None:
 def recipe_available(name: str) -> tuple[bool, str]:
     import transformer_engine.pytorch as te_pt
 
-    check = {"mxfp8": te_pt.is_mxfp8_available,
-             "blockwise": te_pt.is_fp8_block_scaling_available}.get(name, te_pt.is_fp8_available)
+    check = {
+        "mxfp8": te_pt.is_mxfp8_available,
+        "blockwise": te_pt.is_fp8_block_scaling_available,
+    }.get(name, te_pt.is_fp8_available)
     ok, reason = check(return_reason=True)
     return bool(ok), reason or ""
 
@@ -74,18 +79,31 @@ def build(a, **overrides):
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
-    values = dict(hidden_size=a.hidden, num_attention_heads=56, ffn_hidden_size=4 * a.hidden,
-                  num_moe_experts=a.experts, moe_router_topk=a.topk,
-                  moe_shared_expert_intermediate_size=a.shared_ffn or None,
-                  moe_ffn_hidden_size=a.expert_ffn, moe_latent_size=a.latent,
-                  params_dtype=torch.bfloat16, bf16=True, moe_router_dtype="fp32",
-                  use_cpu_initialization=False, moe_grouped_gemm=not a.no_grouped_gemm,
-                  moe_token_dispatcher_type="alltoall")
+    values = dict(
+        hidden_size=a.hidden,
+        num_attention_heads=56,
+        ffn_hidden_size=4 * a.hidden,
+        num_moe_experts=a.experts,
+        moe_router_topk=a.topk,
+        moe_shared_expert_intermediate_size=a.shared_ffn or None,
+        moe_ffn_hidden_size=a.expert_ffn,
+        moe_latent_size=a.latent,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        moe_router_dtype="fp32",
+        use_cpu_initialization=False,
+        moe_grouped_gemm=not a.no_grouped_gemm,
+        moe_token_dispatcher_type="alltoall",
+    )
     megatron = overrides.pop("megatron", False)
     values.update(overrides)
     if megatron:  # Megatron's own latent MoE layer: TE, SwiGLU, no latent norm, its router
-        cfg = tiny_config(**values, latent_moe_use_norm=False, hidden_act="swiglu",
-                          moe_router_load_balancing_type="none")
+        cfg = tiny_config(
+            **values,
+            latent_moe_use_norm=False,
+            hidden_act="swiglu",
+            moe_router_load_balancing_type="none",
+        )
         spec = get_moe_module_spec(True, a.experts, not a.no_grouped_gemm)
     else:
         cfg = tiny_config(**values)
@@ -133,8 +151,11 @@ def main(argv=None):
         x = torch.randn(a.tokens, 1, a.hidden, device="cuda", dtype=torch.bfloat16)
         grad = torch.randn_like(x)
         rows, fp8_rows, skipped = {}, {}, {}
-        bf16 = {"megatron_latent_moe": build(a, megatron=True), "stable": build(a),
-                "stable_no_norm_swiglu": build(a, latent_moe_use_norm=False, hidden_act="swiglu")}
+        bf16 = {
+            "megatron_latent_moe": build(a, megatron=True),
+            "stable": build(a),
+            "stable_no_norm_swiglu": build(a, latent_moe_use_norm=False, hidden_act="swiglu"),
+        }
         for name, sec in time_side_by_side(bf16, x, grad, a.iters, a.warmup).items():
             rows[name] = dict(ms=1e3 * sec, tokens_per_s=a.tokens / sec)
         base = rows["megatron_latent_moe"]["tokens_per_s"]
@@ -150,29 +171,47 @@ def main(argv=None):
                 skipped[recipe] = why
                 continue
             fmt = "hybrid" if recipe == "delayed" else "e4m3"
-            layer, cfg = build(a, fp8=fmt, fp8_recipe=recipe,
-                               moe_router_padding_for_quantization=True)
-            weights = {k: v for k, v in stable_bf16[0].state_dict().items()
-                       if not k.endswith("_extra_state")}  # keep the FP8 layer's own TE meta
+            layer, cfg = build(
+                a, fp8=fmt, fp8_recipe=recipe, moe_router_padding_for_quantization=True
+            )
+            weights = {
+                k: v
+                for k, v in stable_bf16[0].state_dict().items()
+                if not k.endswith("_extra_state")
+            }  # keep the FP8 layer's own TE meta
             layer.load_state_dict(weights, strict=False)
             pair = {"bf16": stable_bf16, recipe: (layer, cfg)}
             sec = time_side_by_side(pair, x, grad, a.iters, a.warmup)
-            fp8_rows[recipe] = dict(ms=1e3 * sec[recipe], bf16_ms=1e3 * sec["bf16"],
-                                    speedup_vs_bf16=sec["bf16"] / sec[recipe])
+            fp8_rows[recipe] = dict(
+                ms=1e3 * sec[recipe],
+                bf16_ms=1e3 * sec["bf16"],
+                speedup_vs_bf16=sec["bf16"] / sec[recipe],
+            )
             del layer, pair
             gc.collect()
             torch.cuda.empty_cache()
-        result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                      te=__import__("transformer_engine").__version__, args=vars(a),
-                      tokens_per_expert=a.tokens * a.topk / a.experts, bf16=rows, fp8=fp8_rows,
-                      fp8_skipped=skipped, peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)
-        print(f"\n{result['gpu']}: fwd+bwd, T={a.tokens} d={a.hidden} l={a.latent} "
-              f"m_e={a.expert_ffn} n={a.experts} k={a.topk} (T*k/n = "
-              f"{result['tokens_per_expert']:.0f}), bf16")
+        result = dict(
+            gpu=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            te=__import__("transformer_engine").__version__,
+            args=vars(a),
+            tokens_per_expert=a.tokens * a.topk / a.experts,
+            bf16=rows,
+            fp8=fp8_rows,
+            fp8_skipped=skipped,
+            peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+        )
+        print(
+            f"\n{result['gpu']}: fwd+bwd, T={a.tokens} d={a.hidden} l={a.latent} "
+            f"m_e={a.expert_ffn} n={a.experts} k={a.topk} (T*k/n = "
+            f"{result['tokens_per_expert']:.0f}), bf16"
+        )
         print(f"{'variant':<26}{'ms':>9}{'tokens/s':>12}{'vs Megatron latent':>20}")
         for name, r in rows.items():
-            print(f"{name:<26}{r['ms']:>9.2f}{r['tokens_per_s']:>12.0f}"
-                  f"{r['ratio_vs_megatron_latent_moe']:>19.3f}x")
+            print(
+                f"{name:<26}{r['ms']:>9.2f}{r['tokens_per_s']:>12.0f}"
+                f"{r['ratio_vs_megatron_latent_moe']:>19.3f}x"
+            )
         print(f"{'FP8 recipe':<26}{'ms':>9}{'bf16 ms':>12}{'speed-up':>20}")
         for name, r in fp8_rows.items():
             print(f"{name:<26}{r['ms']:>9.2f}{r['bf16_ms']:>12.2f}{r['speedup_vs_bf16']:>19.3f}x")

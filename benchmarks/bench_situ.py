@@ -78,9 +78,12 @@ def variants(device):
     """(name, fn, context) triples; the context wraps fwd and bwd (the eager variant forces the
     op's eager math for both)."""
     none = contextlib.nullcontext
-    rows = [("situ_glu fused (as run)", situ_fused, none),
-            ("situ_glu eager math", situ_fused, _eager_situ),
-            ("SiTU reference autograd", situ_naive, none), ("SwiGLU F.silu(g)*u", swiglu, none)]
+    rows = [
+        ("situ_glu fused (as run)", situ_fused, none),
+        ("situ_glu eager math", situ_fused, _eager_situ),
+        ("SiTU reference autograd", situ_naive, none),
+        ("SwiGLU F.silu(g)*u", swiglu, none),
+    ]
     if device.type == "cuda":
         fused = _fused_swiglu()
         if fused is not None:
@@ -143,17 +146,30 @@ def main():
     p.add_argument("--ffn", type=int, default=3072, help="F: per-expert intermediate size (m_e)")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="CPU: torch intra-op thread counts to run (default: 1 and the default count)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=["cpu", "cuda"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "results", "bench_situ.json"))
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="CPU: torch intra-op thread counts to run (default: 1 and the default count)",
+    )
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "bench_situ.json"
+        ),
+    )
     a = p.parse_args()
     device = torch.device(a.device)
     default_threads = torch.get_num_threads()
-    thread_counts = (list(dict.fromkeys(a.threads or [1, default_threads]))
-                     if device.type == "cpu" else [default_threads])
+    thread_counts = (
+        list(dict.fromkeys(a.threads or [1, default_threads]))
+        if device.type == "cpu"
+        else [default_threads]
+    )
     torch.manual_seed(0)
     rows = []
     for threads, dname in [(t, d) for t in thread_counts for d in a.dtypes]:
@@ -169,11 +185,21 @@ def main():
         base = None
         for (vname, fn, ctx), (med, best) in zip(vs, timings):
             _, nbytes, ntensors = saved_bytes(fn, x.detach().requires_grad_(True), ctx)
-            row = dict(threads=threads, dtype=dname, variant=vname, tokens=a.tokens, ffn=a.ffn,
-                       fwd_bwd_ms_median=med * 1e3, fwd_bwd_ms_min=best * 1e3,
-                       saved_bytes=nbytes, saved_storages=ntensors,
-                       saved_over_input=nbytes / in_bytes, bytes_per_s=moved / med,
-                       copy_bytes_per_s=copy_bw, copy_fraction=moved / med / copy_bw)
+            row = dict(
+                threads=threads,
+                dtype=dname,
+                variant=vname,
+                tokens=a.tokens,
+                ffn=a.ffn,
+                fwd_bwd_ms_median=med * 1e3,
+                fwd_bwd_ms_min=best * 1e3,
+                saved_bytes=nbytes,
+                saved_storages=ntensors,
+                saved_over_input=nbytes / in_bytes,
+                bytes_per_s=moved / med,
+                copy_bytes_per_s=copy_bw,
+                copy_fraction=moved / med / copy_bw,
+            )
             if base is None:
                 base = row
             row["time_vs_situ_glu"] = med / (base["fwd_bwd_ms_median"] / 1e3)
@@ -181,27 +207,43 @@ def main():
             rows.append(row)
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    hdr = (f"{'thr':>3} {'dtype':5} {'variant':36} {'fwd+bwd ms':>10} {'x time':>7} "
-           f"{'GB/s':>8} {'of copy':>7} {'saved MiB':>10} {'saved/input':>11}")
-    title = (f"SiTU-GLU benchmark: tokens={a.tokens}, F={a.ffn} (input [tokens, 2F]), "
-             f"torch {torch.__version__}, {device.type} ({name}), load avg "
-             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    hdr = (
+        f"{'thr':>3} {'dtype':5} {'variant':36} {'fwd+bwd ms':>10} {'x time':>7} "
+        f"{'GB/s':>8} {'of copy':>7} {'saved MiB':>10} {'saved/input':>11}"
+    )
+    title = (
+        f"SiTU-GLU benchmark: tokens={a.tokens}, F={a.ffn} (input [tokens, 2F]), "
+        f"torch {torch.__version__}, {device.type} ({name}), load avg "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     lines = [title, hdr, "-" * len(hdr)]
     for r in rows:
-        lines.append(f"{r['threads']:3d} {r['dtype']:5} {r['variant']:36} "
-                     f"{r['fwd_bwd_ms_median']:10.2f} {r['time_vs_situ_glu']:7.2f} "
-                     f"{r['bytes_per_s'] / 1e9:8.1f} {r['copy_fraction']:7.2f} "
-                     f"{r['saved_bytes'] / 2**20:10.1f} {r['saved_over_input']:11.2f}")
+        lines.append(
+            f"{r['threads']:3d} {r['dtype']:5} {r['variant']:36} "
+            f"{r['fwd_bwd_ms_median']:10.2f} {r['time_vs_situ_glu']:7.2f} "
+            f"{r['bytes_per_s'] / 1e9:8.1f} {r['copy_fraction']:7.2f} "
+            f"{r['saved_bytes'] / 2**20:10.1f} {r['saved_over_input']:11.2f}"
+        )
     table = "\n".join(lines)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    meta = dict(torch=torch.__version__, thread_counts=thread_counts, device=device.type,
-                device_name=name, cpu_count=os.cpu_count(), loadavg_1_5_15=list(os.getloadavg()),
-                machine=platform.machine(), python=platform.python_version(), reps=a.reps,
-                note=("time is the median of reps after 2 warm-ups, variants interleaved within "
-                      "each rep; saved bytes count distinct storages held by autograd for backward "
-                      "(views of the input count once); bytes moved per fwd+bwd = 8 * tokens * F "
-                      "* element size"))
+    meta = dict(
+        torch=torch.__version__,
+        thread_counts=thread_counts,
+        device=device.type,
+        device_name=name,
+        cpu_count=os.cpu_count(),
+        loadavg_1_5_15=list(os.getloadavg()),
+        machine=platform.machine(),
+        python=platform.python_version(),
+        reps=a.reps,
+        note=(
+            "time is the median of reps after 2 warm-ups, variants interleaved within "
+            "each rep; saved bytes count distinct storages held by autograd for backward "
+            "(views of the input count once); bytes moved per fwd+bwd = 8 * tokens * F "
+            "* element size"
+        ),
+    )
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(dict(meta=meta, rows=rows, table=table), f, indent=2)

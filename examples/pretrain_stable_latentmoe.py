@@ -28,8 +28,11 @@ if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving sp
 
     if not torch.cuda.is_available():
         warnings.filterwarnings(
-            "ignore", r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed|"
-            r"Only transformer-engine>=", UserWarning)
+            "ignore",
+            r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed|"
+            r"Only transformer-engine>=",
+            UserWarning,
+        )
     from megatron_latentmoe.training.pretrain import main
 
     check_only = sys.argv[1:2] == ["--check-flags"]

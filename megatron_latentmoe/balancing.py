@@ -34,7 +34,6 @@ it exceeds the bound and raises ``OverflowError`` instead of solving from wrappe
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 
@@ -77,7 +76,7 @@ def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
         raise ValueError(f"{name}.dtype={t.dtype}; allowed: {_names(dtypes)}")
 
 
-def _check_scores_bias(scores_ME, bias_E, topk: int, num_experts: Optional[int] = None):
+def _check_scores_bias(scores_ME, bias_E, topk: int, num_experts: int | None = None):
     _check_tensor("scores_ME", scores_ME, 2, _SCORE_DTYPES)
     _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
     n = scores_ME.shape[1]
@@ -112,7 +111,7 @@ def _check_valid(valid_M, m: int, device) -> None:
 # ----------------------------------------------------------------------------- routing helpers
 def cutoff_route(
     scores_ME: torch.Tensor, bias_E: torch.Tensor, topk: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-(k+1) on fp32 ``s + b`` (SPEC §4 step 1): the first k indices [m, k] are the real routes
     (best first), ``alpha_M`` [m] is the (k+1)-th biased score. No validation (hot path)."""
     top = (scores_ME.float() + bias_E.float()).topk(topk + 1, dim=1, sorted=True)
@@ -162,7 +161,7 @@ class _QuantileHistogramBase:
         self._num_tokens.zero_()
         self._flags.zero_()
         self._token_bound = 0  # python upper bound on local tokens (sync-free overflow check)
-        self._bias_E: Optional[torch.Tensor] = None  # fp32 copy of the bias in force
+        self._bias_E: torch.Tensor | None = None  # fp32 copy of the bias in force
         self._range = None  # window-fixed parameters of the binning
         self._reduced = None  # header sums after unpack_()
 
@@ -192,14 +191,14 @@ class _QuantileHistogramBase:
     def _bounds(self, c_E: torch.Tensor):
         raise NotImplementedError
 
-    def _window_range(self, bias_E: Optional[torch.Tensor]):
+    def _window_range(self, bias_E: torch.Tensor | None):
         if bias_E is not None:
             return self._make_range(bias_E.detach().float())
         if self._range is None:
             raise ValueError("bias_E=None with no open window; allowed: pass the bias in force")
         return self._range
 
-    def bin_index(self, r_ME: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def bin_index(self, r_ME: torch.Tensor, bias_E: torch.Tensor | None = None) -> torch.Tensor:
         """int64 bin of each ``r_ME`` [m, n] under the window's (or ``bias_E``'s) binning."""
         saved, self._range = self._range, self._window_range(bias_E)
         try:
@@ -209,7 +208,7 @@ class _QuantileHistogramBase:
         finally:
             self._range = saved
 
-    def bin_bounds(self, c_E: torch.Tensor, bias_E: Optional[torch.Tensor] = None):
+    def bin_bounds(self, c_E: torch.Tensor, bias_E: torch.Tensor | None = None):
         """(lower edge, width) [n] fp32 of bin ``c_E[j]`` of each expert j."""
         saved, self._range = self._range, self._window_range(bias_E)
         try:
@@ -244,9 +243,9 @@ class _QuantileHistogramBase:
         self,
         scores_ME: torch.Tensor,
         bias_E: torch.Tensor,
-        valid_M: Optional[torch.Tensor] = None,
+        valid_M: torch.Tensor | None = None,
         *,
-        alpha_M: Optional[torch.Tensor] = None,
+        alpha_M: torch.Tensor | None = None,
     ) -> None:
         """Add one micro-batch (SPEC §4): cutoffs by top-(k+1) of fp32 ``s + b``, then one
         scatter-add of every ``r_ij = alpha_i - s_ij`` into ``counts``. ``valid_M`` masks padding;

@@ -10,7 +10,6 @@ Eager checks here may sync (reference code, not a hot path).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
 
 
 def topk_loads(
-    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+    scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
     _check_scores_bias(scores_ME, bias_E, topk)
@@ -91,7 +90,7 @@ def sign_update_bias(loads_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -
 
 # ----------------------------------------------------------------------------- exact reference
 def exact_quantiles(
-    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+    scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
     bias unchanged if m = 0.
@@ -124,7 +123,7 @@ def _exact_quantiles(scores_ME, bias_E, topk, valid_M):
 
 
 def exact_quantile_bias(
-    scores_ME, bias_E, topk: int, valid_M: Optional[torch.Tensor] = None
+    scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Exact sort-based QB update (SPEC §4 steps 2-3): column Q-th smallest r, minus its mean."""
     q_E, m = _exact_quantiles(scores_ME, bias_E, topk, valid_M)

@@ -89,7 +89,8 @@ def stable_latentmoe_fields() -> tuple[str, ...]:
     """Names of the fields this config adds to ``TransformerConfig``."""
     base = {f.name for f in dataclasses.fields(TransformerConfig)}
     return tuple(
-        f.name for f in dataclasses.fields(StableLatentMoETransformerConfig)
+        f.name
+        for f in dataclasses.fields(StableLatentMoETransformerConfig)
         if f.name not in base and not f.name.startswith("_")
     )
 

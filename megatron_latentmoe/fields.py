@@ -32,8 +32,9 @@ shipped HF config file, which the pin test demands).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 QUANTILE_HISTOGRAM = "quantile_histogram"
 """``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
@@ -84,8 +85,9 @@ class ConfigError(ValueError):
         return f"{name_value(self.field, self.value)} is not allowed: {allowed}"
 
 
-def not_allowed(field: str, value: Any, allowed: str, error: type = ValueError,
-                **refs: Any) -> Exception:
+def not_allowed(
+    field: str, value: Any, allowed: str, error: type = ValueError, **refs: Any
+) -> Exception:
     """The one error of a wrong value, as an ``error``: ``field=value is not allowed:
     <allowed>`` (:class:`ConfigError`'s message; ``refs`` fill ``{name}`` placeholders)."""
     return error(str(ConfigError(field, value, allowed, **refs)))
@@ -97,7 +99,7 @@ class ModelField:
 
     name: str
     """``ModelArch`` field; also the ``megatron.training`` args dest unless ``args`` says."""
-    hf: Optional[str]
+    hf: str | None
     """HF ``config.json`` key (None: Megatron-only)."""
     default: Any = REQUIRED
     """Megatron-side default (``ModelArch``, added config field, CLI flag); REQUIRED: none."""
@@ -110,17 +112,17 @@ class ModelField:
     a tuple of allowed values."""
     megatron: Any = _SAME
     """``TransformerConfig`` field (default: ``name``); None: a ``build_gpt_model`` argument."""
-    builder: Optional[str] = None
+    builder: str | None = None
     """The ``build_gpt_model`` keyword for ``megatron=None`` rows."""
     args: Any = _SAME
     """``megatron.training`` args attribute (default: ``name``); None: not in the args."""
     none_is: Any = None
     """What Megatron's None means (a value, or a function of the other values)."""
-    to_hf: Optional[Callable[[Any, Mapping], Any]] = None
-    from_hf: Optional[Callable[[Any, Mapping], Any]] = None
+    to_hf: Callable[[Any, Mapping], Any] | None = None
+    from_hf: Callable[[Any, Mapping], Any] | None = None
     added: bool = False
     """A field ``StableLatentMoETransformerConfig`` adds to ``TransformerConfig`` (with a flag)."""
-    flag: Optional[str] = None
+    flag: str | None = None
     """The flag of an added field (default: --name-with-dashes)."""
     help: str = ""
 
@@ -147,7 +149,7 @@ class ModelField:
             "str": str,
         }[self.kind]
 
-    def problem(self, value: Any) -> Optional[str]:
+    def problem(self, value: Any) -> str | None:
         """What is allowed, when ``value`` is not of this row's kind (None when it is)."""
         kind = self.kind
         is_int = isinstance(value, int) and not isinstance(value, bool)
@@ -327,37 +329,54 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             raise ConfigError(f.name, get(f.name), allowed)
     num_layers, k_dense = get("num_layers"), get("first_k_dense_replace")
     if not k_dense < max(num_layers, 1):
-        raise ConfigError("first_k_dense_replace", k_dense, "an integer in [0, {num_layers})",
-                          num_layers=num_layers)
+        raise ConfigError(
+            "first_k_dense_replace",
+            k_dense,
+            "an integer in [0, {num_layers})",
+            num_layers=num_layers,
+        )
     if get("normalization") != "RMSNorm":
         raise ConfigError("normalization", get("normalization"), "'RMSNorm' (SPEC §1)")
     if get("layernorm_zero_centered_gamma"):
-        raise ConfigError("layernorm_zero_centered_gamma", True,
-                          "False (plain RMSNorm weights, SPEC §1)")
+        raise ConfigError(
+            "layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)"
+        )
     if get("hidden_act") == "situ":
         # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
         # the experts would silently run SwiGLU or fail deep inside TE.
         for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
             if get(name):
-                raise ConfigError(name, True, "False with {hidden_act} (Megatron fuses SwiGLU "
-                                  "only)", hidden_act="situ")
+                raise ConfigError(
+                    name,
+                    True,
+                    "False with {hidden_act} (Megatron fuses SwiGLU only)",
+                    hidden_act="situ",
+                )
     groups = get("moe_router_num_groups")
     if groups not in (None, 1):
-        raise ConfigError("moe_router_num_groups", groups,
-                          "None or 1 (no group-limited routing, SPEC §3)")
+        raise ConfigError(
+            "moe_router_num_groups", groups, "None or 1 (no group-limited routing, SPEC §3)"
+        )
     n = get("num_moe_experts")
     if not n:
         return
     latent = get("moe_latent_size")
     if get("latent_moe_use_norm") and not latent:
-        raise ConfigError("latent_moe_use_norm", True,
-                          "False unless moe_latent_size is set (the norm is over the latent width)")
+        raise ConfigError(
+            "latent_moe_use_norm",
+            True,
+            "False unless moe_latent_size is set (the norm is over the latent width)",
+        )
     dense_then_moe = [0] * k_dense + [1] * (num_layers - k_dense)
     freq = get("moe_layer_freq")
     if k_dense and freq not in (1, dense_then_moe):
-        raise ConfigError("first_k_dense_replace", k_dense,
-                          f"0 when {{moe_layer_freq}} is set (it would override the pattern); or "
-                          f"moe_layer_freq 1 or {dense_then_moe}", moe_layer_freq=freq)
+        raise ConfigError(
+            "first_k_dense_replace",
+            k_dense,
+            f"0 when {{moe_layer_freq}} is set (it would override the pattern); or "
+            f"moe_layer_freq 1 or {dense_then_moe}",
+            moe_layer_freq=freq,
+        )
     for name, why in (
         ("moe_apply_probs_on_input", "the block weights expert OUTPUTS: p * E(z) (SPEC §1)"),
         ("moe_enable_routing_replay", "the Stable LatentMoE routers do not record or replay"),
@@ -366,11 +385,16 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             raise ConfigError(name, True, f"False ({why})")
     ep, k = get("expert_model_parallel_size") or 1, get("moe_router_topk")
     if n % ep:
-        raise ConfigError("num_moe_experts", n, "a multiple of {expert_model_parallel_size}",
-                          expert_model_parallel_size=ep)
+        raise ConfigError(
+            "num_moe_experts",
+            n,
+            "a multiple of {expert_model_parallel_size}",
+            expert_model_parallel_size=ep,
+        )
     if not 1 <= k < n:
-        raise ConfigError("moe_router_topk", k, "an integer in [1, {num_moe_experts})",
-                          num_moe_experts=n)
+        raise ConfigError(
+            "moe_router_topk", k, "an integer in [1, {num_moe_experts})", num_moe_experts=n
+        )
     scale = get("moe_router_topk_scaling_factor")
     if scale is not None and not scale > 0:
         raise ConfigError("moe_router_topk_scaling_factor", scale, "None or a positive number")
@@ -379,17 +403,25 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         if not latent > 0:
             raise ConfigError("moe_latent_size", latent, "a positive integer")
         if latent % tp:
-            raise ConfigError("moe_latent_size", latent,
-                              "a multiple of {tensor_model_parallel_size}",
-                              tensor_model_parallel_size=tp)
+            raise ConfigError(
+                "moe_latent_size",
+                latent,
+                "a multiple of {tensor_model_parallel_size}",
+                tensor_model_parallel_size=tp,
+            )
         if get("moe_shared_expert_overlap"):
-            raise ConfigError("moe_shared_expert_overlap", True,
-                              "False with moe_latent_size (shared experts see the full-width "
-                              "input)")
+            raise ConfigError(
+                "moe_shared_expert_overlap",
+                True,
+                "False with moe_latent_size (shared experts see the full-width input)",
+            )
     lb = get("moe_router_load_balancing_type")
     if isinstance(lb, (list, tuple)) and QUANTILE_HISTOGRAM in lb and len(lb) > 1:
-        raise ConfigError("moe_router_load_balancing_type", lb,
-                          f"{QUANTILE_HISTOGRAM!r} alone (it cannot be combined with other types)")
+        raise ConfigError(
+            "moe_router_load_balancing_type",
+            lb,
+            f"{QUANTILE_HISTOGRAM!r} alone (it cannot be combined with other types)",
+        )
     if lb in (QUANTILE_HISTOGRAM, [QUANTILE_HISTOGRAM]):
         _check_quantile_balancing(get)
     if get("moe_expert_weight_qat") not in (None, "none"):
@@ -406,20 +438,36 @@ def _check_expert_weight_qat(get: Callable[[str], Any]) -> None:
     etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size") or 1
     name = "moe_latent_size" if get("moe_latent_size") else "hidden_size"
     if get(name) % BLOCK:
-        raise ConfigError(name, get(name), f"a multiple of {BLOCK} with {{moe_expert_weight_qat}}",
-                          **qat)
+        raise ConfigError(
+            name, get(name), f"a multiple of {BLOCK} with {{moe_expert_weight_qat}}", **qat
+        )
     ffn = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
     if ffn % (BLOCK * etp):
-        raise ConfigError("moe_ffn_hidden_size", ffn, f"a multiple of {BLOCK} x "
-                          "{expert_tensor_parallel_size} with {moe_expert_weight_qat}",
-                          expert_tensor_parallel_size=etp, **qat)
+        raise ConfigError(
+            "moe_ffn_hidden_size",
+            ffn,
+            f"a multiple of {BLOCK} x "
+            "{expert_tensor_parallel_size} with {moe_expert_weight_qat}",
+            expert_tensor_parallel_size=etp,
+            **qat,
+        )
     if get("fp8") and get("fp8_recipe") != "mxfp8":
-        raise ConfigError("fp8_recipe", get("fp8_recipe"), "'mxfp8' with {moe_expert_weight_qat} "
-                          "(MXFP4 weights are exact in MXFP8; per-tensor FP8 scales would re-round "
-                          "them)", **qat)
+        raise ConfigError(
+            "fp8_recipe",
+            get("fp8_recipe"),
+            "'mxfp8' with {moe_expert_weight_qat} "
+            "(MXFP4 weights are exact in MXFP8; per-tensor FP8 scales would re-round "
+            "them)",
+            **qat,
+        )
     if get("fp8_param"):
-        raise ConfigError("fp8_param", True, "False with {moe_expert_weight_qat} (the fake-quant "
-                          "reads high-precision master weights)", **qat)
+        raise ConfigError(
+            "fp8_param",
+            True,
+            "False with {moe_expert_weight_qat} (the fake-quant "
+            "reads high-precision master weights)",
+            **qat,
+        )
 
 
 def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
@@ -428,9 +476,12 @@ def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
     if score != "sigmoid":
         raise ConfigError("moe_router_score_function", score, f"'sigmoid' with {qb} (SPEC §3)")
     if get("moe_router_enable_expert_bias"):
-        raise ConfigError("moe_router_enable_expert_bias", True,
-                          "False with quantile_histogram: the QB router owns expert_bias and "
-                          "Megatron's sign update would fight it")
+        raise ConfigError(
+            "moe_router_enable_expert_bias",
+            True,
+            "False with quantile_histogram: the QB router owns expert_bias and "
+            "Megatron's sign update would fight it",
+        )
     coeff = get("moe_aux_loss_coeff")
     if any(coeff if isinstance(coeff, list) else [coeff]):  # None: not set
         raise ConfigError("moe_aux_loss_coeff", coeff, f"0 with {qb}")
@@ -438,8 +489,15 @@ def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
     if not bins >= 2:
         raise ConfigError("moe_qb_num_bins", bins, "an integer >= 2")
     if get("moe_qb_binning") == "centered" and bins % 2:
-        raise ConfigError("moe_qb_num_bins", bins, "an even integer with {moe_qb_binning} "
-                          "(half the bins each side of the bias)", moe_qb_binning="centered")
+        raise ConfigError(
+            "moe_qb_num_bins",
+            bins,
+            "an even integer with {moe_qb_binning} (half the bins each side of the bias)",
+            moe_qb_binning="centered",
+        )
     if get("moe_expert_capacity_factor") is not None:
-        raise ConfigError("moe_expert_capacity_factor", get("moe_expert_capacity_factor"),
-                          f"None with {qb} (QB balances without dropping tokens)")
+        raise ConfigError(
+            "moe_expert_capacity_factor",
+            get("moe_expert_capacity_factor"),
+            f"None with {qb} (QB balances without dropping tokens)",
+        )

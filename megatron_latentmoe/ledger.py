@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from megatron_latentmoe.fields import hf_defaults, not_allowed, read_hf, read_megatron
 
@@ -61,10 +62,18 @@ class LatentMoEShape:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        for name, low in (("hidden_size", 1), ("latent_size", 1), ("moe_ffn_hidden_size", 1),
-                          ("num_experts", 1), ("topk", 1), ("num_layers", 1),
-                          ("shared_ffn_hidden_size", 0), ("first_k_dense_replace", 0),
-                          ("dense_ffn_hidden_size", 0), ("vocab_size", 0)):
+        for name, low in (
+            ("hidden_size", 1),
+            ("latent_size", 1),
+            ("moe_ffn_hidden_size", 1),
+            ("num_experts", 1),
+            ("topk", 1),
+            ("num_layers", 1),
+            ("shared_ffn_hidden_size", 0),
+            ("first_k_dense_replace", 0),
+            ("dense_ffn_hidden_size", 0),
+            ("vocab_size", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise not_allowed(name, value, f"an integer >= {low}")
@@ -72,15 +81,21 @@ class LatentMoEShape:
             if not isinstance(getattr(self, name), bool):
                 raise not_allowed(name, getattr(self, name), "True or False")
         if self.topk > self.num_experts:
-            raise not_allowed("topk", self.topk,
-                              f"an integer in [1, num_experts={self.num_experts}]")
+            raise not_allowed(
+                "topk", self.topk, f"an integer in [1, num_experts={self.num_experts}]"
+            )
         if self.first_k_dense_replace > self.num_layers:
-            raise not_allowed("first_k_dense_replace", self.first_k_dense_replace,
-                              f"an integer in [0, num_layers={self.num_layers}]")
+            raise not_allowed(
+                "first_k_dense_replace",
+                self.first_k_dense_replace,
+                f"an integer in [0, num_layers={self.num_layers}]",
+            )
         if self.first_k_dense_replace > 0 and self.dense_ffn_hidden_size == 0:
-            raise not_allowed("dense_ffn_hidden_size", 0,
-                              f"> 0 when first_k_dense_replace={self.first_k_dense_replace} "
-                              "layers are dense")
+            raise not_allowed(
+                "dense_ffn_hidden_size",
+                0,
+                f"> 0 when first_k_dense_replace={self.first_k_dense_replace} layers are dense",
+            )
 
     @property
     def num_moe_layers(self) -> int:
@@ -93,7 +108,7 @@ class LatentMoEShape:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_megatron_config(cls, cfg: Any) -> "LatentMoEShape":
+    def from_megatron_config(cls, cfg: Any) -> LatentMoEShape:
         """From a Megatron TransformerConfig (or this project's extension of it, or
         megatron.training args), duck-typed; absent / None fields mean what ``fields.FIELDS``
         says (the sizes are required).
@@ -105,16 +120,19 @@ class LatentMoEShape:
         tie_word_embeddings.
         """
         if getattr(cfg, "gated_linear_unit", True) is False:
-            raise ValueError("gated_linear_unit=False: the ledger counts 3-matrix gated FFNs "
-                             "(SiTU-GLU) only")
+            raise ValueError(
+                "gated_linear_unit=False: the ledger counts 3-matrix gated FFNs (SiTU-GLU) only"
+            )
 
         def get(f):
             value = getattr(cfg, f.megatron, None) if f.megatron else None
             if value is None and f.name == "num_experts":
                 value = getattr(cfg, "num_experts", None)
             if value is None and f.required and f.name not in ("vocab_size", "ffn_hidden_size"):
-                raise ValueError(f"Megatron config field {f.megatron} is required for the ledger "
-                                 "(got None or missing)")
+                raise ValueError(
+                    f"Megatron config field {f.megatron} is required for the ledger "
+                    "(got None or missing)"
+                )
             return value
 
         v = read_megatron(get, _TABLE_NAMES.values())
@@ -127,8 +145,10 @@ class LatentMoEShape:
         else:
             k_dense = _first_k_dense_from_layer_freq(freq, num_layers)
             if k_given and k_given != k_dense:  # 0: not set (the config default)
-                raise ValueError(f"first_k_dense_replace={k_given} disagrees with "
-                                 f"moe_layer_freq={freq} ({k_dense} dense layers first)")
+                raise ValueError(
+                    f"first_k_dense_replace={k_given} disagrees with "
+                    f"moe_layer_freq={freq} ({k_dense} dense layers first)"
+                )
         v["first_k_dense_replace"] = k_dense
         vocab = getattr(cfg, "padded_vocab_size", None) or getattr(cfg, "vocab_size", None)
         v["vocab_size"] = vocab or 0
@@ -141,7 +161,7 @@ class LatentMoEShape:
         return cls._from_table(v)
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "LatentMoEShape":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> LatentMoEShape:
         """From an HF config dict with the SPEC §6 keys (a nested ``text_config`` is used when the
         top level has no ``hidden_size``, as in multimodal configs). An absent key means the HF
         class's default (``fields.FIELDS``); the sizes are required, except vocab_size (absent:
@@ -156,12 +176,14 @@ class LatentMoEShape:
         v["vocab_size"] = config.get("vocab_size") or 0
         v["ffn_hidden_size"] = config.get("intermediate_size") or 0
         if v["first_k_dense_replace"] and not v["ffn_hidden_size"]:
-            raise ValueError("HF config key 'intermediate_size' is required when "
-                             f"first_k_dense_replace={v['first_k_dense_replace']} (missing)")
+            raise ValueError(
+                "HF config key 'intermediate_size' is required when "
+                f"first_k_dense_replace={v['first_k_dense_replace']} (missing)"
+            )
         return cls._from_table(v)
 
     @classmethod
-    def _from_table(cls, values: Mapping[str, Any]) -> "LatentMoEShape":
+    def _from_table(cls, values: Mapping[str, Any]) -> LatentMoEShape:
         shape = {ours: values[name] for ours, name in _TABLE_NAMES.items()}
         if not shape["first_k_dense_replace"]:
             shape["dense_ffn_hidden_size"] = 0
@@ -189,15 +211,19 @@ def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
     if isinstance(freq, int) and not isinstance(freq, bool):
         if freq == 1:
             return 0
-        raise ValueError(f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout: "
-                         "moe_layer_freq 1 (with first_k_dense_replace) or [0]*k + [1]*rest")
+        raise ValueError(
+            f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout: "
+            "moe_layer_freq 1 (with first_k_dense_replace) or [0]*k + [1]*rest"
+        )
     pattern = list(freq)
     k = 0
     while k < len(pattern) and pattern[k] == 0:
         k += 1
     if len(pattern) != num_layers or any(p != 1 for p in pattern[k:]):
-        raise ValueError(f"moe_layer_freq={pattern}: the ledger needs [0]*k + [1]*(num_layers-k) "
-                         f"with num_layers={num_layers} (or moe_layer_freq 1 with first_k_dense_replace)")
+        raise ValueError(
+            f"moe_layer_freq={pattern}: the ledger needs [0]*k + [1]*(num_layers-k) "
+            f"with num_layers={num_layers} (or moe_layer_freq 1 with first_k_dense_replace)"
+        )
     return k
 
 
@@ -240,9 +266,14 @@ def parameter_ledger(shape: LatentMoEShape) -> dict:
 
     from megatron_latentmoe.ops.mxfp4 import BITS_PER_PARAM
 
-    groups = {"routed_experts": L_moe * routed, "shared_experts": L_moe * shared,
-              "projections": L_moe * proj, "routers": L_moe * router, "dense_ffn": dense_all,
-              "embedding_and_lm_head": emb + head}
+    groups = {
+        "routed_experts": L_moe * routed,
+        "shared_experts": L_moe * shared,
+        "projections": L_moe * proj,
+        "routers": L_moe * router,
+        "dense_ffn": dense_all,
+        "embedding_and_lm_head": emb + head,
+    }
     bf16_bytes = {g: 2 * v for g, v in groups.items()}
     mxfp4_bytes = dict(bf16_bytes, routed_experts=L_moe * routed * BITS_PER_PARAM / 8)
     return {
@@ -323,8 +354,11 @@ def _human(x: float) -> str:
 def format_ledger(ledger: Mapping[str, Any]) -> str:
     """A human table (values with T / B / M units and exact counts)."""
     s = ledger["shape"]
-    p, a, al = ledger["per_moe_layer"], ledger["activated_per_token_per_moe_layer"], \
-        ledger["all_moe_layers"]
+    p, a, al = (
+        ledger["per_moe_layer"],
+        ledger["activated_per_token_per_moe_layer"],
+        ledger["all_moe_layers"],
+    )
     dn, e, t = ledger["dense_layers"], ledger["embedding"], ledger["totals"]
     L_moe, L_dense = ledger["num_moe_layers"], ledger["num_dense_layers"]
     n_shared_note = f"3·d·{s['shared_ffn_hidden_size']}" if s["shared_ffn_hidden_size"] else "none"
@@ -333,8 +367,11 @@ def format_ledger(ledger: Mapping[str, Any]) -> str:
         ("  routed expert (one)", p["routed_expert_params_each"], "3·l·m_e"),
         ("  routed experts (all n)", p["routed_expert_params"], "n·3·l·m_e"),
         ("  shared experts", p["shared_expert_params"], n_shared_note),
-        ("  W_down + W_up (+ norm)", p["projection_params"],
-         "2·d·l" + (" + l" if s["latent_norm"] else "")),
+        (
+            "  W_down + W_up (+ norm)",
+            p["projection_params"],
+            "2·d·l" + (" + l" if s["latent_norm"] else ""),
+        ),
         ("  router", p["router_params"], "n·d"),
         ("  router bias (buffer)", p["router_bias_buffer"], "n, non-trainable, not in totals"),
         ("  layer total", p["total_params"], None),
@@ -364,8 +401,7 @@ def format_ledger(ledger: Mapping[str, Any]) -> str:
         ("  MoE share of FFN", None, _pct(t["moe_share_of_ffn"])),
         ("  routed share of FFN", None, _pct(t["routed_share_of_ffn"])),
         ("  counted (FFN + embeddings)", t["counted_params"], None),
-        ("  activated per token (counted)", t["activated_per_token"],
-         "FFN + embedding + LM head"),
+        ("  activated per token (counted)", t["activated_per_token"], "FFN + embedding + LM head"),
     ]
     b = ledger["bytes"]
     b16, bmx = b["bf16"], b["mxfp4_routed_experts"]
@@ -375,9 +411,12 @@ def format_ledger(ledger: Mapping[str, Any]) -> str:
         ("  everything else", b16["total"] - b16["routed_experts"], None),
         ("  total", b16["total"], None),
         ("bytes: routed experts MXFP4, rest bf16 (K3 deployment)", None, None),
-        ("  routed experts", round(bmx["routed_experts"]),
-         f"{b['routed_expert_bits_mxfp4']} bits/param (E2M1 + E8M0 per 32); "
-         f"{b16['routed_experts'] / bmx['routed_experts']:.2f}x smaller"),
+        (
+            "  routed experts",
+            round(bmx["routed_experts"]),
+            f"{b['routed_expert_bits_mxfp4']} bits/param (E2M1 + E8M0 per 32); "
+            f"{b16['routed_experts'] / bmx['routed_experts']:.2f}x smaller",
+        ),
         ("  total", round(bmx["total"]), f"{b16['total'] / bmx['total']:.2f}x smaller"),
     ]
     w = max(len(r[0]) for r in rows)

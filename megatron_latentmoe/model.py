@@ -8,8 +8,6 @@ model-specific; K3's KDA / MLA layers are out of scope here).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from megatron.core.models.gpt import GPTModel
 
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
@@ -26,7 +24,7 @@ def build_gpt_model(
     post_process: bool = True,
     share_embeddings_and_output_weights: bool = False,
     rotary_base: int = 10000,
-    vp_stage: Optional[int] = None,
+    vp_stage: int | None = None,
     pg_collection=None,
 ) -> GPTModel:
     """A ``GPTModel`` for this pipeline stage with our block spec (``backend``: local or te)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import List, Optional
 
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.backends import LocalSpecProvider
@@ -146,7 +145,9 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
         StableLatentMoELayer,
         submodules=StableLatentMoESubmodules(
             experts=with_expert_weight_qat(moe_sub.experts, config),
-            shared_experts=moe_sub.shared_experts if config.moe_shared_expert_intermediate_size else None,
+            shared_experts=moe_sub.shared_experts
+            if config.moe_shared_expert_intermediate_size
+            else None,
             router=router,
             latent_down_proj=down,
             latent_up_proj=up,
@@ -167,7 +168,7 @@ def get_dense_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = 
 
 def get_stable_latentmoe_layer_specs(
     config: StableLatentMoETransformerConfig, backend: str = "local"
-) -> List[ModuleSpec]:
+) -> list[ModuleSpec]:
     """One ``TransformerLayer`` spec per layer of the whole model (dense first, then MoE)."""
     _check_backend(config, backend)
     dense = ModuleSpec(
@@ -194,8 +195,8 @@ def get_stable_latentmoe_layer_specs(
 def get_stable_latentmoe_block_spec(
     config: StableLatentMoETransformerConfig,
     backend: str = "local",
-    vp_stage: Optional[int] = None,
-    pp_rank: Optional[int] = None,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder block spec for this pipeline stage (``GPTModel(transformer_layer_spec=...)``)."""
     layer_specs = get_stable_latentmoe_layer_specs(config, backend)

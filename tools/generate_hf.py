@@ -1,6 +1,6 @@
 """Generate text from an exported HF directory (``AutoModelForCausalLM``, ``trust_remote_code``).
 
-    python tools/generate_hf.py outputs/main_job/hf --prompt "In the beginning" --max-new-tokens 32
+python tools/generate_hf.py outputs/main_job/hf --prompt "In the beginning" --max-new-tokens 32
 """
 
 import argparse
@@ -18,13 +18,21 @@ def main(argv=None) -> int:
     p.add_argument("model_dir", type=Path, help="an exported HF directory")
     p.add_argument("--prompt", default="In the beginning")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--sample", action="store_true", help="sample (temperature 0.8) instead of greedy")
+    p.add_argument(
+        "--sample", action="store_true", help="sample (temperature 0.8) instead of greedy"
+    )
     a = p.parse_args(argv)
     if not (a.model_dir / "config.json").is_file():
-        return _error(f"model_dir={str(a.model_dir)!r} has no config.json (an HF export is expected)")
-    if not any((a.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return _error(f"model_dir={str(a.model_dir)!r} has no tokenizer files (exported with --tokenizer "
-                      "none?); export again with a tokenizer, or copy its files there")
+        return _error(
+            f"model_dir={str(a.model_dir)!r} has no config.json (an HF export is expected)"
+        )
+    if not any(
+        (a.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return _error(
+            f"model_dir={str(a.model_dir)!r} has no tokenizer files (exported with --tokenizer "
+            "none?); export again with a tokenizer, or copy its files there"
+        )
     if a.max_new_tokens < 1:
         return _error(f"--max-new-tokens={a.max_new_tokens} is not allowed: an integer >= 1")
     import torch
@@ -34,9 +42,15 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, trust_remote_code=True).eval()
     ids = tokenizer(a.prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=a.sample,
-                         temperature=0.8 if a.sample else None, top_k=None, top_p=None,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        ids,
+        max_new_tokens=a.max_new_tokens,
+        do_sample=a.sample,
+        temperature=0.8 if a.sample else None,
+        top_k=None,
+        top_p=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     print(tokenizer.decode(out[0], skip_special_tokens=True))
     return 0
 

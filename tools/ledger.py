@@ -48,20 +48,35 @@ BOOL_FIELDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Attention parameters are model-specific and not counted.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Attention parameters are model-specific and not counted.",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                     help="start from a preset (default: k3)")
-    src.add_argument("--hf-config", metavar="PATH",
-                     help="start from an HF config.json (SPEC §6 keys)")
+    src.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="start from a preset (default: k3)"
+    )
+    src.add_argument(
+        "--hf-config", metavar="PATH", help="start from an HF config.json (SPEC §6 keys)"
+    )
     for field, help_ in INT_FIELDS.items():
-        p.add_argument("--" + field.replace("_", "-"), dest=field, type=int, default=None,
-                       metavar="N", help=help_)
+        p.add_argument(
+            "--" + field.replace("_", "-"),
+            dest=field,
+            type=int,
+            default=None,
+            metavar="N",
+            help=help_,
+        )
     for field, help_ in BOOL_FIELDS.items():
-        p.add_argument("--" + field.replace("_", "-"), dest=field, default=None,
-                       action=argparse.BooleanOptionalAction, help=help_)
+        p.add_argument(
+            "--" + field.replace("_", "-"),
+            dest=field,
+            default=None,
+            action=argparse.BooleanOptionalAction,
+            help=help_,
+        )
     p.add_argument("--json", action="store_true", help="print the ledger as JSON")
     return p
 

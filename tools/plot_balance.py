@@ -26,12 +26,11 @@ import argparse
 import json
 import math
 import sys
-from typing import Dict, List, Optional
 
 
-def read_records(path: str) -> List[dict]:
+def read_records(path: str) -> list[dict]:
     """One record per iteration, in order (later lines win; a line cut by a kill is skipped)."""
-    by_iteration: Dict[int, dict] = {}
+    by_iteration: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -55,7 +54,7 @@ def _avg(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(records: List[dict], window: int) -> dict:
+def summarize(records: list[dict], window: int) -> dict:
     """First-vs-last-window loss, MaxVio and throughput."""
     rows = [r for r in records if _finite([r.get("loss")])]
     if not rows:
@@ -76,7 +75,7 @@ def summarize(records: List[dict], window: int) -> dict:
     }
 
 
-def summary_lines(s: dict) -> List[str]:
+def summary_lines(s: dict) -> list[str]:
     if not s:
         return ["no iterations with a loss in the file"]
     a, b = s["iterations"]
@@ -93,11 +92,11 @@ def summary_lines(s: dict) -> List[str]:
     ]
 
 
-def _load_matrix(records: List[dict]):
+def _load_matrix(records: list[dict]):
     """[layers x experts] mean of load / mean-load over ``records`` that carry loads, and the
     layer numbers; None if no record has loads."""
-    sums: Dict[int, List[float]] = {}
-    counts: Dict[int, int] = {}
+    sums: dict[int, list[float]] = {}
+    counts: dict[int, int] = {}
     for record in records:
         for layer in record.get("layers", []):
             loads = layer.get("loads")
@@ -117,7 +116,7 @@ def _load_matrix(records: List[dict]):
     return [[v / counts[l] for v in sums[l]] for l in layers], layers
 
 
-def plot(records: List[dict], out: str, window: int, title: Optional[str] = None) -> None:
+def plot(records: list[dict], out: str, window: int, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,8 +133,13 @@ def plot(records: List[dict], out: str, window: int, title: Optional[str] = None
     for col, (matrix, rows, label) in enumerate(
         (
             (first_m, layers, f"iteration {with_loads[0]['iteration']}" if with_loads else ""),
-            (last_m, last_layers,
-             f"mean of iterations {with_loads[-w]['iteration']}-{with_loads[-1]['iteration']}" if with_loads else ""),
+            (
+                last_m,
+                last_layers,
+                f"mean of iterations {with_loads[-w]['iteration']}-{with_loads[-1]['iteration']}"
+                if with_loads
+                else "",
+            ),
         )
     ):
         ax = fig.add_subplot(grid[0, col])
@@ -143,7 +147,9 @@ def plot(records: List[dict], out: str, window: int, title: Optional[str] = None
             ax.text(0.5, 0.5, "no per-expert loads recorded", ha="center", va="center")
             ax.set_axis_off()
             continue
-        im = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=0.0, vmax=2.0, interpolation="nearest")
+        im = ax.imshow(
+            matrix, aspect="auto", cmap=cmap, vmin=0.0, vmax=2.0, interpolation="nearest"
+        )
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([str(l) for l in rows])
         ax.set_ylabel("layer")
@@ -156,27 +162,49 @@ def plot(records: List[dict], out: str, window: int, title: Optional[str] = None
 
     its = [r["iteration"] for r in records]
     ax = fig.add_subplot(grid[1, 0])
-    per_layer: Dict[int, List] = {}
+    per_layer: dict[int, list] = {}
     for r in records:
         for layer in r.get("layers", []):
             per_layer.setdefault(layer["layer"], []).append((r["iteration"], layer["max_vio"]))
     for layer, points in sorted(per_layer.items()):
         ax.plot([p[0] for p in points], [max(p[1], 1e-3) for p in points], lw=0.6, alpha=0.35)
-    ax.plot(its, [max(r.get("maxvio_mean") or 1e-3, 1e-3) for r in records], color="k", lw=1.6,
-            label="mean over layers")
-    ax.plot(its, [max(r.get("maxvio_max") or 1e-3, 1e-3) for r in records], color="tab:red", lw=1.0,
-            label="max over layers")
+    ax.plot(
+        its,
+        [max(r.get("maxvio_mean") or 1e-3, 1e-3) for r in records],
+        color="k",
+        lw=1.6,
+        label="mean over layers",
+    )
+    ax.plot(
+        its,
+        [max(r.get("maxvio_max") or 1e-3, 1e-3) for r in records],
+        color="tab:red",
+        lw=1.0,
+        label="max over layers",
+    )
     ax.set_yscale("log")
     ax.set_xlabel("iteration")
     ax.set_ylabel("MaxVio = (max load - mean) / mean")
     ax.set_title("load balance per iteration (thin: each MoE layer)")
     ax.grid(True, which="both", alpha=0.3)
     twin = ax.twinx()
-    twin.plot(its, [r.get("frac_under_half") for r in records], color="tab:green", lw=0.8, ls="--",
-              label="experts under half the mean (fraction)")
+    twin.plot(
+        its,
+        [r.get("frac_under_half") for r in records],
+        color="tab:green",
+        lw=0.8,
+        ls="--",
+        label="experts under half the mean (fraction)",
+    )
     n_slots = max(1, len(per_layer)) * max(1, records[0].get("num_experts") or 1)
-    twin.plot(its, [(r.get("num_dead") or 0) / n_slots for r in records], color="tab:purple", lw=0.8,
-              ls=":", label="dead experts (fraction of all layers' experts)")
+    twin.plot(
+        its,
+        [(r.get("num_dead") or 0) / n_slots for r in records],
+        color="tab:purple",
+        lw=0.8,
+        ls=":",
+        label="dead experts (fraction of all layers' experts)",
+    )
     twin.set_ylim(0, 1)
     twin.set_ylabel("fraction of experts")
     lines = ax.get_legend_handles_labels()
@@ -195,11 +223,15 @@ def plot(records: List[dict], out: str, window: int, title: Optional[str] = None
     plt.close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("jsonl", help="balance JSONL of a run (--balance-log-file / <save>/balance.jsonl)")
+    p.add_argument(
+        "jsonl", help="balance JSONL of a run (--balance-log-file / <save>/balance.jsonl)"
+    )
     p.add_argument("--out", default=None, help="PNG to write (default: none; use with --summary)")
-    p.add_argument("--window", type=int, default=20, help="iterations in the last window (default 20)")
+    p.add_argument(
+        "--window", type=int, default=20, help="iterations in the last window (default 20)"
+    )
     p.add_argument("--title", default=None)
     p.add_argument("--summary", action="store_true", help="print the first-vs-last-window summary")
     args = p.parse_args(argv)

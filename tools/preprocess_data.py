@@ -39,13 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--input", required=True, help="JSONL file (optionally .gz), one JSON object per line")
+    p.add_argument(
+        "--input", required=True, help="JSONL file (optionally .gz), one JSON object per line"
+    )
     p.add_argument(
         "--output-prefix",
         required=True,
         help="output path prefix: writes PREFIX.bin and PREFIX.idx (PREFIX_KEY.* with several --json-keys)",
     )
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys of the text to tokenize (default: text)")
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys of the text to tokenize (default: text)",
+    )
     p.add_argument(
         "--tokenizer",
         "--tokenizer-model",

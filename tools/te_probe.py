@@ -21,8 +21,10 @@ SKIP = 3
 def imports() -> int:
     import torch  # first: TE's core needs the NCCL / CUDA libraries torch loads
 
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, cuda available {torch.cuda.is_available()}")
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, cuda available {torch.cuda.is_available()}"
+    )
     t = time.time()
     try:
         te = importlib.import_module("transformer_engine")
@@ -103,7 +105,9 @@ PROBES = {"imports": imports, "norm": norm, "fp8": fp8, "grouped": grouped}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
-        print(f"usage: python tools/te_probe.py {{{','.join(PROBES)}}}; got {sys.argv[1:]}",
-              file=sys.stderr)
+        print(
+            f"usage: python tools/te_probe.py {{{','.join(PROBES)}}}; got {sys.argv[1:]}",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.exit(PROBES[sys.argv[1]]())

@@ -35,8 +35,8 @@ import sys
 import tarfile
 import tempfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -60,7 +60,7 @@ SWORD_DIR_IN_DEB = f"usr/share/sword/modules/texts/ztext/{SWORD_MODULE}/"
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_deb_members(deb_path: Path) -> Dict[str, bytes]:
+def _read_deb_members(deb_path: Path) -> dict[str, bytes]:
     """Return {path: bytes} of the SWORD module files inside a Debian package."""
     data = deb_path.read_bytes()
     if data[:8] != b"!<arch>\n":
@@ -81,7 +81,9 @@ def _read_deb_members(deb_path: Path) -> Dict[str, bytes]:
     elif name.endswith(".gz"):
         blob = gzip.decompress(blob)
     elif name.endswith(".zst"):
-        raise SystemExit(f"{deb_path}: zstd-compressed package; unpack it with dpkg -x and pass the folder")
+        raise SystemExit(
+            f"{deb_path}: zstd-compressed package; unpack it with dpkg -x and pass the folder"
+        )
     out = {}
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         for m in tar.getmembers():
@@ -93,7 +95,7 @@ def _read_deb_members(deb_path: Path) -> Dict[str, bytes]:
     return out
 
 
-def _module_files(source: Path) -> Dict[str, bytes]:
+def _module_files(source: Path) -> dict[str, bytes]:
     if source.is_file():
         return _read_deb_members(source)
     hits = sorted(source.rglob("ot.bzs"))
@@ -103,7 +105,7 @@ def _module_files(source: Path) -> Dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
-def _ztext_entries(files: Dict[str, bytes], testament: str) -> Iterator[str]:
+def _ztext_entries(files: dict[str, bytes], testament: str) -> Iterator[str]:
     """Yield the OSIS markup of every index entry of one testament, in order.
 
     zText: ``.bzs`` = blocks (offset u32, size u32, uncompressed size u32), ``.bzz`` = zlib blocks,
@@ -111,7 +113,7 @@ def _ztext_entries(files: Dict[str, bytes], testament: str) -> Iterator[str]:
     """
     bzs, bzv, bzz = (files[f"{testament}.{ext}"] for ext in ("bzs", "bzv", "bzz"))
     blocks = [struct.unpack_from("<III", bzs, i) for i in range(0, len(bzs), 12)]
-    cached: Tuple[int, bytes] = (-1, b"")
+    cached: tuple[int, bytes] = (-1, b"")
     for i in range(0, len(bzv), 10):
         block, start, size = struct.unpack_from("<IIH", bzv, i)
         if not size:
@@ -147,7 +149,7 @@ def _clean(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
-def osis_to_documents(markup: str) -> List[Dict[str, str]]:
+def osis_to_documents(markup: str) -> list[dict[str, str]]:
     """Turn the module's OSIS markup into plain-text documents.
 
     One document per chapter (headed "Book N"), plus the preface and the glossary. Footnotes,
@@ -158,8 +160,8 @@ def osis_to_documents(markup: str) -> List[Dict[str, str]]:
     markup = _NOTE.sub(_gap, markup)
     markup = _Q_TAG.sub(_gap, markup)
 
-    docs: List[Dict[str, str]] = []
-    cur: List[str] = []
+    docs: list[dict[str, str]] = []
+    cur: list[str] = []
     state = {"id": "front", "head": None, "book": None, "title": ""}
 
     def flush() -> None:
@@ -211,13 +213,16 @@ def osis_to_documents(markup: str) -> List[Dict[str, str]]:
     return docs
 
 
-def build_corpus(source: Path, out_path: Path) -> Tuple[int, int]:
+def build_corpus(source: Path, out_path: Path) -> tuple[int, int]:
     files = _module_files(source)
     markup = " ".join(e for t in ("ot", "nt") for e in _ztext_entries(files, t))
     docs = osis_to_documents(markup)
     tmp = out_path.with_name(out_path.name + ".tmp")
     # mtime=0 and no file name in the header: the .gz is byte-identical on every rebuild
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+    with (
+        open(tmp, "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
+    ):
         for d in docs:
             gz.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
     os.replace(tmp, out_path)
@@ -278,32 +283,53 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--rebuild-corpus",
         metavar="DEB_OR_DIR",
         type=Path,
         help="sword-text-web .deb (or a folder holding the engWEB2015eb zText module): rewrite the corpus first",
     )
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_PATH, help="corpus JSONL(.gz) to train on")
-    p.add_argument("--output-dir", type=Path, default=DEFAULT_TOKENIZER_DIR, help="where to write the tokenizer")
-    p.add_argument("--check", action="store_true", help="retrain into a temp dir and compare with --output-dir")
+    p.add_argument(
+        "--corpus", type=Path, default=DEFAULT_CORPUS_PATH, help="corpus JSONL(.gz) to train on"
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=DEFAULT_TOKENIZER_DIR,
+        help="where to write the tokenizer",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="retrain into a temp dir and compare with --output-dir"
+    )
     args = p.parse_args(argv)
 
     if args.rebuild_corpus is not None:
         n, chars = build_corpus(args.rebuild_corpus, args.corpus)
-        print(f"corpus: {args.corpus} ({n} documents, {chars:,} characters, {args.corpus.stat().st_size:,} bytes)")
+        print(
+            f"corpus: {args.corpus} ({n} documents, {chars:,} characters, {args.corpus.stat().st_size:,} bytes)"
+        )
 
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             train_tokenizer(args.corpus, Path(tmp))
-            bad = [f for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                   if _sha(Path(tmp) / f) != _sha(args.output_dir / f)]
+            bad = [
+                f
+                for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                if _sha(Path(tmp) / f) != _sha(args.output_dir / f)
+            ]
         print("tokenizer reproduces the shipped files" if not bad else f"DIFFERS: {bad}")
         return 1 if bad else 0
 
-    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=args.output_dir.parent if args.output_dir.parent.exists() else None))
+    tmp = Path(
+        tempfile.mkdtemp(
+            prefix=".tokenizer-",
+            dir=args.output_dir.parent if args.output_dir.parent.exists() else None,
+        )
+    )
     try:
         train_tokenizer(args.corpus, tmp)
         args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -151,9 +151,11 @@ def _shim_chained_optimizer_regroup() -> None:
 
     def load_state_dict(self, state_dict):
         count = len(self.chained_optimizers)
-        saved = [state_dict] if "optimizer" in state_dict else [
-            state_dict[k] for k in sorted(k for k in state_dict if isinstance(k, int))
-        ]
+        saved = (
+            [state_dict]
+            if "optimizer" in state_dict
+            else [state_dict[k] for k in sorted(k for k in state_dict if isinstance(k, int))]
+        )
         if len(saved) == count or not all("optimizer" in entry for entry in saved):
             return original(self, state_dict)
         groups = [g for entry in saved for g in entry["optimizer"]["param_groups"]]

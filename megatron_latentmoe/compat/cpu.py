@@ -37,7 +37,7 @@ __all__ = [
 
 _CPU = torch.device("cpu")
 _GROUP = "cpu"
-_modes: dict[int, "CudaToCpuDeviceMode"] = {}  # thread id -> the mode entered on that thread
+_modes: dict[int, CudaToCpuDeviceMode] = {}  # thread id -> the mode entered on that thread
 
 
 def _patch(owner: object, name: str, value: object) -> None:

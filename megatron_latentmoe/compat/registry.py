@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -81,12 +81,12 @@ def apply_group(group: str, shims: Iterable[Callable[[], None]]) -> bool:
     return True
 
 
-def patched(group: Optional[str] = None) -> list[tuple[object, str, object]]:
+def patched(group: str | None = None) -> list[tuple[object, str, object]]:
     """(owner, attribute, original) of the live patches of ``group`` (all groups: None)."""
     return [(o, n, v) for g, o, n, v in _patched if group is None or g == group]
 
 
-def revert(group: Optional[str] = None) -> None:
+def revert(group: str | None = None) -> None:
     """Restore the attributes patched under ``group`` (every group: None), newest first."""
     for i in range(len(_patched) - 1, -1, -1):
         g, owner, name, original = _patched[i]

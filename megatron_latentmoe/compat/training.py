@@ -15,8 +15,8 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, List
 
 from . import registry
 
@@ -33,7 +33,7 @@ __all__ = [
 _CPU_GROUP, _FLAGS_GROUP, _RUN_GROUP = "training-cpu", "training-flags", "training-run"
 
 
-def cpu_training_defaults(args) -> List[str]:
+def cpu_training_defaults(args) -> list[str]:
     """Flags that only work with CUDA kernels: switched off on CPU (returns the notes)."""
     notes = []
     for name, value in (

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from megatron_latentmoe.fields import (
     BY_NAME,
@@ -115,20 +115,26 @@ class ModelArch:
             check_stable_latentmoe(megatron.get)
         except ConfigError as err:  # named as this description names them
             names = {f.megatron: f.name for f in FIELDS if f.megatron}
-            raise ConversionError(f"{source}: " + err.render(
-                lambda key, value: f"{names.get(key, key)}={value!r}")) from None
+            raise ConversionError(
+                f"{source}: " + err.render(lambda key, value: f"{names.get(key, key)}={value!r}")
+            ) from None
         if self.num_attention_heads % self.num_query_groups:
-            raise fail("num_query_groups", self.num_query_groups,
-                       "a divisor of {num_attention_heads}",
-                       num_attention_heads=self.num_attention_heads)
+            raise fail(
+                "num_query_groups",
+                self.num_query_groups,
+                "a divisor of {num_attention_heads}",
+                num_attention_heads=self.num_attention_heads,
+            )
         if self.kv_channels % 2:
             raise fail("kv_channels", self.kv_channels, "an even head dim (RoPE)")
         if self.moe_shared_expert_intermediate_size % self.moe_ffn_hidden_size:
-            raise fail("moe_shared_expert_intermediate_size",
-                       self.moe_shared_expert_intermediate_size,
-                       "a multiple of {moe_ffn_hidden_size} (HF stores num_shared_experts = "
-                       "shared width / moe_intermediate_size)",
-                       moe_ffn_hidden_size=self.moe_ffn_hidden_size)
+            raise fail(
+                "moe_shared_expert_intermediate_size",
+                self.moe_shared_expert_intermediate_size,
+                "a multiple of {moe_ffn_hidden_size} (HF stores num_shared_experts = "
+                "shared width / moe_intermediate_size)",
+                moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            )
 
     # ------------------------------------------------------------------ derived
     def is_moe_layer(self, layer: int) -> bool:
@@ -158,7 +164,7 @@ class ModelArch:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping, source: str = "stable_latentmoe_config") -> "ModelArch":
+    def from_dict(cls, values: Mapping, source: str = "stable_latentmoe_config") -> ModelArch:
         values = {LEGACY_NAMES.get(k, k): v for k, v in values.items()}
         unknown = sorted(set(values) - set(BY_NAME))
         if unknown:
@@ -172,22 +178,32 @@ class ModelArch:
     def to_hf_config_kwargs(self) -> dict:
         """Keyword arguments of the HF config class: one per row with an HF key."""
         values = self.to_dict()
-        out = {f.hf: f.to_hf(values[f.name], values) if f.to_hf else values[f.name]
-               for f in FIELDS if f.hf}
+        out = {
+            f.hf: f.to_hf(values[f.name], values) if f.to_hf else values[f.name]
+            for f in FIELDS
+            if f.hf
+        }
         return {**out, **HF_FIXED}
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping, source: str = "config.json") -> "ModelArch":
+    def from_hf_config(cls, cfg: Mapping, source: str = "config.json") -> ModelArch:
         """From an HF ``config.json`` dict of model_type ``stable_latentmoe`` (absent keys: the
         HF class's defaults, except the sizes, which must be given)."""
         if cfg.get("model_type") != "stable_latentmoe":
-            raise not_allowed(f"{source}: model_type", cfg.get("model_type"), "'stable_latentmoe'",
-                              ConversionError)
+            raise not_allowed(
+                f"{source}: model_type",
+                cfg.get("model_type"),
+                "'stable_latentmoe'",
+                ConversionError,
+            )
         for key, want in HF_FIXED.items():
             if key in cfg and cfg[key] != want:
-                raise not_allowed(f"{source}: {key}", cfg[key],
-                                  f"{want!r} (the only routing Megatron's model implements)",
-                                  ConversionError)
+                raise not_allowed(
+                    f"{source}: {key}",
+                    cfg[key],
+                    f"{want!r} (the only routing Megatron's model implements)",
+                    ConversionError,
+                )
         values = read_hf(cfg, [f.name for f in FIELDS if f.hf], ConversionError, source)
         if values["kv_channels"] is None:
             values["kv_channels"] = values["hidden_size"] // values["num_attention_heads"]
@@ -202,7 +218,7 @@ class ModelArch:
 
     # ------------------------------------------------------------------ Megatron
     @classmethod
-    def from_megatron(cls, raw, get, source: str) -> "ModelArch":
+    def from_megatron(cls, raw, get, source: str) -> ModelArch:
         """From Megatron values: ``raw(field)`` reads a Megatron field, ``get(row)`` a row's value
         (both None when absent). The fields the HF model cannot express are refused; so is a
         dense/MoE layer pattern other than the first ``first_k_dense_replace`` layers dense."""
@@ -210,24 +226,40 @@ class ModelArch:
             value = raw(key)
             if value is not None and value != want:
                 raise not_allowed(f"{source}: {key}", value, allowed, ConversionError)
-        for name in ("num_experts", "moe_latent_size", "hidden_size", "num_attention_heads",
-                     "num_layers"):
+        for name in (
+            "num_experts",
+            "moe_latent_size",
+            "hidden_size",
+            "num_attention_heads",
+            "num_layers",
+        ):
             if not get(BY_NAME[name]):
-                raise not_allowed(f"{source}: {BY_NAME[name].megatron}", get(BY_NAME[name]),
-                                  "a positive integer (a Stable LatentMoE model)", ConversionError)
+                raise not_allowed(
+                    f"{source}: {BY_NAME[name].megatron}",
+                    get(BY_NAME[name]),
+                    "a positive integer (a Stable LatentMoE model)",
+                    ConversionError,
+                )
         values = read_megatron(get, BY_NAME)
         lb = values["moe_router_load_balancing_type"]
         values["moe_router_load_balancing_type"] = lb[0] if isinstance(lb, (list, tuple)) else lb
         freq = raw("moe_layer_freq")
         if freq not in (None, 1):
             n, k = values["num_layers"], values["first_k_dense_replace"]
-            pattern = ([1 if i % freq == 0 else 0 for i in range(n)] if isinstance(freq, int)
-                       else list(freq))
+            pattern = (
+                [1 if i % freq == 0 else 0 for i in range(n)]
+                if isinstance(freq, int)
+                else list(freq)
+            )
             want = [0] * k + [1] * (n - k)
             if pattern != want:
-                raise not_allowed(f"{source}: moe_layer_freq", freq,
-                                  f"1 or {want} (only the first first_k_dense_replace={k} layers "
-                                  "may be dense, as in the HF model)", ConversionError)
+                raise not_allowed(
+                    f"{source}: moe_layer_freq",
+                    freq,
+                    f"1 or {want} (only the first first_k_dense_replace={k} layers "
+                    "may be dense, as in the HF model)",
+                    ConversionError,
+                )
         try:
             return cls(**values)
         except ConversionError as e:
@@ -238,20 +270,22 @@ class ModelArch:
         """From a Megatron config (object or mapping of its field names) plus the
         ``build_gpt_model`` keywords (``BUILDER_KEYS``)."""
         raw = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+
         def get(f: ModelField):
             return builder.get(f.builder) if f.builder else f.megatron and raw(f.megatron)
 
         return cls.from_megatron(raw, get, source)
 
     @classmethod
-    def from_megatron_args(cls, args, source: str = "checkpoint args") -> "ModelArch":
+    def from_megatron_args(cls, args, source: str = "checkpoint args") -> ModelArch:
         """From the ``argparse.Namespace`` that ``megatron.training`` stores as ``args``."""
         missing = [f.name for f in FIELDS if f.added and f.hf and not hasattr(args, f.name)]
         if missing:
             raise ConversionError(
                 f"{source}: the saved megatron.training arguments lack the Stable LatentMoE "
                 f"field(s) {missing}; pass the model description with --megatron-config FILE "
-                "(JSON/YAML of Megatron config fields, or an HF config.json)")
+                "(JSON/YAML of Megatron config fields, or an HF config.json)"
+            )
 
         def raw(key):
             return getattr(args, key, None)
@@ -298,8 +332,11 @@ class ModelArch:
         from argparse import Namespace
 
         config = self.megatron_config_kwargs()
-        args = {f.args: config[f.megatron] if f.megatron else getattr(self, f.name)
-                for f in FIELDS if f.args}
+        args = {
+            f.args: config[f.megatron] if f.megatron else getattr(self, f.name)
+            for f in FIELDS
+            if f.args
+        }
         return Namespace(
             **args,
             moe_layer_freq=self.moe_layer_freq,
@@ -330,7 +367,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
     if not os.path.isfile(path):
         raise ConversionError(f"config file {path!r} does not exist or is not a file")
     try:
-        with open(path, "r", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConversionError(f"config file {path!r} cannot be read: {e}") from None
@@ -338,8 +375,10 @@ def read_config_file(path: str | os.PathLike) -> dict:
         try:
             import yaml
         except ImportError:
-            raise ConversionError(f"config file {path!r} is YAML but PyYAML is not installed "
-                                  "(pip install pyyaml, or give JSON)") from None
+            raise ConversionError(
+                f"config file {path!r} is YAML but PyYAML is not installed "
+                "(pip install pyyaml, or give JSON)"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -350,7 +389,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
         except json.JSONDecodeError as e:
             raise ConversionError(f"config file {path!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ConversionError(f"config file {path!r}: expected a mapping at top level, got {type(data).__name__}")
+        raise ConversionError(
+            f"config file {path!r}: expected a mapping at top level, got {type(data).__name__}"
+        )
     return data
 
 
@@ -367,26 +408,37 @@ def arch_from_config_file(path: str | os.PathLike) -> ModelArch:
     if unknown:
         raise ConversionError(
             f"{source}: unknown field(s) {unknown}: expected StableLatentMoETransformerConfig "
-            f"fields and {list(BUILDER_KEYS)}")
+            f"fields and {list(BUILDER_KEYS)}"
+        )
     for key in ("vocab_size", "max_sequence_length"):
         if key not in data:
             raise ConversionError(f"{source}: missing {key!r} (a build_gpt_model argument)")
     return ModelArch.from_megatron_config(data, data, source=source)
 
 
-def resolve_arch(common_state: Optional[Mapping], config_file: Optional[str] = None,
-                 checkpoint: str = "checkpoint") -> tuple[ModelArch, str]:
+def resolve_arch(
+    common_state: Mapping | None,
+    config_file: str | None = None,
+    checkpoint: str = "checkpoint",
+) -> tuple[ModelArch, str]:
     """The model description and where it came from (see the module docstring for the order)."""
     if config_file:
         return arch_from_config_file(config_file), f"config file {config_file}"
     common_state = common_state or {}
     if ARCH_STATE_KEY in common_state:
-        return (ModelArch.from_dict(common_state[ARCH_STATE_KEY], source=f"{checkpoint}: {ARCH_STATE_KEY}"),
-                f"checkpoint common state ({ARCH_STATE_KEY})")
+        return (
+            ModelArch.from_dict(
+                common_state[ARCH_STATE_KEY], source=f"{checkpoint}: {ARCH_STATE_KEY}"
+            ),
+            f"checkpoint common state ({ARCH_STATE_KEY})",
+        )
     if common_state.get("args") is not None:
-        return (ModelArch.from_megatron_args(common_state["args"], source=f"{checkpoint}: args"),
-                "checkpoint common state (megatron.training args)")
+        return (
+            ModelArch.from_megatron_args(common_state["args"], source=f"{checkpoint}: args"),
+            "checkpoint common state (megatron.training args)",
+        )
     raise ConversionError(
         f"{checkpoint}: the checkpoint carries no model description (no 'args' saved by "
         f"megatron.training, no '{ARCH_STATE_KEY}'); pass --megatron-config FILE (JSON/YAML of "
-        "Megatron config fields + vocab_size/max_sequence_length, or an HF config.json)")
+        "Megatron config fields + vocab_size/max_sequence_length, or an HF config.json)"
+    )

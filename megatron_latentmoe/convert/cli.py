@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 EXIT_BAD_INPUT = 2
 EXIT_VERIFY_FAILED = 3
@@ -22,12 +22,23 @@ EXIT_VERIFY_FAILED = 3
 
 def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     if flag:
-        p.add_argument("--verify", action="store_true",
-                       help="afterwards, run both models on the same tokens and compare")
-    p.add_argument("--verify-atol", type=float, default=1e-4,
-                   help="max |delta logits| allowed (fp32 both sides; default 1e-4)")
-    p.add_argument("--verify-tokens", type=int, default=32, help="greedy tokens to generate (default 32)")
-    p.add_argument("--verify-seq-len", type=int, default=64, help="prompt length in tokens (default 64)")
+        p.add_argument(
+            "--verify",
+            action="store_true",
+            help="afterwards, run both models on the same tokens and compare",
+        )
+    p.add_argument(
+        "--verify-atol",
+        type=float,
+        default=1e-4,
+        help="max |delta logits| allowed (fp32 both sides; default 1e-4)",
+    )
+    p.add_argument(
+        "--verify-tokens", type=int, default=32, help="greedy tokens to generate (default 32)"
+    )
+    p.add_argument(
+        "--verify-seq-len", type=int, default=64, help="prompt length in tokens (default 64)"
+    )
     p.add_argument("--verify-batch", type=int, default=2, help="prompts (default 2)")
     p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
 
@@ -39,29 +50,54 @@ IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_latentmoe.convert",
-        description="Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.")
+        description="Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("export", help="Megatron torch_dist -> HF")
-    ex.add_argument("--checkpoint", "--load", required=True,
-                    help="torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the iteration)")
-    ex.add_argument("--output", required=True, help="HF output directory (must not exist or be empty)")
-    ex.add_argument("--megatron-config", default=None,
-                    help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + vocab_size, "
-                         "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
-                         "an HF config.json); default: from the checkpoint")
-    ex.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
-                    help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32")
-    ex.add_argument("--expert-dtype", default="auto", choices=["auto", "mxfp4"],
-                    help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed "
-                         "(compressed-tensors mxfp4-pack-quantized, 4.25 bits/weight; "
-                         "QAT-trained models export losslessly)")
-    ex.add_argument("--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)")
-    ex.add_argument("--tokenizer", default="default",
-                    help="tokenizer directory to ship ('default' = the one the checkpoint was trained "
-                         "with (its --tokenizer-model), or the package's for a checkpoint without "
-                         "training args; 'none' = no tokenizer)")
-    ex.add_argument("--read-batch-mb", type=int, default=256, help="checkpoint read batch (MiB, default 256)")
+    ex.add_argument(
+        "--checkpoint",
+        "--load",
+        required=True,
+        help="torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the iteration)",
+    )
+    ex.add_argument(
+        "--output", required=True, help="HF output directory (must not exist or be empty)"
+    )
+    ex.add_argument(
+        "--megatron-config",
+        default=None,
+        help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + vocab_size, "
+        "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
+        "an HF config.json); default: from the checkpoint",
+    )
+    ex.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp16"],
+        help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32",
+    )
+    ex.add_argument(
+        "--expert-dtype",
+        default="auto",
+        choices=["auto", "mxfp4"],
+        help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed "
+        "(compressed-tensors mxfp4-pack-quantized, 4.25 bits/weight; "
+        "QAT-trained models export losslessly)",
+    )
+    ex.add_argument(
+        "--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)"
+    )
+    ex.add_argument(
+        "--tokenizer",
+        default="default",
+        help="tokenizer directory to ship ('default' = the one the checkpoint was trained "
+        "with (its --tokenizer-model), or the package's for a checkpoint without "
+        "training args; 'none' = no tokenizer)",
+    )
+    ex.add_argument(
+        "--read-batch-mb", type=int, default=256, help="checkpoint read batch (MiB, default 256)"
+    )
     _common(ex)
     _add_verify_args(ex)
 
@@ -70,10 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--output", required=True, help="Megatron save root to create (--load it)")
     for flag in IGNORED_IMPORT_FLAGS:  # accepted so that existing job scripts keep working
         im.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
-    im.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
-                    help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32")
-    im.add_argument("--iteration", type=int, default=None,
-                    help="write iter_XXXXXXX instead of a 'release' checkpoint")
+    im.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp16"],
+        help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32",
+    )
+    im.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="write iter_XXXXXXX instead of a 'release' checkpoint",
+    )
     _common(im)
     _add_verify_args(im)
 
@@ -89,15 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--summary-json", default=None, help="also write the summary (and verify report) as JSON")
+    p.add_argument(
+        "--summary-json", default=None, help="also write the summary (and verify report) as JSON"
+    )
 
 
-def _verify(args, checkpoint: str, hf_dir: str, config_file: Optional[str]):
+def _verify(args, checkpoint: str, hf_dir: str, config_file: str | None):
     from .verify import verify_export
 
-    report = verify_export(checkpoint, hf_dir, config_file=config_file, atol=args.verify_atol,
-                           new_tokens=args.verify_tokens, batch=args.verify_batch,
-                           seq_len=args.verify_seq_len, text=args.verify_text)
+    report = verify_export(
+        checkpoint,
+        hf_dir,
+        config_file=config_file,
+        atol=args.verify_atol,
+        new_tokens=args.verify_tokens,
+        batch=args.verify_batch,
+        seq_len=args.verify_seq_len,
+        text=args.verify_text,
+    )
     print(report.format())
     return report
 
@@ -110,8 +163,12 @@ def _check_options(args) -> None:
     from .verify import check_hf_dir, check_verify_options
 
     if args.command == "verify" or args.verify:
-        check_verify_options(atol=args.verify_atol, new_tokens=args.verify_tokens,
-                             batch=args.verify_batch, seq_len=args.verify_seq_len)
+        check_verify_options(
+            atol=args.verify_atol,
+            new_tokens=args.verify_tokens,
+            batch=args.verify_batch,
+            seq_len=args.verify_seq_len,
+        )
     if args.command in ("import", "verify"):
         check_hf_dir(args.hf)
     if getattr(args, "read_batch_mb", 1) < 1:
@@ -119,8 +176,10 @@ def _check_options(args) -> None:
     if args.summary_json:
         parent = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ConversionError(f"--summary-json {args.summary_json!r}: directory {parent!r} "
-                                  "does not exist or is not writable")
+            raise ConversionError(
+                f"--summary-json {args.summary_json!r}: directory {parent!r} "
+                "does not exist or is not writable"
+            )
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -131,7 +190,7 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's version string without git
     args = build_parser().parse_args(argv)
     from .errors import ConversionError
@@ -143,24 +202,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .export import export_checkpoint
 
             summary = export_checkpoint(
-                args.checkpoint, args.output, config_file=args.megatron_config, dtype=args.dtype,
+                args.checkpoint,
+                args.output,
+                config_file=args.megatron_config,
+                dtype=args.dtype,
                 max_shard_size=args.max_shard_size,
                 tokenizer_dir=None if args.tokenizer == "none" else args.tokenizer,
-                overwrite=args.overwrite, progress=not args.no_progress,
-                read_batch_bytes=args.read_batch_mb << 20, expert_dtype=args.expert_dtype)
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+                read_batch_bytes=args.read_batch_mb << 20,
+                expert_dtype=args.expert_dtype,
+            )
             print(summary.format())
             result["summary"] = summary.to_dict()
-            report = _verify(args, args.checkpoint, args.output, args.megatron_config) if args.verify else None
+            report = (
+                _verify(args, args.checkpoint, args.output, args.megatron_config)
+                if args.verify
+                else None
+            )
         elif args.command == "import":
             from .importer import import_checkpoint
 
             ignored = [f for f in IGNORED_IMPORT_FLAGS if getattr(args, f.lstrip("-")) is not None]
             if ignored:
-                print(f"note: {' '.join(ignored)} ignored: import writes one layout-free checkpoint "
-                      "that Megatron reshards on load at any layout", file=sys.stderr)
+                print(
+                    f"note: {' '.join(ignored)} ignored: import writes one layout-free checkpoint "
+                    "that Megatron reshards on load at any layout",
+                    file=sys.stderr,
+                )
             summary = import_checkpoint(
-                args.hf, args.output, dtype=args.dtype,
-                iteration=args.iteration, overwrite=args.overwrite, progress=not args.no_progress)
+                args.hf,
+                args.output,
+                dtype=args.dtype,
+                iteration=args.iteration,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+            )
             print(summary.format())
             result["summary"] = summary.to_dict()
             report = _verify(args, args.output, args.hf, None) if args.verify else None

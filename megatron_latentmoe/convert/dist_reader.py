@@ -19,8 +19,8 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -58,19 +58,30 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         try:
             text = tracker.read_text().strip()
         except OSError as e:
-            raise ConversionError(f"checkpoint tracker {str(tracker)!r} cannot be read: {e}") from None
-        sub = "release" if text == "release" else (f"iter_{int(text):07d}" if text.isdigit() else None)
+            raise ConversionError(
+                f"checkpoint tracker {str(tracker)!r} cannot be read: {e}"
+            ) from None
+        sub = (
+            "release"
+            if text == "release"
+            else (f"iter_{int(text):07d}" if text.isdigit() else None)
+        )
         if sub is None:
-            raise ConversionError(f"checkpoint tracker {str(tracker)!r} holds {text!r}: expected an "
-                                  "iteration number or 'release'")
+            raise ConversionError(
+                f"checkpoint tracker {str(tracker)!r} holds {text!r}: expected an "
+                "iteration number or 'release'"
+            )
         q = p / sub
         if not (q / ".metadata").is_file():
-            raise ConversionError(f"checkpoint {str(p)!r}: the tracker names {sub!r} but "
-                                  f"{str(q / '.metadata')!r} does not exist")
+            raise ConversionError(
+                f"checkpoint {str(p)!r}: the tracker names {sub!r} but "
+                f"{str(q / '.metadata')!r} does not exist"
+            )
         return q
     raise ConversionError(
         f"checkpoint {str(p)!r} is not a torch_dist checkpoint: no '.metadata' file (and no "
-        f"{TRACKER_FILE} naming an iteration directory)")
+        f"{TRACKER_FILE} naming an iteration directory)"
+    )
 
 
 class _RegionLoadPlanner(LoadPlanner):
@@ -81,7 +92,9 @@ class _RegionLoadPlanner(LoadPlanner):
         self.byte_keys = list(byte_keys)
         self.bytes: dict[str, io.BytesIO] = {}
 
-    def set_up_planner(self, state_dict=None, metadata: Optional[Metadata] = None, is_coordinator: bool = False):
+    def set_up_planner(
+        self, state_dict=None, metadata: Metadata | None = None, is_coordinator: bool = False
+    ):
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
@@ -96,9 +109,16 @@ class _RegionLoadPlanner(LoadPlanner):
                 items.append(_retag(item, fqn))
         for key in self.byte_keys:
             index = MetadataIndex(key)
-            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index,
-                                  dest_offsets=torch.Size((0,)), storage_index=index,
-                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+            items.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=index,
+                    dest_offsets=torch.Size((0,)),
+                    storage_index=index,
+                    storage_offsets=torch.Size((0,)),
+                    lengths=torch.Size((0,)),
+                )
+            )
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan):
@@ -149,22 +169,33 @@ class DistCheckpointReader:
             except (OSError, ValueError) as e:
                 raise ConversionError(f"checkpoint {str(cfg)!r} cannot be parsed: {e}") from None
             if backend not in (None, "torch_dist"):
-                raise ConversionError(f"checkpoint {str(self.path)!r} was saved with sharded_backend="
-                                      f"{backend!r}; only 'torch_dist' is supported")
+                raise ConversionError(
+                    f"checkpoint {str(self.path)!r} was saved with sharded_backend="
+                    f"{backend!r}; only 'torch_dist' is supported"
+                )
         self._reader = FileSystemReader(str(self.path))
         try:
             self.metadata: Metadata = self._reader.read_metadata()
         except Exception as e:  # noqa: BLE001 - any unpickling / IO problem
-            raise ConversionError(f"checkpoint {str(self.path)!r}: '.metadata' cannot be read "
-                                  f"({type(e).__name__}: {e})") from None
+            raise ConversionError(
+                f"checkpoint {str(self.path)!r}: '.metadata' cannot be read "
+                f"({type(e).__name__}: {e})"
+            ) from None
         self._reader.set_up_storage_reader(self.metadata, True)
-        stored = [k for k, v in self.metadata.state_dict_metadata.items()
-                  if isinstance(v, TensorStorageMetadata)]
+        stored = [
+            k
+            for k, v in self.metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        ]
         self._stored_key = {current_key(k): k for k in stored}  # old checkpoints: old names
         self.tensors: dict[str, TensorStorageMetadata] = {
-            current_key(k): self.metadata.state_dict_metadata[k] for k in stored}
-        self.byte_objects = [k for k, v in self.metadata.state_dict_metadata.items()
-                             if isinstance(v, BytesStorageMetadata)]
+            current_key(k): self.metadata.state_dict_metadata[k] for k in stored
+        }
+        self.byte_objects = [
+            k
+            for k, v in self.metadata.state_dict_metadata.items()
+            if isinstance(v, BytesStorageMetadata)
+        ]
         self._check_files()
         self.bytes_read = 0
 
@@ -172,8 +203,10 @@ class DistCheckpointReader:
         files = {info.relative_path for info in self.metadata.storage_data.values()}
         missing = sorted(f for f in files if not (self.path / f).is_file())
         if missing:
-            raise ConversionError(f"checkpoint {str(self.path)!r} is incomplete: data file(s) "
-                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''} are missing")
+            raise ConversionError(
+                f"checkpoint {str(self.path)!r} is incomplete: data file(s) "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''} are missing"
+            )
 
     # ------------------------------------------------------------------ metadata
     def model_keys(self) -> list[str]:
@@ -207,7 +240,8 @@ class DistCheckpointReader:
         except Exception as e:  # noqa: BLE001
             raise ConversionError(
                 f"checkpoint {str(self.path)!r}: the common state (args, iteration) cannot be "
-                f"unpickled safely ({type(e).__name__}: {e}); pass --megatron-config") from None
+                f"unpickled safely ({type(e).__name__}: {e}); pass --megatron-config"
+            ) from None
         return loaded[0] if isinstance(loaded, list) else loaded
 
     # ------------------------------------------------------------------ tensor reads
@@ -219,14 +253,20 @@ class DistCheckpointReader:
         try:
             self._reader.read_data(plan, planner).wait()
         except FileNotFoundError as e:
-            raise ConversionError(f"checkpoint {str(self.path)!r}: data file missing: {e}") from None
+            raise ConversionError(
+                f"checkpoint {str(self.path)!r}: data file missing: {e}"
+            ) from None
         except ConversionError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / corrupt data: unpickling errors of any kind
-            raise ConversionError(f"checkpoint {str(self.path)!r}: reading failed "
-                                  f"({type(e).__name__}: {e}); the files may be truncated or corrupt") from None
+            raise ConversionError(
+                f"checkpoint {str(self.path)!r}: reading failed "
+                f"({type(e).__name__}: {e}); the files may be truncated or corrupt"
+            ) from None
 
-    def read_regions(self, regions: Iterable[tuple[str, Sequence[int], Optional[tuple[int, int]]]]) -> list[torch.Tensor]:
+    def read_regions(
+        self, regions: Iterable[tuple[str, Sequence[int], tuple[int, int] | None]]
+    ) -> list[torch.Tensor]:
         """Read several regions in one pass. Each region: (key, leading indices, row range or
         None). The leading indices fix the first axes (layer / expert of stacked keys); the row
         range cuts the next axis. Returns the tensors with the fixed axes removed."""
@@ -241,9 +281,10 @@ class DistCheckpointReader:
                 raise ConversionError(f"tensor {key!r} of shape {size} has no axis after {lead}")
             for axis, idx in enumerate(lead):
                 if not 0 <= idx < size[axis]:
-                    raise ConversionError(f"tensor {key!r} of shape {size}: index {idx} out of range "
-                                          f"on axis {axis}")
-            rest = list(size[len(lead):])
+                    raise ConversionError(
+                        f"tensor {key!r} of shape {size}: index {idx} out of range on axis {axis}"
+                    )
+            rest = list(size[len(lead) :])
             off = list(lead) + [0] * len(rest)
             if rows is not None:
                 off[len(lead)] = rows[0]
@@ -256,11 +297,13 @@ class DistCheckpointReader:
             self._run(_RegionLoadPlanner(requests))
         return outs
 
-    def read(self, key: str, lead: Sequence[int] = (), rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    def read(
+        self, key: str, lead: Sequence[int] = (), rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         return self.read_regions([(key, lead, rows)])[0]
 
     # ------------------------------------------------------------------ canonical tensors
-    def locate(self, tm: TensorMap) -> Optional[Location]:
+    def locate(self, tm: TensorMap) -> Location | None:
         """The first of ``checkpoint_locations(tm)`` present in this checkpoint, or None."""
         for loc in checkpoint_locations(tm):
             if all(k in self.tensors for k in loc.keys):
@@ -269,7 +312,7 @@ class DistCheckpointReader:
 
     def location_shape(self, loc: Location) -> tuple[int, ...]:
         """The canonical shape stored at ``loc`` (leading indices removed, parts concatenated)."""
-        shapes = [self.shape(k)[len(lead):] for k, lead in loc.parts]
+        shapes = [self.shape(k)[len(lead) :] for k, lead in loc.parts]
         if len(shapes) == 1:
             return shapes[0]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
@@ -286,7 +329,7 @@ class DistCheckpointReader:
 
 
 def open_checkpoint(
-    checkpoint: str | os.PathLike, config_file: Optional[str] = None
+    checkpoint: str | os.PathLike, config_file: str | None = None
 ) -> tuple[DistCheckpointReader, ModelArch, str, dict]:
     """Open a ``torch_dist`` checkpoint and resolve its architecture: ``(reader, arch, where the
     description came from, the common state)``. An unreadable common state is tolerated (as

@@ -36,22 +36,40 @@ import os
 import shutil
 import struct
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import torch
 
+from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
-from . import mxfp4
 from .errors import ConversionError
 from .names import TensorMap, hf_dtype_for, iter_tensor_maps
-from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
+from .summary import (
+    ConversionSummary,
+    Progress,
+    Timer,
+    atomic_output_dir,
+    check_output_dir,
+    peak_rss_bytes,
+)
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float64: "F64", torch.uint8: "U8"}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.uint8: "U8",
+}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -63,8 +81,17 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     s = str(text).strip().upper()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    units = {
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+        "TIB": 1 << 40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "B": 1,
+    }
     for unit, mult in units.items():
         if s.endswith(unit):
             try:
@@ -74,7 +101,9 @@ def parse_size(text: str | int) -> int:
     try:
         return int(s)
     except ValueError:
-        raise ConversionError(f"size {text!r} is not understood: use e.g. 5GB, 500MB, 2GiB") from None
+        raise ConversionError(
+            f"size {text!r} is not understood: use e.g. 5GB, 500MB, 2GiB"
+        ) from None
 
 
 EXPERT_DTYPES = ("auto", "mxfp4")
@@ -85,22 +114,26 @@ def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
     """Validate ``expert_dtype`` for ``arch``; True for MXFP4 (before anything is written)."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ConversionError(
-            f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}")
+            f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}"
+        )
     if expert_dtype != "mxfp4":
         return False
     from megatron_latentmoe.ops.mxfp4 import BLOCK
 
-    for field, value, tensors in (("moe_latent_size", arch.moe_latent_size, "w1/w3"),
-                                  ("moe_ffn_hidden_size", arch.moe_ffn_hidden_size, "w2")):
+    for field, value, tensors in (
+        ("moe_latent_size", arch.moe_latent_size, "w1/w3"),
+        ("moe_ffn_hidden_size", arch.moe_ffn_hidden_size, "w2"),
+    ):
         if value % BLOCK:
             raise ConversionError(
                 f"--expert-dtype mxfp4: {field}={value} (the reduction width of the routed "
                 f"experts' {tensors}) is not a multiple of the MXFP4 block size {BLOCK}; MXFP4 "
-                "blocks are never padded. Export with --expert-dtype auto")
+                "blocks are never padded. Export with --expert-dtype auto"
+            )
     return True
 
 
-def parse_dtype(name: str) -> Optional[torch.dtype]:
+def parse_dtype(name: str) -> torch.dtype | None:
     if name in (None, "auto"):
         return None
     if name not in DTYPES:
@@ -119,8 +152,12 @@ class ShardedSafetensorsWriter:
     but the tensor being written is held in memory.
     """
 
-    def __init__(self, directory: Path, plan: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-                 max_shard_bytes: int):
+    def __init__(
+        self,
+        directory: Path,
+        plan: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int,
+    ):
         self.directory = Path(directory)
         self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
         size = 0
@@ -139,7 +176,9 @@ class ShardedSafetensorsWriter:
             size += n
         count = len(self.shards)
         self.files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        self.weight_map = {name: self.files[i] for i, shard in enumerate(self.shards) for name, *_ in shard}
+        self.weight_map = {
+            name: self.files[i] for i, shard in enumerate(self.shards) for name, *_ in shard
+        }
         self.total_bytes = sum(n for shard in self.shards for *_, n in shard)
         self._order = [(i, entry) for i, shard in enumerate(self.shards) for entry in shard]
         self._pos = 0
@@ -152,7 +191,11 @@ class ShardedSafetensorsWriter:
             self._file.close()
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype, n in self.shards[i]:
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -168,8 +211,10 @@ class ShardedSafetensorsWriter:
         if name != want:
             raise ConversionError(f"tensor {name!r} written out of order (expected {want!r})")
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ConversionError(f"tensor {name!r}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                                  f"planned {shape} {dtype}")
+            raise ConversionError(
+                f"tensor {name!r}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                f"planned {shape} {dtype}"
+            )
         if i != self._shard:
             self._open(i)
         data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
@@ -184,8 +229,10 @@ class ShardedSafetensorsWriter:
             self._file = None
         if self._pos != len(self._order):
             missing = self._order[self._pos][1][0]
-            raise ConversionError(f"only {self._pos} of {len(self._order)} tensors were written "
-                                  f"(next expected: {missing!r})")
+            raise ConversionError(
+                f"only {self._pos} of {len(self._order)} tensors were written "
+                f"(next expected: {missing!r})"
+            )
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
@@ -196,7 +243,10 @@ class ShardedSafetensorsWriter:
 def _expected_lead(key: str, arch: ModelArch) -> tuple[int, ...]:
     """Sizes of the stacked leading axes of a checkpoint key (layers, experts)."""
     lead = []
-    if key.startswith("decoder.layers.") and not key[len("decoder.layers."):].split(".", 1)[0].isdigit():
+    if (
+        key.startswith("decoder.layers.")
+        and not key[len("decoder.layers.") :].split(".", 1)[0].isdigit()
+    ):
         lead.append(arch.num_layers)
     if "mlp.experts.experts." in key:
         tail = key.split("mlp.experts.experts.", 1)[1]
@@ -214,35 +264,52 @@ def match_checkpoint(reader: DistCheckpointReader, arch: ModelArch, ckpt_name: s
         count += 1
         loc = reader.locate(tm)
         if loc is None:
-            missing.append(tm.megatron if tm.checkpoint_name is None
-                           else f"{tm.megatron} (saved as {tm.checkpoint_name})")
+            missing.append(
+                tm.megatron
+                if tm.checkpoint_name is None
+                else f"{tm.megatron} (saved as {tm.checkpoint_name})"
+            )
             continue
         used.update(loc.keys)
         for key, lead in loc.parts:
             want_lead = _expected_lead(key, arch)
             have = reader.shape(key)
             if have[: len(lead)] != want_lead[: len(lead)]:
-                mismatched.append(f"{key}: stacked axes {have[:len(lead)]} but the config implies "
-                                  f"{want_lead[:len(lead)]} (num_layers / num_experts)")
+                mismatched.append(
+                    f"{key}: stacked axes {have[: len(lead)]} but the config implies "
+                    f"{want_lead[: len(lead)]} (num_layers / num_experts)"
+                )
         found = reader.location_shape(loc)
         if found != tm.shape:
-            mismatched.append(f"{tm.megatron} (checkpoint key {loc.keys[0]!r}): shape {found}, config "
-                              f"implies {tm.shape}")
+            mismatched.append(
+                f"{tm.megatron} (checkpoint key {loc.keys[0]!r}): shape {found}, config "
+                f"implies {tm.shape}"
+            )
         elif not reader.dtype(loc.keys[0]).is_floating_point:
-            mismatched.append(f"{tm.megatron}: dtype {reader.dtype(loc.keys[0])} is not floating point")
+            mismatched.append(
+                f"{tm.megatron}: dtype {reader.dtype(loc.keys[0])} is not floating point"
+            )
     unexpected = [k for k in reader.model_keys() if k not in used]
     problems = []
     if missing:
-        problems.append(f"missing tensor(s) ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        problems.append(
+            f"missing tensor(s) ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
     if mismatched:
-        problems.append(f"shape mismatch ({len(mismatched)}):\n    " + "\n    ".join(mismatched[:8])
-                        + ("\n    ..." if len(mismatched) > 8 else ""))
+        problems.append(
+            f"shape mismatch ({len(mismatched)}):\n    "
+            + "\n    ".join(mismatched[:8])
+            + ("\n    ..." if len(mismatched) > 8 else "")
+        )
     if unexpected:
-        problems.append(f"unexpected tensor(s) not described by the config ({len(unexpected)}): "
-                        f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(
+            f"unexpected tensor(s) not described by the config ({len(unexpected)}): "
+            f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
     if problems:
-        raise ConversionError(f"checkpoint {ckpt_name!r} does not match the model config:\n  "
-                              + "\n  ".join(problems))
+        raise ConversionError(
+            f"checkpoint {ckpt_name!r} does not match the model config:\n  " + "\n  ".join(problems)
+        )
     return count
 
 
@@ -280,7 +347,9 @@ def _hf_config_class():
     name = "_stable_latentmoe_configuration"
     module = sys.modules.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location(name, HF_CODE_DIR / "configuration_stable_latentmoe.py")
+        spec = importlib.util.spec_from_file_location(
+            name, HF_CODE_DIR / "configuration_stable_latentmoe.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -292,7 +361,7 @@ def _shipped_tokenizer_suffix() -> tuple[str, ...]:
     return Path(default_tokenizer_dir()).resolve().parts[-4:]
 
 
-def resolve_tokenizer_dir(tokenizer_dir: Optional[str], common_state: dict) -> Optional[str]:
+def resolve_tokenizer_dir(tokenizer_dir: str | None, common_state: dict) -> str | None:
     """The tokenizer directory to ship: an explicit one, None, or for ``"default"`` the training
     run's (see the module docstring). Raises :class:`ConversionError` if it cannot be told."""
     if tokenizer_dir != "default":
@@ -308,24 +377,38 @@ def resolve_tokenizer_dir(tokenizer_dir: Optional[str], common_state: dict) -> O
             return default_tokenizer_dir()  # the package's tokenizer, trained in another clone
         raise ConversionError(
             f"the checkpoint was trained with --tokenizer-model {model!r}, which is not a directory "
-            "here; pass --tokenizer DIR (its HF tokenizer files) or --tokenizer none")
+            "here; pass --tokenizer DIR (its HF tokenizer files) or --tokenizer none"
+        )
     raise ConversionError(
         f"the checkpoint was trained with --tokenizer-type {kind} (--tokenizer-model {model!r}); "
-        "pass --tokenizer DIR with its HF tokenizer files, or --tokenizer none")
+        "pass --tokenizer DIR with its HF tokenizer files, or --tokenizer none"
+    )
 
 
-TOKENIZER_FILE_PATTERNS = ("tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-                           "merges.txt", "*.model", "*.tiktoken", "tokenization_*.py", "chat_template*")
+TOKENIZER_FILE_PATTERNS = (
+    "tokenizer*.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "tokenization_*.py",
+    "chat_template*",
+)
 """The files of an HF tokenizer: only these are copied from a tokenizer directory (a training run's
 --tokenizer-model is often a whole HF model folder, whose config and weights must not come along)."""
 
 
 def tokenizer_files(src: Path) -> list[Path]:
-    return sorted({p for pattern in TOKENIZER_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()})
+    return sorted(
+        {p for pattern in TOKENIZER_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()}
+    )
 
 
-def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Optional[str],
-                        adopt_token_ids: bool = False):
+def prepare_hf_metadata(
+    arch: ModelArch, dtype: torch.dtype, tokenizer_dir: str | None, adopt_token_ids: bool = False
+):
     """Check everything the metadata needs BEFORE the tensors stream: the tokenizer (its files,
     loadable, fits ``arch.vocab_size``) and the HF config. ``adopt_token_ids``: take bos / eos /
     pad from the tokenizer (for a megatron.training checkpoint, whose args do not record them);
@@ -338,26 +421,40 @@ def prepare_hf_metadata(arch: ModelArch, dtype: torch.dtype, tokenizer_dir: Opti
             raise ConversionError(f"tokenizer directory {str(src)!r} does not exist")
         files = tokenizer_files(src)
         if not files:
-            raise ConversionError(f"tokenizer directory {str(src)!r} has no tokenizer files "
-                                  f"({', '.join(TOKENIZER_FILE_PATTERNS)})")
+            raise ConversionError(
+                f"tokenizer directory {str(src)!r} has no tokenizer files "
+                f"({', '.join(TOKENIZER_FILE_PATTERNS)})"
+            )
         from transformers import AutoTokenizer
 
         try:
             tok = AutoTokenizer.from_pretrained(str(src))
         except Exception as e:  # noqa: BLE001 - any load failure is bad input here
-            raise ConversionError(f"tokenizer directory {str(src)!r} does not load as an HF tokenizer: {e}") from None
+            raise ConversionError(
+                f"tokenizer directory {str(src)!r} does not load as an HF tokenizer: {e}"
+            ) from None
         if len(tok) > arch.vocab_size:
-            raise ConversionError(f"tokenizer {str(src)!r} has {len(tok)} tokens, more than the model's "
-                                  f"vocab_size={arch.vocab_size}")
+            raise ConversionError(
+                f"tokenizer {str(src)!r} has {len(tok)} tokens, more than the model's "
+                f"vocab_size={arch.vocab_size}"
+            )
         if adopt_token_ids:
-            ids = {name: getattr(tok, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            ids = {
+                name: getattr(tok, name)
+                for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+            }
             arch = dataclasses.replace(arch, **{k: v for k, v in ids.items() if v is not None})
     StableLatentMoEConfig = _hf_config_class()
     try:
-        config = StableLatentMoEConfig(**arch.to_hf_config_kwargs(), dtype=_HF_DTYPE_NAMES[dtype],
-                                       architectures=["StableLatentMoEForCausalLM"])
+        config = StableLatentMoEConfig(
+            **arch.to_hf_config_kwargs(),
+            dtype=_HF_DTYPE_NAMES[dtype],
+            architectures=["StableLatentMoEForCausalLM"],
+        )
     except ValueError as e:
-        raise ConversionError(f"the model config cannot be expressed as an HF config: {e}") from None
+        raise ConversionError(
+            f"the model config cannot be expressed as an HF config: {e}"
+        ) from None
     return config, arch, files
 
 
@@ -366,8 +463,11 @@ def write_hf_metadata(directory: Path, config, arch: ModelArch, tokenizer_paths)
     from transformers import GenerationConfig
 
     config.save_pretrained(directory)
-    GenerationConfig(bos_token_id=arch.bos_token_id, eos_token_id=arch.eos_token_id,
-                     pad_token_id=arch.pad_token_id).save_pretrained(directory)
+    GenerationConfig(
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_id,
+        pad_token_id=arch.pad_token_id,
+    ).save_pretrained(directory)
     for name in REMOTE_CODE_FILES:
         shutil.copyfile(HF_CODE_DIR / name, directory / name)
     for p in tokenizer_paths:
@@ -378,10 +478,10 @@ def export_checkpoint(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    config_file: Optional[str] = None,
+    config_file: str | None = None,
     dtype: str = "auto",
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-    tokenizer_dir: Optional[str] = "default",
+    tokenizer_dir: str | None = "default",
     overwrite: bool = False,
     progress: bool = True,
     read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
@@ -406,13 +506,17 @@ def export_checkpoint(
     name = str(reader.path)
     n_maps = match_checkpoint(reader, arch, name)
     tok = resolve_tokenizer_dir(tokenizer_dir, common)
-    trained_by_megatron = config_file is None and ARCH_STATE_KEY not in common and common.get("args") is not None
+    trained_by_megatron = (
+        config_file is None and ARCH_STATE_KEY not in common and common.get("args") is not None
+    )
 
     # dtype and the header plan
     locs_dtype = reader.dtype(reader.locate(next(iter_tensor_maps(arch))).keys[0])
     model_dtype = out_dtype or locs_dtype
     if model_dtype not in _HF_DTYPE_NAMES:
-        raise ConversionError(f"checkpoint dtype {model_dtype} cannot be exported; pass --dtype bf16/fp32")
+        raise ConversionError(
+            f"checkpoint dtype {model_dtype} cannot be exported; pass --dtype bf16/fp32"
+        )
     plan, largest = [], 0
     for tm in iter_tensor_maps(arch):
         dt = hf_dtype_for(tm, model_dtype)
@@ -421,14 +525,19 @@ def export_checkpoint(
                 plan.extend((n, s, torch.uint8) for n, s in mxfp4.packed_shapes(hf_name, shape))
             else:
                 plan.append((hf_name, shape, dt))
-        largest = max(largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize))
+        largest = max(
+            largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize)
+        )
 
-    hf_config, arch, tok_files = prepare_hf_metadata(arch, model_dtype, tok, adopt_token_ids=trained_by_megatron)
+    hf_config, arch, tok_files = prepare_hf_metadata(
+        arch, model_dtype, tok, adopt_token_ids=trained_by_megatron
+    )
     if packed_experts:
         hf_config.quantization_config = mxfp4.quantization_config()
     expert_bytes = 0
-    summary = ConversionSummary("export", name, str(output), config_source=config_source,
-                                largest_tensor_bytes=largest)
+    summary = ConversionSummary(
+        "export", name, str(output), config_source=config_source, largest_tensor_bytes=largest
+    )
     with atomic_output_dir(output, overwrite) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan, max_shard)
         bar = Progress(writer.total_bytes, "export", enabled=progress)
@@ -464,14 +573,29 @@ def export_checkpoint(
     summary.seconds = timer.elapsed()
     summary.peak_rss_bytes = peak_rss_bytes()
     summary.max_rss_growth_bytes = bar.max_growth
-    summary.extra.update(dtype=str(model_dtype).replace("torch.", ""), shards=len(writer.files),
-                         expert_dtype="mxfp4" if packed_experts else "auto",
-                         routed_expert_bytes=expert_bytes,
-                         megatron_tensors=n_maps, stream_seconds=round(stream_s, 3),
-                         stream_mb_per_s=round(writer.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
+    summary.extra.update(
+        dtype=str(model_dtype).replace("torch.", ""),
+        shards=len(writer.files),
+        expert_dtype="mxfp4" if packed_experts else "auto",
+        routed_expert_bytes=expert_bytes,
+        megatron_tensors=n_maps,
+        stream_seconds=round(stream_s, 3),
+        stream_mb_per_s=round(writer.bytes_written / 1e6 / max(stream_s, 1e-9), 1),
+    )
     return summary
 
 
-__all__ = ["export_checkpoint", "ShardedSafetensorsWriter", "match_checkpoint", "parse_size",
-           "parse_dtype", "check_expert_dtype", "EXPERT_DTYPES", "resolve_tokenizer_dir",
-           "tokenizer_files", "prepare_hf_metadata", "write_hf_metadata", "INDEX_FILE"]
+__all__ = [
+    "export_checkpoint",
+    "ShardedSafetensorsWriter",
+    "match_checkpoint",
+    "parse_size",
+    "parse_dtype",
+    "check_expert_dtype",
+    "EXPERT_DTYPES",
+    "resolve_tokenizer_dir",
+    "tokenizer_files",
+    "prepare_hf_metadata",
+    "write_hf_metadata",
+    "INDEX_FILE",
+]

@@ -34,7 +34,6 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -66,7 +65,14 @@ from .names import (
     iter_tensor_maps,
     primary_checkpoint_key,
 )
-from .summary import ConversionSummary, Progress, Timer, atomic_output_dir, check_output_dir, peak_rss_bytes
+from .summary import (
+    ConversionSummary,
+    Progress,
+    Timer,
+    atomic_output_dir,
+    check_output_dir,
+    peak_rss_bytes,
+)
 
 COMMON_STATE_KEY = "common_state/shard_0_1"
 
@@ -74,7 +80,12 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 # ------------------------------------------------------------------------------ HF reading
 
 
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+}
 
 
 class SafetensorsFile:
@@ -105,11 +116,15 @@ class SafetensorsFile:
             if info.get("dtype") == "U8" and name.endswith((mxfp4.PACKED, mxfp4.SCALE)):
                 dt = torch.uint8  # MXFP4 routed experts (checked against config.json by the reader)
             if dt is None:
-                raise ConversionError(f"{str(path)!r}: tensor {name!r} has dtype {info.get('dtype')}: "
-                                      "not a supported float type (F32, BF16, F16, F64)")
+                raise ConversionError(
+                    f"{str(path)!r}: tensor {name!r} has dtype {info.get('dtype')}: "
+                    "not a supported float type (F32, BF16, F16, F64)"
+                )
             if end - begin != numel * dt.itemsize or self.base + end > size:
-                raise ConversionError(f"{str(path)!r}: tensor {name!r} has inconsistent offsets "
-                                      "(truncated or corrupt file)")
+                raise ConversionError(
+                    f"{str(path)!r}: tensor {name!r} has inconsistent offsets "
+                    "(truncated or corrupt file)"
+                )
             self.entries[name] = (dt, shape, self.base + begin)
 
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
@@ -123,7 +138,9 @@ class SafetensorsFile:
         while done < nbytes:
             got = os.preadv(self.fd, [view[done:]], offset + r0 * row + done)
             if got <= 0:
-                raise ConversionError(f"{str(self.path)!r}: unexpected end of file reading {name!r}")
+                raise ConversionError(
+                    f"{str(self.path)!r}: unexpected end of file reading {name!r}"
+                )
             done += got
         t = raw.view(dt)
         return t.view((r1 - r0, *shape[1:]))
@@ -148,26 +165,34 @@ class HFCheckpointReader:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError) as e:
-                raise ConversionError(f"{str(index)!r} is not a valid safetensors index: {e}") from None
+                raise ConversionError(
+                    f"{str(index)!r} is not a valid safetensors index: {e}"
+                ) from None
         elif (self.dir / "model.safetensors").is_file():
             weight_map = None
         else:
-            raise ConversionError(f"HF model directory {str(self.dir)!r} has neither {INDEX_FILE} "
-                                  "nor model.safetensors")
+            raise ConversionError(
+                f"HF model directory {str(self.dir)!r} has neither {INDEX_FILE} "
+                "nor model.safetensors"
+            )
         self._files: dict[str, SafetensorsFile] = {}
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         self.names: dict[str, str] = {}
         for f in files:
             path = self.dir / f
             if not path.is_file():
-                raise ConversionError(f"safetensors file {str(path)!r} (named by the index) is missing")
+                raise ConversionError(
+                    f"safetensors file {str(path)!r} (named by the index) is missing"
+                )
             self._files[f] = SafetensorsFile(path)
             for k in self._files[f].entries:
                 self.names[k] = f
         if weight_map:
             lost = sorted(k for k, f in weight_map.items() if self.names.get(k) != f)
             if lost:
-                raise ConversionError(f"{str(index)!r} names tensor(s) not found in their files: {lost[:5]}")
+                raise ConversionError(
+                    f"{str(index)!r} names tensor(s) not found in their files: {lost[:5]}"
+                )
         self.bytes_read = 0
         self.mxfp4 = self._mxfp4_pairs(json.loads(cfg.read_text()).get("quantization_config"))
 
@@ -176,8 +201,10 @@ class HFCheckpointReader:
         uint8 = sorted(k for k in self.names if self._raw_dtype(k) == torch.uint8)
         if not mxfp4.is_mxfp4(quantization_config):
             if uint8:
-                raise ConversionError(f"{str(self.dir)!r}: uint8 tensor(s) {uint8[:3]} but "
-                                      "config.json has no MXFP4 quantization_config")
+                raise ConversionError(
+                    f"{str(self.dir)!r}: uint8 tensor(s) {uint8[:3]} but "
+                    "config.json has no MXFP4 quantization_config"
+                )
             return {}
         pairs = {}
         for name in uint8:
@@ -188,7 +215,8 @@ class HFCheckpointReader:
         orphans += sorted(scale for _, scale in pairs.values() if scale not in self.names)
         if orphans:
             raise ConversionError(
-                f"{str(self.dir)!r}: MXFP4 tensors without their pair: {orphans[:3]}")
+                f"{str(self.dir)!r}: MXFP4 tensors without their pair: {orphans[:3]}"
+            )
         dense_dtypes = {self._raw_dtype(k) for k in self.names if k not in uint8}
         self._dense_dtype = min(dense_dtypes - {torch.float32}, key=str, default=torch.float32)
         return pairs
@@ -245,11 +273,15 @@ class HFCheckpointReader:
         ignored = {"lm_head.weight"} if arch.tie_embeddings else set()
         unexpected = sorted(present - expected - ignored)
         if unexpected:
-            problems.append(f"unexpected tensor(s) not described by config.json ({len(unexpected)}): "
-                            f"{unexpected[:8]}")
+            problems.append(
+                f"unexpected tensor(s) not described by config.json ({len(unexpected)}): "
+                f"{unexpected[:8]}"
+            )
         if problems:
-            raise ConversionError(f"HF checkpoint {str(self.dir)!r} does not match its config.json:\n  "
-                                  + "\n  ".join(problems[:12]))
+            raise ConversionError(
+                f"HF checkpoint {str(self.dir)!r} does not match its config.json:\n  "
+                + "\n  ".join(problems[:12])
+            )
         return count
 
 
@@ -262,7 +294,9 @@ class _StreamingSavePlanner(SavePlanner):
     def __init__(self, resolvers: dict):
         self.resolvers = resolvers
 
-    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = True) -> None:
+    def set_up_planner(
+        self, state_dict=None, storage_meta=None, is_coordinator: bool = True
+    ) -> None:
         pass
 
     def create_local_plan(self) -> SavePlan:  # plans are built by the importer
@@ -288,7 +322,9 @@ def _bytes_of(obj) -> io.BytesIO:
 def _add_bytes(state_md: dict, items: list, resolvers: dict, key: str, obj) -> None:
     """Plan a pickled object (a ``ShardedObject`` of Megatron's, or the common state)."""
     state_md[key] = BytesStorageMetadata()
-    items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(0)))
+    items.append(
+        WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(0))
+    )
     resolvers[(key, ())] = lambda obj=obj: _bytes_of(obj)
 
 
@@ -297,7 +333,7 @@ def import_checkpoint(
     output: str | os.PathLike,
     *,
     dtype: str = "auto",
-    iteration: Optional[int] = None,
+    iteration: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConversionSummary:
@@ -308,7 +344,9 @@ def import_checkpoint(
     """
     timer = Timer()
     check_output_dir(output, overwrite)
-    if iteration is not None and (isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0):
+    if iteration is not None and (
+        isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0
+    ):
         raise ConversionError(f"--iteration={iteration!r} must be a non-negative integer")
     out_dtype = parse_dtype(dtype)
     hf = HFCheckpointReader(hf_dir)
@@ -318,8 +356,15 @@ def import_checkpoint(
         hf.close()
 
 
-def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, overwrite: bool,
-            progress: bool) -> ConversionSummary:
+def _import(
+    hf: HFCheckpointReader,
+    output,
+    timer: Timer,
+    out_dtype,
+    iteration,
+    overwrite: bool,
+    progress: bool,
+) -> ConversionSummary:
     arch = hf.arch
     n_maps = hf.check(arch)
 
@@ -339,8 +384,15 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, 
         props = TensorProperties(dtype=dt)
         md = state_md.setdefault(key, TensorStorageMetadata(props, torch.Size(key_shape), []))
         md.chunks.append(ChunkStorageMetadata(offsets, sizes))
-        items.append(WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=TensorWriteData(
-            ChunkStorageMetadata(offsets, sizes), props, torch.Size(key_shape))))
+        items.append(
+            WriteItem(
+                MetadataIndex(key, offsets),
+                WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(offsets, sizes), props, torch.Size(key_shape)
+                ),
+            )
+        )
 
         def resolve(tm=tm, dt=dt, sizes=sizes):
             t = tm.megatron_rows(hf.get, 0, tm.shape[0]).to(dt).reshape(sizes).contiguous()
@@ -362,12 +414,19 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, 
     }
     _add_bytes(state_md, items, resolvers, COMMON_STATE_KEY, common)
 
-    summary = ConversionSummary("import", str(hf.dir), str(output), config_source=f"{hf.dir}/config.json",
-                                largest_tensor_bytes=largest)
+    summary = ConversionSummary(
+        "import",
+        str(hf.dir),
+        str(output),
+        config_source=f"{hf.dir}/config.json",
+        largest_tensor_bytes=largest,
+    )
     sub = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(output, overwrite) as tmp:
         ckpt = tmp / sub
-        writer = FileSystemWriter(str(ckpt), single_file_per_rank=True, thread_count=1, sync_files=False)
+        writer = FileSystemWriter(
+            str(ckpt), single_file_per_rank=True, thread_count=1, sync_files=False
+        )
         writer.set_up_storage_writer(True)
         (plan,) = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])
         planner = _StreamingSavePlanner(resolvers)
@@ -380,8 +439,9 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, 
         finally:
             bar.close()
         stream_s = stream.elapsed()
-        (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                       "sharded_backend_version": 1}))
+        (ckpt / "metadata.json").write_text(
+            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+        )
         (tmp / TRACKER_FILE).write_text("release" if iteration is None else str(iteration))
         summary.files = sum(1 for _ in ckpt.iterdir())
         summary.bytes_written = sum(p.stat().st_size for p in ckpt.iterdir())
@@ -390,9 +450,12 @@ def _import(hf: HFCheckpointReader, output, timer: Timer, out_dtype, iteration, 
     summary.seconds = timer.elapsed()
     summary.peak_rss_bytes = peak_rss_bytes()
     summary.max_rss_growth_bytes = bar.max_growth
-    summary.extra.update(checkpoint_dir=f"{output}/{sub}", megatron_tensors=n_maps,
-                         stream_seconds=round(stream_s, 3),
-                         stream_mb_per_s=round(summary.bytes_written / 1e6 / max(stream_s, 1e-9), 1))
+    summary.extra.update(
+        checkpoint_dir=f"{output}/{sub}",
+        megatron_tensors=n_maps,
+        stream_seconds=round(stream_s, 3),
+        stream_mb_per_s=round(summary.bytes_written / 1e6 / max(stream_s, 1e-9), 1),
+    )
     return summary
 
 

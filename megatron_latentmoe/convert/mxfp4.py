@@ -16,7 +16,6 @@ are ``ops/mxfp4.py``'s (OCP MX v1.0), bit-exact with what QAT trains on.
 
 from __future__ import annotations
 
-
 import torch
 
 from megatron_latentmoe.ops.mxfp4 import BLOCK, dequantize_mxfp4, quantize_mxfp4

@@ -39,8 +39,8 @@ tests and all converter directions use it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,7 @@ LEGACY_NORM_NAME = "latent_norm"
 def current_key(key: str) -> str:
     """A checkpoint key under today's names (old checkpoints say ``mlp.latent_norm.``)."""
     return key.replace(f"mlp.{LEGACY_NORM_NAME}.", f"mlp.{NORM_NAME}.")
+
 
 # ------------------------------------------------------------------------------------ data types
 
@@ -84,10 +85,10 @@ class TensorMap:
     segments: tuple[Segment, ...]
     kind: str = "copy"  # "copy" | "glu" | "qkv"
     fp32: bool = False  # always stored in fp32 (the QB / expert bias)
-    layer: Optional[int] = None
-    expert: Optional[int] = None
+    layer: int | None = None
+    expert: int | None = None
     extra_state: bool = False  # the Megatron module has an ``_extra_state`` (ShardedObject)
-    checkpoint_name: Optional[str] = None  # saved under this name, not ``megatron`` (fused norms)
+    checkpoint_name: str | None = None  # saved under this name, not ``megatron`` (fused norms)
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -108,7 +109,7 @@ class TensorMap:
         out = {}
         for name, shape in self.hf:
             parts = sorted((s for s in self.segments if s.hf == name), key=lambda s: s.hf_start)
-            pieces = [tensor[s.mg_start:s.mg_start + s.rows] for s in parts]
+            pieces = [tensor[s.mg_start : s.mg_start + s.rows] for s in parts]
             out[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
             assert tuple(out[name].shape) == shape, (name, out[name].shape, shape)
         return out
@@ -138,15 +139,21 @@ class TensorMap:
             a, b = max(r0, s.mg_start), min(r1, s.mg_start + s.rows)
             if a < b:
                 h0 = s.hf_start + a - s.mg_start
-                pieces.append(get(s.hf, h0, h0 + (b - a), cols if len(self.shape) > 1 else slice(None)))
+                pieces.append(
+                    get(s.hf, h0, h0 + (b - a), cols if len(self.shape) > 1 else slice(None))
+                )
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
 
 def check_shape(name: str, found: Sequence[int], expected: Sequence[int], source: str = "") -> None:
     if tuple(found) != tuple(expected):
         where = f"{source}: " if source else ""
-        raise not_allowed(f"{where}tensor {name!r} shape", tuple(found),
-                          f"{tuple(expected)}, what the model config implies", ConversionError)
+        raise not_allowed(
+            f"{where}tensor {name!r} shape",
+            tuple(found),
+            f"{tuple(expected)}, what the model config implies",
+            ConversionError,
+        )
 
 
 # ------------------------------------------------------------------------------------ builders
@@ -159,8 +166,13 @@ def _copy(mg: str, hf: str, shape, **kw) -> TensorMap:
 
 def _glu(mg: str, gate: str, up: str, inter: int, width: int, **kw) -> TensorMap:
     return TensorMap(
-        mg, (2 * inter, width), ((gate, (inter, width)), (up, (inter, width))),
-        (Segment(gate, 0, inter, 0), Segment(up, 0, inter, inter)), "glu", **kw)
+        mg,
+        (2 * inter, width),
+        ((gate, (inter, width)), (up, (inter, width))),
+        (Segment(gate, 0, inter, 0), Segment(up, 0, inter, inter)),
+        "glu",
+        **kw,
+    )
 
 
 def _qkv(mg: str, prefix: str, arch: ModelArch, **kw) -> TensorMap:
@@ -184,41 +196,101 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
     lk = dict(layer=i)
     moe_layer = arch.is_moe_layer(i)
-    yield _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight", (d,),
-                checkpoint_name=mg + "self_attention.linear_qkv.layer_norm_weight", **lk)
-    yield _qkv(mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch,
-               extra_state=True, **lk)
-    yield _copy(mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight",
-                (d, arch.num_attention_heads * hd), extra_state=True, **lk)
-    yield _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", (d,),
-                checkpoint_name=None if moe_layer else mg + "mlp.linear_fc1.layer_norm_weight", **lk)
+    yield _copy(
+        mg + "input_layernorm.weight",
+        hf + "input_layernorm.weight",
+        (d,),
+        checkpoint_name=mg + "self_attention.linear_qkv.layer_norm_weight",
+        **lk,
+    )
+    yield _qkv(
+        mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch, extra_state=True, **lk
+    )
+    yield _copy(
+        mg + "self_attention.linear_proj.weight",
+        hf + "self_attn.o_proj.weight",
+        (d, arch.num_attention_heads * hd),
+        extra_state=True,
+        **lk,
+    )
+    yield _copy(
+        mg + "pre_mlp_layernorm.weight",
+        hf + "post_attention_layernorm.weight",
+        (d,),
+        checkpoint_name=None if moe_layer else mg + "mlp.linear_fc1.layer_norm_weight",
+        **lk,
+    )
     if not moe_layer:
         f = arch.ffn_hidden_size
-        yield _glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
-                   f, d, extra_state=True, **lk)
-        yield _copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (d, f),
-                    extra_state=True, **lk)
+        yield _glu(
+            mg + "mlp.linear_fc1.weight",
+            hf + "mlp.gate_proj.weight",
+            hf + "mlp.up_proj.weight",
+            f,
+            d,
+            extra_state=True,
+            **lk,
+        )
+        yield _copy(
+            mg + "mlp.linear_fc2.weight",
+            hf + "mlp.down_proj.weight",
+            (d, f),
+            extra_state=True,
+            **lk,
+        )
         return
     n, lat, m = arch.num_experts, arch.moe_latent_size, arch.moe_ffn_hidden_size
     moe = hf + "block_sparse_moe."
     yield _copy(mg + "mlp.router.weight", moe + "gate.weight", (n, d), **lk)
-    yield _copy(mg + "mlp.router.expert_bias", moe + "gate.e_score_correction_bias", (n,), fp32=True, **lk)
+    yield _copy(
+        mg + "mlp.router.expert_bias", moe + "gate.e_score_correction_bias", (n,), fp32=True, **lk
+    )
     for j in range(n):
         e = f"{mg}mlp.experts.local_experts.{j}."
-        yield _glu(e + "linear_fc1.weight", f"{moe}experts.{j}.w1.weight", f"{moe}experts.{j}.w3.weight",
-                   m, lat, expert=j, extra_state=True, **lk)
-        yield _copy(e + "linear_fc2.weight", f"{moe}experts.{j}.w2.weight", (lat, m),
-                    expert=j, extra_state=True, **lk)
+        yield _glu(
+            e + "linear_fc1.weight",
+            f"{moe}experts.{j}.w1.weight",
+            f"{moe}experts.{j}.w3.weight",
+            m,
+            lat,
+            expert=j,
+            extra_state=True,
+            **lk,
+        )
+        yield _copy(
+            e + "linear_fc2.weight",
+            f"{moe}experts.{j}.w2.weight",
+            (lat, m),
+            expert=j,
+            extra_state=True,
+            **lk,
+        )
     if arch.moe_shared_expert_intermediate_size:
         s = arch.moe_shared_expert_intermediate_size
-        yield _glu(mg + "mlp.shared_experts.linear_fc1.weight", moe + "shared_experts.gate_proj.weight",
-                   moe + "shared_experts.up_proj.weight", s, d, extra_state=True, **lk)
-        yield _copy(mg + "mlp.shared_experts.linear_fc2.weight", moe + "shared_experts.down_proj.weight",
-                    (d, s), extra_state=True, **lk)
-    yield _copy(mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d), **lk)
+        yield _glu(
+            mg + "mlp.shared_experts.linear_fc1.weight",
+            moe + "shared_experts.gate_proj.weight",
+            moe + "shared_experts.up_proj.weight",
+            s,
+            d,
+            extra_state=True,
+            **lk,
+        )
+        yield _copy(
+            mg + "mlp.shared_experts.linear_fc2.weight",
+            moe + "shared_experts.down_proj.weight",
+            (d, s),
+            extra_state=True,
+            **lk,
+        )
+    yield _copy(
+        mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d), **lk
+    )
     if arch.latent_moe_use_norm:
         yield _copy(f"{mg}mlp.{NORM_NAME}.weight", moe + "routed_expert_norm.weight", (lat,), **lk)
-    yield _copy(mg + "mlp.fc2_latent_proj.weight", moe + "routed_expert_up_proj.weight", (d, lat), **lk)
+    yield _copy(
+        mg + "mlp.fc2_latent_proj.weight", moe + "routed_expert_up_proj.weight", (d, lat), **lk
+    )
 
 
 def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
@@ -288,7 +360,9 @@ def checkpoint_locations(tm: TensorMap) -> list[Location]:
     return out
 
 
-def primary_checkpoint_key(tm: TensorMap, arch: ModelArch) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def primary_checkpoint_key(
+    tm: TensorMap, arch: ModelArch
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, leading indices, global shape of the key) that Megatron's local spec writes for this
     tensor with ``singleton_local_shards=False`` (what ``megatron.training`` uses)."""
     name = tm.checkpoint_name or tm.megatron
@@ -306,7 +380,7 @@ def primary_checkpoint_key(tm: TensorMap, arch: ModelArch) -> tuple[str, tuple[i
     return f"decoder.layers.{layer}.{rest}", lead, (*lead_shape, *tm.shape)
 
 
-def extra_state_key(tm: TensorMap, arch: ModelArch) -> Optional[str]:
+def extra_state_key(tm: TensorMap, arch: ModelArch) -> str | None:
     """The ``ShardedObject`` unique key of the module's ``_extra_state`` (local spec), or None."""
     if not tm.extra_state:
         return None
@@ -315,12 +389,15 @@ def extra_state_key(tm: TensorMap, arch: ModelArch) -> Optional[str]:
     lead_shape = shape[: len(lead)]
     if not lead:
         lead, lead_shape = (0,), (1,)
-    return (f"{module}._extra_state/shard_{'.'.join(map(str, lead))}_"
-            f"{'.'.join(map(str, lead_shape))}")
+    return (
+        f"{module}._extra_state/shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, lead_shape))}"
+    )
 
 
 def is_model_key(key: str) -> bool:
-    return key.startswith(MODEL_KEY_PREFIXES) and "/shard_" not in key and "._extra_state" not in key
+    return (
+        key.startswith(MODEL_KEY_PREFIXES) and "/shard_" not in key and "._extra_state" not in key
+    )
 
 
 def hf_dtype_for(tm: TensorMap, dtype: torch.dtype) -> torch.dtype:
@@ -329,8 +406,17 @@ def hf_dtype_for(tm: TensorMap, dtype: torch.dtype) -> torch.dtype:
 
 
 __all__ = [
-    "Location", "MODEL_KEY_PREFIXES", "Segment", "TensorMap",
-    "check_shape", "checkpoint_locations", "extra_state_key",
-    "hf_dtype_for", "hf_tensor_names", "is_model_key", "iter_layer_maps", "iter_tensor_maps",
+    "Location",
+    "MODEL_KEY_PREFIXES",
+    "Segment",
+    "TensorMap",
+    "check_shape",
+    "checkpoint_locations",
+    "extra_state_key",
+    "hf_dtype_for",
+    "hf_tensor_names",
+    "is_model_key",
+    "iter_layer_maps",
+    "iter_tensor_maps",
     "primary_checkpoint_key",
 ]

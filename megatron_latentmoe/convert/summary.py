@@ -10,9 +10,9 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 from .errors import ConversionError
 
@@ -84,8 +84,15 @@ class Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=total_bytes,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         self.rss0 = current_rss_bytes()
         self.max_growth = 0
         self._n = 0
@@ -109,13 +116,18 @@ def check_output_dir(output: str | os.PathLike, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ConversionError(f"output {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"output directory {str(out)!r} exists and is not empty; pass "
-                              "--overwrite to replace it")
+        raise ConversionError(
+            f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it"
+        )
     parent = out.resolve().parent
     if not parent.is_dir():
-        raise ConversionError(f"the parent directory of the output, {str(parent)!r}, does not exist")
+        raise ConversionError(
+            f"the parent directory of the output, {str(parent)!r}, does not exist"
+        )
     if not os.access(parent, os.W_OK):
-        raise ConversionError(f"the parent directory of the output, {str(parent)!r}, is not writable")
+        raise ConversionError(
+            f"the parent directory of the output, {str(parent)!r}, is not writable"
+        )
     return out
 
 
@@ -128,7 +140,7 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Pa
     tmp.mkdir()
     try:
         yield tmp
-        old: Optional[Path] = None
+        old: Path | None = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             out.rename(old)

@@ -25,7 +25,6 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
 
@@ -49,9 +48,9 @@ class VerifyReport:
     greedy_identical: bool
     min_margin: float = float("nan")
     """Smallest top-1 minus top-2 logit over the Megatron greedy steps (near-tie detector)."""
-    first_mismatch: Optional[int] = None
-    megatron_margin_at_mismatch: Optional[float] = None
-    hf_margin_at_mismatch: Optional[float] = None
+    first_mismatch: int | None = None
+    megatron_margin_at_mismatch: float | None = None
+    hf_margin_at_mismatch: float | None = None
     megatron_tokens: list = field(default_factory=list)
     hf_tokens: list = field(default_factory=list)
     atol: float = DEFAULT_ATOL
@@ -59,7 +58,11 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return self.max_abs_diff <= self.atol and self.greedy_identical and math.isfinite(self.max_abs_diff)
+        return (
+            self.max_abs_diff <= self.atol
+            and self.greedy_identical
+            and math.isfinite(self.max_abs_diff)
+        )
 
     def format(self) -> str:
         lines = [
@@ -67,10 +70,12 @@ class VerifyReport:
             f"  logits max |delta| = {self.max_abs_diff:.3e} (tolerance {self.atol:.1e})   "
             f"mean |delta| = {self.mean_abs_diff:.3e}   cosine = {self.cosine:.9f}",
             f"  greedy generation of {self.new_tokens} tokens: "
-            + (f"identical (smallest top-1/top-2 logit margin {self.min_margin:.3e})"
-               if self.greedy_identical else
-               f"DIFFERS at step {self.first_mismatch} (top1-top2 margin: Megatron "
-               f"{self.megatron_margin_at_mismatch:.3e}, HF {self.hf_margin_at_mismatch:.3e})"),
+            + (
+                f"identical (smallest top-1/top-2 logit margin {self.min_margin:.3e})"
+                if self.greedy_identical
+                else f"DIFFERS at step {self.first_mismatch} (top1-top2 margin: Megatron "
+                f"{self.megatron_margin_at_mismatch:.3e}, HF {self.hf_margin_at_mismatch:.3e})"
+            ),
             f"  result: {'PASS' if self.passed else 'FAIL'}   ({self.seconds:.1f} s)",
         ]
         return "\n".join(lines)
@@ -86,7 +91,11 @@ class VerifyReport:
 
 def megatron_device() -> torch.device:
     """Where the Megatron model runs: the current CUDA device if there is one, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def _ensure_single_process_world() -> None:
@@ -111,8 +120,9 @@ def _ensure_single_process_world() -> None:
         apply_cpu_compat()
 
 
-def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
-                        expert_weight_qat: str = "none"):
+def load_megatron_model(
+    checkpoint: str | os.PathLike, arch: ModelArch, expert_weight_qat: str = "none"
+):
     """The fp32 single-process Megatron model with the checkpoint's weights (Megatron's loader),
     ``expert_weight_qat`` as in training (``moe_expert_weight_qat``)."""
     _ensure_single_process_world()
@@ -123,8 +133,9 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
 
     reader = DistCheckpointReader(checkpoint)
     path = reader.path
-    config = arch.to_megatron_config(perform_initialization=False,
-                                     moe_expert_weight_qat=expert_weight_qat)
+    config = arch.to_megatron_config(
+        perform_initialization=False, moe_expert_weight_qat=expert_weight_qat
+    )
     model = build_gpt_model(config, **arch.builder_kwargs())
     model.eval()
     sharded = model.sharded_state_dict()
@@ -132,7 +143,11 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
     dropped = []
     for name in list(sharded):
         sh = sharded[name]
-        if isinstance(sh, ShardedObject) and sh.unique_key not in present and name.endswith("_extra_state"):
+        if (
+            isinstance(sh, ShardedObject)
+            and sh.unique_key not in present
+            and name.endswith("_extra_state")
+        ):
             dropped.append(name)  # local-spec linears' extra state is None; a TE save has its own
             del sharded[name]
     loaded = dist_checkpointing.load(sharded, str(path))
@@ -141,7 +156,9 @@ def load_megatron_model(checkpoint: str | os.PathLike, arch: ModelArch,
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ConversionError(f"Megatron model load: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConversionError(
+            f"Megatron model load: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.to(megatron_device())
 
 
@@ -163,7 +180,7 @@ def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, 
         top2 = last.topk(2, dim=-1).values
         margins.append(float((top2[:, 0] - top2[:, 1]).min()))
         seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
-    return seq[:, tokens.shape[1]:], margins
+    return seq[:, tokens.shape[1] :], margins
 
 
 # ----------------------------------------------------------------------------------- HF side
@@ -172,29 +189,45 @@ def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, 
 def load_hf_model(hf_dir: str | os.PathLike):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), trust_remote_code=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), trust_remote_code=True, dtype=torch.float32
+    )
     model.eval()
     return model
 
 
 @torch.no_grad()
 def hf_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
-    out = model.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n,
-                         min_new_tokens=n, do_sample=False, num_beams=1, eos_token_id=None,
-                         pad_token_id=model.config.pad_token_id, output_scores=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        tokens,
+        attention_mask=torch.ones_like(tokens),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     margins = []
     for scores in out.scores:
         top2 = scores.float().topk(2, dim=-1).values
         margins.append(float((top2[:, 0] - top2[:, 1]).min()))
-    return out.sequences[:, tokens.shape[1]:], margins
+    return out.sequences[:, tokens.shape[1] :], margins
 
 
 # ------------------------------------------------------------------------------------ tokens
 
 
-def sample_tokens(hf_dir: str | os.PathLike, vocab_size: int, batch: int = 2, seq_len: int = 64,
-                  text: Optional[str] = None, seed: int = 0) -> tuple[torch.Tensor, str]:
+def sample_tokens(
+    hf_dir: str | os.PathLike,
+    vocab_size: int,
+    batch: int = 2,
+    seq_len: int = 64,
+    text: str | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, str]:
     """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer)."""
     try:
         from transformers import AutoTokenizer
@@ -241,8 +274,11 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, floa
 def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: int) -> None:
     """Raise :class:`ConversionError` naming the option (and its flag) if a verify setting is out
     of range."""
-    for name, flag, value in (("new_tokens", "--verify-tokens", new_tokens), ("batch", "--verify-batch", batch),
-                              ("seq_len", "--verify-seq-len", seq_len)):
+    for name, flag, value in (
+        ("new_tokens", "--verify-tokens", new_tokens),
+        ("batch", "--verify-batch", batch),
+        ("seq_len", "--verify-seq-len", seq_len),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise not_allowed(f"{name} ({flag})", value, "an integer >= 1", ConversionError)
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol > 0):
@@ -263,19 +299,21 @@ def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:
 def check_hf_dir(hf_dir: str | os.PathLike) -> None:
     """Raise :class:`ConversionError` unless ``hf_dir`` is a directory with a ``config.json``."""
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ConversionError(f"HF directory {str(hf_dir)!r} has no config.json (not an HF model directory)")
+        raise ConversionError(
+            f"HF directory {str(hf_dir)!r} has no config.json (not an HF model directory)"
+        )
 
 
 def verify_export(
     checkpoint: str | os.PathLike,
     hf_dir: str | os.PathLike,
     *,
-    config_file: Optional[str] = None,
+    config_file: str | None = None,
     atol: float = DEFAULT_ATOL,
     new_tokens: int = 32,
     batch: int = 2,
     seq_len: int = 64,
-    text: Optional[str] = None,
+    text: str | None = None,
 ) -> VerifyReport:
     """Compare the Megatron checkpoint with its HF export (see module docstring)."""
     check_verify_options(atol=atol, new_tokens=new_tokens, batch=batch, seq_len=seq_len)
@@ -293,9 +331,19 @@ def verify_export(
     gm, mm = megatron_greedy(mg, tokens, new_tokens)
     gh, mh = hf_greedy(hf, tokens, new_tokens)
     same = torch.equal(gm, gh)
-    report = VerifyReport(max_d, mean_d, cos, source, tuple(tokens.shape), new_tokens, same,
-                          megatron_tokens=gm.tolist(), hf_tokens=gh.tolist(), atol=atol,
-                          min_margin=min(mm) if mm else float("nan"))
+    report = VerifyReport(
+        max_d,
+        mean_d,
+        cos,
+        source,
+        tuple(tokens.shape),
+        new_tokens,
+        same,
+        megatron_tokens=gm.tolist(),
+        hf_tokens=gh.tolist(),
+        atol=atol,
+        min_margin=min(mm) if mm else float("nan"),
+    )
     if not same:
         step = int((gm != gh).any(0).nonzero()[0])
         report.first_mismatch = step
@@ -305,5 +353,17 @@ def verify_export(
     return report
 
 
-__all__ = ["VerifyReport", "verify_export", "check_verify_options", "check_hf_dir", "load_megatron_model", "load_hf_model",
-           "megatron_device", "megatron_logits", "megatron_greedy", "hf_greedy", "sample_tokens", "compare_logits"]
+__all__ = [
+    "VerifyReport",
+    "verify_export",
+    "check_verify_options",
+    "check_hf_dir",
+    "load_megatron_model",
+    "load_hf_model",
+    "megatron_device",
+    "megatron_logits",
+    "megatron_greedy",
+    "hf_greedy",
+    "sample_tokens",
+    "compare_logits",
+]

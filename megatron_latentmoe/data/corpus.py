@@ -26,8 +26,8 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Union
 
 from . import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR
 
@@ -52,11 +52,15 @@ def default_cache_dir() -> Path:
     """
     root = os.environ.get("MEGATRON_LATENTMOE_CACHE")
     if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_latentmoe")
+        root = os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_latentmoe"
+        )
     return Path(root) / "data"
 
 
-def iter_corpus_texts(path: Union[str, Path] = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
+def iter_corpus_texts(
+    path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text"
+) -> Iterator[str]:
     """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -90,7 +94,7 @@ def _file_lock(path: Path):
 
 
 def prepare_default_dataset(
-    output_dir: Union[str, Path, None] = None,
+    output_dir: str | Path | None = None,
     name: str = DEFAULT_DATASET_NAME,
     *,
     force: bool = False,
@@ -114,7 +118,9 @@ def prepare_default_dataset(
     want = _fingerprint(DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR)
 
     def up_to_date() -> bool:
-        if force or not (prefix.with_name(name + ".bin").exists() and prefix.with_name(name + ".idx").exists()):
+        if force or not (
+            prefix.with_name(name + ".bin").exists() and prefix.with_name(name + ".idx").exists()
+        ):
             return False
         try:
             have = json.loads(stamp.read_text())
@@ -138,14 +144,19 @@ def prepare_default_dataset(
             workers=workers,
             progress=progress,
         )
-        record = dict(want, documents=summary.documents, tokens=summary.tokens, tokenizer=str(DEFAULT_TOKENIZER_DIR))
+        record = dict(
+            want,
+            documents=summary.documents,
+            tokens=summary.tokens,
+            tokenizer=str(DEFAULT_TOKENIZER_DIR),
+        )
         tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, stamp)
     return str(prefix)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m megatron_latentmoe.data.corpus",
         description="Write the embedded default corpus as a Megatron indexed dataset (.bin/.idx).",
@@ -155,14 +166,18 @@ def main(argv: Optional[list] = None) -> int:
         default=None,
         help=f"path prefix of the dataset (default: {default_cache_dir() / DEFAULT_DATASET_NAME})",
     )
-    p.add_argument("--force", action="store_true", help="rebuild even if an up-to-date dataset exists")
+    p.add_argument(
+        "--force", action="store_true", help="rebuild even if an up-to-date dataset exists"
+    )
     p.add_argument("--workers", type=int, default=1)
     args = p.parse_args(argv)
     if args.output_prefix:
         out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
     else:
         out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
-    prefix = prepare_default_dataset(out_dir, name, force=args.force, progress=True, workers=args.workers)
+    prefix = prepare_default_dataset(
+        out_dir, name, force=args.force, progress=True, workers=args.workers
+    )
     record = json.loads(Path(prefix + ".json").read_text())
     print(f"default dataset: {record['documents']} documents, {record['tokens']:,} tokens")
     print(f"  --data-path {prefix}")

@@ -29,9 +29,10 @@ import multiprocessing
 import os
 import shutil
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Union
 
 import numpy
 
@@ -51,7 +52,7 @@ class PreprocessError(Exception):
 class PreprocessSummary:
     """What a preprocessing run wrote."""
 
-    output_prefixes: List[str]
+    output_prefixes: list[str]
     documents: int  # JSON objects read (non-blank lines)
     tokens: int  # tokens written, EODs included, all keys together
     skipped_empty: int  # (document, key) pairs whose text was empty or whitespace: not written
@@ -75,7 +76,7 @@ class PreprocessSummary:
 # ----------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(tokenizer: Union[PathLike, Any, None] = None):
+def load_tokenizer(tokenizer: PathLike | Any | None = None):
     """A Hugging Face tokenizer from a folder (the shipped one when ``None``) or an object as is."""
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
@@ -85,13 +86,17 @@ def load_tokenizer(tokenizer: Union[PathLike, Any, None] = None):
     try:
         from transformers import AutoTokenizer
     except ImportError as e:  # pragma: no cover - transformers is in the [hf] extra
-        raise PreprocessError("preprocessing needs `transformers` (pip install 'megatron-latentmoe[hf]')") from e
+        raise PreprocessError(
+            "preprocessing needs `transformers` (pip install 'megatron-latentmoe[hf]')"
+        ) from e
     if not os.path.isdir(path):
         # A hub name works only if it is already in the local HF cache: nothing is downloaded here.
         try:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:
-            raise PreprocessError(f"tokenizer not found: {path!r} is not a folder (nor a cached HF name): {e}") from e
+            raise PreprocessError(
+                f"tokenizer not found: {path!r} is not a folder (nor a cached HF name): {e}"
+            ) from e
     else:
         try:
             tok = AutoTokenizer.from_pretrained(path)
@@ -105,7 +110,9 @@ def load_tokenizer(tokenizer: Union[PathLike, Any, None] = None):
 def _eod_id(tok) -> int:
     eod = getattr(tok, "eos_token_id", None)
     if eod is None:
-        raise PreprocessError("the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)")
+        raise PreprocessError(
+            "the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)"
+        )
     return int(eod)
 
 
@@ -128,7 +135,7 @@ def _worker_init(tokenizer, json_keys, append_eod, input_name, subprocess_worker
     )
 
 
-def _encode_batch(batch: Tuple[int, List[bytes]]):
+def _encode_batch(batch: tuple[int, list[bytes]]):
     """-> (n_documents, {key: (lengths, flat ids)}, n_skipped) or ("error", message)."""
     first_line, raw_lines = batch
     keys, name = _W["keys"], _W["name"]
@@ -145,16 +152,25 @@ def _encode_batch(batch: Tuple[int, List[bytes]]):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            return ("error", f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+            return (
+                "error",
+                f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})",
+            )
         if not isinstance(obj, dict):
             return ("error", f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         for k in keys:
             if k not in obj:
                 present = ", ".join(repr(x) for x in list(obj)[:10]) or "none"
-                return ("error", f"{name}:{lineno}: missing JSON key {k!r} (keys present: {present})")
+                return (
+                    "error",
+                    f"{name}:{lineno}: missing JSON key {k!r} (keys present: {present})",
+                )
             v = obj[k]
             if not isinstance(v, str):
-                return ("error", f"{name}:{lineno}: JSON key {k!r} holds {type(v).__name__}, expected a string")
+                return (
+                    "error",
+                    f"{name}:{lineno}: JSON key {k!r} holds {type(v).__name__}, expected a string",
+                )
             texts[k].append(v)
         n_docs += 1
 
@@ -168,7 +184,9 @@ def _encode_batch(batch: Tuple[int, List[bytes]]):
         if eod is not None:
             ids_list = [ids + [eod] for ids in ids_list]
         lengths = [len(ids) for ids in ids_list]
-        flat = numpy.fromiter((i for ids in ids_list for i in ids), dtype=numpy.int64, count=sum(lengths))
+        flat = numpy.fromiter(
+            (i for ids in ids_list for i in ids), dtype=numpy.int64, count=sum(lengths)
+        )
         out[k] = (lengths, flat)
     return (n_docs, out, skipped)
 
@@ -190,7 +208,7 @@ def _bounded_imap(pool, batches, max_pending: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[Tuple[int, List[bytes]]]:
+def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[tuple[int, list[bytes]]]:
     stream = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
     lineno, batch, first = 0, [], 1
     try:
@@ -206,7 +224,7 @@ def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[Tuple[int,
         yield first, batch
 
 
-def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> List[str]:
+def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> list[str]:
     if len(keys) == 1:
         return [output_prefix]
     return [f"{output_prefix}_{k}" for k in keys]
@@ -234,11 +252,11 @@ def _drop_stale_index_cache(prefix: str) -> None:
 def preprocess_jsonl(
     input: PathLike,
     output_prefix: PathLike,
-    tokenizer: Union[PathLike, Any, None] = None,
+    tokenizer: PathLike | Any | None = None,
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = True,
     workers: int = 1,
-    progress: Optional[bool] = None,
+    progress: bool | None = None,
 ) -> PreprocessSummary:
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
@@ -279,10 +297,14 @@ def preprocess_jsonl(
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PreprocessError(f"output_prefix={os.fspath(output_prefix)!r}: cannot create {str(out_dir)!r} "
-                              f"({e.strerror})") from None
+        raise PreprocessError(
+            f"output_prefix={os.fspath(output_prefix)!r}: cannot create {str(out_dir)!r} "
+            f"({e.strerror})"
+        ) from None
     if not os.access(out_dir, os.W_OK):
-        raise PreprocessError(f"output_prefix={os.fspath(output_prefix)!r}: {str(out_dir)!r} is not writable")
+        raise PreprocessError(
+            f"output_prefix={os.fspath(output_prefix)!r}: {str(out_dir)!r} is not writable"
+        )
     tag = f".tmp{os.getpid()}"
     tmp = {p: (p + ".bin" + tag, p + ".idx" + tag) for p in prefixes}
     builders = {}
@@ -300,7 +322,9 @@ def preprocess_jsonl(
         else:
             ctx = multiprocessing.get_context("spawn")
             pool = ctx.Pool(
-                workers, initializer=_worker_init, initargs=(tok_arg, keys, append_eod, str(input_path), True)
+                workers,
+                initializer=_worker_init,
+                initargs=(tok_arg, keys, append_eod, str(input_path), True),
             )
             encode = lambda batches: _bounded_imap(pool, batches, 2 * workers)  # noqa: E731
 
@@ -308,9 +332,16 @@ def preprocess_jsonl(
 
         size = input_path.stat().st_size
         disable = None if progress is None else not progress
-        with open(input_path, "rb") as raw, tqdm(
-            total=size, unit="B", unit_scale=True, desc=f"tokenizing {input_path.name}", disable=disable
-        ) as bar:
+        with (
+            open(input_path, "rb") as raw,
+            tqdm(
+                total=size,
+                unit="B",
+                unit_scale=True,
+                desc=f"tokenizing {input_path.name}",
+                disable=disable,
+            ) as bar,
+        ):
             done = 0
             for result in encode(_batches(raw, input_path.suffix == ".gz", str(input_path))):
                 if result[0] == "error":

@@ -110,8 +110,15 @@ class StableLatentMoEConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+        self.num_key_value_heads = (
+            num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        )
+        if (
+            head_dim is None
+            and _is_int(hidden_size)
+            and _is_int(num_attention_heads)
+            and num_attention_heads > 0
+        ):
             head_dim = hidden_size // num_attention_heads
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
@@ -148,34 +155,59 @@ class StableLatentMoEConfig(PretrainedConfig):
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "routed_expert_hidden_size", "num_experts", "num_experts_per_token",
-                    "moe_intermediate_size"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "routed_expert_hidden_size",
+            "num_experts",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+        ):
             value = getattr(self, key)
             if not (_is_int(value) and value > 0):
                 raise _bad(key, value, "a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise _bad("num_key_value_heads", self.num_key_value_heads,
-                       f"a divisor of num_attention_heads={self.num_attention_heads}")
+            raise _bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of num_attention_heads={self.num_attention_heads}",
+            )
         if self.head_dim % 2:
             raise _bad("head_dim", self.head_dim, "an even integer (RoPE rotates halves)")
         if self.hidden_act not in HIDDEN_ACTS:
             raise _bad("hidden_act", self.hidden_act, f"one of {HIDDEN_ACTS}")
-        for key in ("activation_situ_beta", "activation_situ_linear_beta", "rope_theta", "rms_norm_eps"):
+        for key in (
+            "activation_situ_beta",
+            "activation_situ_linear_beta",
+            "rope_theta",
+            "rms_norm_eps",
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise _bad(key, value, "a positive number")
         if self.moe_router_activation_func not in ROUTER_ACTIVATION_FUNCS:
-            raise _bad("moe_router_activation_func", self.moe_router_activation_func,
-                       f"one of {ROUTER_ACTIVATION_FUNCS} (SPEC §3)")
+            raise _bad(
+                "moe_router_activation_func",
+                self.moe_router_activation_func,
+                f"one of {ROUTER_ACTIVATION_FUNCS} (SPEC §3)",
+            )
         if self.topk_method not in TOPK_METHODS:
             raise _bad("topk_method", self.topk_method, f"one of {TOPK_METHODS} (SPEC §3)")
         if self.num_expert_group != 1:
-            raise _bad("num_expert_group", self.num_expert_group, "1 (no group-limited routing, SPEC §3)")
+            raise _bad(
+                "num_expert_group", self.num_expert_group, "1 (no group-limited routing, SPEC §3)"
+            )
         if self.num_experts_per_token > self.num_experts:
-            raise _bad("num_experts_per_token", self.num_experts_per_token,
-                       f"an integer in [1, num_experts={self.num_experts}]")
+            raise _bad(
+                "num_experts_per_token",
+                self.num_experts_per_token,
+                f"an integer in [1, num_experts={self.num_experts}]",
+            )
         if not (_is_int(self.num_shared_experts) and self.num_shared_experts >= 0):
             raise _bad("num_shared_experts", self.num_shared_experts, "an integer >= 0")
         if not (_is_int(self.first_k_dense_replace) and self.first_k_dense_replace >= 0):

@@ -40,8 +40,9 @@ layers) and read ``block.last_routing`` after a forward.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +69,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
+) -> torch.Tensor:
     """SiTU-GLU (SPEC §2): ``[beta*tanh(g/beta) * sigmoid(g)] * [linear_beta*tanh(u/linear_beta)]``.
 
     Computed in fp32 (fp64 for fp64 inputs), returned in ``gate.dtype``. |out| < beta*linear_beta.
     """
     cd = compute_dtype(gate.dtype)
     g, u = gate.to(cd), up.to(cd)
-    out = (beta * torch.tanh(g / beta)) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    out = (
+        (beta * torch.tanh(g / beta))
+        * torch.sigmoid(g)
+        * (linear_beta * torch.tanh(u / linear_beta))
+    )
     return out.to(gate.dtype)
 
 
@@ -85,7 +92,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
 
 
-def get_glu_activation(config: StableLatentMoEConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def get_glu_activation(
+    config: StableLatentMoEConfig,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``act(gate, up)`` selected by ``config.hidden_act`` ("situ" or "silu")."""
     if config.hidden_act == "situ":
         return partial(
@@ -98,7 +107,7 @@ def get_glu_activation(config: StableLatentMoEConfig) -> Callable[[torch.Tensor,
     raise ValueError(f"hidden_act={config.hidden_act!r} is not allowed; expected 'situ' or 'silu'")
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; fp32 math, cast back to ``x.dtype``."""
     cd = compute_dtype(x.dtype)
     h = x.to(cd)
@@ -134,7 +143,7 @@ class MoERouting(NamedTuple):
 
 def noaux_tc_routing(
     logits: torch.Tensor,
-    e_score_correction_bias: Optional[torch.Tensor],
+    e_score_correction_bias: torch.Tensor | None,
     top_k: int,
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
@@ -147,7 +156,9 @@ def noaux_tc_routing(
     """
     cd = compute_dtype(logits.dtype)
     scores = torch.sigmoid(logits.to(cd))
-    scores_for_choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(cd)
+    scores_for_choice = (
+        scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(cd)
+    )
     _, topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1)
     topk_probs = scores.gather(-1, topk_indices)
     if renormalize and top_k > 1:
@@ -170,7 +181,9 @@ def rope_cos_sin(
     fp32 math as Megatron (fp64 when ``dtype`` is fp64): inv_freq = 1 / theta^(arange(0, d, 2) / d),
     freqs = pos * inv_freq, emb = cat(freqs, freqs)."""
     cd = compute_dtype(dtype)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=cd, device=position_ids.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=cd, device=position_ids.device) / head_dim)
+    )
     freqs = position_ids.to(cd)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -195,9 +208,9 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def packed_document_ids(
     seq_len: int,
-    position_ids: Optional[torch.Tensor] = None,
-    cu_seq_lens: Optional[torch.Tensor] = None,
-) -> Optional[torch.Tensor]:
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """[B, seq_len] index of the document of each token in a padding-free (packed) batch.
 
     ``cu_seq_lens`` (cumulative document lengths ``[0, n_0, n_0 + n_1, ..., seq_len]`` of a batch
@@ -219,8 +232,8 @@ def packed_document_ids(
 def build_attention_mask(
     query_positions: torch.Tensor,
     kv_length: int,
-    padding_mask: Optional[torch.Tensor] = None,
-    document_ids: Optional[torch.Tensor] = None,
+    padding_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask [B or 1, 1, S, kv_length], True = may attend.
 
@@ -234,7 +247,9 @@ def build_attention_mask(
     allowed = (kv_pos[None, :] <= query_positions[:, None])[None, None]  # [1, 1, S, L]
     if padding_mask is not None:
         pm = padding_mask.to(device=query_positions.device, dtype=torch.bool)
-        if pm.shape[-1] < kv_length:  # e.g. a preallocated cache: the tail is already causally masked
+        if (
+            pm.shape[-1] < kv_length
+        ):  # e.g. a preallocated cache: the tail is already causally masked
             pm = F.pad(pm, (0, kv_length - pm.shape[-1]), value=True)
         allowed = allowed & pm[:, None, None, :kv_length]
     if document_ids is not None:
@@ -302,7 +317,9 @@ class StableLatentMoEGate(nn.Module):
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer(
-            "e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True
+            "e_score_correction_bias",
+            torch.zeros(config.num_experts, dtype=torch.float32),
+            persistent=True,
         )
         nn.init.normal_(self.weight, mean=0.0, std=config.initializer_range)
 
@@ -336,12 +353,16 @@ class StableLatentMoEGate(nn.Module):
             if bias.device.type == "meta" or new.device.type == "meta":
                 self._buffers["e_score_correction_bias"] = new.to(torch.float32)
             else:
-                self._buffers["e_score_correction_bias"] = bias.to(device=new.device, dtype=torch.float32)
+                self._buffers["e_score_correction_bias"] = bias.to(
+                    device=new.device, dtype=torch.float32
+                )
         return out
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, " \
-               f"routed_scaling_factor={self.routed_scaling_factor}"
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
+            f"routed_scaling_factor={self.routed_scaling_factor}"
+        )
 
 
 class StableLatentMoEBlock(nn.Module):
@@ -359,7 +380,11 @@ class StableLatentMoEBlock(nn.Module):
 
     def __init__(self, config: StableLatentMoEConfig):
         super().__init__()
-        d, lat, m_e = config.hidden_size, config.routed_expert_hidden_size, config.moe_intermediate_size
+        d, lat, m_e = (
+            config.hidden_size,
+            config.routed_expert_hidden_size,
+            config.moe_intermediate_size,
+        )
         self.hidden_size = d
         self.latent_size = lat
         self.num_experts = config.num_experts
@@ -370,16 +395,20 @@ class StableLatentMoEBlock(nn.Module):
             [StableLatentMoEExpert(config, lat, m_e) for _ in range(config.num_experts)]
         )
         self.routed_expert_norm = (
-            StableLatentMoERMSNorm(lat, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
+            StableLatentMoERMSNorm(lat, eps=config.rms_norm_eps)
+            if config.latent_moe_use_norm
+            else None
         )
         self.routed_expert_up_proj = nn.Linear(lat, d, bias=False)
         shared = config.num_shared_experts * m_e
         self.shared_experts = StableLatentMoEMLP(config, d, shared) if shared > 0 else None
         self.record_routing = False
-        self.last_routing: Optional[MoERouting] = None
+        self.last_routing: MoERouting | None = None
 
     @torch.compiler.disable
-    def moe_infer(self, z: torch.Tensor, topk_indices: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+    def moe_infer(
+        self, z: torch.Tensor, topk_indices: torch.Tensor, topk_probs: torch.Tensor
+    ) -> torch.Tensor:
         """``u_t = sum_i p_{t,i} * E_{idx_{t,i}}(z_t)`` for latent tokens z [T, l].
 
         Tokens are grouped by expert with one stable sort; each expert runs once on its token
@@ -432,7 +461,7 @@ def eager_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
+    attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
     **kwargs,
@@ -469,7 +498,7 @@ class StableLatentMoEAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
@@ -481,20 +510,36 @@ class StableLatentMoEAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        mask_builder: Callable[[int], torch.Tensor] | None = None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bsz, q_len, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        q = (
+            self.q_proj(hidden_states)
+            .view(bsz, q_len, self.num_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        k = (
+            self.k_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            self.v_proj(hidden_states)
+            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        if attention_mask is not None and attention_mask.shape[-1] != k.shape[-2] and mask_builder is not None:
+        if (
+            attention_mask is not None
+            and attention_mask.shape[-1] != k.shape[-2]
+            and mask_builder is not None
+        ):
             attention_mask = mask_builder(k.shape[-2])
         implementation = self.config._attn_implementation
         if output_attentions and implementation != "eager":
@@ -531,7 +576,9 @@ class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
         self.is_moe = config.is_moe_layer(layer_idx)
         self.input_layernorm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = StableLatentMoEAttention(config, layer_idx)
-        self.post_attention_layernorm = StableLatentMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = StableLatentMoERMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
         if self.is_moe:
             self.block_sparse_moe = StableLatentMoEBlock(config)
         else:
@@ -541,11 +588,11 @@ class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        mask_builder: Optional[Callable[[int], torch.Tensor]] = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        mask_builder: Callable[[int], torch.Tensor] | None = None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = hidden_states
         h, weights = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -598,8 +645,14 @@ def _register_mxfp4_loading():
     from transformers.core_model_loading import ConversionOps, WeightConverter
 
     class DequantizeMXFP4(ConversionOps):
-        def convert(self, input_dict, source_patterns=None, target_patterns=None,
-                    full_layer_name=None, **kwargs):
+        def convert(
+            self,
+            input_dict,
+            source_patterns=None,
+            target_patterns=None,
+            full_layer_name=None,
+            **kwargs,
+        ):
             # transformers casts every checkpoint tensor to the load dtype first: the uint8 bytes
             # come back as exact small integers (0..255 are exact even in bf16)
             t = {k: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
@@ -636,7 +689,7 @@ def _output_with_cache(output_cls, cache, **fields):
     return output_cls(**{_cache_field(output_cls): cache}, **fields)
 
 
-def _cache_of(output) -> Optional[Cache]:
+def _cache_of(output) -> Cache | None:
     """The cache carried by a ModelOutput, whichever field name this transformers version uses."""
     return getattr(output, _cache_field(type(output)), None)
 
@@ -676,10 +729,17 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
         checkpoints") unless a ``quantization_config`` is passed."""
         config = kwargs.get("config")
         if config is None:
-            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision",
-                   "subfolder")
-            config = cls.config_class.from_pretrained(pretrained_model_name_or_path,
-                                                      **{k: kwargs[k] for k in hub if k in kwargs})
+            hub = (
+                "cache_dir",
+                "force_download",
+                "local_files_only",
+                "token",
+                "revision",
+                "subfolder",
+            )
+            config = cls.config_class.from_pretrained(
+                pretrained_model_name_or_path, **{k: kwargs[k] for k in hub if k in kwargs}
+            )
         if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
             getattr(config, "quantization_config", None)
         ):
@@ -687,12 +747,14 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
             kwargs["config"] = type(config).from_dict(dense)
             dequantize, unregister = _register_mxfp4_loading()
             try:
-                model = super().from_pretrained(pretrained_model_name_or_path, *model_args,
-                                                **kwargs)
+                model = super().from_pretrained(
+                    pretrained_model_name_or_path, *model_args, **kwargs
+                )
             finally:
                 unregister()
             model._weight_conversions = [  # nothing to revert: the loaded model is dense
-                c for c in getattr(model, "_weight_conversions", None) or []
+                c
+                for c in getattr(model, "_weight_conversions", None) or []
                 if not any(isinstance(op, dequantize) for op in getattr(c, "operations", ()))
             ]
             return model
@@ -745,24 +807,24 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             block.record_routing = enabled
             block.last_routing = None
 
-    def recorded_routing(self) -> dict[int, Optional[MoERouting]]:
+    def recorded_routing(self) -> dict[int, MoERouting | None]:
         """{layer index: MoERouting of the last forward} (after ``set_record_routing(True)``)."""
         return {i: block.last_routing for i, block in self.moe_blocks().items()}
 
     # -------------------------------------------------------------------------------- forward
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        cache: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        past_key_values: Optional[Cache] = None,
-        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
         **kwargs,
     ):
         """Padding-free packed batches: without ``attention_mask`` and without past tokens, the
@@ -782,7 +844,9 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             self.config.output_attentions if output_attentions is None else output_attentions
         )
         output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+            self.config.output_hidden_states
+            if output_hidden_states is None
+            else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
@@ -891,18 +955,18 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
 
     def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        cache: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Optional[Cache] = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ):
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -928,7 +992,9 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
 
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
 
         out = _output_with_cache(
             CausalLMOutputWithPast,

@@ -16,8 +16,8 @@ pipeline stage at once (``moe/router.py``: every balancing type):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ class BalanceMetrics:
     num_tokens: int
 
     @classmethod
-    def from_loads(cls, loads_E: torch.Tensor, num_tokens: int) -> "BalanceMetrics":
+    def from_loads(cls, loads_E: torch.Tensor, num_tokens: int) -> BalanceMetrics:
         loads = loads_E.double()
         mean = loads.mean().item()
         return cls(
@@ -56,7 +56,7 @@ class BalanceMetrics:
         )
 
 
-def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> List[BalanceCountingRouter]:
+def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> list[BalanceCountingRouter]:
     """The load-counting routers (QB or not) of this pipeline stage in training mode, in a fixed
     order (the same on every rank of a stage)."""
     return [
@@ -67,7 +67,7 @@ def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> List[BalanceCoun
     ]
 
 
-def token_parallel_group(config) -> Optional[dist.ProcessGroup]:
+def token_parallel_group(config) -> dist.ProcessGroup | None:
     """The ranks that route different tokens: DP×CP, and TP too when SP splits the sequence."""
     if config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
         return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
@@ -91,8 +91,8 @@ def _from_fixed(words: torch.Tensor, ranks: int) -> torch.Tensor:
 
 @torch.no_grad()
 def update_balance(
-    model_chunks: Iterable[torch.nn.Module], group: Optional[dist.ProcessGroup]
-) -> List[BalanceMetrics]:
+    model_chunks: Iterable[torch.nn.Module], group: dist.ProcessGroup | None
+) -> list[BalanceMetrics]:
     """ONE integer all-reduce for all counting routers of this stage: QB histograms, routed loads
     and token counts; then every QB router solves its new bias (SPEC §4); metrics; reset."""
     routers = balance_routers(model_chunks)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -61,14 +60,17 @@ class StableLatentMoELayer(MoELayer):
         self,
         config: StableLatentMoETransformerConfig,
         submodules: StableLatentMoESubmodules,
-        layer_number: Optional[int] = None,
+        layer_number: int | None = None,
         pg_collection=None,
         is_mtp_layer: bool = False,
         name: str | None = None,
     ):
         if not config.moe_latent_size:
-            raise not_allowed("moe_latent_size", config.moe_latent_size,
-                              "a positive latent width l (StableLatentMoELayer)")
+            raise not_allowed(
+                "moe_latent_size",
+                config.moe_latent_size,
+                "a positive latent width l (StableLatentMoELayer)",
+            )
         # Megatron's MoELayer builds its own TE-only latent projections whenever
         # moe_latent_size is set. Build the parent as a plain MoE and hand the real config to
         # the experts only, so they (and only they) run in latent width.
@@ -115,8 +117,9 @@ class StableLatentMoELayer(MoELayer):
             **_duplicated_linear_kwargs(submodules.latent_down_proj),
         )
         self.routed_expert_norm = (
-            submodules.routed_expert_norm(config=config, hidden_size=latent,
-                                          eps=config.layernorm_epsilon)
+            submodules.routed_expert_norm(
+                config=config, hidden_size=latent, eps=config.layernorm_epsilon
+            )
             if config.latent_moe_use_norm
             else None
         )
@@ -138,7 +141,7 @@ class StableLatentMoELayer(MoELayer):
         latent_states, _ = self.fc1_latent_proj(hidden_states)
         return self.token_dispatcher.dispatch_preprocess(latent_states, routing_map, probs)
 
-    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):
         """Combined latent rows -> RMSNorm(l) -> W_up once per token -> + shared experts(x)."""
         latent_output = self.token_dispatcher.combine_postprocess(output)
         if self.routed_expert_norm is not None:
@@ -147,7 +150,6 @@ class StableLatentMoELayer(MoELayer):
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output
-
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -161,7 +163,7 @@ class StableLatentMoELayer(MoELayer):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         old = f"{prefix}{LEGACY_NORM_NAME}."
         for key in [k for k in state_dict if k.startswith(old)]:
-            state_dict[f"{prefix}{NORM_NAME}." + key[len(old):]] = state_dict.pop(key)
+            state_dict[f"{prefix}{NORM_NAME}." + key[len(old) :]] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

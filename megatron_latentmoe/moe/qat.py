@@ -69,8 +69,12 @@ def _te_linears():
 
     return {
         base: type(f"MXFP4{base.__name__}", (_MXFP4WeightTELinear, base), {})
-        for base in (TEColumnParallelGroupedLinear, TERowParallelGroupedLinear,
-                     TEColumnParallelLinear, TERowParallelLinear)
+        for base in (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+            TEColumnParallelLinear,
+            TERowParallelLinear,
+        )
     }
 
 

@@ -25,8 +25,6 @@ the one that counts), so every token is counted exactly once. No host sync in th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -59,7 +57,7 @@ class BalanceCountingRouter(TopKRouter):
         self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
         self.last_loads_E = None  # global routed tokens per expert of the last step
 
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None and self.routing_type == "quantile_balancing":
             raise ValueError(
                 "--moe-router-load-balancing-type quantile_balancing: Megatron-Core 0.19.2's "
@@ -71,7 +69,7 @@ class BalanceCountingRouter(TopKRouter):
         return probs_ME, routing_map_TE
 
     def _apply_expert_bias(
-        self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+        self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
     ):
         """Megatron's sign-update load count with the [T] padding mask broadcast over experts."""
         if self.enable_expert_bias and torch.is_grad_enabled():
@@ -80,14 +78,14 @@ class BalanceCountingRouter(TopKRouter):
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-    def _count(self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
+    def _count(self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
         if not (self.training and torch.is_grad_enabled()):
             return
         with torch.no_grad():
             self._count_loads(routing_map_TE, padding_mask)
 
     def _count_loads(
-        self, routing_map_TE: torch.Tensor, padding_mask: Optional[torch.Tensor]
+        self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None
     ) -> None:
         if padding_mask is None:
             self.step_loads_E += routing_map_TE.sum(dim=0)
@@ -129,7 +127,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         )
         self._drift_ref = None
 
-    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Megatron's router forward, after applying a pending drift correction, and summing the
         router input of training tokens (no host sync).
 
@@ -175,7 +173,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         self._apply_drift_correction()  # a checkpoint holds the bias the next batch will use
         return super()._save_to_state_dict(*args, **kwargs)
 
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
         logits_ME = logits.view(-1, self.config.num_moe_experts)
         padding_M = padding_mask.reshape(-1) if padding_mask is not None else None

@@ -43,7 +43,7 @@ import functools
 import math
 import numbers
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -113,9 +113,14 @@ def _forward_math(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> tor
 
 
 def _backward_math(
-    g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, b1: float, b2: float,
-    need_g: bool = True, need_u: bool = True,
-) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    g: torch.Tensor,
+    u: torch.Tensor,
+    grad: torch.Tensor,
+    b1: float,
+    b2: float,
+    need_g: bool = True,
+    need_u: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Closed-form input gradients, returned in the compute dtype.
 
     A(g) = b1 tanh(g/b1) sigmoid(g)    A'(g) = s (1 - t1^2) + A (1 - s)
@@ -155,8 +160,9 @@ def _tanh_sech2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ax = x.abs()
     e = torch.exp(-2.0 * ax)
     x2 = x * x
-    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0
-                                                                     + x2 * (62.0 / 2835.0)))))
+    series = x * (
+        1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0))))
+    )
     small = ax < 0.25
     t = torch.where(small, series, torch.copysign((1.0 - e) / (1.0 + e), x))
     sech2 = torch.where(small, 1.0 - series * series, 4.0 * e / ((1.0 + e) * (1.0 + e)))
@@ -225,8 +231,12 @@ def _run_compiled(name: str, *args):
             return _compiled(name)(*args)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager for good
         _compile_failed = True
-        warnings.warn(f"SiTU-GLU: torch.compile failed ({type(exc).__name__}: {exc}); "
-                      "using the eager math from now on", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"SiTU-GLU: torch.compile failed ({type(exc).__name__}: {exc}); "
+            "using the eager math from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 
@@ -277,8 +287,12 @@ class _SiTUGLUFunction(torch.autograd.Function):
                     dg[i:j].copy_(dgi)
                 if need_u:
                     du[i:j].copy_(dui)
-        return (None if dg is None else dg.view(gate.shape),
-                None if du is None else du.view(up.shape), None, None)
+        return (
+            None if dg is None else dg.view(gate.shape),
+            None if du is None else du.view(up.shape),
+            None,
+            None,
+        )
 
 
 class _SiTUGLUPackedFunction(torch.autograd.Function):
@@ -355,8 +369,9 @@ def situ_glu(
     _check_floating("gate", gate)
     _check_floating("up", up)
     if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} "
-                         f"and {tuple(up.shape)}")
+        raise ValueError(
+            f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}"
+        )
     if gate.dtype != up.dtype:
         raise ValueError(f"gate and up must have the same dtype; got {gate.dtype} and {up.dtype}")
     return _SiTUGLUFunction.apply(gate, up, b1, b2)
@@ -400,20 +415,23 @@ class SiTUGLU(torch.nn.Module):
         self,
         config: Any = None,
         *,
-        beta: Optional[float] = None,
-        linear_beta: Optional[float] = None,
+        beta: float | None = None,
+        linear_beta: float | None = None,
     ):
         super().__init__()
         if beta is None:
             beta = getattr(config, "activation_situ_beta", None) if config is not None else None
         if linear_beta is None:
-            linear_beta = (getattr(config, "activation_situ_linear_beta", None)
-                           if config is not None else None)
+            linear_beta = (
+                getattr(config, "activation_situ_linear_beta", None) if config is not None else None
+            )
         self.beta = validate_situ_beta(
-            "activation_situ_beta", DEFAULT_SITU_BETA if beta is None else beta)
+            "activation_situ_beta", DEFAULT_SITU_BETA if beta is None else beta
+        )
         self.linear_beta = validate_situ_beta(
             "activation_situ_linear_beta",
-            DEFAULT_SITU_LINEAR_BETA if linear_beta is None else linear_beta)
+            DEFAULT_SITU_LINEAR_BETA if linear_beta is None else linear_beta,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return situ_glu_packed(x, self.beta, self.linear_beta)

@@ -33,8 +33,9 @@ def _tanh_and_sech2(x):
     t_exp = (1.0 - e) / (1.0 + e)
     t_exp = tl.where(x < 0, -t_exp, t_exp)
     x2 = x * x
-    t_ser = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0
-                                                                   + x2 * (62.0 / 2835.0)))))
+    t_ser = x * (
+        1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0))))
+    )
     small = ax < 0.25
     t = tl.where(small, t_ser, t_exp)
     one_plus = 1.0 + e
@@ -43,8 +44,9 @@ def _tanh_and_sech2(x):
 
 
 @triton.jit
-def _situ_fwd_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_in, stride_out, b1, b2,
-                     BLOCK_SIZE: tl.constexpr):
+def _situ_fwd_kernel(
+    g_ptr, u_ptr, out_ptr, n_cols, stride_in, stride_out, b1, b2, BLOCK_SIZE: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
@@ -58,8 +60,19 @@ def _situ_fwd_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_in, stride_out, b1, b
 
 
 @triton.jit
-def _situ_bwd_kernel(g_ptr, u_ptr, go_ptr, dg_ptr, du_ptr, n_cols, stride_in, stride_go,
-                     b1, b2, BLOCK_SIZE: tl.constexpr):
+def _situ_bwd_kernel(
+    g_ptr,
+    u_ptr,
+    go_ptr,
+    dg_ptr,
+    du_ptr,
+    n_cols,
+    stride_in,
+    stride_go,
+    b1,
+    b2,
+    BLOCK_SIZE: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
@@ -81,8 +94,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _grid(rows: int, cols: int):
     if cols > 65535 * BLOCK:  # grid axis 1 holds at most 65535 programs
-        raise ValueError(f"SiTU-GLU Triton kernels take rows of at most {65535 * BLOCK} columns; "
-                         f"got {cols}")
+        raise ValueError(
+            f"SiTU-GLU Triton kernels take rows of at most {65535 * BLOCK} columns; got {cols}"
+        )
     return (rows, triton.cdiv(cols, BLOCK))
 
 
@@ -92,29 +106,47 @@ def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Te
     _check_views(g, u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if out.numel():
-        _situ_fwd_kernel[_grid(*g.shape)](g, u, out, g.shape[1], g.stride(0), out.stride(0),
-                                          b1, b2, BLOCK_SIZE=BLOCK)
+        _situ_fwd_kernel[_grid(*g.shape)](
+            g, u, out, g.shape[1], g.stride(0), out.stride(0), b1, b2, BLOCK_SIZE=BLOCK
+        )
     return out
 
 
-def situ_bwd(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, dg: torch.Tensor,
-             du: torch.Tensor, b1: float, b2: float) -> None:
+def situ_bwd(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    grad: torch.Tensor,
+    dg: torch.Tensor,
+    du: torch.Tensor,
+    b1: float,
+    b2: float,
+) -> None:
     """Writes d gate / d up into ``dg`` / ``du`` (views laid out like ``g`` / ``u``, e.g. the
     halves of one packed gradient buffer) from the saved inputs and d out ([R, F], unit column
     stride)."""
     _check_views(g, u, dg, du)
     if grad.stride(-1) != 1 or grad.shape != g.shape:
-        raise ValueError(f"grad must be [R, F] = {tuple(g.shape)} with unit column stride; got "
-                         f"shape {tuple(grad.shape)}, strides {grad.stride()}")
+        raise ValueError(
+            f"grad must be [R, F] = {tuple(g.shape)} with unit column stride; got "
+            f"shape {tuple(grad.shape)}, strides {grad.stride()}"
+        )
     if grad.numel():
-        _situ_bwd_kernel[_grid(*g.shape)](g, u, grad, dg, du, g.shape[1], g.stride(0),
-                                          grad.stride(0), b1, b2, BLOCK_SIZE=BLOCK)
+        _situ_bwd_kernel[_grid(*g.shape)](
+            g, u, grad, dg, du, g.shape[1], g.stride(0), grad.stride(0), b1, b2, BLOCK_SIZE=BLOCK
+        )
 
 
 def _check_views(*views: torch.Tensor) -> None:
     first = views[0]
     for v in views:
-        if v.dim() != 2 or v.stride(1) != 1 or v.shape != first.shape or v.stride(0) != first.stride(0):
-            raise ValueError("SiTU-GLU Triton views must be 2-D [R, F] with unit column stride and "
-                             f"one shared row stride; got shapes {[tuple(t.shape) for t in views]}, "
-                             f"strides {[t.stride() for t in views]}")
+        if (
+            v.dim() != 2
+            or v.stride(1) != 1
+            or v.shape != first.shape
+            or v.stride(0) != first.stride(0)
+        ):
+            raise ValueError(
+                "SiTU-GLU Triton views must be 2-D [R, F] with unit column stride and "
+                f"one shared row stride; got shapes {[tuple(t.shape) for t in views]}, "
+                f"strides {[t.stride() for t in views]}"
+            )

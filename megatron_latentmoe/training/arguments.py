@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 from megatron_latentmoe.fields import (
     ADDED,
@@ -67,8 +67,11 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
     for f in ADDED:
         kwargs = dict(default=f.default, help=f"{f.help} (default: {f.default})")
         if f.kind == "bool":  # latent_moe_use_norm: None = on iff --moe-latent-size is given
-            kwargs.update(action=argparse.BooleanOptionalAction, default=None,
-                          help=f"{f.help} (default: on when --moe-latent-size is given)")
+            kwargs.update(
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{f.help} (default: on when --moe-latent-size is given)",
+            )
         elif isinstance(f.kind, tuple):
             kwargs.update(choices=f.kind)
         else:
@@ -139,7 +142,7 @@ def _have_te() -> bool:
     return bool(HAVE_TE)
 
 
-def _data_prefixes(paths: Optional[List[str]]) -> Iterable[str]:
+def _data_prefixes(paths: list[str] | None) -> Iterable[str]:
     """The file prefixes of a Megatron blend list ``[w1] p1 [w2] p2 ...`` (weights skipped)."""
     for item in paths or []:
         for token in str(item).split():
@@ -167,8 +170,10 @@ def _check_data_paths(args) -> None:
                     ".bin/.idx pair (tools/preprocess_data.py writes one), or leave --data-path "
                     "out to train on the shipped corpus."
                 )
-    for flag, path in (("--data-args-path", args.data_args_path),
-                       ("--per-split-data-args-path", args.per_split_data_args_path)):
+    for flag, path in (
+        ("--data-args-path", args.data_args_path),
+        ("--per-split-data-args-path", args.per_split_data_args_path),
+    ):
         if path is not None and not os.path.isfile(path):
             raise FlagError(f"{flag} {path}: no such file")
 
@@ -186,8 +191,9 @@ def uses_default_data(args) -> bool:
     )
 
 
-def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
-                                   have_te: Optional[bool] = None) -> None:
+def validate_stable_latentmoe_args(
+    args, *, has_cuda: bool | None = None, have_te: bool | None = None
+) -> None:
     """Check and resolve our flags on the freshly parsed namespace (no side effects besides
     filling the 'auto' defaults). Raises :class:`FlagError` naming the flag."""
     has_cuda = _has_cuda() if has_cuda is None else has_cuda
@@ -246,9 +252,7 @@ def validate_stable_latentmoe_args(args, *, has_cuda: Optional[bool] = None,
         impl = "transformer_engine" if (have_te and has_cuda) else "local"
         args.transformer_impl = impl
     if impl not in BACKENDS:
-        raise FlagError(
-            f"--transformer-impl {impl}: this model supports {' or '.join(BACKENDS)}"
-        )
+        raise FlagError(f"--transformer-impl {impl}: this model supports {' or '.join(BACKENDS)}")
     if impl == "transformer_engine" and not have_te:
         raise FlagError(
             "--transformer-impl transformer_engine: Transformer Engine is not installed "

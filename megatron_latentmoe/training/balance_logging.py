@@ -31,14 +31,14 @@ import json
 import math
 import os
 import time
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_latentmoe.moe.balance_step import (
-    finalize_model_grads_with_quantile_balancing,
     balance_routers,
+    finalize_model_grads_with_quantile_balancing,
 )
 
 # Columns of one layer row of the gathered tensor (before the optional per-expert loads).
@@ -46,7 +46,7 @@ _PRESENT, _MAX_VIO, _MIN_LOAD, _MAX_LOAD, _UNDER_HALF, _DEAD, _TOKENS = range(7)
 _FIXED_COLUMNS = 7
 
 
-def _mean(values: List[float]) -> float:
+def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -79,12 +79,12 @@ class BalanceLogger:
         log_interval: int = 1,
         tensorboard_log_interval: int = 1,
         loads_interval: int = 1,
-        jsonl_path: Optional[str] = None,
+        jsonl_path: str | None = None,
         writer_fn: Callable[[], object] = lambda: None,
         per_layer_tensorboard: bool = False,
-        is_logging_rank: Optional[bool] = None,
-        dp_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None,
-        pp_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None,
+        is_logging_rank: bool | None = None,
+        dp_group: Callable[[], dist.ProcessGroup | None] = lambda: None,
+        pp_group: Callable[[], dist.ProcessGroup | None] = lambda: None,
         is_last_stage: Callable[[], bool] = lambda: True,
     ) -> None:
         self.num_layers = num_layers
@@ -98,17 +98,19 @@ class BalanceLogger:
         self.writer_fn = writer_fn
         self.per_layer_tensorboard = per_layer_tensorboard
         if is_logging_rank is None:
-            is_logging_rank = (not dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
+            is_logging_rank = (
+                not dist.is_initialized()
+            ) or dist.get_rank() == dist.get_world_size() - 1
         self.is_logging_rank = is_logging_rank
         self._dp_group = dp_group
         self._pp_group = pp_group
         self._is_last_stage = is_last_stage
         self._loss = None  # float64 [sum, count] of this step's training micro-batches
-        self._last_step_end: Optional[float] = None
-        self._first_forward: Optional[float] = None
+        self._last_step_end: float | None = None
+        self._first_forward: float | None = None
         self._excluded_s = 0.0  # time between step ends spent outside training (checkpoints, eval)
         self._printed_first = False
-        self.history: List[dict] = []  # records of this process (logging rank), for summaries
+        self.history: list[dict] = []  # records of this process (logging rank), for summaries
 
     # ------------------------------------------------------------------ fed by the forward step
     def mark_forward(self) -> None:
@@ -119,7 +121,9 @@ class BalanceLogger:
     def add_loss(self, report: torch.Tensor) -> None:
         """Add one training micro-batch's ``[loss sum, token count]`` (detached)."""
         report = report.detach().to(torch.float64).view(-1)[:2]
-        self._loss = report.clone() if self._loss is None else self._loss + report.to(self._loss.device)
+        self._loss = (
+            report.clone() if self._loss is None else self._loss + report.to(self._loss.device)
+        )
 
     def excluded(self, fn: Callable) -> Callable:
         """``fn`` wrapped so that its run time (a checkpoint save, an evaluation) does not count
@@ -136,7 +140,7 @@ class BalanceLogger:
 
     # ------------------------------------------------------------------ step end
     @torch.no_grad()
-    def on_step_end(self, model_chunks, routers=None) -> Optional[dict]:
+    def on_step_end(self, model_chunks, routers=None) -> dict | None:
         """Gather this step's metrics (collective over DP and PP groups) and write them."""
         now = time.time()
         start = self._last_step_end if self._last_step_end is not None else self._first_forward
@@ -185,7 +189,9 @@ class BalanceLogger:
         self._write(record)
         return record
 
-    def _record(self, iteration: int, table: torch.Tensor, with_loads: bool, step_time: float) -> dict:
+    def _record(
+        self, iteration: int, table: torch.Tensor, with_loads: bool, step_time: float
+    ) -> dict:
         layers = []
         for index in range(self.num_layers):
             row = table[index]
@@ -206,7 +212,9 @@ class BalanceLogger:
         loss_sum, loss_count = float(table[-1, 1]), float(table[-1, 2])
         loss = loss_sum / loss_count if loss_count > 0 else float("nan")
         vios = [entry["max_vio"] for entry in layers]
-        tokens_per_s = self.tokens_per_step / step_time if step_time and step_time > 0 else float("nan")
+        tokens_per_s = (
+            self.tokens_per_step / step_time if step_time and step_time > 0 else float("nan")
+        )
         record = {
             "iteration": iteration,
             "loss": loss,
@@ -232,8 +240,14 @@ class BalanceLogger:
             print(format_record(record), flush=True)
         writer = self.writer_fn()
         if writer is not None and iteration % self.tensorboard_log_interval == 0:
-            for key in ("maxvio_mean", "maxvio_max", "min_load", "max_load", "frac_under_half",
-                        "num_dead"):
+            for key in (
+                "maxvio_mean",
+                "maxvio_max",
+                "min_load",
+                "max_load",
+                "frac_under_half",
+                "num_dead",
+            ):
                 value = record[key]
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     writer.add_scalar(f"balance/{key}", value, iteration)
@@ -241,7 +255,9 @@ class BalanceLogger:
                 writer.add_scalar("throughput/tokens_per_s", record["tokens_per_s"], iteration)
             if self.per_layer_tensorboard:
                 for entry in record["layers"]:
-                    writer.add_scalar(f"balance/maxvio_layer_{entry['layer']}", entry["max_vio"], iteration)
+                    writer.add_scalar(
+                        f"balance/maxvio_layer_{entry['layer']}", entry["max_vio"], iteration
+                    )
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
@@ -251,7 +267,11 @@ def format_record(record: dict) -> str:
     """The one-line stdout summary of a step."""
 
     def num(value, fmt):
-        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+        return (
+            "n/a"
+            if value is None or (isinstance(value, float) and math.isnan(value))
+            else format(value, fmt)
+        )
 
     return (
         f" [balance] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
@@ -268,14 +288,19 @@ def _device_of(model_chunks) -> torch.device:
     return torch.device("cpu")
 
 
-def make_finalize_model_grads_func(balance_logger: Optional[BalanceLogger]):
+def make_finalize_model_grads_func(balance_logger: BalanceLogger | None):
     """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, the balance update,
     logging."""
 
-    def finalize_model_grads_and_log_balance(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    def finalize_model_grads_and_log_balance(
+        model, num_tokens=None, pg_collection=None, force_all_reduce=False
+    ):
         routers = balance_routers(model) if balance_logger is not None else None
         finalize_model_grads_with_quantile_balancing(
-            model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+            model,
+            num_tokens=num_tokens,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
         )
         if balance_logger is not None:
             balance_logger.on_step_end(model, routers=routers)
@@ -283,7 +308,7 @@ def make_finalize_model_grads_func(balance_logger: Optional[BalanceLogger]):
     return finalize_model_grads_and_log_balance
 
 
-def default_jsonl_path(args) -> Optional[str]:
+def default_jsonl_path(args) -> str | None:
     """``--balance-log-file`` resolved: explicit path, 'none', or <save>/balance.jsonl."""
     value = getattr(args, "balance_log_file", None)
     if value is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from functools import partial
 
-
 import torch
 
 _BALANCE_LOGGER = None
@@ -68,7 +67,9 @@ def gpt_dataset_config_from_args(args, tokenizer):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's datasets provider: GPT datasets from ``--data-path`` (or mock data)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args, get_tokenizer, print_rank_0
 
@@ -111,20 +112,31 @@ def get_batch(data_iterator, *, pre_process: bool, config=None):
         attention_mask = attention_mask.to(device, non_blocking=True)
     padding_mask = (loss_mask == 0) if has_padding else None
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if has_padding and not pre_process and config is not None and config.sequence_parallel and tp > 1:
+    if (
+        has_padding
+        and not pre_process
+        and config is not None
+        and config.sequence_parallel
+        and tp > 1
+    ):
         # GPTModel scatters the padding mask to this rank's sequence chunk only on the first
         # pipeline stage (with the embedding); later stages receive hidden states that are
         # already split, so split the mask the same way here.
         seq = padding_mask.shape[1]
         chunk = seq // tp
         rank = parallel_state.get_tensor_model_parallel_rank()
-        padding_mask = padding_mask[:, rank * chunk:(rank + 1) * chunk].contiguous()
+        padding_mask = padding_mask[:, rank * chunk : (rank + 1) * chunk].contiguous()
     return tokens, labels, loss_mask, attention_mask, position_ids, padding_mask
 
 
 # ------------------------------------------------------------------------------------ loss
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, training: bool = True,
-              check_nan: bool = False):
+def loss_func(
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    *,
+    training: bool = True,
+    check_nan: bool = False,
+):
     """Sum of token losses over unmasked tokens, their count, and the report pair."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 from megatron.core.pipeline_parallel.utils import (
     is_pp_first_stage,
@@ -57,7 +57,9 @@ def _default_finalize_hook():
 class StableLatentMoEModelConfig(GPTModelConfig):
     """``GPTModelConfig`` for Stable LatentMoE: ``transformer`` is a ``StableLatentMoETransformerConfig``."""
 
-    builder: ClassVar[str] = "megatron_latentmoe.training.model_provider.StableLatentMoEModelBuilder"
+    builder: ClassVar[str] = (
+        "megatron_latentmoe.training.model_provider.StableLatentMoEModelBuilder"
+    )
     latentmoe_backend: str = "local"
     """Layer-spec backend of ``build_gpt_model``: ``local`` or ``te``."""
 
@@ -68,9 +70,9 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
     def build_model(
         self,
         pg_collection: ProcessGroupCollection,
-        pre_process: Optional[bool] = None,
-        post_process: Optional[bool] = None,
-        vp_stage: Optional[int] = None,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        vp_stage: int | None = None,
     ):
         cfg = self._model_config
         transformer = cfg.transformer
@@ -83,13 +85,13 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
             )
         vp_size = transformer.virtual_pipeline_model_parallel_size
         if pre_process is None:
-            pre_process = is_vp_first_stage(vp_stage=vp_stage, vp_size=vp_size) and is_pp_first_stage(
-                pg_collection.pp
-            )
+            pre_process = is_vp_first_stage(
+                vp_stage=vp_stage, vp_size=vp_size
+            ) and is_pp_first_stage(pg_collection.pp)
         if post_process is None:
-            post_process = is_vp_last_stage(vp_stage=vp_stage, vp_size=vp_size) and is_pp_last_stage(
-                pg_collection.pp
-            )
+            post_process = is_vp_last_stage(
+                vp_stage=vp_stage, vp_size=vp_size
+            ) and is_pp_last_stage(pg_collection.pp)
         if transformer.finalize_model_grads_func is None:
             transformer.finalize_model_grads_func = _FINALIZE_HOOK or _default_finalize_hook()
         model = build_gpt_model(
@@ -105,9 +107,11 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
             pg_collection=pg_collection,
         )
         if use_legacy_names_of(model, _resume_checkpoint_keys()) and _rank() == 0:
-            print(f"[model_provider] the checkpoint to load names the latent norm "
-                  f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name",
-                  flush=True)
+            print(
+                f"[model_provider] the checkpoint to load names the latent norm "
+                f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name",
+                flush=True,
+            )
         return model
 
 
@@ -125,7 +129,9 @@ def _resume_checkpoint_keys() -> list[str]:
         return []
     load = getattr(args, "load", None)
     tracker = os.path.join(load or "", "latest_checkpointed_iteration.txt")
-    if not (load and getattr(args, "ckpt_format", None) == "torch_dist" and os.path.isfile(tracker)):
+    if not (
+        load and getattr(args, "ckpt_format", None) == "torch_dist" and os.path.isfile(tracker)
+    ):
         return []
     with open(tracker) as f:
         text = f.read().strip()
@@ -150,12 +156,15 @@ def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:
 
     try:
         config = core_transformer_config_from_args(
-            args, config_class=StableLatentMoETransformerConfig)
+            args, config_class=StableLatentMoETransformerConfig
+        )
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
     except ValueError as err:  # Megatron's own TransformerConfig checks
         raise FlagError(str(err)) from None
-    if not isinstance(config, StableLatentMoETransformerConfig):  # Megatron swapped the class (MLA, ...)
+    if not isinstance(
+        config, StableLatentMoETransformerConfig
+    ):  # Megatron swapped the class (MLA, ...)
         raise FlagError(
             f"these flags select Megatron's {type(config).__name__}, which Stable LatentMoE "
             "does not support (remove --multi-latent-attention / heterogeneous layers)"
@@ -163,12 +172,16 @@ def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:
     return config
 
 
-def model_config_from_args(args, transformer: StableLatentMoETransformerConfig) -> StableLatentMoEModelConfig:
+def model_config_from_args(
+    args, transformer: StableLatentMoETransformerConfig
+) -> StableLatentMoEModelConfig:
     """The ``cfg_container.model`` for ``pretrain`` (needs the tokenizer: run after
     ``set_global_variables``, which sets ``args.padded_vocab_size``)."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    model_cfg = gpt_config_from_args(args, config=transformer, model_config_cls=StableLatentMoEModelConfig)
+    model_cfg = gpt_config_from_args(
+        args, config=transformer, model_config_cls=StableLatentMoEModelConfig
+    )
     model_cfg.latentmoe_backend = BACKENDS[args.transformer_impl]
     return model_cfg
 
@@ -176,15 +189,19 @@ def model_config_from_args(args, transformer: StableLatentMoETransformerConfig) 
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
-    config: Optional[StableLatentMoETransformerConfig] = None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
+    vp_stage: int | None = None,
+    config: StableLatentMoETransformerConfig | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
 ):
     """Megatron ``model_provider`` (``get_model`` path): one stage from the global args."""
     from megatron.training import get_args
 
     args = get_args()
-    transformer = config if isinstance(config, StableLatentMoETransformerConfig) else transformer_config_from_args(args)
+    transformer = (
+        config
+        if isinstance(config, StableLatentMoETransformerConfig)
+        else transformer_config_from_args(args)
+    )
     model_cfg = model_config_from_args(args, transformer)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()

@@ -23,7 +23,6 @@ import os
 import re
 import sys
 import time
-from typing import List, Optional
 
 PROG = "pretrain_stable_latentmoe"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -56,8 +55,9 @@ def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     return os.path.isdir(path) and any(os.scandir(path))
 
 
-def repair_checkpoint_tracker(load_dir: str, ckpt_format: str = "torch_dist", *,
-                              write: bool = True) -> Optional[int]:
+def repair_checkpoint_tracker(
+    load_dir: str, ckpt_format: str = "torch_dist", *, write: bool = True
+) -> int | None:
     """Make ``latest_checkpointed_iteration.txt`` name the newest COMPLETE checkpoint.
 
     Megatron writes the tracker only after every rank finished a save, so a kill during a save
@@ -90,7 +90,9 @@ def repair_checkpoint_tracker(load_dir: str, ckpt_format: str = "torch_dist", *,
         return named
     if not complete:
         return None
-    best = complete[-1] if named is None else max([i for i in complete if i <= named] or complete[-1:])
+    best = (
+        complete[-1] if named is None else max([i for i in complete if i <= named] or complete[-1:])
+    )
     if not write:
         return best
     tmp = f"{tracker}.tmp{os.getpid()}"
@@ -160,15 +162,21 @@ def _plan_layout_change(args, saved) -> None:
     keep = _reshardable_optim(saved) and _reshardable_optim(args)
 
     def on_load(iteration: int, opt_param_scheduler) -> None:
-        what = f"checkpoint layout {before} -> this run's {now}: loaded the resharded model, QB bias"
+        what = (
+            f"checkpoint layout {before} -> this run's {now}: loaded the resharded model, QB bias"
+        )
         if keep and not args.no_load_optim:
             _print0(f"[{PROG}] {what} and optimizer state at iteration {iteration}")
             return
         if opt_param_scheduler is not None and iteration > 0:
             opt_param_scheduler.step(increment=iteration * args.global_batch_size)
-        why = "--no-load-optim" if keep else (
-            "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
-            f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
+        why = (
+            "--no-load-optim"
+            if keep
+            else (
+                "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
+                f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
+            )
         )
         _print0(
             f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over ({why}); "
@@ -178,7 +186,7 @@ def _plan_layout_change(args, saved) -> None:
     install_layout_change_load(args, keep, on_load)
 
 
-def main(argv: Optional[List[str]] = None, check_only: bool = False) -> int:
+def main(argv: list[str] | None = None, check_only: bool = False) -> int:
     """Run pretraining; returns the process exit code (2: bad flags).
 
     ``argv`` (default: ``sys.argv[1:]``) replaces ``sys.argv`` for the run: Megatron reads it.
@@ -239,14 +247,17 @@ def _main(check_only: bool = False) -> int:
         validate_stable_latentmoe_args(args, has_cuda=has_cuda)
         if uses_default_data(args):
             default_data_dir = (
-                os.path.join(args.data_cache_path, "default_data") if args.data_cache_path
+                os.path.join(args.data_cache_path, "default_data")
+                if args.data_cache_path
                 else str(default_cache_dir())
             )
             args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
             if args.split is None:
                 args.split = "98,2,0"
         if apply_default_tokenizer(args, default_tokenizer_dir()):
-            _print0(f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})")
+            _print0(
+                f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})"
+            )
         cpu_notes = [] if has_cuda else cpu_training_defaults(args)
         if not has_cuda:
             apply_cpu_training_compat()

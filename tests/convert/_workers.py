@@ -40,8 +40,14 @@ TEST_ARCH = dict(
 
 # Homogeneous variant (no dense layer: Megatron stacks the layers on one checkpoint axis), with
 # tied embeddings and SwiGLU, to cover the other key layout and config paths.
-HOMOGENEOUS_ARCH = dict(TEST_ARCH, num_layers=2, first_k_dense_replace=0, tie_embeddings=True,
-                        hidden_act="swiglu", moe_router_topk_scaling_factor=2.5)
+HOMOGENEOUS_ARCH = dict(
+    TEST_ARCH,
+    num_layers=2,
+    first_k_dense_replace=0,
+    tie_embeddings=True,
+    hidden_act="swiglu",
+    moe_router_topk_scaling_factor=2.5,
+)
 
 SEED = 1234
 INIT_STD = 0.12
@@ -62,13 +68,20 @@ def _build(a: ModelArch, tp=1, pp=1, ep=1, etp=1):
     from megatron_latentmoe.model import build_gpt_model
 
     config = a.to_megatron_config(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1, init_method_std=INIT_STD,
-        pipeline_dtype=torch.float32 if pp > 1 else None)
-    model = build_gpt_model(config, **a.builder_kwargs(),
-                            pre_process=ps.is_pipeline_first_stage(),
-                            post_process=ps.is_pipeline_last_stage())
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        init_method_std=INIT_STD,
+        pipeline_dtype=torch.float32 if pp > 1 else None,
+    )
+    model = build_gpt_model(
+        config,
+        **a.builder_kwargs(),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     return model
 
 
@@ -78,7 +91,9 @@ def _randomise(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("layernorm.weight", "routed_expert_norm.weight", "layer_norm_weight")):
+            if name.endswith(
+                ("layernorm.weight", "routed_expert_norm.weight", "layer_norm_weight")
+            ):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
@@ -88,8 +103,11 @@ def _randomise(model, seed: int) -> None:
 
 
 def _full_state(model) -> dict:
-    return {k: v.clone() for k, v in model.state_dict().items()
-            if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    return {
+        k: v.clone()
+        for k, v in model.state_dict().items()
+        if torch.is_tensor(v) and not k.endswith("_extra_state")
+    }
 
 
 def _save(model, a: ModelArch, path: str, extra_common=None, metadata=None) -> None:
@@ -107,7 +125,9 @@ def _save(model, a: ModelArch, path: str, extra_common=None, metadata=None) -> N
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    sharded = model.sharded_state_dict(metadata=metadata) if metadata else model.sharded_state_dict()
+    sharded = (
+        model.sharded_state_dict(metadata=metadata) if metadata else model.sharded_state_dict()
+    )
     state = {"model": sharded, **arch_common_state(a), **(extra_common or {})}
     dist_checkpointing.save(state, path)
     torch.distributed.barrier()
@@ -151,10 +171,14 @@ def make_reference(rank, world, out_dir: str) -> dict:
     full = _full_state(model)
     torch.save(full, os.path.join(out_dir, "full.pt"))
     _save(model, a, os.path.join(out_dir, "ck_single"))
-    _save(model, a, os.path.join(out_dir, "ck_singleton"), metadata={"singleton_local_shards": True})
+    _save(
+        model, a, os.path.join(out_dir, "ck_singleton"), metadata={"singleton_local_shards": True}
+    )
     # the dense+MoE model again, as a bf16 checkpoint (params bf16, the QB bias stays fp32)
     bf16 = _build(a)
-    bf16.load_state_dict({**full, **{k: v for k, v in bf16.state_dict().items() if k.endswith("_extra_state")}})
+    bf16.load_state_dict(
+        {**full, **{k: v for k, v in bf16.state_dict().items() if k.endswith("_extra_state")}}
+    )
     bf16 = bf16.to(torch.bfloat16)
     for name, buf in bf16.named_buffers():
         if name.endswith("expert_bias"):
@@ -170,10 +194,14 @@ def make_reference(rank, world, out_dir: str) -> dict:
     hpath = os.path.join(out_dir, "ck_homog")
     _save(hm, h, hpath)
     export_checkpoint(hpath, os.path.join(out_dir, "hf_homog"), progress=False)
-    import_checkpoint(os.path.join(out_dir, "hf_homog"), os.path.join(out_dir, "mg_homog"), progress=False)
+    import_checkpoint(
+        os.path.join(out_dir, "hf_homog"), os.path.join(out_dir, "mg_homog"), progress=False
+    )
     fresh = _build(h)
     # raise_all: the imported checkpoint has exactly the keys Megatron asks for, no more, no less
-    bad_homog = _load_and_diff(fresh, os.path.join(out_dir, "mg_homog", "release"), hfull, strict="raise_all")
+    bad_homog = _load_and_diff(
+        fresh, os.path.join(out_dir, "mg_homog", "release"), hfull, strict="raise_all"
+    )
     ps.destroy_model_parallel()
     return {"bad_homog": bad_homog, **legacy_names}
 
@@ -198,10 +226,12 @@ def _save_with_old_norm_name(model, a: ModelArch, path: str, full: dict) -> dict
         plain_load = "loaded"
     except Exception as e:  # noqa: BLE001 - recorded; the test asserts it did not load
         plain_load = type(e).__name__
-    return {"old_names_keys": sorted(k for k in keys if "latent_norm" in k or NORM_NAME in k),
-            "old_names_detected": legacy,
-            "bad_old_names": _load_and_diff(fresh, path, full, strict="raise_all"),
-            "old_names_without_detection": plain_load}
+    return {
+        "old_names_keys": sorted(k for k in keys if "latent_norm" in k or NORM_NAME in k),
+        "old_names_detected": legacy,
+        "bad_old_names": _load_and_diff(fresh, path, full, strict="raise_all"),
+        "old_names_without_detection": plain_load,
+    }
 
 
 def save_and_load(rank, world, layouts: dict, checkpoints: list, out_dir: str) -> dict:
@@ -217,17 +247,28 @@ def save_and_load(rank, world, layouts: dict, checkpoints: list, out_dir: str) -
     a = arch("main")
     out = {}
     for name, lay in layouts.items():
-        initialize_parallel_cpu(tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"],
-                                expert_model_parallel_size=lay["ep"], expert_tensor_parallel_size=lay["etp"],
-                                seed=SEED)
+        initialize_parallel_cpu(
+            tensor_model_parallel_size=lay["tp"],
+            pipeline_model_parallel_size=lay["pp"],
+            expert_model_parallel_size=lay["ep"],
+            expert_tensor_parallel_size=lay["etp"],
+            seed=SEED,
+        )
         model = _build(a, **lay)
-        missing, unexpected = model.load_state_dict(shard_state_dict_for_rank(full, model), strict=False)
-        assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
+        missing, unexpected = model.load_state_dict(
+            shard_state_dict_for_rank(full, model), strict=False
+        )
+        assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (
+            missing,
+            unexpected,
+        )
         _save(model, a, os.path.join(out_dir, f"ck_{name}"))
         with torch.no_grad():  # make sure the loads below really overwrite the weights
             for p in model.parameters():
                 p.zero_()
-        out[name] = {os.path.basename(os.path.dirname(path)): _load_and_diff(model, path, full, strict)
-                     for path, strict in checkpoints}
+        out[name] = {
+            os.path.basename(os.path.dirname(path)): _load_and_diff(model, path, full, strict)
+            for path, strict in checkpoints
+        }
         ps.destroy_model_parallel()
     return out

@@ -51,17 +51,38 @@ def workspace(tmp_path_factory) -> Workspace:
     from megatron_latentmoe.convert import export_checkpoint, import_checkpoint
 
     ws = Workspace(str(tmp_path_factory.mktemp("convert")))
-    ws.results["reference"] = _timed(ws, "1 rank", run_distributed, _workers.make_reference, 1, ws.root,
-                                     timeout=600)[0]
-    ws.results["export_main"] = _timed(ws, "export", export_checkpoint, ws.path("ck_single"), ws.path("hf_main"),
-                                       max_shard_size=MAX_SHARD, progress=False)
+    ws.results["reference"] = _timed(
+        ws, "1 rank", run_distributed, _workers.make_reference, 1, ws.root, timeout=600
+    )[0]
+    ws.results["export_main"] = _timed(
+        ws,
+        "export",
+        export_checkpoint,
+        ws.path("ck_single"),
+        ws.path("hf_main"),
+        max_shard_size=MAX_SHARD,
+        progress=False,
+    )
     # HF -> Megatron once, layout-free; loaded below into every layout above
-    ws.results["import_rt"] = import_checkpoint(ws.path("hf_main"), ws.path("mg_rt"), progress=False)
+    ws.results["import_rt"] = import_checkpoint(
+        ws.path("hf_main"), ws.path("mg_rt"), progress=False
+    )
     # the import writes exactly the keys Megatron asks for: load it with its strictest check
     imported = [(ws.path("mg_rt", "release"), "raise_all")]
     for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
-        ws.results[f"load_{world}"] = _timed(ws, f"{world} ranks", run_distributed, _workers.save_and_load,
-                                             world, layouts, imported, ws.root, timeout=600)
+        ws.results[f"load_{world}"] = _timed(
+            ws,
+            f"{world} ranks",
+            run_distributed,
+            _workers.save_and_load,
+            world,
+            layouts,
+            imported,
+            ws.root,
+            timeout=600,
+        )
     for name in (*LAYOUTS_2, *LAYOUTS_4):
-        export_checkpoint(ws.path(f"ck_{name}"), ws.path(f"hf_{name}"), max_shard_size=MAX_SHARD, progress=False)
+        export_checkpoint(
+            ws.path(f"ck_{name}"), ws.path(f"hf_{name}"), max_shard_size=MAX_SHARD, progress=False
+        )
     return ws

@@ -14,14 +14,26 @@ import torch
 
 from megatron_latentmoe.convert import ConversionError, export_checkpoint, import_checkpoint
 
-
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MEGATRON_CFG = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-                    kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-                    moe_latent_size=32, moe_shared_expert_intermediate_size=64, first_k_dense_replace=1,
-                    hidden_act="situ", vocab_size=4096, max_sequence_length=256)
+MEGATRON_CFG = dict(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_latent_size=32,
+    moe_shared_expert_intermediate_size=64,
+    first_k_dense_replace=1,
+    hidden_act="situ",
+    vocab_size=4096,
+    max_sequence_length=256,
+)
 
 
 def no_leftovers(parent) -> bool:
@@ -46,7 +58,11 @@ def copy_ckpt(workspace, tmp_path, name="ck_single"):
 def test_missing_or_not_a_checkpoint(tmp_path):
     export_fails(tmp_path / "nope", tmp_path / "out", r"checkpoint '.*nope' does not exist")
     (tmp_path / "empty").mkdir()
-    export_fails(tmp_path / "empty", tmp_path / "out", r"'.*empty' is not a torch_dist checkpoint: no '.metadata'")
+    export_fails(
+        tmp_path / "empty",
+        tmp_path / "out",
+        r"'.*empty' is not a torch_dist checkpoint: no '.metadata'",
+    )
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "latest_checkpointed_iteration.txt").write_text("100")
     export_fails(tmp_path / "root", tmp_path / "out", r"the tracker names 'iter_0000100'")
@@ -74,15 +90,24 @@ def test_truncated_data_file_fails_midway_without_output(workspace, tmp_path):
 
 
 # ------------------------------------------------------------------------ config vs the weights
-@pytest.mark.parametrize("change,match", [
-    (dict(moe_latent_size=16), r"local_experts.0.linear_fc1.weight .*shape \(64, 32\), config implies \(64, 16\)"),
-    (dict(num_layers=5), r"missing tensor\(s\) .*decoder\.layers\.4\."),
-    (dict(num_layers=3), r"unexpected tensor\(s\).*decoder\.layers\.3\."),
-    (dict(num_moe_experts=16), r"stacked axes \(8,\) but the config implies \(16,\)"),
-    (dict(num_query_groups=4), r"linear_qkv.weight.*shape \(128, 64\).*implies \(192, 64\)"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not allowed"),
-    (dict(first_k_dense_replace=2), r"missing tensor\(s\).*decoder.layers.1.mlp.linear_fc1.weight"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (
+            dict(moe_latent_size=16),
+            r"local_experts.0.linear_fc1.weight .*shape \(64, 32\), config implies \(64, 16\)",
+        ),
+        (dict(num_layers=5), r"missing tensor\(s\) .*decoder\.layers\.4\."),
+        (dict(num_layers=3), r"unexpected tensor\(s\).*decoder\.layers\.3\."),
+        (dict(num_moe_experts=16), r"stacked axes \(8,\) but the config implies \(16,\)"),
+        (dict(num_query_groups=4), r"linear_qkv.weight.*shape \(128, 64\).*implies \(192, 64\)"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not allowed"),
+        (
+            dict(first_k_dense_replace=2),
+            r"missing tensor\(s\).*decoder.layers.1.mlp.linear_fc1.weight",
+        ),
+    ],
+)
 def test_config_not_matching_the_weights(workspace, tmp_path, change, match):
     cfg = tmp_path / "megatron.json"
     cfg.write_text(json.dumps(dict(MEGATRON_CFG, **change)))
@@ -92,18 +117,31 @@ def test_config_not_matching_the_weights(workspace, tmp_path, change, match):
 def test_correct_config_file_gives_the_same_export(workspace, tmp_path):
     cfg = tmp_path / "megatron.json"
     cfg.write_text(json.dumps(MEGATRON_CFG))
-    s = export_checkpoint(workspace.path("ck_single"), tmp_path / "out", config_file=str(cfg), progress=False,
-                          max_shard_size="300KB")
+    s = export_checkpoint(
+        workspace.path("ck_single"),
+        tmp_path / "out",
+        config_file=str(cfg),
+        progress=False,
+        max_shard_size="300KB",
+    )
     assert s.config_source.startswith("config file")
     for f in sorted(os.listdir(workspace.path("hf_main"))):
-        assert (tmp_path / "out" / f).read_bytes() == open(workspace.path("hf_main", f), "rb").read(), f
+        assert (tmp_path / "out" / f).read_bytes() == open(
+            workspace.path("hf_main", f), "rb"
+        ).read(), f
 
 
 def test_checkpoint_without_model_description(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"embedding.word_embeddings.weight": torch.zeros(4, 4)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
-    export_fails(tmp_path / "ck", tmp_path / "out", r"carries no model description.*--megatron-config")
+    dcp.save(
+        {"embedding.word_embeddings.weight": torch.zeros(4, 4)},
+        checkpoint_id=str(tmp_path / "ck"),
+        no_dist=True,
+    )
+    export_fails(
+        tmp_path / "ck", tmp_path / "out", r"carries no model description.*--megatron-config"
+    )
 
 
 # ----------------------------------------------------------------------------------- output dir
@@ -111,7 +149,9 @@ def test_existing_output_needs_overwrite(workspace, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    with pytest.raises(ConversionError, match=r"output directory '.*out' exists and is not empty; pass --overwrite"):
+    with pytest.raises(
+        ConversionError, match=r"output directory '.*out' exists and is not empty; pass --overwrite"
+    ):
         export_checkpoint(workspace.path("ck_single"), out, progress=False)
     assert (out / "keep.txt").read_text() == "precious"
     # with overwrite, but failing (corrupt checkpoint): the old output stays as it was
@@ -122,7 +162,11 @@ def test_existing_output_needs_overwrite(workspace, tmp_path):
     assert (out / "keep.txt").read_text() == "precious" and no_leftovers(tmp_path)
     # with overwrite and good input: replaced
     export_checkpoint(workspace.path("ck_single"), out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file() and no_leftovers(tmp_path)
+    assert (
+        not (out / "keep.txt").exists()
+        and (out / "config.json").is_file()
+        and no_leftovers(tmp_path)
+    )
     with pytest.raises(ConversionError, match="exists and is not empty"):
         import_checkpoint(workspace.path("hf_main"), out, progress=False)
 
@@ -147,13 +191,19 @@ def test_import_bad_hf_input(workspace, tmp_path):
     out = tmp_path / "mg"
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=16)))
-    _import_fails(hf, out, r"experts.0.w1.weight' shape=\(32, 32\) is not allowed: \(16, 32\), "
-                  r"what the model config implies")
+    _import_fails(
+        hf,
+        out,
+        r"experts.0.w1.weight' shape=\(32, 32\) is not allowed: \(16, 32\), "
+        r"what the model config implies",
+    )
     (hf / "config.json").write_text(json.dumps(dict(cfg, hidden_act="relu")))
     _import_fails(hf, out, r"hidden_act='relu' is not allowed")
     (hf / "config.json").write_text(json.dumps(cfg))
     index = json.loads((hf / "model.safetensors.index.json").read_text())
-    save_file({"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, str(hf / "extra.safetensors"))
+    save_file(
+        {"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, str(hf / "extra.safetensors")
+    )
     index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = "extra.safetensors"
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     _import_fails(hf, out, r"unexpected tensor\(s\).*model.layers.9.mlp.up_proj.weight")
@@ -176,29 +226,57 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     cfg = tmp_path / "megatron.json"
     cfg.write_text(json.dumps(dict(MEGATRON_CFG, num_layers=3)))
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), "export", "--checkpoint",
-         workspace.path("ck_single"), "--output", str(tmp_path / "out"), "--megatron-config", str(cfg)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "convert_checkpoint.py"),
+            "export",
+            "--checkpoint",
+            workspace.path("ck_single"),
+            "--output",
+            str(tmp_path / "out"),
+            "--megatron-config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "error: checkpoint" in proc.stderr and "decoder.layers.3." in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--verify-batch", "0"], r"batch \(--verify-batch\)=0 is not allowed: an integer >= 1"),
-    (["--verify-tokens", "-1"], r"new_tokens \(--verify-tokens\)=-1 is not allowed"),
-    (["--verify-atol", "nan"], r"atol \(--verify-atol\)=nan is not allowed"),
-    (["--summary-json", "/nonexistent/s.json"], r"--summary-json '/nonexistent/s.json': directory"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--verify-batch", "0"], r"batch \(--verify-batch\)=0 is not allowed: an integer >= 1"),
+        (["--verify-tokens", "-1"], r"new_tokens \(--verify-tokens\)=-1 is not allowed"),
+        (["--verify-atol", "nan"], r"atol \(--verify-atol\)=nan is not allowed"),
+        (
+            ["--summary-json", "/nonexistent/s.json"],
+            r"--summary-json '/nonexistent/s.json': directory",
+        ),
+    ],
+)
 def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, argv, match):
     import re
 
     from megatron_latentmoe.convert import cli
 
     out = tmp_path / "out"
-    code = cli.main(["export", "--checkpoint", workspace.path("ck_single"), "--output", str(out),
-                     "--no-progress", "--verify", *argv])
+    code = cli.main(
+        [
+            "export",
+            "--checkpoint",
+            workspace.path("ck_single"),
+            "--output",
+            str(out),
+            "--no-progress",
+            "--verify",
+            *argv,
+        ]
+    )
     assert code == cli.EXIT_BAD_INPUT
     assert re.search(match, capsys.readouterr().err)
     assert not out.exists(), "the export ran although an option was bad"
@@ -207,7 +285,9 @@ def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, ar
 def test_verify_needs_an_hf_directory(workspace, tmp_path, capsys):
     from megatron_latentmoe.convert import cli
 
-    code = cli.main(["verify", "--checkpoint", workspace.path("ck_single"), "--hf", str(tmp_path / "nope")])
+    code = cli.main(
+        ["verify", "--checkpoint", workspace.path("ck_single"), "--hf", str(tmp_path / "nope")]
+    )
     assert code == cli.EXIT_BAD_INPUT and "has no config.json" in capsys.readouterr().err
 
 
@@ -217,18 +297,33 @@ def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, m
 
     written = []
     original = export_module.ShardedSafetensorsWriter.write
-    monkeypatch.setattr(export_module.ShardedSafetensorsWriter, "write",
-                        lambda self, *a: written.append(a[0]) or original(self, *a))
-    export_fails(workspace.path("ck_single"), tmp_path / "out", r"tokenizer directory '.*nope' does not exist",
-                 tokenizer_dir=str(tmp_path / "nope"))
+    monkeypatch.setattr(
+        export_module.ShardedSafetensorsWriter,
+        "write",
+        lambda self, *a: written.append(a[0]) or original(self, *a),
+    )
+    export_fails(
+        workspace.path("ck_single"),
+        tmp_path / "out",
+        r"tokenizer directory '.*nope' does not exist",
+        tokenizer_dir=str(tmp_path / "nope"),
+    )
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "readme.txt").write_text("not a tokenizer")
-    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*junk' has no tokenizer files",
-                 tokenizer_dir=str(tmp_path / "junk"))
+    export_fails(
+        workspace.path("ck_single"),
+        tmp_path / "out",
+        r"'.*junk' has no tokenizer files",
+        tokenizer_dir=str(tmp_path / "junk"),
+    )
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
-    export_fails(workspace.path("ck_single"), tmp_path / "out", r"'.*broken' does not load as an HF tokenizer",
-                 tokenizer_dir=str(tmp_path / "broken"))
+    export_fails(
+        workspace.path("ck_single"),
+        tmp_path / "out",
+        r"'.*broken' does not load as an HF tokenizer",
+        tokenizer_dir=str(tmp_path / "broken"),
+    )
     assert written == []
 
 
@@ -238,7 +333,9 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(workspace, tmp_path):
     from ._workers import arch
 
     small = __import__("dataclasses").replace(arch(), vocab_size=1000)
-    with pytest.raises(ConversionError, match=r"has 4096 tokens, more than the model's vocab_size=1000"):
+    with pytest.raises(
+        ConversionError, match=r"has 4096 tokens, more than the model's vocab_size=1000"
+    ):
         prepare_hf_metadata(small, torch.float32, default_tokenizer_dir())
 
 
@@ -258,11 +355,17 @@ def test_default_tokenizer_is_the_one_the_run_trained_with(tmp_path):
     assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", str(mine))) == str(mine)
     other_clone = "/elsewhere/clone/megatron_latentmoe/data/assets/tokenizer"
     assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", other_clone)) == shipped
-    assert resolve_tokenizer_dir(str(mine), args("GPT2BPETokenizer", None)) == str(mine)  # explicit wins
+    assert resolve_tokenizer_dir(str(mine), args("GPT2BPETokenizer", None)) == str(
+        mine
+    )  # explicit wins
     assert resolve_tokenizer_dir(None, args("HuggingFaceTokenizer", "/gone")) is None
-    with pytest.raises(ConversionError, match=r"--tokenizer-model '/gone', which is not a directory here"):
+    with pytest.raises(
+        ConversionError, match=r"--tokenizer-model '/gone', which is not a directory here"
+    ):
         resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", "/gone"))
-    with pytest.raises(ConversionError, match=r"--tokenizer-type GPT2BPETokenizer .*--tokenizer DIR"):
+    with pytest.raises(
+        ConversionError, match=r"--tokenizer-type GPT2BPETokenizer .*--tokenizer DIR"
+    ):
         resolve_tokenizer_dir("default", args("GPT2BPETokenizer", "/vocab.json"))
 
 
@@ -272,10 +375,20 @@ def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (hf / name).unlink(missing_ok=True)
     tool = os.path.join(REPO, "tools", "generate_hf.py")
-    proc = subprocess.run([sys.executable, tool, str(hf)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "has no tokenizer files" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, tool, workspace.path("hf_main"), "--max-new-tokens", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, tool, str(hf)], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        proc.returncode == 2
+        and "has no tokenizer files" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
+    proc = subprocess.run(
+        [sys.executable, tool, workspace.path("hf_main"), "--max-new-tokens", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--max-new-tokens=0 is not allowed" in proc.stderr
 
 
@@ -304,8 +417,20 @@ def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoint
 
     from ._workers import arch
 
-    own_ids = __import__("dataclasses").replace(arch(), bos_token_id=5, eos_token_id=6, pad_token_id=7)
+    own_ids = __import__("dataclasses").replace(
+        arch(), bos_token_id=5, eos_token_id=6, pad_token_id=7
+    )
     _, kept, _ = prepare_hf_metadata(own_ids, torch.float32, default_tokenizer_dir())
-    assert (kept.bos_token_id, kept.eos_token_id, kept.pad_token_id) == (5, 6, 7)  # converter-written
-    _, adopted, _ = prepare_hf_metadata(own_ids, torch.float32, default_tokenizer_dir(), adopt_token_ids=True)
-    assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (0, 0, 1)  # the tokenizer's
+    assert (kept.bos_token_id, kept.eos_token_id, kept.pad_token_id) == (
+        5,
+        6,
+        7,
+    )  # converter-written
+    _, adopted, _ = prepare_hf_metadata(
+        own_ids, torch.float32, default_tokenizer_dir(), adopt_token_ids=True
+    )
+    assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (
+        0,
+        0,
+        1,
+    )  # the tokenizer's

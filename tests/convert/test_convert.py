@@ -50,7 +50,11 @@ def load_hf_tensors(directory: str) -> dict:
 
 def assert_bit_identical(a: dict, b: dict, what: str) -> None:
     assert sorted(a) == sorted(b), f"{what}: different tensor names"
-    bad = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    bad = [
+        k
+        for k in a
+        if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])
+    ]
     assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:5]}"
 
 
@@ -58,7 +62,9 @@ def assert_bit_identical(a: dict, b: dict, what: str) -> None:
 @pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
 def test_every_layout_exports_bit_identical_hf_tensors(workspace, layout):
     main = load_hf_tensors(workspace.path("hf_main"))
-    assert_bit_identical(main, load_hf_tensors(workspace.path(f"hf_{layout}")), f"export of ck_{layout}")
+    assert_bit_identical(
+        main, load_hf_tensors(workspace.path(f"hf_{layout}")), f"export of ck_{layout}"
+    )
 
 
 def test_layout_checkpoints_really_differ_in_sharding(workspace):
@@ -88,8 +94,10 @@ def test_hf_export_matches_the_model_weights(workspace):
     fc1 = full["decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"]
     assert torch.equal(hf["model.layers.2.block_sparse_moe.experts.5.w1.weight"], fc1[:32])
     assert torch.equal(hf["model.layers.2.block_sparse_moe.experts.5.w3.weight"], fc1[32:])
-    assert torch.equal(hf["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"],
-                       full["decoder.layers.1.mlp.router.expert_bias"])
+    assert torch.equal(
+        hf["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"],
+        full["decoder.layers.1.mlp.router.expert_bias"],
+    )
 
 
 # ------------------------------------------------------------------------------------ round trip
@@ -128,8 +136,12 @@ def test_import_is_layout_free(workspace):
         if stacked:
             assert sorted(c.offsets[0] for c in md.chunks) == list(range(n)), key
     args = r.common_state()["args"]
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (1, 1, 1, 1)
+    assert (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+    ) == (1, 1, 1, 1)
     with open(workspace.path("mg_rt", "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "release"
 
@@ -139,15 +151,20 @@ def test_checkpoint_with_the_old_norm_name_loads_and_exports(workspace, tmp_path
     (the model builder reads the checkpoint's keys) loads it exactly; export gives the same HF
     files as today's checkpoint of the same weights."""
     ref = workspace.results["reference"]
-    assert ref["old_names_keys"] == [f"decoder.layers.{i}.mlp.latent_norm.weight" for i in (1, 2, 3)]
+    assert ref["old_names_keys"] == [
+        f"decoder.layers.{i}.mlp.latent_norm.weight" for i in (1, 2, 3)
+    ]
     assert ref["old_names_detected"] is True and ref["bad_old_names"] == []
     assert ref["old_names_without_detection"] != "loaded"  # the old key is really missing
     from megatron_latentmoe.convert import export_checkpoint
 
-    export_checkpoint(workspace.path("ck_old_names"), tmp_path / "hf", max_shard_size=MAX_SHARD,
-                      progress=False)
+    export_checkpoint(
+        workspace.path("ck_old_names"), tmp_path / "hf", max_shard_size=MAX_SHARD, progress=False
+    )
     for f in sorted(os.listdir(workspace.path("hf_main"))):
-        assert (tmp_path / "hf" / f).read_bytes() == open(workspace.path("hf_main", f), "rb").read(), f
+        assert (tmp_path / "hf" / f).read_bytes() == open(
+            workspace.path("hf_main", f), "rb"
+        ).read(), f
 
 
 def test_homogeneous_model_round_trip(workspace):
@@ -165,25 +182,54 @@ def test_homogeneous_model_round_trip(workspace):
 def test_export_directory_contents(workspace):
     d = workspace.path("hf_main")
     names = set(os.listdir(d))
-    for f in ("config.json", "generation_config.json", "model.safetensors.index.json",
-              "configuration_stable_latentmoe.py", "modeling_stable_latentmoe.py",
-              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for f in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "configuration_stable_latentmoe.py",
+        "modeling_stable_latentmoe.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert f in names, f
     assert not [n for n in os.listdir(os.path.dirname(d)) if ".partial-" in n or ".old-" in n]
     cfg = json.load(open(os.path.join(d, "config.json")))
     a = _workers.arch("main")
     expect = {
-        "model_type": "stable_latentmoe", "hidden_act": "situ", "activation_situ_beta": 4.0,
-        "activation_situ_linear_beta": 25.0, "routed_expert_hidden_size": 32, "latent_moe_use_norm": True,
-        "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "routed_scaling_factor": 1.0,
-        "topk_method": "noaux_tc", "num_expert_group": 1, "num_experts": 8, "num_experts_per_token": 2,
-        "moe_intermediate_size": 32, "num_shared_experts": 2, "first_k_dense_replace": 1,
-        "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
+        "model_type": "stable_latentmoe",
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "num_expert_group": 1,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "moe_intermediate_size": 32,
+        "num_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
     }
     assert {k: cfg.get(k) for k in expect} == expect
-    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_stable_latentmoe.StableLatentMoEForCausalLM"
+    assert (
+        cfg["auto_map"]["AutoModelForCausalLM"]
+        == "modeling_stable_latentmoe.StableLatentMoEForCausalLM"
+    )
     assert ModelArch.from_hf_config(cfg) == a
     gen = json.load(open(os.path.join(d, "generation_config.json")))
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (0, 0, 1)
@@ -193,11 +239,16 @@ def test_export_directory_contents(workspace):
     per_shard = {}
     for name, shard in index["weight_map"].items():
         per_shard.setdefault(shard, []).append(name)
-    for shard, names_in in per_shard.items():  # only a single tensor bigger than the cap may exceed it
+    for (
+        shard,
+        names_in,
+    ) in per_shard.items():  # only a single tensor bigger than the cap may exceed it
         if len(names_in) > 1:
             assert os.path.getsize(os.path.join(d, shard)) < 300_000 + 16_000, shard
     tensors = load_hf_tensors(d)
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
     assert set(index["weight_map"]) == set(tensors)
 
 
@@ -208,7 +259,10 @@ def test_bf16_export(workspace, tmp_path):
 
     export_checkpoint(workspace.path("ck_single"), tmp_path / "cast", dtype="bf16", progress=False)
     export_checkpoint(workspace.path("ck_bf16"), tmp_path / "native", progress=False)
-    cast, native = load_hf_tensors(str(tmp_path / "cast")), load_hf_tensors(str(tmp_path / "native"))
+    cast, native = (
+        load_hf_tensors(str(tmp_path / "cast")),
+        load_hf_tensors(str(tmp_path / "native")),
+    )
     assert_bit_identical(cast, native, "bf16 exports")
     fp32 = load_hf_tensors(workspace.path("hf_main"))
     for k, t in cast.items():
@@ -238,7 +292,10 @@ def test_local_spec_checkpoints_norms_under_te_spec_names(workspace):
     keys = set(DistCheckpointReader(workspace.path("ck_single")).tensors)
     for i in range(a.num_layers):
         p = f"decoder.layers.{i}."
-        assert p + "self_attention.linear_qkv.layer_norm_weight" in keys and p + "input_layernorm.weight" not in keys
+        assert (
+            p + "self_attention.linear_qkv.layer_norm_weight" in keys
+            and p + "input_layernorm.weight" not in keys
+        )
         if a.is_moe_layer(i):
             assert p + "pre_mlp_layernorm.weight" in keys, i
             assert p + "mlp.linear_fc1.layer_norm_weight" not in keys, i
@@ -248,9 +305,15 @@ def test_local_spec_checkpoints_norms_under_te_spec_names(workspace):
     assert [i for i in range(a.num_layers) if a.is_moe_layer(i)] == [1, 2, 3]
     # all-MoE model: stacked keys, the same names
     homog = set(DistCheckpointReader(workspace.path("ck_homog")).tensors)
-    assert {"decoder.layers.pre_mlp_layernorm.weight",
-            "decoder.layers.self_attention.linear_qkv.layer_norm_weight"} <= homog
-    assert not [k for k in homog if k.endswith(("mlp.linear_fc1.layer_norm_weight", "input_layernorm.weight"))]
+    assert {
+        "decoder.layers.pre_mlp_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    } <= homog
+    assert not [
+        k
+        for k in homog
+        if k.endswith(("mlp.linear_fc1.layer_norm_weight", "input_layernorm.weight"))
+    ]
 
 
 def test_singleton_local_shards_checkpoint_exports_identically(workspace):
@@ -259,10 +322,17 @@ def test_singleton_local_shards_checkpoint_exports_identically(workspace):
 
     r = DistCheckpointReader(workspace.path("ck_singleton"))
     assert any(k.endswith("linear_fc1.weight_w") for k in r.tensors), sorted(r.tensors)[:20]
-    export_checkpoint(workspace.path("ck_singleton"), workspace.path("hf_singleton"), max_shard_size="300KB",
-                      progress=False)
-    assert_bit_identical(load_hf_tensors(workspace.path("hf_main")), load_hf_tensors(workspace.path("hf_singleton")),
-                         "export of the singleton-local-shards checkpoint")
+    export_checkpoint(
+        workspace.path("ck_singleton"),
+        workspace.path("hf_singleton"),
+        max_shard_size="300KB",
+        progress=False,
+    )
+    assert_bit_identical(
+        load_hf_tensors(workspace.path("hf_main")),
+        load_hf_tensors(workspace.path("hf_singleton")),
+        "export of the singleton-local-shards checkpoint",
+    )
 
 
 def test_verify_logits_and_greedy_generation(workspace):
@@ -270,9 +340,25 @@ def test_verify_logits_and_greedy_generation(workspace):
     export (transformers + trust_remote_code, fp32) on 2 x 64 tokens of real text."""
     report_path = workspace.path("verify.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_latentmoe.convert", "verify", "--checkpoint", workspace.path("ck_single"),
-         "--hf", workspace.path("hf_main"), "--verify-tokens", "32", "--summary-json", report_path],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "megatron_latentmoe.convert",
+            "verify",
+            "--checkpoint",
+            workspace.path("ck_single"),
+            "--hf",
+            workspace.path("hf_main"),
+            "--verify-tokens",
+            "32",
+            "--summary-json",
+            report_path,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.load(open(report_path))["verify"]
     print(proc.stdout)

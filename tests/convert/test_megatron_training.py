@@ -26,29 +26,61 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_latentmoe.convert", *args, "--no-progress"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, NO_VCS_VERSION="1", OMP_NUM_THREADS="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_latentmoe.convert", *args, "--no-progress"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, NO_VCS_VERSION="1", OMP_NUM_THREADS="1"),
+    )
 
 
 def test_trained_checkpoint_exports_verifies_imports_and_loads_for_training():
     base = scratch_dir() / "convert_training"
     base.mkdir()
     ckpt, hf, imported = base / "ckpt", base / "hf", base / "imported"
-    run_entry(["--train-iters", "3", "--save-interval", "3", "--save", str(ckpt),
-               "--balance-log-file", "none"]).check()
+    run_entry(
+        [
+            "--train-iters",
+            "3",
+            "--save-interval",
+            "3",
+            "--save",
+            str(ckpt),
+            "--balance-log-file",
+            "none",
+        ]
+    ).check()
 
     report = base / "export.json"
-    proc = cli("export", "--checkpoint", str(ckpt), "--output", str(hf), "--verify", "--verify-seq-len", "48",
-               "--verify-tokens", "16", "--summary-json", str(report))
+    proc = cli(
+        "export",
+        "--checkpoint",
+        str(ckpt),
+        "--output",
+        str(hf),
+        "--verify",
+        "--verify-seq-len",
+        "48",
+        "--verify-tokens",
+        "16",
+        "--summary-json",
+        str(report),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.load(open(report))
     assert result["summary"]["config_source"] == "checkpoint common state (megatron.training args)"
     assert result["verify"]["max_abs_diff"] <= 1e-4 and result["verify"]["greedy_identical"]
     assert result["verify"]["tokens_source"] == "real text, exported tokenizer"
     cfg = json.load(open(hf / "config.json"))
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["routed_expert_hidden_size"],
-            cfg["num_shared_experts"], cfg["first_k_dense_replace"]) == (4, 128, 64, 1, 1)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["routed_expert_hidden_size"],
+        cfg["num_shared_experts"],
+        cfg["first_k_dense_replace"],
+    ) == (4, 128, 64, 1, 1)
 
     # --ep (a flag of earlier versions) is accepted and ignored: the import loads at any layout
     proc = cli("import", "--hf", str(hf), "--output", str(imported), "--ep", "2")
@@ -57,7 +89,10 @@ def test_trained_checkpoint_exports_verifies_imports_and_loads_for_training():
     assert (imported / "latest_checkpointed_iteration.txt").read_text() == "release"
 
     losses = {}
-    for name, extra in (("original", ["--load", str(ckpt), "--finetune"]), ("imported", ["--load", str(imported)])):
+    for name, extra in (
+        ("original", ["--load", str(ckpt), "--finetune"]),
+        ("imported", ["--load", str(imported)]),
+    ):
         jsonl = base / f"{name}.jsonl"
         run = run_entry(["--train-iters", "1", "--balance-log-file", str(jsonl), *extra]).check()
         if name == "imported":

@@ -26,22 +26,37 @@ from . import _workers
 
 
 def small_arch(**kw) -> ModelArch:
-    values = dict(_workers.TEST_ARCH, num_attention_heads=6, num_query_groups=3, kv_channels=8,
-                  hidden_size=48, vocab_size=96)
+    values = dict(
+        _workers.TEST_ARCH,
+        num_attention_heads=6,
+        num_query_groups=3,
+        kv_channels=8,
+        hidden_size=48,
+        vocab_size=96,
+    )
     values.update(kw)
     return ModelArch(**values)
 
 
 def test_qkv_is_deinterleaved_per_query_group():
     a = small_arch()
-    tm = next(t for t in iter_tensor_maps(a) if t.megatron.endswith("0.self_attention.linear_qkv.weight"))
+    tm = next(
+        t for t in iter_tensor_maps(a) if t.megatron.endswith("0.self_attention.linear_qkv.weight")
+    )
     ng, hpg, hd, d = 3, 2, 8, 48
     w = torch.randn(tm.shape)
     hf = tm.to_hf(w)
     grouped = w.view(ng, (hpg + 2) * hd, d)  # Megatron: per group [q heads; k; v]
-    assert torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], grouped[:, : hpg * hd].reshape(-1, d))
-    assert torch.equal(hf["model.layers.0.self_attn.k_proj.weight"], grouped[:, hpg * hd: (hpg + 1) * hd].reshape(-1, d))
-    assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], grouped[:, (hpg + 1) * hd:].reshape(-1, d))
+    assert torch.equal(
+        hf["model.layers.0.self_attn.q_proj.weight"], grouped[:, : hpg * hd].reshape(-1, d)
+    )
+    assert torch.equal(
+        hf["model.layers.0.self_attn.k_proj.weight"],
+        grouped[:, hpg * hd : (hpg + 1) * hd].reshape(-1, d),
+    )
+    assert torch.equal(
+        hf["model.layers.0.self_attn.v_proj.weight"], grouped[:, (hpg + 1) * hd :].reshape(-1, d)
+    )
     assert torch.equal(tm.to_megatron(hf), w)
 
 
@@ -66,7 +81,9 @@ def test_every_map_round_trips_and_row_slices_match():
 
 def test_gated_fc1_is_gate_then_up():
     a = small_arch()
-    tm = next(t for t in iter_tensor_maps(a) if t.megatron.endswith("local_experts.3.linear_fc1.weight"))
+    tm = next(
+        t for t in iter_tensor_maps(a) if t.megatron.endswith("local_experts.3.linear_fc1.weight")
+    )
     w = torch.randn(tm.shape)
     hf = tm.to_hf(w)
     assert torch.equal(hf["model.layers.1.block_sparse_moe.experts.3.w1.weight"], w[:32])
@@ -76,15 +93,31 @@ def test_gated_fc1_is_gate_then_up():
 def test_hf_names_follow_spec_section_6():
     names = set(hf_tensor_names(small_arch()))
     moe = "model.layers.1.block_sparse_moe."
-    for n in ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight",
-              "routed_expert_norm.weight", "routed_expert_up_proj.weight", "experts.7.w1.weight",
-              "experts.7.w3.weight", "experts.7.w2.weight", "shared_experts.gate_proj.weight",
-              "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"):
+    for n in (
+        "gate.weight",
+        "gate.e_score_correction_bias",
+        "routed_expert_down_proj.weight",
+        "routed_expert_norm.weight",
+        "routed_expert_up_proj.weight",
+        "experts.7.w1.weight",
+        "experts.7.w3.weight",
+        "experts.7.w2.weight",
+        "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    ):
         assert moe + n in names, n
-    for n in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-              "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-              "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
-              "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for n in (
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert n in names, n
     assert not any("block_sparse_moe" in n for n in names if n.startswith("model.layers.0."))
     assert "lm_head.weight" not in set(hf_tensor_names(small_arch(tie_embeddings=True)))
@@ -110,7 +143,10 @@ def test_key_rules_reproduce_megatrons_keys(workspace, ckpt, kind):
 def test_arch_round_trips_through_hf_config_and_megatron_args():
     for kind in ("main", "homogeneous"):
         a = _workers.arch(kind)
-        assert ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs())) == a
+        assert (
+            ModelArch.from_hf_config(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs()))
+            == a
+        )
         assert ModelArch.from_megatron_args(a.megatron_args_namespace()) == a
         assert ModelArch.from_dict(a.to_dict()) == a
 
@@ -128,18 +164,36 @@ def test_megatron_args_without_our_fields_are_refused():
 
 def test_megatron_config_file(tmp_path):
     a = _workers.arch()
-    cfg = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-               kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_latent_size=32,
-               moe_shared_expert_intermediate_size=64, first_k_dense_replace=1, hidden_act="situ",
-               vocab_size=4096, max_sequence_length=256)
+    cfg = dict(
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_latent_size=32,
+        moe_shared_expert_intermediate_size=64,
+        first_k_dense_replace=1,
+        hidden_act="situ",
+        vocab_size=4096,
+        max_sequence_length=256,
+    )
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     assert arch_from_config_file(tmp_path / "c.json") == a
     (tmp_path / "c.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items()))
     assert arch_from_config_file(tmp_path / "c.yaml") == a
-    for bad, match in ((dict(cfg, hidden_act="gelu"), "hidden_act='gelu'"),
-                       (dict(cfg, colour="blue"), r"unknown field\(s\) \['colour'\]"),
-                       ({k: v for k, v in cfg.items() if k != "vocab_size"}, "missing 'vocab_size'"),
-                       (dict(cfg, moe_shared_expert_intermediate_size=48), "moe_shared_expert_intermediate_size=48")):
+    for bad, match in (
+        (dict(cfg, hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(cfg, colour="blue"), r"unknown field\(s\) \['colour'\]"),
+        ({k: v for k, v in cfg.items() if k != "vocab_size"}, "missing 'vocab_size'"),
+        (
+            dict(cfg, moe_shared_expert_intermediate_size=48),
+            "moe_shared_expert_intermediate_size=48",
+        ),
+    ):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ConversionError, match=match):
             arch_from_config_file(tmp_path / "bad.json")
@@ -155,14 +209,28 @@ def test_verify_verdict_and_cli_exit_status(monkeypatch, capsys, tmp_path):
     (tmp_path / "config.json").write_text("{}")  # the CLI checks --hf up front
 
     def report(max_d=5e-6, same=True):
-        return verify.VerifyReport(max_d, 1e-6, 1.0, "real text", (2, 64), 32, same, min_margin=1e-2,
-                                   first_mismatch=None if same else 3, megatron_margin_at_mismatch=1e-7,
-                                   hf_margin_at_mismatch=1e-7)
+        return verify.VerifyReport(
+            max_d,
+            1e-6,
+            1.0,
+            "real text",
+            (2, 64),
+            32,
+            same,
+            min_margin=1e-2,
+            first_mismatch=None if same else 3,
+            megatron_margin_at_mismatch=1e-7,
+            hf_margin_at_mismatch=1e-7,
+        )
 
     assert report().passed
     assert not report(max_d=2e-4).passed and not report(max_d=float("nan")).passed
     assert not report(same=False).passed and "DIFFERS at step 3" in report(same=False).format()
-    for r, code in ((report(), 0), (report(max_d=1.0), cli.EXIT_VERIFY_FAILED), (report(same=False), 3)):
+    for r, code in (
+        (report(), 0),
+        (report(max_d=1.0), cli.EXIT_VERIFY_FAILED),
+        (report(same=False), 3),
+    ):
         monkeypatch.setattr(verify, "verify_export", lambda *a, _r=r, **k: _r)
         assert cli.main(["verify", "--checkpoint", "x", "--hf", str(tmp_path)]) == code
     assert "verification failed" in capsys.readouterr().err

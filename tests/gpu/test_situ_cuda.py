@@ -12,7 +12,7 @@ from megatron_latentmoe.ops import situ, situ_triton
 pytestmark = pytest.mark.gpu
 B1, B2 = situ.DEFAULT_SITU_BETA, situ.DEFAULT_SITU_LINEAR_BETA
 # half an ulp of the output dtype (round to nearest) + the kernel's fp32 error (~1e-6 relative)
-RTOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -8 + 2e-6, torch.float16: 2 ** -11 + 2e-6}
+RTOL = {torch.float32: 2e-6, torch.bfloat16: 2**-8 + 2e-6, torch.float16: 2**-11 + 2e-6}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -42,6 +42,7 @@ def _count_kernel_calls(monkeypatch):
         def wrapped(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(situ_triton, "situ_fwd", count("fwd", fwd))
@@ -62,11 +63,19 @@ def test_specs_run_the_kernels_on_cuda(megatron_world, monkeypatch, backend):
         get_stable_latentmoe_mlp_spec,
     )
 
-    cfg = tiny_config(hidden_size=128, moe_latent_size=64, moe_ffn_hidden_size=128,
-                      num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=256,
-                      params_dtype=torch.bfloat16, bf16=True, moe_router_dtype="fp32",
-                      use_cpu_initialization=False,
-                      moe_grouped_gemm=backend == "te" and not NO_GROUPED_GEMM)
+    cfg = tiny_config(
+        hidden_size=128,
+        moe_latent_size=64,
+        moe_ffn_hidden_size=128,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=256,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        moe_router_dtype="fp32",
+        use_cpu_initialization=False,
+        moe_grouped_gemm=backend == "te" and not NO_GROUPED_GEMM,
+    )
     moe = get_stable_latentmoe_mlp_spec(cfg, backend)(config=cfg, layer_number=1).cuda()
     from megatron.core.transformer.spec_utils import build_module
 

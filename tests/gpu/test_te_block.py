@@ -55,11 +55,20 @@ needs_te = pytest.mark.skipif(not _te_available(), reason="needs a CUDA GPU and 
 def _config(dtype=torch.bfloat16, **overrides):
     from megatron_latentmoe.config import tiny_config
 
-    values = dict(hidden_size=D, moe_latent_size=LATENT, moe_ffn_hidden_size=FFN,
-                  num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                  moe_shared_expert_intermediate_size=2 * FFN, num_attention_heads=8,
-                  ffn_hidden_size=4 * D, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                  moe_router_dtype="fp32", use_cpu_initialization=False)
+    values = dict(
+        hidden_size=D,
+        moe_latent_size=LATENT,
+        moe_ffn_hidden_size=FFN,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_shared_expert_intermediate_size=2 * FFN,
+        num_attention_heads=8,
+        ffn_hidden_size=4 * D,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        moe_router_dtype="fp32",
+        use_cpu_initialization=False,
+    )
     values.update(overrides)
     return tiny_config(**values)
 
@@ -96,8 +105,9 @@ def test_te_spec_equals_local_spec(megatron_world, dtype, grouped):
         local_cfg = _config(dtype)
         te_cfg = _config(dtype, moe_grouped_gemm=grouped)
         torch.manual_seed(0)
-        local = get_stable_latentmoe_mlp_spec(local_cfg, "local")(config=local_cfg,
-                                                                  layer_number=1).cuda()
+        local = get_stable_latentmoe_mlp_spec(local_cfg, "local")(
+            config=local_cfg, layer_number=1
+        ).cuda()
         te = get_stable_latentmoe_mlp_spec(te_cfg, "te")(config=te_cfg, layer_number=1).cuda()
         expert_kind = type(te.experts).__name__
         assert expert_kind == ("TEGroupedMLP" if grouped else "SequentialMLP"), expert_kind
@@ -112,8 +122,13 @@ def test_te_spec_equals_local_spec(megatron_world, dtype, grouped):
             inp = x.clone().requires_grad_()
             out, _ = layer(inp)
             out.float().square().sum().backward()
-            results.append((out.detach(), inp.grad, {
-                n: p.grad for n, p in layer.named_parameters() if p.grad is not None}))
+            results.append(
+                (
+                    out.detach(),
+                    inp.grad,
+                    {n: p.grad for n, p in layer.named_parameters() if p.grad is not None},
+                )
+            )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     (out_l, dx_l, grads_l), (out_t, dx_t, grads_t) = results
@@ -121,8 +136,10 @@ def test_te_spec_equals_local_spec(megatron_world, dtype, grouped):
     grads_l = local_to_te_state(grads_l, grouped)
     assert set(grads_l) == set(grads_t), set(grads_l) ^ set(grads_t)
     errors.update({name: _rel(grads_t[name], g) for name, g in grads_l.items()})
-    print(f"{dtype} grouped={grouped}: worst {max(errors, key=errors.get)} "
-          f"{max(errors.values()):.2e} over {len(errors)} tensors")
+    print(
+        f"{dtype} grouped={grouped}: worst {max(errors, key=errors.get)} "
+        f"{max(errors.values()):.2e} over {len(errors)} tensors"
+    )
     bad = {k: v for k, v in errors.items() if not v < tol}
     assert not bad, bad
 
@@ -169,15 +186,21 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
         "blockwise": te_pt.is_fp8_block_scaling_available(return_reason=True),
     }.get(recipe, te_pt.is_fp8_available(return_reason=True))
     if not available[0]:
-        pytest.skip(f"{recipe}: {available[1]} (this GPU: sm_"
-                    f"{''.join(map(str, torch.cuda.get_device_capability()))}; MXFP8 needs "
-                    "Blackwell, sm_100)")
+        pytest.skip(
+            f"{recipe}: {available[1]} (this GPU: sm_"
+            f"{''.join(map(str, torch.cuda.get_device_capability()))}; MXFP8 needs "
+            "Blackwell, sm_100)"
+        )
     common = dict(num_layers=3, first_k_dense_replace=1, moe_grouped_gemm=not NO_GROUPED_GEMM)
     bf16_cfg = _config(**common)
     # padding each expert's tokens to the FP8 GEMM multiple routes extra rows with weight 0:
     # the same function as bf16's (Megatron allows the padding only with fp8 set)
-    fp8_cfg = _config(**common, fp8="e4m3" if recipe != "delayed" else "hybrid",
-                      fp8_recipe=recipe, moe_router_padding_for_quantization=True)
+    fp8_cfg = _config(
+        **common,
+        fp8="e4m3" if recipe != "delayed" else "hybrid",
+        fp8_recipe=recipe,
+        moe_router_padding_for_quantization=True,
+    )
     torch.manual_seed(0)
     bf16_model = _gpt(bf16_cfg)
     fp8_model = _gpt(fp8_cfg)
@@ -189,8 +212,10 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
     labels = torch.roll(tokens, -1, dims=1)
     bf16_losses = _train(bf16_model, tokens, labels, STEPS)
     fp8_losses = _train(fp8_model, tokens, labels, STEPS)
-    print(f"{recipe}: bf16 losses {[round(v, 4) for v in bf16_losses]}, "
-          f"fp8 {[round(v, 4) for v in fp8_losses]}")
+    print(
+        f"{recipe}: bf16 losses {[round(v, 4) for v in bf16_losses]}, "
+        f"fp8 {[round(v, 4) for v in fp8_losses]}"
+    )
     assert fp8_losses[-1] < fp8_losses[0]
     for step, (a, b) in enumerate(zip(fp8_losses, bf16_losses)):
         assert abs(a - b) <= FP8_LOSS_RTOL * b, (step, a, b)
@@ -198,10 +223,15 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
     # quantizers (Megatron without TE has none of these modules; TE outside an FP8 context
     # leaves .fp8 False and no quantizers).
     want = FP8_RECIPES[recipe]
-    ran = {n: m for n, m in _te_gemm_modules(fp8_model).items() if n.startswith("decoder.layers.")
-           and m.fp8_meta.get("recipe") is not None}
-    kinds = {n: {type(q).__name__ for q in m.quantizers["scaling_fwd"] if q is not None}
-             for n, m in ran.items()}
+    ran = {
+        n: m
+        for n, m in _te_gemm_modules(fp8_model).items()
+        if n.startswith("decoder.layers.") and m.fp8_meta.get("recipe") is not None
+    }
+    kinds = {
+        n: {type(q).__name__ for q in m.quantizers["scaling_fwd"] if q is not None}
+        for n, m in ran.items()
+    }
     assert any("experts" in n for n in ran) and any("latent_proj" in n for n in ran), sorted(ran)
     not_fp8 = {n: k for n, k in kinds.items() if not ran[n].fp8 or want not in k}
     assert not not_fp8, not_fp8

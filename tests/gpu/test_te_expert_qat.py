@@ -51,7 +51,8 @@ def test_te_qat_equals_te_on_mxfp4_weights_and_local_qat(megatron_world, grouped
     local, te_qat, te = local.cuda(), te_qat.cuda(), te.cuda()
     state = local_to_te_state(local.state_dict(), grouped)
     rounded = {
-        k: mxfp4_round_trip(v) if k.startswith("experts.") and torch.is_tensor(v) and v.dim() == 2
+        k: mxfp4_round_trip(v)
+        if k.startswith("experts.") and torch.is_tensor(v) and v.dim() == 2
         else v
         for k, v in state.items()
     }

@@ -8,7 +8,6 @@ CUDA only (no TE); skipped on CPU, where ``tests/convert`` verifies the same mod
 """
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 

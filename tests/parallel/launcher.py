@@ -89,13 +89,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
             os.environ.update(CHILD_ENV)  # inherited by the children when they start
             try:
                 for rank in range(world_size):
-                    procs.append(ctx.Process(
-                        target=_child,
-                        args=(rank, world_size, os.path.join(tmp, "store"), timeout, fn, args,
-                              kwargs, results),
-                        name=f"rank{rank}",
-                        daemon=False,  # ranks may start processes (DataLoader, ckpt writer)
-                    ))
+                    procs.append(
+                        ctx.Process(
+                            target=_child,
+                            args=(
+                                rank,
+                                world_size,
+                                os.path.join(tmp, "store"),
+                                timeout,
+                                fn,
+                                args,
+                                kwargs,
+                                results,
+                            ),
+                            name=f"rank{rank}",
+                            daemon=False,  # ranks may start processes (DataLoader, ckpt writer)
+                        )
+                    )
                     procs[-1].start()
             finally:
                 for key, value in saved_env.items():
@@ -134,8 +144,14 @@ def _collect(procs, results, timeout):
                         outcome[r] = (False, f"exited with code {proc.exitcode} and no result")
             if now > deadline:
                 for r in range(len(procs)):
-                    outcome.setdefault(r, (False, "killed: no result before the timeout, or "
-                                                  "within the grace period after a failure"))
+                    outcome.setdefault(
+                        r,
+                        (
+                            False,
+                            "killed: no result before the timeout, or "
+                            "within the grace period after a failure",
+                        ),
+                    )
         if not all(ok for ok, _ in outcome.values()):  # others may hang in a collective now
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     return outcome
@@ -188,10 +204,12 @@ def shard_state_dict_for_rank(full_state_dict: dict, model: torch.nn.Module) -> 
         expert = _LOCAL_EXPERT.search(name)
         if expert:
             offset = max(v for k, v in first_expert.items() if name.startswith(k))
-            name = f"{name[:expert.start(1)]}{int(expert.group(1)) + offset}{name[expert.end(1):]}"
+            name = (
+                f"{name[: expert.start(1)]}{int(expert.group(1)) + offset}{name[expert.end(1) :]}"
+            )
         for local, full in renames:
             if name.startswith(local):
-                return full + name[len(local):]
+                return full + name[len(local) :]
         return name
 
     params = dict(model.named_parameters())

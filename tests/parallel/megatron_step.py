@@ -97,7 +97,8 @@ def step_errors(ref, loss, grad_norm, loss_after) -> dict:
 def grad_error(grads, expected) -> float:
     """Worst per-parameter ``||grad - expected|| / ||expected||`` over ``grads``."""
     return max(
-        (g - expected[n]).norm().item() / max(expected[n].norm().item(), 1e-30) for n, g in grads.items()
+        (g - expected[n]).norm().item() / max(expected[n].norm().item(), 1e-30)
+        for n, g in grads.items()
     )
 
 

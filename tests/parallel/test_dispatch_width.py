@@ -66,14 +66,22 @@ def _measure(rank, world_size, dispatcher, latent):
 
     initialize_parallel_cpu(expert_model_parallel_size=2)
     if latent:
-        cfg = tiny_config(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher,
-                          moe_shared_expert_intermediate_size=None)
+        cfg = tiny_config(
+            expert_model_parallel_size=2,
+            moe_token_dispatcher_type=dispatcher,
+            moe_shared_expert_intermediate_size=None,
+        )
         layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
     else:  # Megatron's own full-width MoE layer, as the control
-        cfg = tiny_config(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher,
-                          moe_latent_size=None, latent_moe_use_norm=False, hidden_act="swiglu",
-                          moe_router_load_balancing_type="none",
-                          moe_shared_expert_intermediate_size=None)
+        cfg = tiny_config(
+            expert_model_parallel_size=2,
+            moe_token_dispatcher_type=dispatcher,
+            moe_latent_size=None,
+            latent_moe_use_norm=False,
+            hidden_act="swiglu",
+            moe_router_load_balancing_type="none",
+            moe_shared_expert_intermediate_size=None,
+        )
         builder = get_moe_module_spec(use_te=False, num_experts=EXPERTS)
         layer = builder(config=cfg, layer_number=1)
     torch.manual_seed(100 + rank)
@@ -82,8 +90,11 @@ def _measure(rank, world_size, dispatcher, latent):
     _record_collectives(log)
     out, _ = layer(x)
     out.sum().backward()
-    hidden = [(op, shape) for op, shape, is_float in log
-              if is_float and len(shape) == 2 and shape[-1] in (D, LATENT)]
+    hidden = [
+        (op, shape)
+        for op, shape, is_float in log
+        if is_float and len(shape) == 2 and shape[-1] in (D, LATENT)
+    ]
     return hidden
 
 

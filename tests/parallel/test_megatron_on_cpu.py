@@ -27,7 +27,15 @@ import math
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, grad_error, step_errors, train_step
+from .megatron_step import (
+    DISPATCHERS,
+    SEQ,
+    VOCAB,
+    check_layouts,
+    grad_error,
+    step_errors,
+    train_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +94,9 @@ def _config(dispatcher, tp=1, pp=1, ep=1, etp=None, **extra):
     )
 
 
-def _build(dispatcher, full_state=None, tp=1, pp=1, ep=1, etp=None, distopt=False, overlap=False,
-           **extra):
+def _build(
+    dispatcher, full_state=None, tp=1, pp=1, ep=1, etp=None, distopt=False, overlap=False, **extra
+):
     """Parallel state + GPTModel (Megatron's local spec) + DDP + Megatron Adam, for this rank.
 
     ``full_state``: single-process weights to shard into this rank's model (else Megatron's
@@ -151,8 +160,9 @@ def _reference(rank, world_size):
         model, ddp, optimizer = _build(dispatcher)
         full = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
         loss, (grads,), grad_norm, loss_after = train_step([model], [ddp], optimizer)
-        out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
-                               loss_after=loss_after)
+        out[dispatcher] = dict(
+            state=full, loss=loss, grads=grads, grad_norm=grad_norm, loss_after=loss_after
+        )
     return out
 
 

@@ -23,7 +23,15 @@ from __future__ import annotations
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .megatron_step import DISPATCHERS, SEQ, VOCAB, check_layouts, grad_error, step_errors, train_step
+from .megatron_step import (
+    DISPATCHERS,
+    SEQ,
+    VOCAB,
+    check_layouts,
+    grad_error,
+    step_errors,
+    train_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +57,11 @@ LAYOUTS_4 = {
 P2P_OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
 QAT = dict(moe_expert_weight_qat="mxfp4", moe_ffn_hidden_size=64)
 LAYOUTS_QAT = {
-    2: {"TP2+SP QAT": dict(tp=2, pp=1, ep=1, etp=2, **QAT),
+    2: {
+        "TP2+SP QAT": dict(tp=2, pp=1, ep=1, etp=2, **QAT),
         "EP2 recompute QAT": dict(tp=1, pp=1, ep=2, etp=1, **RECOMPUTE, **QAT),
-        "PP2 QAT": dict(tp=1, pp=2, ep=1, etp=1, **QAT)},
+        "PP2 QAT": dict(tp=1, pp=2, ep=1, etp=1, **QAT),
+    },
     4: {"TP2xEP2-ETP2 QAT": dict(tp=2, pp=1, ep=2, etp=2, **QAT)},
 }
 LAYOUTS_VPP = {
@@ -75,29 +85,45 @@ def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, vpp=None, layers=2, seed=1234, *
     ps.destroy_model_parallel()
     initialize_parallel_cpu(tp, pp, ep, etp, seed=seed, virtual_pipeline_model_parallel_size=vpp)
     config = tiny_config(
-        num_layers=layers, first_k_dense_replace=1, moe_token_dispatcher_type=dispatcher,
-        moe_router_dtype="fp64", moe_qb_num_bins=BINS,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        num_layers=layers,
+        first_k_dense_replace=1,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp64",
+        moe_qb_num_bins=BINS,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1, pipeline_dtype=torch.float32, **extra,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        pipeline_dtype=torch.float32,
+        **extra,
     )
     stages = range(vpp) if vpp else [None]
     models = [
         build_gpt_model(
-            config, vocab_size=VOCAB, max_sequence_length=SEQ, vp_stage=stage,
+            config,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            vp_stage=stage,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
         )
         for stage in stages
     ]
     ddps = [
-        DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
-                                module=model, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(),
+            module=model,
+            disable_bucketing=i > 0,
+        )
         for i, model in enumerate(models)
     ]
     config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddps)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddps
+    )
     return models, ddps, optimizer
 
 
@@ -111,10 +137,19 @@ def _reference(rank, world_size, layers, extra):
     out = {}
     for dispatcher in DISPATCHERS:
         (model,), ddps, optimizer = _build(dispatcher, layers=layers, **extra)
-        full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+        full = {
+            k: v.detach().clone() if torch.is_tensor(v) else v
+            for k, v in model.state_dict().items()
+        }
         loss, (grads,), grad_norm, loss_after = train_step([model], ddps, optimizer)
-        out[dispatcher] = dict(state=full, loss=loss, grads=grads, grad_norm=grad_norm,
-                               loss_after=loss_after, bias=_biases(model))
+        out[dispatcher] = dict(
+            state=full,
+            loss=loss,
+            grads=grads,
+            grad_norm=grad_norm,
+            loss_after=loss_after,
+            bias=_biases(model),
+        )
     return out
 
 
@@ -138,7 +173,9 @@ def _layouts(rank, world_size, layouts, reference):
                 # QB bias after the step, in units of bins
                 want_bias = shard_state_dict_for_rank({**ref["state"], **ref["bias"]}, model)
                 for k, v in _biases(model).items():
-                    err["bias_bins"] = max(err["bias_bins"], (v - want_bias[k]).abs().max().item() / bin_width)
+                    err["bias_bins"] = max(
+                        err["bias_bins"], (v - want_bias[k]).abs().max().item() / bin_width
+                    )
             results[(name, dispatcher)] = err
     ps.destroy_model_parallel()
     torch.distributed.barrier()
@@ -185,7 +222,9 @@ def test_world4_matches_single_process(reference):
 
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS_VPP))
 def test_virtual_pipeline_matches_single_process(world_size, reference_4_layers):
-    _check_with_bias(run_distributed(_layouts, world_size, LAYOUTS_VPP[world_size], reference_4_layers))
+    _check_with_bias(
+        run_distributed(_layouts, world_size, LAYOUTS_VPP[world_size], reference_4_layers)
+    )
 
 
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS_QAT))

@@ -24,11 +24,20 @@ from .launcher import run_distributed
 EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
 
 LAYOUTS = {
-    2: {"DP2": dict(), "TP2+SP": dict(tp=2), "CP2": dict(cp=2), "EP2": dict(ep=2),
+    2: {
+        "DP2": dict(),
+        "TP2+SP": dict(tp=2),
+        "CP2": dict(cp=2),
+        "EP2": dict(ep=2),
         "EP2-centered": dict(ep=2, binning="centered"),
-        "EP2-megatron-moe": dict(ep=2, latent=False)},
-    4: {"DP2xEP2": dict(ep=2), "TP2+SPxEP2": dict(tp=2, ep=2), "CP2xEP2": dict(cp=2, ep=2),
-        "TP2+SPxCP2": dict(tp=2, cp=2)},
+        "EP2-megatron-moe": dict(ep=2, latent=False),
+    },
+    4: {
+        "DP2xEP2": dict(ep=2),
+        "TP2+SPxEP2": dict(tp=2, ep=2),
+        "CP2xEP2": dict(cp=2, ep=2),
+        "TP2+SPxCP2": dict(tp=2, cp=2),
+    },
 }
 
 
@@ -75,7 +84,8 @@ def _token_share(sequence_parallel):
     cp, cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
     tp, tp_size = (
         (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
-        if sequence_parallel else (0, 1)
+        if sequence_parallel
+        else (0, 1)
     )
     return (dp * cp_size + cp) * tp_size + tp, dp_size * cp_size * tp_size
 
@@ -91,14 +101,23 @@ def _run_layout(rank, world_size, layout, tokens):
 
     tp, ep, cp = layout.get("tp", 1), layout.get("ep", 1), layout.get("cp", 1)
     ps.destroy_model_parallel()
-    initialize_parallel_cpu(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                            context_parallel_size=cp)
+    initialize_parallel_cpu(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp
+    )
     cfg = tiny_config(
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_qb_num_bins=BINS,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_qb_num_bins=BINS,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         sequence_parallel=tp > 1,
         moe_qb_binning=layout.get("binning", "uniform"),
-        **({} if layout.get("latent", True) else dict(moe_latent_size=None, latent_moe_use_norm=False)),
+        **(
+            {}
+            if layout.get("latent", True)
+            else dict(moe_latent_size=None, latent_moe_use_norm=False)
+        ),
     )
     layers = torch.nn.ModuleList(
         [get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=i + 1) for i in range(LAYERS)]
@@ -134,18 +153,34 @@ def _run_layout(rank, world_size, layout, tokens):
             dist.all_reduce = original_all_reduce
         n_bins = EXPERTS * BINS
         per_layer = len(reduced[0]) // LAYERS if reduced else 0
-        counts = [reduced[0][i * per_layer : i * per_layer + n_bins].view(EXPERTS, BINS).clone()
-                  for i in range(LAYERS)] if reduced else []
-        loads = [reduced[0][(i + 1) * per_layer - EXPERTS - 1 : (i + 1) * per_layer - 1].to(torch.int64)
-                 for i in range(LAYERS)] if reduced else []
-        per_step.append(dict(
-            all_reduces=len(reduced),
-            numel=reduced[0].numel() if reduced else 0,
-            counts=counts,
-            loads=loads,
-            last_loads=[layer.router.last_loads_E.clone() for layer in layers],
-            bias=[layer.router.expert_bias.clone() for layer in layers],
-        ))
+        counts = (
+            [
+                reduced[0][i * per_layer : i * per_layer + n_bins].view(EXPERTS, BINS).clone()
+                for i in range(LAYERS)
+            ]
+            if reduced
+            else []
+        )
+        loads = (
+            [
+                reduced[0][(i + 1) * per_layer - EXPERTS - 1 : (i + 1) * per_layer - 1].to(
+                    torch.int64
+                )
+                for i in range(LAYERS)
+            ]
+            if reduced
+            else []
+        )
+        per_step.append(
+            dict(
+                all_reduces=len(reduced),
+                numel=reduced[0].numel() if reduced else 0,
+                counts=counts,
+                loads=loads,
+                last_loads=[layer.router.last_loads_E.clone() for layer in layers],
+                bias=[layer.router.expert_bias.clone() for layer in layers],
+            )
+        )
     return per_step
 
 
@@ -164,9 +199,9 @@ def test_all_reduced_counts_and_bias_equal_one_process(world_size):
                         f"{name} step {step} rank {rank} layer {layer}: counts differ"
                     )
                     for what in ("loads", "last_loads"):  # the all-reduced routed loads per expert
-                        assert torch.equal(got[what][layer].to(torch.int64), ref_loads[step][layer]), (
-                            f"{name} step {step} rank {rank} layer {layer}: {what} differ"
-                        )
+                        assert torch.equal(
+                            got[what][layer].to(torch.int64), ref_loads[step][layer]
+                        ), f"{name} step {step} rank {rank} layer {layer}: {what} differ"
                     assert torch.equal(got["bias"][layer], ref_bias[step][layer]), (
                         f"{name} step {step} rank {rank} layer {layer}: bias not bit-identical"
                     )

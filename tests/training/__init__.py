@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_stable_latentmoe.py"
@@ -41,7 +42,7 @@ ENV = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_args() -> tuple:
     """The ARGS array of examples/args/tiny.sh, exactly as bash sees it."""
     out = subprocess.run(
@@ -53,7 +54,7 @@ def tiny_args() -> tuple:
     return tuple(a for a in out.split("\0") if a)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scratch_dir() -> Path:
     """One temporary folder for the test session (removed at exit)."""
     path = Path(tempfile.mkdtemp(prefix="latentmoe_training_tests_"))
@@ -68,14 +69,24 @@ def data_cache() -> str:
     return path
 
 
-def command(extra: List[str], nproc: int = 2) -> List[str]:
+def command(extra: list[str], nproc: int = 2) -> list[str]:
     return [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        str(ENTRY), *tiny_args(), *TEST_OVERRIDES, "--data-cache-path", data_cache(), *extra,
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ENTRY),
+        *tiny_args(),
+        *TEST_OVERRIDES,
+        "--data-cache-path",
+        data_cache(),
+        *extra,
     ]
 
 
-def environment() -> Dict[str, str]:
+def environment() -> dict[str, str]:
     env = dict(os.environ)
     env.update(ENV)
     return env
@@ -87,17 +98,22 @@ class Run:
     output: str
     seconds: float
 
-    def check(self) -> "Run":
+    def check(self) -> Run:
         assert self.returncode == 0, f"run failed (exit {self.returncode}):\n{self.output[-6000:]}"
         return self
 
 
-def run_entry(extra: List[str], nproc: int = 2, timeout: float = 300.0) -> Run:
+def run_entry(extra: list[str], nproc: int = 2, timeout: float = 300.0) -> Run:
     """Run the entry point under torchrun to completion."""
     start = time.time()
     proc = subprocess.run(
-        command(extra, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout, cwd=REPO, env=environment(),
+        command(extra, nproc),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=environment(),
     )
     return Run(proc.returncode, proc.stdout, time.time() - start)
 
@@ -122,14 +138,21 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
-def run_and_kill(extra: List[str], should_kill: Callable[[str], bool], nproc: int = 2,
-                 timeout: float = 300.0) -> Run:
+def run_and_kill(
+    extra: list[str], should_kill: Callable[[str], bool], nproc: int = 2, timeout: float = 300.0
+) -> Run:
     """Run under torchrun and SIGKILL torchrun and every rank as soon as ``should_kill(line)``
     is true for an output line. Returns the output up to then."""
     start = time.time()
     proc = subprocess.Popen(
-        command(extra, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=REPO, env=environment(), start_new_session=True, bufsize=1,
+        command(extra, nproc),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
+        start_new_session=True,
+        bufsize=1,
     )
     lines, killed = [], False
     try:
@@ -151,7 +174,7 @@ def run_and_kill(extra: List[str], should_kill: Callable[[str], bool], nproc: in
 
 
 # ---------------------------------------------------------------------------------- results
-def read_jsonl(path) -> Dict[int, dict]:
+def read_jsonl(path) -> dict[int, dict]:
     """{iteration: record}; the last record of an iteration wins (a resumed run re-runs some)."""
     records = {}
     with open(path, encoding="utf-8") as f:
@@ -166,7 +189,7 @@ def read_jsonl(path) -> Dict[int, dict]:
     return records
 
 
-def checkpoint_tensors(ckpt_iter_dir, contains: str = "") -> Dict[str, "object"]:
+def checkpoint_tensors(ckpt_iter_dir, contains: str = "") -> dict[str, object]:
     """Tensors of a torch_dist checkpoint folder whose key contains ``contains`` (full, unsharded)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -190,7 +213,7 @@ def iter_dir(ckpt: Path, iteration: int) -> Path:
     return Path(ckpt) / f"iter_{iteration:07d}"
 
 
-def copy_checkpoints(src: Path, dst: Path, upto: Optional[int] = None) -> Path:
+def copy_checkpoints(src: Path, dst: Path, upto: int | None = None) -> Path:
     """Copy a checkpoint folder, keeping iterations <= ``upto`` (tracker rewritten)."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("balance.jsonl"))
     if upto is not None:
@@ -205,7 +228,7 @@ def copy_checkpoints(src: Path, dst: Path, upto: Optional[int] = None) -> Path:
 class ReferenceRun:
     ckpt: Path
     jsonl: Path
-    records: Dict[int, dict]
+    records: dict[int, dict]
     output: str
     seconds: float
 
@@ -213,7 +236,7 @@ class ReferenceRun:
 REF_ARGS = ["--train-iters", str(REF_ITERS), "--save-interval", str(REF_SAVE_INTERVAL)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run() -> ReferenceRun:
     """EP2 on 2 ranks, 40 iterations, torch_dist checkpoints at 10/20/30/40 (cached per session)."""
     base = scratch_dir() / "reference"

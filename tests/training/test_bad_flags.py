@@ -19,7 +19,6 @@ import pytest
 
 from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
 
-
 CASES = {
     "latent_not_divisible_by_tp": (
         ["--moe-latent-size", "63", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -46,8 +45,16 @@ CASES = {
         ["--hidden-act", "gelu", "situ", "swiglu"],
     ),
     "qat_expert_width_not_a_multiple_of_32": (  # refused by the config, naming the flag
-        ["--moe-expert-weight-qat", "mxfp4", "--moe-ffn-hidden-size", "48",
-         "--moe-shared-expert-intermediate-size", "96", "--save-interval", "1000"],
+        [
+            "--moe-expert-weight-qat",
+            "mxfp4",
+            "--moe-ffn-hidden-size",
+            "48",
+            "--moe-shared-expert-intermediate-size",
+            "96",
+            "--save-interval",
+            "1000",
+        ],
         ["--moe-ffn-hidden-size 48", "multiple of 32", "--moe-expert-weight-qat mxfp4"],
     ),
     "topk_plus_one_exceeds_experts": (
@@ -88,8 +95,14 @@ for name, argv in json.loads(sys.argv[2]).items():
 
 def _argv(name):
     flags = CASES[name][0]
-    return [*tiny_args(), "--data-cache-path", str(scratch_dir() / f"bad_flags_cache_{name}"),
-            "--save", str(scratch_dir() / f"bad_flags_ckpt_{name}"), *flags]
+    return [
+        *tiny_args(),
+        "--data-cache-path",
+        str(scratch_dir() / f"bad_flags_cache_{name}"),
+        "--save",
+        str(scratch_dir() / f"bad_flags_ckpt_{name}"),
+        *flags,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +113,11 @@ def outcomes():
     cases = {name: _argv(name) for name in CASES}
     proc = subprocess.run(
         [PYTHON, "-c", DRIVER, str(REPO), json.dumps(cases)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
         timeout=300,
     )
     results = {}
@@ -123,7 +140,11 @@ def test_entry_point_process_exits_2_before_heavy_work():
     start = time.time()
     proc = subprocess.run(
         [PYTHON, str(ENTRY), *_argv(name)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
         timeout=300,
     )
     _check(name, proc.returncode, proc.stdout, time.time() - start)
@@ -131,18 +152,34 @@ def test_entry_point_process_exits_2_before_heavy_work():
 
 def test_help_lists_our_flags():
     """``--help`` works (megatron-core 0.19.2 alone crashes on a bare '%' in one help string)."""
-    proc = subprocess.run([PYTHON, str(ENTRY), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, cwd=REPO, env=environment(), timeout=300)
+    proc = subprocess.run(
+        [PYTHON, str(ENTRY), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
-    for flag in ("--hidden-act", "--moe-qb-num-bins", "--moe-qb-binning", "--first-k-dense-replace",
-                 "--balance-log-file", "quantile_histogram", "1.10 = 10%"):
+    for flag in (
+        "--hidden-act",
+        "--moe-qb-num-bins",
+        "--moe-qb-binning",
+        "--first-k-dense-replace",
+        "--balance-log-file",
+        "quantile_histogram",
+        "1.10 = 10%",
+    ):
         assert flag in proc.stdout, flag
 
 
 def _check(name, returncode, output, seconds):
     expected = CASES[name][1]
     error_lines = [line for line in output.splitlines() if "error:" in line]
-    print(f"{name}: exit {returncode} after {seconds:.2f} s: {error_lines[-1] if error_lines else output[-500:]}")
+    print(
+        f"{name}: exit {returncode} after {seconds:.2f} s: {error_lines[-1] if error_lines else output[-500:]}"
+    )
     assert returncode == 2, output[-3000:]
     assert error_lines, output[-3000:]
     message = error_lines[-1]

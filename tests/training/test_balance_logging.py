@@ -22,8 +22,12 @@ def test_time_outside_training_is_not_counted(monkeypatch):
     monkeypatch.setattr(balance_logging.time, "time", clock.time)
     iteration = {"n": 0}
     logger = balance_logging.BalanceLogger(
-        num_layers=1, num_experts=2, tokens_per_step=1000, iteration_fn=lambda: iteration["n"],
-        log_interval=1000, is_logging_rank=True,
+        num_layers=1,
+        num_experts=2,
+        tokens_per_step=1000,
+        iteration_fn=lambda: iteration["n"],
+        log_interval=1000,
+        is_logging_rank=True,
     )
 
     def step(seconds):

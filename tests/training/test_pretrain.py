@@ -66,7 +66,10 @@ def test_ep2_quantile_balancing_reduces_maxvio():
             # global loads: every token of the global batch routed to top-k experts exactly once
             assert sum(entry["loads"]) == TOKENS_PER_STEP * TOPK, entry
             assert entry["num_tokens"] == TOKENS_PER_STEP
-            assert min(entry["loads"]) == entry["min_load"] and max(entry["loads"]) == entry["max_load"]
+            assert (
+                min(entry["loads"]) == entry["min_load"]
+                and max(entry["loads"]) == entry["max_load"]
+            )
 
 
 def test_ep2_checkpoint_written_with_qb_bias():
@@ -87,9 +90,19 @@ def test_ep2_checkpoint_loads_and_training_continues():
     ref = reference_run()
     ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "resume_plus_one", upto=30)
     jsonl = scratch_dir() / "resume_plus_one.jsonl"
-    run = run_entry(REF_ARGS + [
-        "--load", str(ckpt), "--save", str(ckpt), "--exit-interval", "31", "--balance-log-file", str(jsonl),
-    ]).check()
+    run = run_entry(
+        REF_ARGS
+        + [
+            "--load",
+            str(ckpt),
+            "--save",
+            str(ckpt),
+            "--exit-interval",
+            "31",
+            "--balance-log-file",
+            str(jsonl),
+        ]
+    ).check()
     assert "successfully loaded checkpoint" in run.output and "at iteration 30" in run.output
     records = read_jsonl(jsonl)
     assert sorted(records) == [31], sorted(records)
@@ -101,11 +114,24 @@ def test_ep2_checkpoint_loads_and_training_continues():
 @pytest.mark.parametrize("virtual_stages", [None, 2], ids=["pp2", "pp2-vpp2"])
 def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
     jsonl = scratch_dir() / f"pp2-vpp{virtual_stages}.jsonl"
-    vpp = ["--num-layers-per-virtual-pipeline-stage", str(4 // 2 // virtual_stages)] if virtual_stages else []
-    run = run_entry([
-        "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
-        "--train-iters", "6", "--balance-log-file", str(jsonl), *vpp,
-    ]).check()
+    vpp = (
+        ["--num-layers-per-virtual-pipeline-stage", str(4 // 2 // virtual_stages)]
+        if virtual_stages
+        else []
+    )
+    run = run_entry(
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "1",
+            "--train-iters",
+            "6",
+            "--balance-log-file",
+            str(jsonl),
+            *vpp,
+        ]
+    ).check()
     records = read_jsonl(jsonl)
     assert sorted(records) == list(range(1, 7))
     for record in records.values():
@@ -115,4 +141,6 @@ def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
         assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
         assert math.isfinite(record["loss"]) and record["loss_tokens"] == TOKENS_PER_STEP
     assert records[6]["loss"] < records[1]["loss"]
-    print(f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> {records[6]['loss']:.4f} ({run.seconds:.0f} s)")
+    print(
+        f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> {records[6]['loss']:.4f} ({run.seconds:.0f} s)"
+    )

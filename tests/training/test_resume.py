@@ -87,7 +87,9 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
     # 1) SIGKILL during the first checkpoint save
     run_and_kill(args, _kill_during_save(ckpt))
     partial = iter_dir(ckpt, 10)
-    assert partial.is_dir() and not (partial / "metadata.json").exists(), "save finished before the kill"
+    assert partial.is_dir() and not (partial / "metadata.json").exists(), (
+        "save finished before the kill"
+    )
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
 
     # 2) restart: nothing complete to load -> from scratch; SIGKILL mid-training after ckpt 20
@@ -113,7 +115,9 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
     print("max |loss - uninterrupted| =", max(abs(d) for d in diffs.values()))
     assert all(d == 0.0 for d in diffs.values()), {i: d for i, d in diffs.items() if d}
     for i in chain:  # identical routing: identical per-expert loads
-        assert [e["loads"] for e in chain[i]["layers"]] == [e["loads"] for e in ref.records[i]["layers"]]
+        assert [e["loads"] for e in chain[i]["layers"]] == [
+            e["loads"] for e in ref.records[i]["layers"]
+        ]
 
     # the checkpoint at 30 -- weights, QB biases, Adam moments -- bit-identical to the uninterrupted one
     mine = checkpoint_tensors(iter_dir(ckpt, 30))
@@ -130,7 +134,9 @@ def _load_resharded(name, layout, nproc):
     ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / f"reshard_{name}", upto=30)
     jsonl = scratch_dir() / f"reshard_{name}.jsonl"
     run = run_entry(
-        REF_ARGS + layout + ["--load", str(ckpt), "--exit-interval", "31", "--balance-log-file", str(jsonl)],
+        REF_ARGS
+        + layout
+        + ["--load", str(ckpt), "--exit-interval", "31", "--balance-log-file", str(jsonl)],
         nproc=nproc,
     ).check()
     assert "successfully loaded checkpoint" in run.output and "at iteration 30" in run.output
@@ -140,10 +146,14 @@ def _load_resharded(name, layout, nproc):
     assert sorted(records) == [31], sorted(records)
     mine, theirs = records[31]["loss"], ref.records[31]["loss"]
     rel = abs(mine - theirs) / abs(theirs)
-    print(f"{name}: loss at 31 {mine!r} vs EP2 {theirs!r} (relative {rel:.1e}, {run.seconds:.0f} s)")
+    print(
+        f"{name}: loss at 31 {mine!r} vs EP2 {theirs!r} (relative {rel:.1e}, {run.seconds:.0f} s)"
+    )
     assert math.isfinite(mine) and rel < RESHARD_RTOL
     # the loaded QB bias routes the same tokens to the same experts
-    assert [e["loads"] for e in records[31]["layers"]] == [e["loads"] for e in ref.records[31]["layers"]]
+    assert [e["loads"] for e in records[31]["layers"]] == [
+        e["loads"] for e in ref.records[31]["layers"]
+    ]
 
 
 def test_ep2_checkpoint_continues_with_ep1():
@@ -153,7 +163,13 @@ def test_ep2_checkpoint_continues_with_ep1():
 def test_ep2_checkpoint_continues_with_tp2_sp():
     _load_resharded(
         "tp2sp",
-        ["--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        [
+            "--expert-model-parallel-size",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
         nproc=2,
     )
 
@@ -165,13 +181,25 @@ def test_longer_run_needs_a_schedule_decision_then_continues():
     ref = reference_run()
     ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "longer", upto=40)
     jsonl = scratch_dir() / "longer.jsonl"
-    longer = ["--train-iters", "44", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100",
-              "--balance-log-file", str(jsonl)]
+    longer = [
+        "--train-iters",
+        "44",
+        "--load",
+        str(ckpt),
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "100",
+        "--balance-log-file",
+        str(jsonl),
+    ]
     refused = run_entry(longer)
     assert refused.returncode != 0
     assert "error: the checkpoint's LR / weight-decay schedule differs" in refused.output
     assert "--override-opt_param-scheduler" in refused.output
-    assert "AssertionError" not in refused.output  # (torchrun still prints its own ChildFailedError)
+    assert (
+        "AssertionError" not in refused.output
+    )  # (torchrun still prints its own ChildFailedError)
     run = run_entry(longer + ["--override-opt_param-scheduler"]).check()
     assert "at iteration 40" in run.output
     records = read_jsonl(jsonl)
@@ -180,7 +208,7 @@ def test_longer_run_needs_a_schedule_decision_then_continues():
 
 
 # ---------------------------------------------------------------------- distributed optimizer
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dist_reference() -> ReferenceRun:
     """EP2 with the distributed optimizer, 11 iterations, checkpoints at 5, 10 and 11."""
     base = scratch_dir() / "dist_reference"
@@ -198,14 +226,19 @@ def test_distributed_optimizer_killed_save_resumes_with_identical_losses():
     assert not (iter_dir(ckpt, 10) / "metadata.json").exists(), "save finished before the kill"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
 
-    resumed = run_entry(args).check()  # megatron-core 0.19.2 alone: AssertionError `len(steps) == 1`
+    resumed = run_entry(
+        args
+    ).check()  # megatron-core 0.19.2 alone: AssertionError `len(steps) == 1`
     assert "successfully loaded checkpoint" in resumed.output and "at iteration 5" in resumed.output
     chain = read_jsonl(jsonl)
     assert sorted(chain) == list(range(1, 12)), sorted(chain)
     diffs = {i: chain[i]["loss"] - ref.records[i]["loss"] for i in chain}
     print(f"max |loss - uninterrupted| = {max(map(abs, diffs.values()))} ({resumed.seconds:.0f} s)")
     assert all(d == 0.0 for d in diffs.values()), {i: d for i, d in diffs.items() if d}
-    mine, theirs = checkpoint_tensors(iter_dir(ckpt, 11)), checkpoint_tensors(iter_dir(ref.ckpt, 11))
+    mine, theirs = (
+        checkpoint_tensors(iter_dir(ckpt, 11)),
+        checkpoint_tensors(iter_dir(ref.ckpt, 11)),
+    )
     assert sorted(mine) == sorted(theirs)
     assert any(".exp_avg_sq" in k or "exp_avg_sq." in k for k in mine), sorted(mine)[:20]
     assert sum(k.endswith("router.expert_bias") for k in mine) == 3
@@ -226,8 +259,19 @@ def _reshard_keeps_optimizer_state(name, layout):
 
     # 1) the optimizer state right after the load, re-saved in this layout: equal to the saved one
     converted = scratch_dir() / f"dist_{name}_converted"
-    run = run_entry(DIST_ARGS + layout + ["--load", str(ckpt), "--ckpt-convert-format", "torch_dist",
-                                          "--ckpt-convert-save", str(converted)], nproc=2).check()
+    run = run_entry(
+        DIST_ARGS
+        + layout
+        + [
+            "--load",
+            str(ckpt),
+            "--ckpt-convert-format",
+            "torch_dist",
+            "--ckpt-convert-save",
+            str(converted),
+        ],
+        nproc=2,
+    ).check()
     assert "and optimizer state at iteration 10" in run.output
     assert "WARNING: checkpoint layout" not in run.output
     loaded = _saved_state(iter_dir(converted / "torch_dist", 10))
@@ -238,11 +282,18 @@ def _reshard_keeps_optimizer_state(name, layout):
 
     # 2) one step in this layout == one step of the EP2 run (weights, moments, QB bias)
     jsonl = scratch_dir() / f"dist_{name}.jsonl"
-    step = run_entry(DIST_ARGS + layout + ["--load", str(ckpt), "--save", str(ckpt),
-                                           "--balance-log-file", str(jsonl)], nproc=2).check()
+    step = run_entry(
+        DIST_ARGS
+        + layout
+        + ["--load", str(ckpt), "--save", str(ckpt), "--balance-log-file", str(jsonl)],
+        nproc=2,
+    ).check()
     assert "and optimizer state at iteration 10" in step.output
     records = read_jsonl(jsonl)
-    assert sorted(records) == [11] and abs(records[11]["loss"] / ref.records[11]["loss"] - 1) < RESHARD_RTOL
+    assert (
+        sorted(records) == [11]
+        and abs(records[11]["loss"] / ref.records[11]["loss"] - 1) < RESHARD_RTOL
+    )
     mine, theirs = _saved_state(iter_dir(ckpt, 11)), _saved_state(iter_dir(ref.ckpt, 11))
     worst = {}
     for key, before in saved.items():
@@ -252,19 +303,31 @@ def _reshard_keeps_optimizer_state(name, layout):
         base = before if "exp_avg" not in key else 0
         want, got = theirs[key] - base, mine[key] - base
         scale = float(want.abs().max())
-        worst[key] = float((got - want).abs().max()) / scale if scale else float((got - want).abs().max())
+        worst[key] = (
+            float((got - want).abs().max()) / scale if scale else float((got - want).abs().max())
+        )
     top = sorted(worst, key=worst.get, reverse=True)[:4]
-    norms = [re.search(r"iteration\s+11/.*?grad norm: ([0-9.eE+-]+)", r.output) for r in (ref, step)]
-    print(f"{name}: largest relative differences after one step "
-          + ", ".join(f"{k} {worst[k]:.1e}" for k in top)
-          + f"; grad norm at 11 {[m and m.group(1) for m in norms]}; runs {run.seconds:.0f} s + {step.seconds:.0f} s")
+    norms = [
+        re.search(r"iteration\s+11/.*?grad norm: ([0-9.eE+-]+)", r.output) for r in (ref, step)
+    ]
+    print(
+        f"{name}: largest relative differences after one step "
+        + ", ".join(f"{k} {worst[k]:.1e}" for k in top)
+        + f"; grad norm at 11 {[m and m.group(1) for m in norms]}; runs {run.seconds:.0f} s + {step.seconds:.0f} s"
+    )
     assert worst[top[0]] < STEP_RTOL, top[0]
 
 
 def test_distributed_optimizer_ep2_to_tp2_sp_keeps_adam_moments():
     _reshard_keeps_optimizer_state(
         "tp2sp",
-        ["--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        [
+            "--expert-model-parallel-size",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
     )
 
 

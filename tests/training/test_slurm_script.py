@@ -44,15 +44,37 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     env = environment()
     env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1",
-        SLURM_JOB_ID="4242", GPUS_PER_NODE="2", PYTHON=PYTHON, MASTER_PORT=str(_free_port()),
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_NNODES="1",
+        SLURM_JOB_ID="4242",
+        GPUS_PER_NODE="2",
+        PYTHON=PYTHON,
+        MASTER_PORT=str(_free_port()),
         REPO=str(REPO),
     )
     proc = subprocess.run(
-        ["bash", str(REPO / "examples" / "slurm_multinode.sbatch"), str(REPO / "examples" / "args" / "tiny.sh"),
-         "--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "4", "--log-interval", "1",
-         "--data-cache-path", data_cache()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env, timeout=300,
+        [
+            "bash",
+            str(REPO / "examples" / "slurm_multinode.sbatch"),
+            str(REPO / "examples" / "args" / "tiny.sh"),
+            "--train-iters",
+            "3",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "4",
+            "--log-interval",
+            "1",
+            "--data-cache-path",
+            data_cache(),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "[slurm] 1 nodes x 2 GPUs" in proc.stdout

@@ -68,7 +68,14 @@ def assert_within_one_bin(hist, scores, bias, k):
 @pytest.mark.parametrize("cls", HIST_CLASSES)
 @pytest.mark.parametrize(
     "m,n,k,seed",
-    [(1000, 896, 16, 0), (333, 896, 16, 1), (37, 4, 1, 2), (1001, 64, 4, 3), (1, 8, 2, 4), (5, 896, 16, 5)],
+    [
+        (1000, 896, 16, 0),
+        (333, 896, 16, 1),
+        (37, 4, 1, 2),
+        (1001, 64, 4, 3),
+        (1, 8, 2, 4),
+        (5, 896, 16, 5),
+    ],
 )
 def test_histogram_within_one_bin_random(cls, m, n, k, seed):
     assert (m * k) % n != 0 or m == 1000  # mostly non-divisible m·k
@@ -106,7 +113,9 @@ def test_quantile_is_read_by_linear_interpolation_inside_the_bin(cls, m, n, k, s
         edge, width = h.bin_bounds(torch.tensor([c] * n), bias)
         expected.append(edge[j].item() + (big_q - before) / count * width[j].item())
     got = h.raw_quantiles(bias)
-    assert torch.allclose(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert torch.allclose(
+        got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6
+    )
     # and interpolation is what brings the estimate close: a third of a bin on average
     _, width = assert_within_one_bin(h, scores, bias, k)
     err = (got - exact_quantiles(scores, bias, k)).abs()
@@ -230,7 +239,9 @@ def test_stationary_batch_reaches_exact_level():
         assert mv[3] < 0.3  # a few steps from MaxVio 5
         bound = exact[-1] + bin_tokens / mean_load + 1e-9
         assert mv[-1] <= bound, (cls.__name__, mv[-1], exact[-1], bin_tokens)
-        if cls is CenteredQuantileHistogram:  # finer bins near the bias: reaches the exact level itself
+        if (
+            cls is CenteredQuantileHistogram
+        ):  # finer bins near the bias: reaches the exact level itself
             assert mv[-1] <= exact[-1] + 1e-9
             centred_final = mv[-1]
         else:
@@ -298,7 +309,10 @@ def test_pack_unpack_and_two_rank_sum(cls):
     rank_b.observe(s_b[300:], bias)
     union.observe(torch.cat([s_a, s_b]), bias)
     buf_a, buf_b = rank_a.pack(), rank_b.pack()
-    assert buf_a.dtype == torch.int32 and buf_a.numel() == n * nb + len(HEADER_FIELDS) == rank_a.packed_numel
+    assert (
+        buf_a.dtype == torch.int32
+        and buf_a.numel() == n * nb + len(HEADER_FIELDS) == rank_a.packed_numel
+    )
     # round trip on one rank
     solo = cls(n, k, nb)
     solo.unpack_(buf_a.clone())
@@ -372,7 +386,9 @@ def test_valid_mask_excludes_padding(cls):
     got.observe(padded, bias, valid)
     assert torch.equal(ref.counts, got.counts) and int(got.num_tokens) == 600
     assert torch.equal(ref.solve(bias), got.solve(bias))
-    assert torch.equal(exact_quantile_bias(padded, bias, k, valid), exact_quantile_bias(scores, bias, k))
+    assert torch.equal(
+        exact_quantile_bias(padded, bias, k, valid), exact_quantile_bias(scores, bias, k)
+    )
     assert torch.equal(topk_loads(padded, bias, k, valid), topk_loads(scores, bias, k))
     # all padding -> nothing observed -> bias unchanged
     empty = cls(n, k)

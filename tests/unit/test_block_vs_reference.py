@@ -117,9 +117,11 @@ def compare_with_reference(cases: dict, device: str = "cpu") -> dict:
             _rel(grads_ref[k], torch.zeros_like(p) if p.grad is None else p.grad)
             for k, p in ref_params.items()
         )
-        unbiased = torch.sigmoid(
-            x.reshape(-1, cfg.hidden_size) @ layer.router.weight.detach().cpu().T
-        ).topk(cfg.moe_router_topk).indices
+        unbiased = (
+            torch.sigmoid(x.reshape(-1, cfg.hidden_size) @ layer.router.weight.detach().cpu().T)
+            .topk(cfg.moe_router_topk)
+            .indices
+        )
         report[name] = dict(
             out=_rel(out_meg.detach().cpu(), out_ref),
             dx=_rel(x_meg.grad.cpu(), x_ref.grad),

@@ -26,7 +26,12 @@ def test_first_k_dense_replace_sets_the_layer_pattern():
     # the same pattern given explicitly (as the converter and copies of a config do) is accepted
     same = tiny_config(num_layers=4, first_k_dense_replace=1, moe_layer_freq=[0, 1, 1, 1])
     assert same.moe_layer_freq == [0, 1, 1, 1]
-    assert StableLatentMoETransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4).normalization == "RMSNorm"
+    assert (
+        StableLatentMoETransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4
+        ).normalization
+        == "RMSNorm"
+    )
 
 
 def test_a_replaced_config_derives_the_layer_pattern_again():
@@ -62,41 +67,74 @@ def test_added_fields_are_listed():
 @pytest.mark.parametrize(
     "overrides, field, allowed",
     [
-        (dict(moe_latent_size=33, tensor_model_parallel_size=2, sequence_parallel=True),
-         "moe_latent_size=33", "multiple of tensor_model_parallel_size=2"),
-        (dict(num_moe_experts=6, expert_model_parallel_size=4), "num_moe_experts=6",
-         "multiple of expert_model_parallel_size=4"),
+        (
+            dict(moe_latent_size=33, tensor_model_parallel_size=2, sequence_parallel=True),
+            "moe_latent_size=33",
+            "multiple of tensor_model_parallel_size=2",
+        ),
+        (
+            dict(num_moe_experts=6, expert_model_parallel_size=4),
+            "num_moe_experts=6",
+            "multiple of expert_model_parallel_size=4",
+        ),
         (dict(num_moe_experts=4, moe_router_topk=4), "moe_router_topk=4", "[1, num_moe_experts=4)"),
         (dict(activation_situ_beta=0.0), "activation_situ_beta=0.0", "positive"),
         (dict(activation_situ_linear_beta=-1.0), "activation_situ_linear_beta=-1.0", "positive"),
         (dict(moe_latent_size=None), "latent_moe_use_norm=True", "moe_latent_size is set"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'", "'situ'"),
         (dict(first_k_dense_replace=2), "first_k_dense_replace=2", "num_layers=2"),
-        (dict(moe_router_score_function="softmax"), "moe_router_score_function='softmax'",
-         "'sigmoid'"),
-        (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias=True",
-         "QB router owns expert_bias"),
+        (
+            dict(moe_router_score_function="softmax"),
+            "moe_router_score_function='softmax'",
+            "'sigmoid'",
+        ),
+        (
+            dict(moe_router_enable_expert_bias=True),
+            "moe_router_enable_expert_bias=True",
+            "QB router owns expert_bias",
+        ),
         (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
         (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1", "integer >= 2"),
         (dict(moe_qb_binning="log"), "moe_qb_binning='log'", "'centered'"),
-        (dict(moe_router_topk_scaling_factor=0.0), "moe_router_topk_scaling_factor=0.0",
-         "positive"),
-        (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True",
-         "full-width input"),
+        (
+            dict(moe_router_topk_scaling_factor=0.0),
+            "moe_router_topk_scaling_factor=0.0",
+            "positive",
+        ),
+        (
+            dict(moe_shared_expert_overlap=True),
+            "moe_shared_expert_overlap=True",
+            "full-width input",
+        ),
         (dict(first_k_dense_replace=1.5), "first_k_dense_replace=1.5", "an integer"),
-        (dict(num_layers=4, moe_layer_freq=[1, 1, 0, 0], first_k_dense_replace=1),
-         "first_k_dense_replace=1", "0 when moe_layer_freq=[1, 1, 0, 0]"),
+        (
+            dict(num_layers=4, moe_layer_freq=[1, 1, 0, 0], first_k_dense_replace=1),
+            "first_k_dense_replace=1",
+            "0 when moe_layer_freq=[1, 1, 0, 0]",
+        ),
         (dict(normalization="LayerNorm"), "normalization='LayerNorm'", "'RMSNorm'"),
         (dict(layernorm_zero_centered_gamma=True), "layernorm_zero_centered_gamma=True", "False"),
-        (dict(use_transformer_engine_op_fuser=True), "use_transformer_engine_op_fuser=True",
-         "hidden_act='situ'"),
-        (dict(activation_func_fp8_input_store=True), "activation_func_fp8_input_store=True",
-         "hidden_act='situ'"),
-        (dict(moe_apply_probs_on_input=True, moe_router_topk=1), "moe_apply_probs_on_input=True",
-         "p * E(z)"),
+        (
+            dict(use_transformer_engine_op_fuser=True),
+            "use_transformer_engine_op_fuser=True",
+            "hidden_act='situ'",
+        ),
+        (
+            dict(activation_func_fp8_input_store=True),
+            "activation_func_fp8_input_store=True",
+            "hidden_act='situ'",
+        ),
+        (
+            dict(moe_apply_probs_on_input=True, moe_router_topk=1),
+            "moe_apply_probs_on_input=True",
+            "p * E(z)",
+        ),
         (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True", "replay"),
-        (dict(moe_qb_binning="centered", moe_qb_num_bins=999), "moe_qb_num_bins=999",
-         "even integer"),
+        (
+            dict(moe_qb_binning="centered", moe_qb_num_bins=999),
+            "moe_qb_num_bins=999",
+            "even integer",
+        ),
     ],
 )
 def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):

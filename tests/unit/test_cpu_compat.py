@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_latentmoe.compat import core, cpu, registry
+from megatron_latentmoe.compat import cpu, registry
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU shims are inert when CUDA is available"
@@ -67,8 +67,11 @@ def test_revert_restores_torch(no_compat):
     originals = (torch.cuda.Stream, torch.cuda.current_device, torch.autograd._engine_run_backward)
     cpu.apply_cpu_compat()
     cpu.revert_cpu_compat()
-    assert (torch.cuda.Stream, torch.cuda.current_device,
-            torch.autograd._engine_run_backward) == originals
+    assert (
+        torch.cuda.Stream,
+        torch.cuda.current_device,
+        torch.autograd._engine_run_backward,
+    ) == originals
     assert not registry.patched("cpu") and not registry.patched("core") and _mode_on() == 0
 
 
@@ -95,13 +98,17 @@ def test_registry_reverts_one_group_and_refuses_to_reapply():
 
     try:
         assert registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 10)])
-        assert not registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 11)])
+        assert not registry.apply_group(
+            "test-a", [lambda: registry.patch("test-a", Owner, "a", 11)]
+        )
         registry.apply_group("test-b", [lambda: registry.patch("test-b", Owner, "b", 20)])
         assert (Owner.a, Owner.b) == (10, 20) and registry.patched("test-a") == [(Owner, "a", 1)]
         registry.revert("test-a")
         assert (Owner.a, Owner.b) == (1, 20) and not registry.is_applied("test-a")
         with pytest.raises(ZeroDivisionError):  # a failing shim leaves nothing of its group
-            registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 12), lambda: 1 / 0])
+            registry.apply_group(
+                "test-a", [lambda: registry.patch("test-a", Owner, "a", 12), lambda: 1 / 0]
+            )
         assert Owner.a == 1 and not registry.is_applied("test-a")
     finally:
         registry.revert("test-a")
@@ -236,8 +243,10 @@ def test_cuda_rng_state_functions_use_cpu_generator(compat):
     megatron's _get/_set_cuda_rng_state (activation recompute) save and restore the CPU stream."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    for get, set_ in [(torch.cuda.get_rng_state, torch.cuda.set_rng_state),
-                      (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)]:
+    for get, set_ in [
+        (torch.cuda.get_rng_state, torch.cuda.set_rng_state),
+        (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state),
+    ]:
         state = get()
         first = torch.rand(3)
         set_(state)
@@ -268,8 +277,12 @@ def _sp_config(**kwargs):
 
     kwargs = {"sequence_parallel": True, **kwargs}
     return TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
-        normalization="RMSNorm", **kwargs,
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
+        normalization="RMSNorm",
+        **kwargs,
     )
 
 
@@ -294,7 +307,9 @@ def test_torch_norm_refuses_sequence_parallel_without_shim(no_compat):
     with pytest.raises(AssertionError, match="sequence parallel"):
         WrappedTorchNorm(config=_sp_config(), hidden_size=8)
     with pytest.raises(AssertionError, match="persist_layer_norm"):
-        WrappedTorchNorm(config=_sp_config(sequence_parallel=False, persist_layer_norm=True), hidden_size=8)
+        WrappedTorchNorm(
+            config=_sp_config(sequence_parallel=False, persist_layer_norm=True), hidden_size=8
+        )
 
 
 def test_dataset_helpers_need_no_make(compat):

@@ -20,7 +20,9 @@ from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "preprocess_data.py"
-OFFLINE_ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+OFFLINE_ENV = dict(
+    os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+)
 
 SAMPLES = [
     "In the beginning, God created the heavens and the earth.",
@@ -90,7 +92,11 @@ def test_tokenizer_loads_offline_with_transformers_and_round_trips(hf_tok):
     tok = hf_tok
     assert len(tok) == 4096
     assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id, tok.pad_token, tok.pad_token_id) == (
-        "<|endoftext|>", 0, 0, "<|pad|>", 1,
+        "<|endoftext|>",
+        0,
+        0,
+        "<|pad|>",
+        1,
     )
     texts = [s for s in SAMPLES if s] + list(iter_corpus_texts())[:50]
     for t in texts:
@@ -120,9 +126,25 @@ def test_megatron_builds_the_tokenizer_from_the_flags(hf_tok):
         from megatron.training.arguments import parse_args
 
     argv = sys.argv
-    sys.argv = ["pretrain", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(DEFAULT_TOKENIZER_DIR),
-                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-                "--max-position-embeddings", "64", "--micro-batch-size", "1"]
+    sys.argv = [
+        "pretrain",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(DEFAULT_TOKENIZER_DIR),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--micro-batch-size",
+        "1",
+    ]
     try:
         args = parse_args()
     finally:
@@ -149,14 +171,32 @@ def test_shipped_tokenizer_is_reproducible(capsys):
 
 
 def test_cli_writes_exactly_the_tokenizer_ids_plus_eod(tmp_path, hf_tok):
-    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": s, "meta": i} for i, s in enumerate(SAMPLES)], "\n\n")
+    src = _write_jsonl(
+        tmp_path / "in.jsonl", [{"text": s, "meta": i} for i, s in enumerate(SAMPLES)], "\n\n"
+    )
     prefix = tmp_path / "out" / "mine"
     r = subprocess.run(
-        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix), "--json-keys", "text"],
-        capture_output=True, text=True, timeout=300, env=OFFLINE_ENV,
+        [
+            sys.executable,
+            str(CLI),
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(prefix),
+            "--json-keys",
+            "text",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=OFFLINE_ENV,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "documents: 6" in r.stdout and "skipped empty: 2" in r.stdout and f"--data-path {prefix}" in r.stdout
+    assert (
+        "documents: 6" in r.stdout
+        and "skipped empty: 2" in r.stdout
+        and f"--data-path {prefix}" in r.stdout
+    )
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -177,7 +217,9 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     src = tmp_path / "in.jsonl.gz"
     with gzip.open(src, "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(o) + "\n" for o in objs)
-    s = preprocess_jsonl(src, tmp_path / "p", json_keys=["title", "body"], append_eod=False, progress=False)
+    s = preprocess_jsonl(
+        src, tmp_path / "p", json_keys=["title", "body"], append_eod=False, progress=False
+    )
     assert s.output_prefixes == [str(tmp_path / "p_title"), str(tmp_path / "p_body")]
     assert s.documents == len(objs)
     for key, prefix in zip(["title", "body"], s.output_prefixes):
@@ -191,7 +233,10 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     "lines, match",
     [
         (['{"text": "ok"}', '{"text": "broken', '{"text": "ok"}'], r"in\.jsonl:2: malformed JSON"),
-        (['{"text": "ok"}', "", '{"body": "no text key"}'], r"in\.jsonl:3: missing JSON key 'text' \(keys present: 'body'\)"),
+        (
+            ['{"text": "ok"}', "", '{"body": "no text key"}'],
+            r"in\.jsonl:3: missing JSON key 'text' \(keys present: 'body'\)",
+        ),
         (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds int"),
         (['["a list"]'], r"in\.jsonl:1: expected a JSON object"),
         (['{"text": ""}', "   "], r"no non-empty documents"),
@@ -227,7 +272,12 @@ def test_cli_error_exit_and_message(tmp_path, capsys):
     cli = _load_tool("preprocess_data")
     assert cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "o")]) == 1
     assert f"error: {src}:3: malformed JSON" in capsys.readouterr().err
-    assert cli.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 1
+    assert (
+        cli.main(
+            ["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o")]
+        )
+        == 1
+    )
     assert "error: input file not found" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
@@ -237,7 +287,9 @@ def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
     prefix = tmp_path / "ds"
     preprocess_jsonl(good, prefix, progress=False)
     before = {p.name: p.read_bytes() for p in tmp_path.glob("ds.*")}
-    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "new"}] * 600, "{not json}\n")  # fails in batch 3
+    bad = _write_jsonl(
+        tmp_path / "bad.jsonl", [{"text": "new"}] * 600, "{not json}\n"
+    )  # fails in batch 3
     with pytest.raises(PreprocessError, match=r"bad\.jsonl:601:"):
         preprocess_jsonl(bad, prefix, progress=False)
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*")} == before
@@ -249,8 +301,12 @@ def test_killed_run_leaves_no_dataset(tmp_path):
     texts = list(iter_corpus_texts())
     _write_jsonl(src, [{"text": t} for t in texts])
     prefix = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=OFFLINE_ENV)
+    p = subprocess.Popen(
+        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=OFFLINE_ENV,
+    )
     try:
         deadline = time.time() + 120
         while not list(tmp_path.glob("killed.bin.tmp*")):
@@ -298,9 +354,11 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
 
 def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monkeypatch):
     _mcore_quiet()
-    import torch
     import megatron.core.datasets.utils as mcore_data_utils
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    import torch
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.tokenizers import MegatronTokenizer
 
@@ -310,18 +368,29 @@ def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monk
         raise AssertionError("compile_helpers (make) must not be needed")
 
     monkeypatch.setattr(mcore_data_utils, "compile_helpers", no_make)
-    tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(DEFAULT_TOKENIZER_DIR),
-                                            metadata_path={"library": "huggingface"})
+    tok = MegatronTokenizer.from_pretrained(
+        tokenizer_path=str(DEFAULT_TOKENIZER_DIR), metadata_path={"library": "huggingface"}
+    )
     seq = 64
     cfg = GPTDatasetConfig(
-        random_seed=1234, sequence_length=seq, blend=([default_prefix], None), split="98,1,1",
-        tokenizer=tok, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        random_seed=1234,
+        sequence_length=seq,
+        blend=([default_prefix], None),
+        split="98,1,1",
+        tokenizer=tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [200, 20, 20], lambda: True, cfg).build()
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            GPTDataset, [200, 20, 20], lambda: True, cfg
+        ).build()
     assert not [w for w in caught if "pad token" in str(w.message)]  # <|pad|> is distinct from EOD
-    assert isinstance(train, GPTDataset) and len(train) >= 200 and len(valid) >= 20 and len(test) >= 20
+    assert (
+        isinstance(train, GPTDataset) and len(train) >= 200 and len(valid) >= 20 and len(test) >= 20
+    )
     s = train[3]
     assert s["tokens"].shape == s["labels"].shape == (seq,)
     assert torch.equal(s["tokens"][1:], s["labels"][:-1])

@@ -208,13 +208,19 @@ def test_k3_presets_are_the_hf_defaults():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(moe_router_topk=8),
-         "moe_router_topk=8 is not allowed: an integer in [1, num_experts=8)"),
-        (dict(first_k_dense_replace=3),
-         "first_k_dense_replace=3 is not allowed: an integer in [0, num_layers=3)"),
+        (
+            dict(moe_router_topk=8),
+            "moe_router_topk=8 is not allowed: an integer in [1, num_experts=8)",
+        ),
+        (
+            dict(first_k_dense_replace=3),
+            "first_k_dense_replace=3 is not allowed: an integer in [0, num_layers=3)",
+        ),
         (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1 is not allowed: an integer >= 2"),
-        (dict(num_query_groups=3),
-         "num_query_groups=3 is not allowed: a divisor of num_attention_heads=4"),
+        (
+            dict(num_query_groups=3),
+            "num_query_groups=3 is not allowed: a divisor of num_attention_heads=4",
+        ),
     ],
 )
 def test_the_converter_runs_the_configs_rules(change, message):

@@ -34,13 +34,22 @@ def _fake_kit(tmp_path, members=("site/megatron/core/__init__.py",)):
 
 def _run(args, tmp_path, timeout=120, **env):
     full_env = dict(os.environ, OUT=str(tmp_path / "out"), **env)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          env=full_env, cwd=REPO, timeout=timeout, check=False)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_bad_flag_and_missing_kit(tmp_path):
     r = _run(["--fast"], tmp_path)
-    assert r.returncode == 2 and "usage: bash tools/gpu_checks.sh [--check]; got '--fast'" in r.stderr
+    assert (
+        r.returncode == 2 and "usage: bash tools/gpu_checks.sh [--check]; got '--fast'" in r.stderr
+    )
     r = _run(["--check"], tmp_path, KIT=str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no kit in" in r.stdout and "fetch_gpu_kit.sh" in r.stdout
 
@@ -74,13 +83,25 @@ def test_fetch_gpu_kit_copies_verified_kit(tmp_path):
     shutil.copytree(REPO / "tools", repo / "tools")
     shutil.copy(REPO / ".gitignore", repo / ".gitignore")
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        ["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
-    assert (repo / ".tekit" / "te_site.tar.xz").read_bytes() == (kit / "te_site.tar.xz").read_bytes()
+    assert (repo / ".tekit" / "te_site.tar.xz").read_bytes() == (
+        kit / "te_site.tar.xz"
+    ).read_bytes()
     (kit / "SHA256SUMS").write_text("0" * 64 + "  te_site.tar.xz\n")
-    r = subprocess.run(["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        ["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode != 0  # a bad checksum leaves the previous good copy in place
     assert (repo / ".tekit" / "te_site.tar.xz").exists()
     assert not list(repo.glob(".tekit.tmp.*"))
@@ -110,9 +131,13 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: tools/gpu_checks.sh runs the real benchmark")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu_block.py"),
-                        "--out", str(out)], capture_output=True, text=True, timeout=120,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_gpu_block.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     assert result["skipped"].startswith("needs a CUDA GPU"), result

@@ -179,7 +179,9 @@ BLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides", BLOCK_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "k3")
+@pytest.mark.parametrize(
+    "overrides", BLOCK_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "k3"
+)
 def test_block_matches_naive_per_token_loop(overrides):
     cfg = tiny_config(**overrides)
     torch.manual_seed(0)
@@ -198,7 +200,9 @@ def test_block_matches_naive_per_token_loop(overrides):
     torch.testing.assert_close(y.reshape(-1, cfg.hidden_size), y_ref, rtol=1e-12, atol=1e-12)
     assert torch.equal(routing.topk_indices, sel_ref)  # same experts, same (biased-score) order
     torch.testing.assert_close(routing.topk_probs, p_ref, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(routing.scores, torch.sigmoid(x.reshape(-1, cfg.hidden_size) @ sd["gate.weight"].T))
+    torch.testing.assert_close(
+        routing.scores, torch.sigmoid(x.reshape(-1, cfg.hidden_size) @ sd["gate.weight"].T)
+    )
     # the plain forward returns the same tensor
     torch.testing.assert_close(block(x), y, rtol=0, atol=0)
     # the bias changes the selection for some token (so the case above exercises it)
@@ -264,7 +268,9 @@ def test_situ_glu_formula_and_precision():
     assert torch.equal(out_b, naive_situ(gb.float(), ub.float(), 4.0, 25.0).bfloat16())
     # near zero it is SwiGLU to first order
     small = torch.linspace(-1e-3, 1e-3, 11, dtype=torch.float64)
-    torch.testing.assert_close(modeling.situ_glu(small, small), modeling.swiglu(small, small), rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(
+        modeling.situ_glu(small, small), modeling.swiglu(small, small), rtol=1e-5, atol=1e-12
+    )
 
 
 def test_reference_reexports_the_modeling_code():
@@ -330,7 +336,9 @@ def test_checkpoint_names_and_shapes():
     assert not any("bias" in k and "e_score_correction_bias" not in k for k in sd)
     assert not any("rotary" in k or "inv_freq" in k for k in sd)
     # norm off / no shared experts -> no such weights
-    sd2 = StableLatentMoEForCausalLM(tiny_config(latent_moe_use_norm=False, num_shared_experts=0)).state_dict()
+    sd2 = StableLatentMoEForCausalLM(
+        tiny_config(latent_moe_use_norm=False, num_shared_experts=0)
+    ).state_dict()
     assert not any("routed_expert_norm" in k or "shared_experts" in k for k in sd2)
 
 
@@ -402,9 +410,14 @@ def test_save_pretrained_remote_code_roundtrip(tmp_path):
     torch.manual_seed(0)
     model = StableLatentMoEForCausalLM(cfg).eval()
     randomize_(model, std=0.2)
-    model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_experts))
+    model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.copy_(
+        torch.randn(cfg.num_experts)
+    )
     _save_with_code(model, tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} >= set(REMOTE_CODE_FILES) | {"config.json", "model.safetensors"}
+    assert {p.name for p in tmp_path.iterdir()} >= set(REMOTE_CODE_FILES) | {
+        "config.json",
+        "model.safetensors",
+    }
     config_json = json.loads((tmp_path / "config.json").read_text())
     assert config_json["model_type"] == "stable_latentmoe"
     assert config_json["auto_map"] == hf_pkg.AUTO_MAP
@@ -466,20 +479,30 @@ def test_e_score_correction_bias_stays_fp32_through_bf16_save_and_load(tmp_path)
     model = model.to(torch.bfloat16)
     gate = model.model.layers[1].block_sparse_moe.gate
     assert gate.weight.dtype == torch.bfloat16
-    assert gate.e_score_correction_bias.dtype == torch.float32 and torch.equal(gate.e_score_correction_bias, bias)
+    assert gate.e_score_correction_bias.dtype == torch.float32 and torch.equal(
+        gate.e_score_correction_bias, bias
+    )
 
     _save_with_code(model, tmp_path)
     stored = safetensors_torch.load_file(tmp_path / "model.safetensors")
     assert stored[key].dtype == torch.float32 and torch.equal(stored[key], bias)
-    assert stored["model.layers.1.block_sparse_moe.routed_expert_up_proj.weight"].dtype == torch.bfloat16
+    assert (
+        stored["model.layers.1.block_sparse_moe.routed_expert_up_proj.weight"].dtype
+        == torch.bfloat16
+    )
 
     # an fp64 detour does not lose it either
-    assert torch.equal(model.double().bfloat16().model.layers[1].block_sparse_moe.gate.e_score_correction_bias, bias)
+    assert torch.equal(
+        model.double().bfloat16().model.layers[1].block_sparse_moe.gate.e_score_correction_bias,
+        bias,
+    )
     for kwargs in ({"dtype": torch.bfloat16}, {}, {"dtype": torch.float32}):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, **kwargs)
         b = loaded.state_dict()[key]
         assert b.dtype == torch.float32 and torch.equal(b, bias), kwargs
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, trust_remote_code=True, dtype=torch.bfloat16
+    )
     assert loaded.lm_head.weight.dtype == torch.bfloat16
     with torch.no_grad():
         out = loaded(torch.randint(3, cfg.vocab_size, (1, 4))).logits
@@ -505,12 +528,29 @@ def test_tied_word_embeddings(tmp_path):
 # ======================================================================================== config
 def test_config_defaults_are_the_k3_values():
     c = StableLatentMoEConfig()
-    assert (c.hidden_size, c.routed_expert_hidden_size, c.moe_intermediate_size) == (7168, 3584, 3072)
+    assert (c.hidden_size, c.routed_expert_hidden_size, c.moe_intermediate_size) == (
+        7168,
+        3584,
+        3072,
+    )
     assert (c.num_experts, c.num_experts_per_token, c.num_shared_experts) == (896, 16, 2)
-    assert (c.num_hidden_layers, c.first_k_dense_replace, c.vocab_size, c.rms_norm_eps) == (93, 1, 163840, 1e-5)
-    assert (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
+    assert (c.num_hidden_layers, c.first_k_dense_replace, c.vocab_size, c.rms_norm_eps) == (
+        93,
+        1,
+        163840,
+        1e-5,
+    )
+    assert (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta) == (
+        "situ",
+        4.0,
+        25.0,
+    )
     assert (c.moe_router_activation_func, c.moe_renormalize, c.topk_method, c.num_expert_group) == (
-        "sigmoid", True, "noaux_tc", 1)
+        "sigmoid",
+        True,
+        "noaux_tc",
+        1,
+    )
     assert c.latent_moe_use_norm is True and c.routed_scaling_factor == 1.0
     assert c.tie_word_embeddings is False and c.head_dim == 7168 // 64
     assert c.get_shared_expert_intermediate_size() == 6144

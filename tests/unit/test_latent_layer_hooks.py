@@ -41,10 +41,15 @@ def _old_norm_name_state_dict(rank, world_size):
     old, new = (get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1) for _ in range(2))
     with torch.no_grad():
         old.routed_expert_norm.weight.uniform_(0.5, 1.5)
-    state = {k.replace("routed_expert_norm.", "latent_norm."): v for k, v in old.state_dict().items()}
+    state = {
+        k.replace("routed_expert_norm.", "latent_norm."): v for k, v in old.state_dict().items()
+    }
     result = new.load_state_dict(state, strict=True)
-    return (sorted(k for k in state if "norm" in k), list(result.missing_keys),
-            torch.equal(new.routed_expert_norm.weight, old.routed_expert_norm.weight))
+    return (
+        sorted(k for k in state if "norm" in k),
+        list(result.missing_keys),
+        torch.equal(new.routed_expert_norm.weight, old.routed_expert_norm.weight),
+    )
 
 
 def test_a_state_dict_with_the_old_norm_name_loads():

@@ -57,8 +57,11 @@ def test_k3_remaining_activated_params_are_attention():
     assert round(led["dense_layers"]["ffn_params"] / 1e9, 1) == 0.7
     assert round(led["embedding"]["input_embedding_params"] / 1e9, 1) == 1.2
     assert round(led["embedding"]["lm_head_params"] / 1e9, 1) == 1.2
-    ours = (led["all_moe_layers"]["activated_per_token_excl_router"]
-            + led["dense_layers"]["ffn_params"] + led["embedding"]["total_params"])
+    ours = (
+        led["all_moe_layers"]["activated_per_token_excl_router"]
+        + led["dense_layers"]["ffn_params"]
+        + led["embedding"]["total_params"]
+    )
     assert abs((104.2e9 - ours) - 36e9) < 1e9
 
 
@@ -74,16 +77,29 @@ def test_k3_exact_counts():
 # ---------------------------------------------------------------------------- hand-built module
 
 TINY = LatentMoEShape(
-    hidden_size=8, latent_size=4, moe_ffn_hidden_size=6, num_experts=5, topk=2,
-    shared_ffn_hidden_size=2 * 6, num_layers=3, first_k_dense_replace=1,
-    dense_ffn_hidden_size=10, vocab_size=11, latent_norm=True, tie_word_embeddings=False,
+    hidden_size=8,
+    latent_size=4,
+    moe_ffn_hidden_size=6,
+    num_experts=5,
+    topk=2,
+    shared_ffn_hidden_size=2 * 6,
+    num_layers=3,
+    first_k_dense_replace=1,
+    dense_ffn_hidden_size=10,
+    vocab_size=11,
+    latent_norm=True,
+    tie_word_embeddings=False,
 )
 
 
 def gated_mlp(d_in, ff, d_out):
-    return nn.ModuleDict(dict(gate=nn.Linear(d_in, ff, bias=False),
-                              up=nn.Linear(d_in, ff, bias=False),
-                              down=nn.Linear(ff, d_out, bias=False)))
+    return nn.ModuleDict(
+        dict(
+            gate=nn.Linear(d_in, ff, bias=False),
+            up=nn.Linear(d_in, ff, bias=False),
+            down=nn.Linear(ff, d_out, bias=False),
+        )
+    )
 
 
 class TinyMoELayer(nn.Module):
@@ -93,11 +109,14 @@ class TinyMoELayer(nn.Module):
         self.router = nn.Linear(d, s.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(s.num_experts))
         self.down = nn.Linear(d, l, bias=False)
-        self.experts = nn.ModuleList(gated_mlp(l, s.moe_ffn_hidden_size, l)
-                                     for _ in range(s.num_experts))
+        self.experts = nn.ModuleList(
+            gated_mlp(l, s.moe_ffn_hidden_size, l) for _ in range(s.num_experts)
+        )
         self.norm = nn.RMSNorm(l) if s.latent_norm else nn.Identity()
         self.up = nn.Linear(l, d, bias=False)
-        self.shared = gated_mlp(d, s.shared_ffn_hidden_size, d) if s.shared_ffn_hidden_size else None
+        self.shared = (
+            gated_mlp(d, s.shared_ffn_hidden_size, d) if s.shared_ffn_hidden_size else None
+        )
 
 
 class TinyModel(nn.Module):
@@ -106,8 +125,10 @@ class TinyModel(nn.Module):
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(
             gated_mlp(s.hidden_size, s.dense_ffn_hidden_size, s.hidden_size)
-            if i < s.first_k_dense_replace else TinyMoELayer(s)
-            for i in range(s.num_layers))
+            if i < s.first_k_dense_replace
+            else TinyMoELayer(s)
+            for i in range(s.num_layers)
+        )
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         if s.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -121,8 +142,9 @@ def n_params(m):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("shared", [12, 0])
 def test_tiny_config_matches_module(tied, norm, shared):
-    s = dataclasses.replace(TINY, tie_word_embeddings=tied, latent_norm=norm,
-                            shared_ffn_hidden_size=shared)
+    s = dataclasses.replace(
+        TINY, tie_word_embeddings=tied, latent_norm=norm, shared_ffn_hidden_size=shared
+    )
     model = TinyModel(s)
     led = parameter_ledger(s)
     assert led["totals"]["counted_params"] == n_params(model)  # parameters() dedups the tie
@@ -134,20 +156,24 @@ def test_tiny_config_matches_module(tied, norm, shared):
     assert p["routed_expert_params_each"] == n_params(layer.experts[0])
     assert p["routed_expert_params"] == n_params(layer.experts)
     assert p["shared_expert_params"] == (n_params(layer.shared) if layer.shared else 0)
-    assert p["projection_params"] == n_params(layer.down) + n_params(layer.up) + n_params(layer.norm)
+    assert p["projection_params"] == n_params(layer.down) + n_params(layer.up) + n_params(
+        layer.norm
+    )
     assert p["router_params"] == n_params(layer.router)
     assert p["router_bias_buffer"] == layer.expert_bias.numel()
     assert p["total_params"] == n_params(layer)
     assert led["all_moe_layers"]["total_params"] == sum(n_params(m) for m in moe)
     assert led["dense_layers"]["ffn_params"] == sum(n_params(m) for m in dense)
     assert led["embedding"]["total_params"] == n_params(model.embed) + (
-        0 if tied else n_params(model.lm_head))
+        0 if tied else n_params(model.lm_head)
+    )
     # activated: the k chosen experts, shared, projections, router
     act = led["activated_per_token_per_moe_layer"]
     chosen = [layer.experts[j] for j in (3, 1)]  # any k = 2 experts
     assert act["routed_experts"] == sum(n_params(e) for e in chosen)
     assert act["total"] == n_params(layer) - sum(
-        n_params(e) for j, e in enumerate(layer.experts) if j not in (3, 1))
+        n_params(e) for j, e in enumerate(layer.experts) if j not in (3, 1)
+    )
     assert led["all_moe_layers"]["router_bias_buffer"] == sum(m.expert_bias.numel() for m in moe)
 
 
@@ -165,10 +191,19 @@ def test_tiny_hand_computed():
     assert led["totals"]["counted_params"] == 2 * 756 + 240 + 176
 
 
-@pytest.mark.parametrize("x,text", [
-    (999_700_000, "1.00 B"), (999_999, "1.00 M"), (9_996_000_000, "10.0 B"), (2.7227e12, "2.72 T"),
-    (51_380_224, "51.4 M"), (1234, "1.23 K"), (12, "12"), (0, "0"),
-])
+@pytest.mark.parametrize(
+    "x,text",
+    [
+        (999_700_000, "1.00 B"),
+        (999_999, "1.00 M"),
+        (9_996_000_000, "10.0 B"),
+        (2.7227e12, "2.72 T"),
+        (51_380_224, "51.4 M"),
+        (1234, "1.23 K"),
+        (12, "12"),
+        (0, "0"),
+    ],
+)
 def test_human_rounds_before_choosing_the_unit(x, text):
     from megatron_latentmoe.ledger import _human
 
@@ -187,8 +222,17 @@ def test_stable_latentmoe_config_layout_is_what_megatron_builds():
 
 def test_format_ledger_units():
     text = format_ledger(parameter_ledger(K3_FULL_SCALE))
-    for needle in ("2.72 T", "528 M", "132 M", "51.4 M", "65.5 B", "712 M", "705 M", "1.17 B",
-                   "attention"):
+    for needle in (
+        "2.72 T",
+        "528 M",
+        "132 M",
+        "51.4 M",
+        "65.5 B",
+        "712 M",
+        "705 M",
+        "1.17 B",
+        "attention",
+    ):
         assert needle in text, needle
     assert "2,722,740,830,208" in text
     small = format_ledger(parameter_ledger(TINY))
@@ -198,17 +242,29 @@ def test_format_ledger_units():
 # ---------------------------------------------------------------------------- config readers
 
 K3_HF = {
-    "hidden_size": 7168, "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072,
-    "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
-    "first_k_dense_replace": 1, "intermediate_size": 32768, "num_hidden_layers": 93,
-    "vocab_size": 163840, "latent_moe_use_norm": True, "tie_word_embeddings": False,
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+    "hidden_size": 7168,
+    "routed_expert_hidden_size": 3584,
+    "moe_intermediate_size": 3072,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 32768,
+    "num_hidden_layers": 93,
+    "vocab_size": 163840,
+    "latent_moe_use_norm": True,
+    "tie_word_embeddings": False,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
 }
 
 
 def test_from_hf_config():
     assert LatentMoEShape.from_hf_config(K3_HF) == K3_FULL_SCALE
-    assert LatentMoEShape.from_hf_config({"text_config": K3_HF, "vision_config": {}}) == K3_FULL_SCALE
+    assert (
+        LatentMoEShape.from_hf_config({"text_config": K3_HF, "vision_config": {}}) == K3_FULL_SCALE
+    )
     no_shared = dict(K3_HF, num_shared_experts=0)
     assert LatentMoEShape.from_hf_config(no_shared).shared_ffn_hidden_size == 0
     for key in ("routed_expert_hidden_size", "num_experts_per_token", "num_hidden_layers"):
@@ -220,10 +276,19 @@ def test_from_hf_config():
 
 
 def _mcore_ns(**over):
-    base = dict(hidden_size=7168, moe_latent_size=3584, moe_ffn_hidden_size=3072,
-                num_moe_experts=896, moe_router_topk=16, moe_shared_expert_intermediate_size=6144,
-                num_layers=93, first_k_dense_replace=1, ffn_hidden_size=32768,
-                latent_moe_use_norm=True, padded_vocab_size=163840)
+    base = dict(
+        hidden_size=7168,
+        moe_latent_size=3584,
+        moe_ffn_hidden_size=3072,
+        num_moe_experts=896,
+        moe_router_topk=16,
+        moe_shared_expert_intermediate_size=6144,
+        num_layers=93,
+        first_k_dense_replace=1,
+        ffn_hidden_size=32768,
+        latent_moe_use_norm=True,
+        padded_vocab_size=163840,
+    )
     base.update(over)
     return types.SimpleNamespace(**base)
 
@@ -231,8 +296,13 @@ def _mcore_ns(**over):
 def test_from_megatron_config_namespace():
     assert LatentMoEShape.from_megatron_config(_mcore_ns()) == K3_FULL_SCALE
     s = LatentMoEShape.from_megatron_config(
-        _mcore_ns(moe_shared_expert_intermediate_size=None, padded_vocab_size=None,
-                  vocab_size=1000, share_embeddings_and_output_weights=True))
+        _mcore_ns(
+            moe_shared_expert_intermediate_size=None,
+            padded_vocab_size=None,
+            vocab_size=1000,
+            share_embeddings_and_output_weights=True,
+        )
+    )
     assert s.shared_ffn_hidden_size == 0 and s.vocab_size == 1000 and s.tie_word_embeddings
     ns = _mcore_ns()
     del ns.first_k_dense_replace
@@ -256,10 +326,18 @@ def test_from_real_transformer_config():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=3, hidden_size=8, num_attention_heads=1, ffn_hidden_size=10,
-        num_moe_experts=5, moe_router_topk=2, moe_ffn_hidden_size=6, moe_latent_size=4,
-        moe_shared_expert_intermediate_size=12, moe_layer_freq=[0, 1, 1],
-        gated_linear_unit=True, add_bias_linear=False,
+        num_layers=3,
+        hidden_size=8,
+        num_attention_heads=1,
+        ffn_hidden_size=10,
+        num_moe_experts=5,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=6,
+        moe_latent_size=4,
+        moe_shared_expert_intermediate_size=12,
+        moe_layer_freq=[0, 1, 1],
+        gated_linear_unit=True,
+        add_bias_linear=False,
     )
     cfg.latent_moe_use_norm = True
     cfg.padded_vocab_size = 11
@@ -269,13 +347,27 @@ def test_from_real_transformer_config():
 # ---------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("field,value", [
-    ("hidden_size", 0), ("latent_size", -1), ("moe_ffn_hidden_size", 2.5), ("num_experts", 0),
-    ("topk", 0), ("topk", 897), ("shared_ffn_hidden_size", -1), ("num_layers", 0),
-    ("first_k_dense_replace", 94), ("first_k_dense_replace", -1), ("vocab_size", -5),
-    ("dense_ffn_hidden_size", -1), ("latent_norm", 1), ("tie_word_embeddings", "no"),
-    ("hidden_size", True), ("num_experts", "896"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_size", 0),
+        ("latent_size", -1),
+        ("moe_ffn_hidden_size", 2.5),
+        ("num_experts", 0),
+        ("topk", 0),
+        ("topk", 897),
+        ("shared_ffn_hidden_size", -1),
+        ("num_layers", 0),
+        ("first_k_dense_replace", 94),
+        ("first_k_dense_replace", -1),
+        ("vocab_size", -5),
+        ("dense_ffn_hidden_size", -1),
+        ("latent_norm", 1),
+        ("tie_word_embeddings", "no"),
+        ("hidden_size", True),
+        ("num_experts", "896"),
+    ],
+)
 def test_bad_fields_raise_with_field_name(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(K3_FULL_SCALE, **{field: value})
@@ -294,8 +386,9 @@ def test_dense_layers_need_dense_ffn():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True,
-                          cwd="/", timeout=120)
+    return subprocess.run(
+        [sys.executable, CLI, *args], capture_output=True, text=True, cwd="/", timeout=120
+    )
 
 
 def test_cli_default_prints_k3_numbers():
@@ -343,7 +436,10 @@ def test_k3_bytes_bf16_vs_mxfp4_routed_experts():
     routed = led["all_moe_layers"]["routed_expert_params"]
     b16, bmx = led["bytes"]["bf16"], led["bytes"]["mxfp4_routed_experts"]
     assert b16["routed_experts"] == 2 * routed and bmx["routed_experts"] == routed * 17 / 32
-    assert round(b16["routed_experts"] / 1e12, 2) == 5.45 and round(bmx["routed_experts"] / 1e12, 2) == 1.45
+    assert (
+        round(b16["routed_experts"] / 1e12, 2) == 5.45
+        and round(bmx["routed_experts"] / 1e12, 2) == 1.45
+    )
     assert b16["routed_experts"] / bmx["routed_experts"] == 64 / 17  # 3.76x
     others = {k: v for k, v in b16.items() if k not in ("routed_experts", "total")}
     assert {k: bmx[k] for k in others} == others  # nothing else is quantized

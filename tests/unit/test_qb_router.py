@@ -120,7 +120,9 @@ def _run(rank, world_size):
     w_old = layer.router.weight.detach().clone()
     with torch.no_grad():
         layer.router.weight.add_(0.05 * torch.randn_like(layer.router.weight))
-    shift = torch.sigmoid(layer.router.weight.detach() @ mean_input) - torch.sigmoid(w_old @ mean_input)
+    shift = torch.sigmoid(layer.router.weight.detach() @ mean_input) - torch.sigmoid(
+        w_old @ mean_input
+    )
     out["drift_expected"] = solved - (shift - shift.mean())
     out["drift_solved"] = solved
     out["drift_saved"] = layer.router.state_dict()["expert_bias"].clone()  # applies it once

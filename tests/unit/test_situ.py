@@ -80,8 +80,9 @@ def test_formula_custom_betas_and_hf_situandmul():
     # The HF reference (seed 000, SituAndMul): split the packed tensor, fp32 math, cast back.
     x = torch.cat([g, u], -1).to(torch.bfloat16)
     gate, up = x[..., :16].float(), x[..., 16:].float()
-    hf = ((B1 * torch.tanh(gate / B1) * torch.sigmoid(gate))
-          * (B2 * torch.tanh(up / B2))).to(x.dtype)
+    hf = ((B1 * torch.tanh(gate / B1) * torch.sigmoid(gate)) * (B2 * torch.tanh(up / B2))).to(
+        x.dtype
+    )
     assert torch.equal(situ_glu_packed(x), hf)
 
 
@@ -206,7 +207,7 @@ def test_first_order_equal_to_swiglu_near_zero():
         gate_factor = B1 * torch.tanh(ge / B1) * torch.sigmoid(ge)
         # silu(g) - softcap(g, b1) sigmoid(g) = sigmoid(g) (g - b1 tanh(g / b1)),
         # and |g - b1 tanh(g / b1)| <= |g|^3 / (3 b1^2)
-        bound = torch.sigmoid(ge) * ge.abs() ** 3 / (3 * B1 ** 2)
+        bound = torch.sigmoid(ge) * ge.abs() ** 3 / (3 * B1**2)
         assert ((gate_factor - F.silu(ge)).abs() <= bound * (1 + 1e-6) + 1e-18).all()
     # relative error falls like eps^2 (i.e. the difference is third order in the inputs)
     assert rel_errs[1] < rel_errs[0] / 50 and rel_errs[2] < rel_errs[1] / 50, rel_errs
@@ -286,8 +287,9 @@ def test_packed_layout_gate_first_then_up():
 def test_packed_non_contiguous_and_empty():
     base = torch.randn(10, 3, 8)
     x = base.transpose(0, 1)  # non-contiguous
-    torch.testing.assert_close(situ_glu_packed(x), situ_glu(x[..., :4], x[..., 4:]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        situ_glu_packed(x), situ_glu(x[..., :4], x[..., 4:]), rtol=1e-6, atol=1e-6
+    )
     e = torch.zeros(0, 8, requires_grad=True)  # an expert that received no tokens
     out = situ_glu_packed(e)
     assert out.shape == (0, 4)
@@ -369,13 +371,22 @@ def test_module_in_megatron_mlp():
             return super().forward(x), None
 
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=1,
-        gated_linear_unit=True, activation_func=F.silu, use_te_activation_func=True,
-        bias_activation_fusion=False, add_bias_linear=False,
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=6,
+        num_attention_heads=1,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        use_te_activation_func=True,
+        bias_activation_fusion=False,
+        add_bias_linear=False,
     )
     cfg.activation_situ_beta, cfg.activation_situ_linear_beta = 2.0, 3.0
-    mlp = MLP(cfg, MLPSubmodules(linear_fc1=LocalLinear, linear_fc2=LocalLinear,
-                                 activation_func=SiTUGLU), ffn_hidden_size=6)
+    mlp = MLP(
+        cfg,
+        MLPSubmodules(linear_fc1=LocalLinear, linear_fc2=LocalLinear, activation_func=SiTUGLU),
+        ffn_hidden_size=6,
+    )
     assert isinstance(mlp.activation_func, SiTUGLU) and mlp.activation_func.beta == 2.0
     x = torch.randn(5, 2, 8)
     y, _ = mlp(x)
@@ -477,6 +488,6 @@ def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
         assert torch.equal(torch.cat([g.grad, u.grad], -1), xp.grad)
         results[name] = (out, xp.grad)
     assert not situ_mod._compile_failed
-    rtol, atol = (2e-6, 2e-5) if dtype == torch.float32 else (2 ** -7, 1e-2)
+    rtol, atol = (2e-6, 2e-5) if dtype == torch.float32 else (2**-7, 1e-2)
     for a, b in zip(results["compiled"], results["eager"]):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)

@@ -18,7 +18,7 @@ B1, B2 = situ.DEFAULT_SITU_BETA, situ.DEFAULT_SITU_LINEAR_BETA
 # situ_triton.py), as a relative tolerance; atol covers results that underflow. bf16 gets one
 # whole ulp (2^-7): Triton's interpreter converts fp32 -> bf16 by truncation, where the GPU
 # rounds to nearest (half an ulp; tests/gpu/test_situ_cuda.py checks that).
-TOL = {torch.float32: (2e-6, 1e-6), torch.bfloat16: (2 ** -7, 1e-6), torch.float16: (2 ** -10, 1e-6)}
+TOL = {torch.float32: (2e-6, 1e-6), torch.bfloat16: (2**-7, 1e-6), torch.float16: (2**-10, 1e-6)}
 # Edge values: the series / exp switch at |x| = 1/4 (g / b1 and u / b2), tiny, huge, infinite.
 EDGES = [0.0, 1e-7, -1e-7, 0.999, 1.0, -1.0, 1.001, 6.25, -6.25, 30.0, -30.0, 1e4, -1e4]
 
@@ -110,8 +110,9 @@ def test_custom_betas_and_strided_rows(kern):
     base = torch.randn(5, 2 * 70 + 6, dtype=torch.float64).float() * 3
     g, u = base[:, 3:73], base[:, 73:143]
     out = kern.situ_fwd(g, u, 1.5, 7.0)
-    torch.testing.assert_close(out.double(), reference(g.double(), u.double(), 1.5, 7.0),
-                               rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out.double(), reference(g.double(), u.double(), 1.5, 7.0), rtol=2e-6, atol=1e-6
+    )
     with pytest.raises(ValueError, match="unit column stride"):
         kern.situ_fwd(g.t(), u.t(), B1, B2)
 
