@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_convert import WIDE_ARCH, dir_bytes, run_cli
+from bench_convert import WIDE_ARCH, dir_bytes, run_cli  # noqa: E402 (needs sys.path above)
 
 VARIANTS = {
     "bf16": ["--dtype", "bf16"],

@@ -183,7 +183,7 @@ def main():
         vs = variants(device)
         timings = time_fwd_bwd(vs, x, grad, a.reps)
         base = None
-        for (vname, fn, ctx), (med, best) in zip(vs, timings):
+        for (vname, fn, ctx), (med, best) in zip(vs, timings, strict=True):
             _, nbytes, ntensors = saved_bytes(fn, x.detach().requires_grad_(True), ctx)
             row = dict(
                 threads=threads,

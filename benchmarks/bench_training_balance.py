@@ -125,8 +125,8 @@ def run_method(name, flags, args, jsonl):
 def summarize(name, records, iters):
     its = [r["iteration"] for r in records]
     vio = [r["maxvio_mean"] for r in records]
-    early = [v for i, v in zip(its, vio) if i <= EARLY]
-    late = [v for i, v in zip(its, vio) if i > EARLY]
+    early = [v for i, v in zip(its, vio, strict=True) if i <= EARLY]
+    late = [v for i, v in zip(its, vio, strict=True) if i > EARLY]
     worst = max(range(len(vio)), key=lambda i: vio[i])
     tps = [
         r["tokens_per_s"]

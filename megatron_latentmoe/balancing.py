@@ -329,7 +329,7 @@ class _QuantileHistogramBase:
             )
         self._adopt_device(buffer.device, "buffer")
         nb_cells = self.num_experts * self.num_bins
-        head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist()))
+        head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist(), strict=True))
         if not 1 <= head["ranks"] <= MAX_RANKS:
             raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}")
         tokens = head["tokens_hi"] * _TOKEN_SPLIT + head["tokens_lo"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 QUANTILE_HISTOGRAM = "quantile_histogram"
 """``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
@@ -145,7 +145,7 @@ class ModelField:
             "int >= 0": int,
             "positive number": float,
             "bool": bool,
-            "token id": Optional[int],
+            "token id": int | None,
             "str": str,
         }[self.kind]
 

@@ -237,15 +237,15 @@ def parameter_ledger(shape: LatentMoEShape) -> dict:
     """Parameter counts (plain ints, plus a few ratios) for ``shape``; see the module docstring."""
     if not isinstance(shape, LatentMoEShape):
         raise TypeError(f"shape must be a LatentMoEShape; got {type(shape).__name__}")
-    d, l, m = shape.hidden_size, shape.latent_size, shape.moe_ffn_hidden_size
+    d, lat, m = shape.hidden_size, shape.latent_size, shape.moe_ffn_hidden_size
     n, k, S = shape.num_experts, shape.topk, shape.shared_ffn_hidden_size
     L_moe, L_dense = shape.num_moe_layers, shape.num_dense_layers
 
-    expert = 3 * l * m
+    expert = 3 * lat * m
     routed = n * expert
     shared = 3 * d * S
-    down, up = d * l, l * d
-    norm = l if shape.latent_norm else 0
+    down, up = d * lat, lat * d
+    norm = lat if shape.latent_norm else 0
     proj = down + up + norm
     router = n * d
     layer_total = routed + shared + proj + router

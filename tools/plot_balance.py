@@ -113,7 +113,7 @@ def _load_matrix(records: list[dict]):
     if not sums:
         return None, []
     layers = sorted(sums)
-    return [[v / counts[l] for v in sums[l]] for l in layers], layers
+    return [[v / counts[n] for v in sums[n]] for n in layers], layers
 
 
 def plot(records: list[dict], out: str, window: int, title: str | None = None) -> None:
@@ -122,7 +122,7 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with_loads = [r for r in records if any(l.get("loads") for l in r.get("layers", []))]
+    with_loads = [r for r in records if any(layer.get("loads") for layer in r.get("layers", []))]
     first_m, layers = _load_matrix(with_loads[:1])
     w = max(1, min(window, len(with_loads)))
     last_m, last_layers = _load_matrix(with_loads[-w:])
@@ -151,7 +151,7 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
             matrix, aspect="auto", cmap=cmap, vmin=0.0, vmax=2.0, interpolation="nearest"
         )
         ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([str(l) for l in rows])
+        ax.set_yticklabels([str(row) for row in rows])
         ax.set_ylabel("layer")
         ax.set_xlabel("expert")
         ax.set_title(f"expert load / mean load — {label}")
@@ -166,7 +166,7 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     for r in records:
         for layer in r.get("layers", []):
             per_layer.setdefault(layer["layer"], []).append((r["iteration"], layer["max_vio"]))
-    for layer, points in sorted(per_layer.items()):
+    for _layer, points in sorted(per_layer.items()):
         ax.plot([p[0] for p in points], [max(p[1], 1e-3) for p in points], lw=0.6, alpha=0.35)
     ax.plot(
         its,

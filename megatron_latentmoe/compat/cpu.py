@@ -321,7 +321,7 @@ def _shim_uneven_all_gather() -> None:
         padded[: input_.shape[0]] = input_
         gathered = [torch.empty_like(padded) for _ in output_split_sizes]
         torch.distributed.all_gather(gathered, padded, group=group)
-        return torch.cat([t[:n] for t, n in zip(gathered, output_split_sizes)])
+        return torch.cat([t[:n] for t, n in zip(gathered, output_split_sizes, strict=True)])
 
     _patch(mappings, "_gather_along_first_dim", _gather_along_first_dim)
 

@@ -41,7 +41,7 @@ def _update_router_qb_beta(model, config, dp_cp_group=None):
     ema = config.moe_router_quantile_balancing_ema
     new = ema * torch.stack(betas, dim=0) + (1.0 - ema) * stacked_avg
     new = new - new.mean(dim=-1, keepdim=True)
-    for beta, value in zip(betas, new):
+    for beta, value in zip(betas, new, strict=True):
         beta.copy_(value)
 
 

@@ -140,7 +140,7 @@ class _RegionLoadPlanner(LoadPlanner):
 
 def narrow_tensor_by_index(tensor: torch.Tensor, offsets, sizes) -> torch.Tensor:
     """The view ``tensor[offsets[0]:offsets[0]+sizes[0], ...]``."""
-    for dim, (off, size) in enumerate(zip(offsets, sizes)):
+    for dim, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
         if off != 0 or size != tensor.shape[dim]:
             tensor = tensor.narrow(dim, off, size)
     return tensor

@@ -547,7 +547,7 @@ def export_checkpoint(
             for batch in _batches(iter_tensor_maps(arch), budget):
                 locs = [reader.locate(tm) for tm in batch]
                 tensors = reader.read_locations(locs)
-                for tm, t in zip(batch, tensors):
+                for tm, t in zip(batch, tensors, strict=True):
                     for hf_name, hf_t in tm.to_hf(t).items():
                         if packed_experts and tm.expert is not None:
                             try:

@@ -32,13 +32,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy
 
 from . import DEFAULT_TOKENIZER_DIR
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 # Lines handed to a worker (or tokenized in one batch call) at a time.
 _BATCH_LINES = 256
@@ -313,7 +313,7 @@ def preprocess_jsonl(
     n_docs = n_skipped = 0
     per_key = {k: 0 for k in keys}
     try:
-        for k, p in zip(keys, prefixes):
+        for k, p in zip(keys, prefixes, strict=True):
             builders[k] = IndexedDatasetBuilder(tmp[p][0], dtype=dtype)
 
         if workers == 1:
@@ -367,7 +367,7 @@ def preprocess_jsonl(
                 raise PreprocessError(
                     f"{input_path}: no non-empty documents for key {k!r} ({n_docs} JSON objects read)"
                 )
-        for k, p in zip(keys, prefixes):
+        for k, p in zip(keys, prefixes, strict=True):
             builders[k].finalize(tmp[p][1])
         # commit: drop each old .idx first, then move the new .bin, then the new .idx (the marker)
         for p in prefixes:

@@ -113,7 +113,7 @@ def update_balance(
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     metrics = []
-    for router, part in zip(routers, buffer.split(sizes)):
+    for router, part in zip(routers, buffer.split(sizes), strict=True):
         n = router.config.num_moe_experts
         loads_E, num_tokens = part[-n - 1 : -1].to(torch.int64), int(part[-1])
         router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None

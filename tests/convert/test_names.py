@@ -69,7 +69,7 @@ def test_every_map_round_trips_and_row_slices_match():
         assert tuple(hf) == tm.hf_names and all(tuple(hf[n].shape) == s for n, s in tm.hf)
         assert torch.equal(tm.to_megatron(hf), w), tm.megatron
 
-        def get(name, r0, r1, cols):
+        def get(name, r0, r1, cols, *, hf=hf):
             return hf[name][r0:r1][(slice(None), cols)] if hf[name].dim() > 1 else hf[name][r0:r1]
 
         rows = tm.shape[0]

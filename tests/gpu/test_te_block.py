@@ -217,7 +217,7 @@ def test_fp8_recipe_trains_gpt_like_bf16(megatron_world, recipe):
         f"fp8 {[round(v, 4) for v in fp8_losses]}"
     )
     assert fp8_losses[-1] < fp8_losses[0]
-    for step, (a, b) in enumerate(zip(fp8_losses, bf16_losses)):
+    for step, (a, b) in enumerate(zip(fp8_losses, bf16_losses, strict=True)):
         assert abs(a - b) <= FP8_LOSS_RTOL * b, (step, a, b)
     # Proof that the GEMMs ran in FP8: every TE module of the decoder layers took the recipe's
     # quantizers (Megatron without TE has none of these modules; TE outside an FP8 context

@@ -104,9 +104,9 @@ def test_output_attentions_are_the_softmax_weights(impl, caplog):
     torch.testing.assert_close(out.logits, plain.logits, rtol=1e-10, atol=1e-10)
     # the tuple form carries them too, after the logits and the hidden states
     assert torch.equal(tup[0], out.logits) and all(
-        torch.equal(a, b) for a, b in zip(tup[-1], out.attentions)
+        torch.equal(a, b) for a, b in zip(tup[-1], out.attentions, strict=True)
     )
-    assert all(torch.equal(a, b) for a, b in zip(base.attentions, out.attentions))
+    assert all(torch.equal(a, b) for a, b in zip(base.attentions, out.attentions, strict=True))
 
 
 def test_output_attentions_with_cache_padding_and_config_default():
@@ -188,7 +188,7 @@ def test_generate_returns_attentions_and_the_same_tokens(strategy, impl):
     if rows == 2:
         with torch.no_grad():
             ref = model(ids, output_attentions=True, use_cache=False).attentions
-        for got, want in zip(out.attentions[0], ref):
+        for got, want in zip(out.attentions[0], ref, strict=True):
             torch.testing.assert_close(got[..., : want.shape[-1]], want, rtol=1e-10, atol=1e-12)
 
 

@@ -60,7 +60,7 @@ def _run(rank, world_size):
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
         padded = name != "megatron_qb"
 
-        def forward_step(data_iterator, model):
+        def forward_step(data_iterator, model, *, padded=padded):
             tokens, labels = next(data_iterator)
             position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
             padding = torch.zeros_like(tokens, dtype=torch.bool)
@@ -123,7 +123,7 @@ def test_balancer_trains_under_ep2(per_rank, name):
     )
     pad = PAD if name != "megatron_qb" else 0
     tokens = 2 * BATCH * (SEQ - pad)  # global (both DP ranks), padding excluded
-    for m, m2 in zip(first["metrics"], second["metrics"]):
+    for m, m2 in zip(first["metrics"], second["metrics"], strict=True):
         assert m == m2  # global metrics, the same on both ranks
         assert m.num_tokens == tokens
         assert m.max_load <= tokens and m.min_load >= 0

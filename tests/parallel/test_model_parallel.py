@@ -167,7 +167,7 @@ def _layouts(rank, world_size, layouts, reference):
             loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer)
             err = {**step_errors(ref, loss, grad_norm, loss_after), "grads": 0.0, "bias_bins": 0.0}
             bin_width = 2.0 / BINS  # the histogram range is 2 + spread wide
-            for model, chunk_grads in zip(models, grads):
+            for model, chunk_grads in zip(models, grads, strict=True):
                 expected = shard_state_dict_for_rank(ref["grads"], model)
                 err["grads"] = max(err["grads"], grad_error(chunk_grads, expected))
                 # QB bias after the step, in units of bins

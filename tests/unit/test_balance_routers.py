@@ -41,14 +41,16 @@ def _run(rank, world_size):
             layer.set_layer_number(1)
             layer.train()
             seen = []
-            layer.router.register_forward_hook(lambda m, i, o: seen.append(o[1].detach().clone()))
+            layer.router.register_forward_hook(
+                lambda m, i, o, *, seen=seen: seen.append(o[1].detach().clone())
+            )
             padding = None
             if name != "megatron_qb":
                 padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
                 padding[:, -3:] = True
             recount = torch.zeros(cfg.num_moe_experts, dtype=torch.int64)
             tokens = 0
-            for step in range(2):  # two micro-batches of one step
+            for _step in range(2):  # two micro-batches of one step
                 x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
                 y, _ = layer(x, padding_mask=padding)
                 y.float().sum().backward()

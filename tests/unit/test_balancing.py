@@ -106,7 +106,7 @@ def test_quantile_is_read_by_linear_interpolation_inside_the_bin(cls, m, n, k, s
     for j in range(n):
         row = h.counts[j].tolist()
         before = 0
-        for c, count in enumerate(row):
+        for c, count in enumerate(row):  # noqa: B007 (c, the bin at the break, is used below)
             if before + count >= big_q:
                 break
             before += count

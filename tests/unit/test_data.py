@@ -222,7 +222,7 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     )
     assert s.output_prefixes == [str(tmp_path / "p_title"), str(tmp_path / "p_body")]
     assert s.documents == len(objs)
-    for key, prefix in zip(["title", "body"], s.output_prefixes):
+    for key, prefix in zip(["title", "body"], s.output_prefixes, strict=True):
         ds = IndexedDataset(prefix)
         want = _expected_ids(hf_tok, [o[key] for o in objs], eod=False)
         assert [ds[i].tolist() for i in range(len(ds))] == want

@@ -112,7 +112,7 @@ def naive_block(cfg, sd, prefix, x):
         p = p * cfg.routed_scaling_factor
         z = sd[prefix + "routed_expert_down_proj.weight"] @ xt
         u = torch.zeros_like(z)
-        for pj, j in zip(p, sel):
+        for pj, j in zip(p, sel, strict=True):
             e = f"{prefix}experts.{j}."
             h = naive_act(cfg, sd[e + "w1.weight"] @ z, sd[e + "w3.weight"] @ z)
             u = u + pj * (sd[e + "w2.weight"] @ h)

@@ -105,15 +105,15 @@ def gated_mlp(d_in, ff, d_out):
 class TinyMoELayer(nn.Module):
     def __init__(self, s: LatentMoEShape):
         super().__init__()
-        d, l = s.hidden_size, s.latent_size
+        d, lat = s.hidden_size, s.latent_size
         self.router = nn.Linear(d, s.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(s.num_experts))
-        self.down = nn.Linear(d, l, bias=False)
+        self.down = nn.Linear(d, lat, bias=False)
         self.experts = nn.ModuleList(
-            gated_mlp(l, s.moe_ffn_hidden_size, l) for _ in range(s.num_experts)
+            gated_mlp(lat, s.moe_ffn_hidden_size, lat) for _ in range(s.num_experts)
         )
-        self.norm = nn.RMSNorm(l) if s.latent_norm else nn.Identity()
-        self.up = nn.Linear(l, d, bias=False)
+        self.norm = nn.RMSNorm(lat) if s.latent_norm else nn.Identity()
+        self.up = nn.Linear(lat, d, bias=False)
         self.shared = (
             gated_mlp(d, s.shared_ffn_hidden_size, d) if s.shared_ffn_hidden_size else None
         )

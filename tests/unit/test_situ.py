@@ -192,7 +192,7 @@ def test_swiglu_limit_monotone():
     errs = []
     for beta in [3.0, 10.0, 1e2, 1e3, 1e4, 1e5, 1e6]:
         errs.append((situ_glu(g, u, beta, beta) - ref).abs().max().item())
-    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert all(a > b for a, b in zip(errs, errs[1:], strict=False)), errs
     assert errs[-1] < 1e-6, errs
 
 
@@ -216,7 +216,7 @@ def test_first_order_equal_to_swiglu_near_zero():
     x0g, x0u = g[:8] * 1e-3, u[:8] * 1e-3
     jg = torch.autograd.functional.jacobian(lambda a, b: situ_glu(a, b), (x0g, x0u))
     js = torch.autograd.functional.jacobian(swiglu_fp64, (x0g, x0u))
-    for a, b in zip(jg, js):
+    for a, b in zip(jg, js, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
 
 
@@ -489,5 +489,5 @@ def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
         results[name] = (out, xp.grad)
     assert not situ_mod._compile_failed
     rtol, atol = (2e-6, 2e-5) if dtype == torch.float32 else (2**-7, 1e-2)
-    for a, b in zip(results["compiled"], results["eager"]):
+    for a, b in zip(results["compiled"], results["eager"], strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
