@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Quantile Balancing side by side (SPEC §4): histogram QB vs exact QB vs Megatron-Core's QB vs sign.
+"""Quantile Balancing side by side (SPEC §4): histogram QB vs exact QB vs Megatron-Core's QB vs
+sign.
 
 A drifting synthetic sigmoid router feeds every method the SAME batches. Each step's global batch
 is several micro-batches, each drawn from ONE token cluster (heterogeneous micro-batches, stable
@@ -78,7 +79,8 @@ class DriftingRouter:
         self.pop = popularity * torch.randn(n, generator=self.g)
 
     def step(self, m_mb, n_mb):
-        """One global batch: n_mb micro-batches, each from one cluster (each cluster equally often)."""
+        """One global batch: n_mb micro-batches, each from one cluster (each cluster equally
+        often)."""
         order = torch.randperm(n_mb, generator=self.g) % self.clusters
         mbs = []
         for c in order.tolist():
@@ -245,7 +247,8 @@ def drift_run(args):
 
 
 def stationary_run(args):
-    """Iterate the update on one fixed batch: no sampling noise, so resolution limits are visible."""
+    """Iterate the update on one fixed batch: no sampling noise, so resolution limits are
+    visible."""
     n, k = args.experts, args.topk
     router = DriftingRouter(n, args.hidden, args.clusters, args.seed + 1, 0.0)
     mbs = router.step(args.stationary_micro_batch, args.micro_batches)
@@ -346,17 +349,22 @@ def main(argv=None):
             }
         )
     notes = [
-        "MaxVio = (max load - mean load)/mean load of step t's GLOBAL batch routed with the bias computed from steps < t.",
-        "megatron-core QB = qb_dual_update per micro-batch on the same sigmoid scores with beta = -b "
-        "(selection on s - beta == s + b), quantiles averaged over micro-batches (ema 0) and re-centred; "
-        f"micro-batches sized so m_mb*k % n == 0 ({args.micro_batch}*{k} % {n} == 0), as it asserts.",
-        "bytes = size of the per-layer per-step collective buffer (ring all-reduce moves ~2x on the wire): "
-        "ours/centred one int32 SUM all-reduce of n*B + 7 words; exact = all fp32 margins m*n gathered; "
-        "megatron-core one fp32 [n] AVG all-reduce; sign one [n] load all-reduce.",
-        "router time = all per-micro-batch routing work + step-end update, relative to a plain biased top-k "
-        "on the same micro-batches; process CPU time, 1 thread, indicative only (a GPU differs).",
-        "mean |bias err| = mean over experts of |update - exact global Q-th smallest r| before centring, same batch "
-        f"and bias, every {args.err_every} steps (megatron-core targets r_(Q+1) per micro-batch, then averages).",
+        "MaxVio = (max load - mean load)/mean load of step t's GLOBAL batch routed with the bias "
+        "computed from steps < t.",
+        "megatron-core QB = qb_dual_update per micro-batch on the same sigmoid scores with beta = "
+        "-b (selection on s - beta == s + b), quantiles averaged over micro-batches (ema 0) and "
+        f"re-centred; micro-batches sized so m_mb*k % n == 0 ({args.micro_batch}*{k} % {n} == 0), "
+        "as it asserts.",
+        "bytes = size of the per-layer per-step collective buffer (ring all-reduce moves ~2x on "
+        "the wire): ours/centred one int32 SUM all-reduce of n*B + 7 words; exact = all fp32 "
+        "margins m*n gathered; megatron-core one fp32 [n] AVG all-reduce; sign one [n] load "
+        "all-reduce.",
+        "router time = all per-micro-batch routing work + step-end update, relative to a plain "
+        "biased top-k on the same micro-batches; process CPU time, 1 thread, indicative only (a "
+        "GPU differs).",
+        "mean |bias err| = mean over experts of |update - exact global Q-th smallest r| before "
+        f"centring, same batch and bias, every {args.err_every} steps (megatron-core targets "
+        "r_(Q+1) per micro-batch, then averages).",
     ]
     result = {
         "config": {
@@ -384,10 +392,13 @@ def main(argv=None):
         "wall_seconds": None,
     }
 
-    hdr = f"{'method':24s} {'MaxVio next (last20)':>20s} {'|b-exact|':>10s} {'fixed-batch':>11s} {'time x':>7s} {'bytes/step/layer':>17s}"
+    hdr = (
+        f"{'method':24s} {'MaxVio next (last20)':>20s} {'|b-exact|':>10s} {'fixed-batch':>11s} "
+        f"{'time x':>7s} {'bytes/step/layer':>17s}"
+    )
     print(
-        f"\nn={n} k={k}  {args.micro_batches} micro-batches x {args.micro_batch} tokens = {m_step} tokens/step "
-        f"(q={q:.1f}), {args.steps} steps, drifting router, {args.clusters} clusters"
+        f"\nn={n} k={k}  {args.micro_batches} micro-batches x {args.micro_batch} tokens = {m_step} "
+        f"tokens/step (q={q:.1f}), {args.steps} steps, drifting router, {args.clusters} clusters"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -409,8 +420,8 @@ def main(argv=None):
         )
     if control:
         print(
-            f"homogeneous control ({args.control_steps} steps, 1 cluster, mean MaxVio next over the last "
-            f"{max(1, args.control_steps // 2)}): "
+            f"homogeneous control ({args.control_steps} steps, 1 cluster, mean MaxVio next over "
+            f"the last {max(1, args.control_steps // 2)}): "
             + ", ".join(f"{k_}: {v:.4f}" for k_, v in control.items())
         )
     for line in notes:

@@ -239,12 +239,13 @@ def main() -> None:
         ),
         notes=(
             "seconds / MB/s are the conversion call's wall time (reading, converting, writing, "
-            "metadata, lazy imports of megatron / transformers) measured inside the process, excluding "
-            "interpreter start-up; '(stream)' is MB/s of the tensor loop alone; peak RSS is the "
-            "whole process's (torch, megatron, transformers imported); growth = max RSS sampled during "
-            "the tensor loop minus RSS before it. The import writes TP2 x EP2 chunks. The machine is shared "
-            "(see loadavg: other jobs ran on its 2 cores), so MB/s is a lower bound; on an idle "
-            "machine with a warm page cache the 0.55 GB export's tensor loop ran at ~970 MB/s."
+            "metadata, lazy imports of megatron / transformers) measured inside the process, "
+            "excluding interpreter start-up; '(stream)' is MB/s of the tensor loop alone; peak "
+            "RSS is the whole process's (torch, megatron, transformers imported); growth = max "
+            "RSS sampled during the tensor loop minus RSS before it. The import writes TP2 x EP2 "
+            "chunks. The machine is shared (see loadavg: other jobs ran on its 2 cores), so MB/s "
+            "is a lower bound; on an idle machine with a warm page cache the 0.55 GB export's "
+            "tensor loop ran at ~970 MB/s."
         ),
         rows=rows,
         table=table,

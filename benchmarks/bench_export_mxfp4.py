@@ -138,8 +138,9 @@ def main() -> None:
         ),
         notes=(
             "each export in a fresh process; 'stream' = the tensor loop alone (read, quantize, "
-            "write); RSS growth = max RSS sampled during the loop minus RSS before it. Shared 2-core "
-            "machine: throughputs are lower bounds, the ratio of the two rows is the comparison."
+            "write); RSS growth = max RSS sampled during the loop minus RSS before it. Shared "
+            "2-core machine: throughputs are lower bounds, the ratio of the two rows is the "
+            "comparison."
         ),
         routed_expert_ratio=ratio,
         mxfp4_stream_time_ratio=slowdown,

@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""Pretrain Stable LatentMoE with Megatron's training loop (Megatron-LM's pretrain_gpt.py, for this model).
+"""Pretrain Stable LatentMoE with Megatron's training loop (Megatron-LM's pretrain_gpt.py, for
+this model).
 
     bash examples/run_torchrun.sh examples/args/tiny.sh [extra flags]
-    source examples/args/tiny.sh && torchrun --nproc-per-node 2 examples/pretrain_stable_latentmoe.py "${ARGS[@]}" ...
+    source examples/args/tiny.sh &&
+        torchrun --nproc-per-node 2 examples/pretrain_stable_latentmoe.py "${ARGS[@]}" ...
 
 Every Megatron flag works as with pretrain_gpt.py; Stable LatentMoE adds --hidden-act,
 --activation-situ-beta, --activation-situ-linear-beta, --moe-latent-norm/--no-moe-latent-norm,
 --first-k-dense-replace, --moe-qb-num-bins, --moe-qb-binning, --moe-router-load-balancing-type
 quantile_histogram, --balance-log-file, --balance-log-loads-interval and --no-default-data
-(`--help` lists them under "Stable LatentMoE"; megatron_latentmoe/training/arguments.py). Without --data-path it trains
+(`--help` lists them under "Stable LatentMoE"; megatron_latentmoe/training/arguments.py). Without
+--data-path it trains
 on the shipped corpus with the shipped tokenizer.
 
 ``--check-flags`` (first argument): only check the flags, exit 0 or 2 with a one-line error

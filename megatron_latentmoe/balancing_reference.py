@@ -51,9 +51,7 @@ def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
         )
 
 
-def topk_loads(
-    scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None
-) -> torch.Tensor:
+def topk_loads(scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens routed to each expert by top-k of fp32 ``s + b`` -> int64 ``loads_E`` [n]."""
     _check_scores_bias(scores_ME, bias_E, topk)
     _check_valid(valid_M, scores_ME.shape[0], scores_ME.device)

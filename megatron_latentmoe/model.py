@@ -1,4 +1,5 @@
-"""Build Megatron's ``GPTModel`` with Stable LatentMoE blocks (the one place the model is assembled).
+"""Build Megatron's ``GPTModel`` with Stable LatentMoE blocks (the one place the model is
+assembled).
 
 The training entry point's model provider, the converter and the tests all call
 ``build_gpt_model`` so that a checkpoint written by one is read by the others.

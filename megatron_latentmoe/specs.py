@@ -91,7 +91,8 @@ def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> No
         )
     if not isinstance(config, StableLatentMoETransformerConfig):
         raise ValueError(
-            f"config of type {type(config).__name__} is not allowed: a StableLatentMoETransformerConfig"
+            f"config of type {type(config).__name__} is not allowed: a "
+            "StableLatentMoETransformerConfig"
         )
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.
 
-    tools/convert_checkpoint.py export --checkpoint SAVE_DIR --output HF_DIR [--dtype bf16] [--verify]
+    tools/convert_checkpoint.py export --checkpoint SAVE_DIR --output HF_DIR [--dtype bf16]
+        [--verify]
     tools/convert_checkpoint.py import --hf HF_DIR --output SAVE_DIR
     tools/convert_checkpoint.py verify --checkpoint SAVE_DIR --hf HF_DIR
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Plot expert load balance from the balance JSONL written during pretraining.
 
-    python tools/plot_balance.py RUN/balance.jsonl --out RUN/expert_load.png [--window 20] [--summary]
+    python tools/plot_balance.py RUN/balance.jsonl --out RUN/expert_load.png [--window 20]
+        [--summary]
 
 The JSONL (``--balance-log-file``; by default ``<--save>/balance.jsonl``) has one record per
 iteration, for every balancing type (QB, aux losses, sign update, Megatron's QB, none): loss,
@@ -83,7 +84,8 @@ def summary_lines(s: dict) -> list[str]:
     verdict = "went DOWN" if s["loss_last"] < s["loss_first"] else "did NOT go down"
     return [
         f"iterations {a}-{b} (windows of {w}):",
-        f"  lm loss   {s['loss_first']:.4f} (first {w}) -> {s['loss_last']:.4f} (last {w})  [{verdict}]",
+        f"  lm loss   {s['loss_first']:.4f} (first {w}) -> {s['loss_last']:.4f} (last {w})  "
+        f"[{verdict}]",
         f"  MaxVio    mean over layers {s['maxvio_first']:.3f} -> {s['maxvio_last']:.3f}"
         f"  (max over layers, last {w}: {s['maxvio_max_last']:.3f}; worst iteration "
         f"{s['maxvio_worst']:.3f})",

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-prefix",
         required=True,
-        help="output path prefix: writes PREFIX.bin and PREFIX.idx (PREFIX_KEY.* with several --json-keys)",
+        help="output path prefix: writes PREFIX.bin and PREFIX.idx "
+        "(PREFIX_KEY.* with several --json-keys)",
     )
     p.add_argument(
         "--json-keys",

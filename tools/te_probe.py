@@ -1,6 +1,6 @@
 """Probes of the Transformer Engine kit's known risks, one per call, for tools/gpu_checks.sh.
 
-    python tools/te_probe.py imports   # torch, TE, megatron-core (HAVE_TE), pydantic; no CUDA needed
+    python tools/te_probe.py imports   # torch, TE, megatron-core (HAVE_TE), pydantic (no CUDA)
     python tools/te_probe.py norm      # TE RMSNorm / LayerNormLinear fwd+bwd (NVRTC-built kernels)
     python tools/te_probe.py fp8       # te.Linear fwd+bwd under FP8 autocast (delayed scaling)
     python tools/te_probe.py grouped   # te.GroupedLinear fwd+bwd (cuBLASLt grouped GEMM)

@@ -133,7 +133,8 @@ _OPENERS = "“‘\"'("
 
 
 def _gap(m: re.Match) -> str:
-    """A removed footnote or quote tag sometimes stood where a space belongs ("God<note/>created")."""
+    """A removed footnote or quote tag sometimes stood where a space belongs
+    ("God<note/>created")."""
     s, e = m.string, m.end()
     before = s[m.start() - 1] if m.start() else " "
     after = s[e] if e < len(s) else " "
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rebuild-corpus",
         metavar="DEB_OR_DIR",
         type=Path,
-        help="sword-text-web .deb (or a folder holding the engWEB2015eb zText module): rewrite the corpus first",
+        help="sword-text-web .deb (or a folder holding the engWEB2015eb zText module): "
+        "rewrite the corpus first",
     )
     p.add_argument(
         "--corpus", type=Path, default=DEFAULT_CORPUS_PATH, help="corpus JSONL(.gz) to train on"
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rebuild_corpus is not None:
         n, chars = build_corpus(args.rebuild_corpus, args.corpus)
         print(
-            f"corpus: {args.corpus} ({n} documents, {chars:,} characters, {args.corpus.stat().st_size:,} bytes)"
+            f"corpus: {args.corpus} ({n} documents, {chars:,} characters, "
+            f"{args.corpus.stat().st_size:,} bytes)"
         )
 
     if args.check:

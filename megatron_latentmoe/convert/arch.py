@@ -6,9 +6,9 @@ wins, see :func:`resolve_arch`):
 
 1. an explicit file (``--megatron-config FILE``): JSON or YAML, either
 
-   * Megatron style: a flat mapping of ``StableLatentMoETransformerConfig`` field names (``num_layers``,
-     ``hidden_size``, ``num_moe_experts``, ``moe_latent_size``, ``hidden_act``, ...) plus the
-     four ``build_gpt_model`` arguments ``vocab_size``, ``max_sequence_length``,
+   * Megatron style: a flat mapping of ``StableLatentMoETransformerConfig`` field names
+     (``num_layers``, ``hidden_size``, ``num_moe_experts``, ``moe_latent_size``, ``hidden_act``,
+     ...) plus the four ``build_gpt_model`` arguments ``vocab_size``, ``max_sequence_length``,
      ``rotary_base`` and ``share_embeddings_and_output_weights``; or
    * a Hugging Face ``config.json`` of model_type ``stable_latentmoe`` (recognised by its
      ``model_type`` key);
@@ -21,7 +21,8 @@ wins, see :func:`resolve_arch`):
    ``megatron.training`` saves (the ``args`` column of the table); a Namespace without the
    Stable LatentMoE fields is refused (naming the missing ones) rather than guessed.
 
-Every translation is a loop over the rows of ``megatron_latentmoe.fields.FIELDS``. The checkpoint's tensor shapes are then checked against the description (``names.py``), so a
+Every translation is a loop over the rows of ``megatron_latentmoe.fields.FIELDS``. The checkpoint's
+tensor shapes are then checked against the description (``names.py``), so a
 wrong config file fails with the tensor and the expected / found shapes.
 """
 

@@ -1,4 +1,5 @@
-"""Command line of the converter: ``python -m megatron_latentmoe.convert`` / ``tools/convert_checkpoint.py``.
+"""Command line of the converter: ``python -m megatron_latentmoe.convert`` /
+``tools/convert_checkpoint.py``.
 
     export   Megatron torch_dist checkpoint (any layout) -> HF directory   [--verify]
     import   HF directory -> Megatron torch_dist checkpoint (loads at any layout)   [--verify]
@@ -44,13 +45,15 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
 
 
 IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
-"""Layout flags of earlier ``import`` versions: accepted and ignored (the output loads at any layout)."""
+"""Layout flags of earlier ``import`` versions: accepted and ignored (the output loads at any
+layout)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_latentmoe.convert",
-        description="Convert Stable LatentMoE checkpoints between Megatron torch_dist and Hugging Face.",
+        description="Convert Stable LatentMoE checkpoints between Megatron torch_dist and "
+        "Hugging Face.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         "--load",
         required=True,
-        help="torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the iteration)",
+        help="torch_dist checkpoint dir, or a megatron.training save root "
+        "(its tracker file picks the iteration)",
     )
     ex.add_argument(
         "--output", required=True, help="HF output directory (must not exist or be empty)"
@@ -67,15 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--megatron-config",
         default=None,
-        help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + vocab_size, "
-        "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
+        help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + "
+        "vocab_size, max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
         "an HF config.json); default: from the checkpoint",
     )
     ex.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bf16", "fp32", "fp16"],
-        help="dtype of the exported weights (default: the checkpoint's); the expert bias stays fp32",
+        help="dtype of the exported weights (default: the checkpoint's); "
+        "the expert bias stays fp32",
     )
     ex.add_argument(
         "--expert-dtype",
@@ -110,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=["auto", "bf16", "fp32", "fp16"],
-        help="dtype of the Megatron parameters (default: the HF tensors'); the expert bias stays fp32",
+        help="dtype of the Megatron parameters (default: the HF tensors'); "
+        "the expert bias stays fp32",
     )
     im.add_argument(
         "--iteration",

@@ -376,8 +376,8 @@ def resolve_tokenizer_dir(tokenizer_dir: str | None, common_state: dict) -> str 
         if Path(model).parts[-4:] == _shipped_tokenizer_suffix():
             return default_tokenizer_dir()  # the package's tokenizer, trained in another clone
         raise ConversionError(
-            f"the checkpoint was trained with --tokenizer-model {model!r}, which is not a directory "
-            "here; pass --tokenizer DIR (its HF tokenizer files) or --tokenizer none"
+            f"the checkpoint was trained with --tokenizer-model {model!r}, which is not a "
+            "directory here; pass --tokenizer DIR (its HF tokenizer files) or --tokenizer none"
         )
     raise ConversionError(
         f"the checkpoint was trained with --tokenizer-type {kind} (--tokenizer-model {model!r}); "
@@ -397,7 +397,8 @@ TOKENIZER_FILE_PATTERNS = (
     "chat_template*",
 )
 """The files of an HF tokenizer: only these are copied from a tokenizer directory (a training run's
---tokenizer-model is often a whole HF model folder, whose config and weights must not come along)."""
+--tokenizer-model is often a whole HF model folder, whose config and weights must not come
+along)."""
 
 
 def tokenizer_files(src: Path) -> list[Path]:
@@ -492,7 +493,8 @@ def export_checkpoint(
     ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp32`` or ``fp16``;
     ``e_score_correction_bias`` is always fp32. ``expert_dtype``: ``auto`` or ``mxfp4`` (routed
     experts MXFP4-packed, see the module docstring). ``tokenizer_dir``: ``"default"`` = the training
-    run's (see the module docstring), a directory, or None = none. Raises :class:`ConversionError` on bad input; never leaves a partial
+    run's (see the module docstring), a directory, or None = none. Raises :class:`ConversionError`
+    on bad input; never leaves a partial
     output directory.
     """
     timer = Timer()

@@ -337,7 +337,8 @@ def import_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConversionSummary:
-    """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save root.
+    """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save
+    root.
 
     ``dtype``: ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32.
     ``iteration``: None writes a ``release`` checkpoint.

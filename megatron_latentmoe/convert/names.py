@@ -3,7 +3,8 @@
 Three name spaces meet here:
 
 * **canonical Megatron names**: the names of ``build_gpt_model(config).state_dict()`` for the
-  local spec on ONE process (TP = EP = PP = 1): ``decoder.layers.{i}.self_attention.linear_qkv.weight``,
+  local spec on ONE process (TP = EP = PP = 1):
+  ``decoder.layers.{i}.self_attention.linear_qkv.weight``,
   ``decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight`` (j global), ... Every
   tensor here is a full (global) tensor.
 * **checkpoint keys**: the ``ShardedTensor`` keys of a ``torch_dist`` checkpoint. They are

@@ -173,7 +173,8 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
-    """Greedy continuation (full re-forward per step); returns new ids [b, n] and per-step margins."""
+    """Greedy continuation (full re-forward per step); returns new ids [b, n] and per-step
+    margins."""
     seq, margins = tokens, []
     for _ in range(n):
         last = megatron_logits(model, seq)[:, -1]

@@ -58,9 +58,7 @@ def default_cache_dir() -> Path:
     return Path(root) / "data"
 
 
-def iter_corpus_texts(
-    path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text"
-) -> Iterator[str]:
+def iter_corpus_texts(path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
     """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:

@@ -63,8 +63,8 @@ class PreprocessSummary:
     def __str__(self) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
         lines = [
-            f"documents: {self.documents:,}  tokens: {self.tokens:,}  "
-            f"skipped empty: {self.skipped_empty:,}  time: {self.seconds:.2f} s  ({rate:,.0f} tokens/s)"
+            f"documents: {self.documents:,}  tokens: {self.tokens:,}  skipped empty: "
+            f"{self.skipped_empty:,}  time: {self.seconds:.2f} s  ({rate:,.0f} tokens/s)"
         ]
         for p in self.output_prefixes:
             lines.append(f"  wrote {p}.bin / {p}.idx ({self.dtype})  ->  --data-path {p}")
@@ -102,7 +102,8 @@ def load_tokenizer(tokenizer: PathLike | Any | None = None):
             tok = AutoTokenizer.from_pretrained(path)
         except Exception as e:
             raise PreprocessError(f"cannot load the tokenizer in {path}: {e}") from e
-    # Documents are longer than any model context; silence "sequence length is longer than" warnings.
+    # Documents are longer than any model context; silence "sequence length is longer than"
+    # warnings.
     tok.model_max_length = 1 << 62
     return tok
 
@@ -154,7 +155,8 @@ def _encode_batch(batch: tuple[int, list[bytes]]):
         except json.JSONDecodeError as e:
             return (
                 "error",
-                f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})",
+                f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column "
+                f"{e.colno})",
             )
         if not isinstance(obj, dict):
             return ("error", f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
@@ -261,7 +263,8 @@ def preprocess_jsonl(
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
     Args:
-        input: the JSONL file, one object per line (``.gz`` is read as gzip). Blank lines are skipped.
+        input: the JSONL file, one object per line (``.gz`` is read as gzip). Blank lines are
+        skipped.
         output_prefix: path prefix of the output (folders are created).
         tokenizer: HF tokenizer folder or object; ``None`` = the shipped default tokenizer.
         json_keys: keys whose string values are tokenized; one dataset per key.
@@ -270,7 +273,8 @@ def preprocess_jsonl(
         progress: tqdm progress bar; ``None`` shows it only on a terminal.
 
     Raises:
-        PreprocessError: missing input, malformed JSON (with line number), missing key, no documents.
+        PreprocessError: missing input, malformed JSON (with line number), missing key, no
+        documents.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -365,7 +369,8 @@ def preprocess_jsonl(
         for k in keys:
             if not builders[k].sequence_lengths:
                 raise PreprocessError(
-                    f"{input_path}: no non-empty documents for key {k!r} ({n_docs} JSON objects read)"
+                    f"{input_path}: no non-empty documents for key {k!r} ({n_docs} JSON objects "
+                    "read)"
                 )
         for k, p in zip(keys, prefixes, strict=True):
             builders[k].finalize(tmp[p][1])

@@ -1,4 +1,5 @@
-"""Hugging Face side of Stable LatentMoE: config + modeling code that ships with exported checkpoints.
+"""Hugging Face side of Stable LatentMoE: config + modeling code that ships with exported
+checkpoints.
 
 ``configuration_stable_latentmoe.py`` and ``modeling_stable_latentmoe.py`` import only torch and
 transformers (and each other); :func:`copy_remote_code` puts them next to a checkpoint so that
@@ -33,7 +34,8 @@ def remote_code_paths() -> list[Path]:
 
 
 def copy_remote_code(save_directory: str | os.PathLike) -> list[Path]:
-    """Copy the two remote-code files into ``save_directory`` (created if needed); returns the copies.
+    """Copy the two remote-code files into ``save_directory`` (created if needed); returns the
+    copies.
 
     The ``auto_map`` in config.json comes from :class:`StableLatentMoEConfig` (``AUTO_MAP``) unless
     the config was built with another one.

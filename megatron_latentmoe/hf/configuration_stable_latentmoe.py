@@ -26,7 +26,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_stable_latentmoe.StableLatentMoEModel",
     "AutoModelForCausalLM": "modeling_stable_latentmoe.StableLatentMoEForCausalLM",
 }
-"""Default ``auto_map`` written to config.json; it resolves once the two .py files sit next to it."""
+"""Default ``auto_map`` written to config.json; it resolves once the two .py files sit next to
+it."""
 
 
 def _bad(key: str, value, allowed: str) -> ValueError:
@@ -45,7 +46,8 @@ class StableLatentMoEConfig(PretrainedConfig):
     The FFN of the first ``first_k_dense_replace`` layers is a dense gated MLP of width
     ``intermediate_size``; every later layer uses the Stable LatentMoE block (SPEC §1):
 
-        s = sigmoid(W_r x); S = TopK(s + e_score_correction_bias); p_j = s_j / sum_S s (renormalised)
+        s = sigmoid(W_r x); S = TopK(s + e_score_correction_bias)
+        p_j = s_j / sum_S s  (renormalised)
         y = W_up RMSNorm_l( sum_{j in S} p_j * E_j(W_down x) ) + Shared(x)
 
     Args (beyond the usual decoder keys):
@@ -53,7 +55,8 @@ class StableLatentMoEConfig(PretrainedConfig):
             ``"silu"`` (SwiGLU).
         activation_situ_beta / activation_situ_linear_beta: b1 / b2 of SiTU-GLU.
         routed_expert_hidden_size: the latent width l of the routed experts.
-        latent_moe_use_norm: RMSNorm over l between the latent combine and ``routed_expert_up_proj``.
+        latent_moe_use_norm: RMSNorm over l between the latent combine and
+            ``routed_expert_up_proj``.
         moe_router_activation_func: only ``"sigmoid"``.
         moe_renormalize: renormalise the k selected raw scores to sum 1 (only applied when k > 1,
             with a 1e-20 guard in the denominator, as Megatron-Core does).

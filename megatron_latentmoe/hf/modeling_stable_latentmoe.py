@@ -108,7 +108,8 @@ def get_glu_activation(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; fp32 math, cast back to ``x.dtype``."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; fp32 math, cast back to
+    ``x.dtype``."""
     cd = compute_dtype(x.dtype)
     h = x.to(cd)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -168,7 +169,8 @@ def noaux_tc_routing(
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (non-interleaved RoPE, as Megatron's ``_rotate_half``)."""
+    """[x1, x2] -> [-x2, x1] over the last dim (non-interleaved RoPE, as Megatron's
+    ``_rotate_half``)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -199,7 +201,8 @@ def apply_rotary_pos_emb(
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, KV, S, D] -> [B, KV * n_rep, S, D]; query head h uses kv head h // n_rep (Megatron GQA)."""
+    """[B, KV, S, D] -> [B, KV * n_rep, S, D]; query head h uses kv head h // n_rep (Megatron
+    GQA)."""
     if n_rep == 1:
         return x
     b, kv, s, d = x.shape
@@ -277,7 +280,8 @@ class StableLatentMoERMSNorm(nn.Module):
 
 
 class StableLatentMoEMLP(nn.Module):
-    """Gated MLP ``down_proj(act(gate_proj x, up_proj x))``: the dense FFN and the shared experts."""
+    """Gated MLP ``down_proj(act(gate_proj x, up_proj x))``: the dense FFN and the shared
+    experts."""
 
     def __init__(self, config: StableLatentMoEConfig, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -291,7 +295,8 @@ class StableLatentMoEMLP(nn.Module):
 
 
 class StableLatentMoEExpert(nn.Module):
-    """One routed expert on the latent width (Kimi names): ``w2(act(w1 z, w3 z))``; w1 gate, w3 up."""
+    """One routed expert on the latent width (Kimi names): ``w2(act(w1 z, w3 z))``; w1 gate, w3
+    up."""
 
     def __init__(self, config: StableLatentMoEConfig, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -836,8 +841,8 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             cache = past_key_values
         if cache is not None and not isinstance(cache, Cache):
             raise ValueError(
-                f"StableLatentMoEModel: the cache must be a transformers Cache (e.g. DynamicCache); "
-                f"got {type(cache).__name__}"
+                "StableLatentMoEModel: the cache must be a transformers Cache (e.g. "
+                f"DynamicCache); got {type(cache).__name__}"
             )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         output_attentions = (

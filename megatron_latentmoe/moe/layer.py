@@ -2,7 +2,8 @@
 
 Data path, one direction::
 
-    router(x) -> W_down(x) -> dispatch(l) -> experts(l) -> combine(l) -> RMSNorm(l) -> W_up -> + shared(x)
+    router(x) -> W_down(x) -> dispatch(l) -> experts(l) -> combine(l)
+        -> RMSNorm(l) -> W_up -> + shared(x)
 
 Megatron's ``MoELayer.forward`` is reused unchanged; only two hooks are overridden:
 ``preprocess`` applies W_down before the dispatcher sees the tokens (so dispatch and combine

@@ -84,9 +84,7 @@ class BalanceCountingRouter(TopKRouter):
         with torch.no_grad():
             self._count_loads(routing_map_TE, padding_mask)
 
-    def _count_loads(
-        self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> None:
+    def _count_loads(self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
         if padding_mask is None:
             self.step_loads_E += routing_map_TE.sum(dim=0)
             self.step_tokens += routing_map_TE.shape[0]

@@ -5,7 +5,8 @@
 
 Properties (checked in tests/unit/test_situ.py):
   * |out| < b1 * b2 for every input (tanh in (-1, 1), sigmoid in (0, 1));
-  * first-order equal to SwiGLU = silu(g) * u near 0, and converges pointwise to it as b1, b2 -> inf;
+  * first-order equal to SwiGLU = silu(g) * u near 0, and converges pointwise to it as b1, b2
+    -> inf;
   * the math runs in fp32 (fp64 stays fp64) and the result is cast back to the input dtype.
 
 Memory: the autograd functions here save only their inputs, in the input dtype (for a bf16 fc1
@@ -392,8 +393,8 @@ def situ_glu_packed(
     _check_floating("x", x)
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(
-            f"situ_glu_packed expects a last dimension of even size 2F (gate | up); "
-            f"got shape {tuple(x.shape)}"
+            "situ_glu_packed expects a last dimension of even size 2F (gate | up); got shape "
+            f"{tuple(x.shape)}"
         )
     return _SiTUGLUPackedFunction.apply(x, b1, b2)
 

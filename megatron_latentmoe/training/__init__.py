@@ -1,6 +1,8 @@
-"""Megatron training-loop glue for Stable LatentMoE: flags, model builder, forward step, balance logging.
+"""Megatron training-loop glue for Stable LatentMoE: flags, model builder, forward step, balance
+logging.
 
-Entry point: :func:`megatron_latentmoe.training.pretrain.main` (``examples/pretrain_stable_latentmoe.py``).
+Entry point: :func:`megatron_latentmoe.training.pretrain.main`
+(``examples/pretrain_stable_latentmoe.py``).
 Submodules are imported lazily: importing this package does not import Megatron.
 """
 

@@ -19,10 +19,11 @@ float64 tensor (row ``layer_number - 1``; the last row holds the loss, filled by
 and one SUM all-reduce over the pipeline group brings all of them to every stage, so the logging
 rank (Megatron's: the last rank, which owns the TensorBoard writer) sees every layer.
 
-Outputs on the logging rank: a ``[balance]`` line on stdout every ``log_interval`` steps, TensorBoard
-scalars under ``balance/`` and ``throughput/`` every ``tensorboard_log_interval`` steps (when a
-writer exists), and one JSONL record per step (``tools/plot_balance.py`` reads it). A resumed run
-appends; records of iterations re-run after a restart appear twice (readers keep the last).
+Outputs on the logging rank: a ``[balance]`` line on stdout every ``log_interval`` steps,
+TensorBoard scalars under ``balance/`` and ``throughput/`` every ``tensorboard_log_interval``
+steps (when a writer exists), and one JSONL record per step (``tools/plot_balance.py`` reads it).
+A resumed run appends; records of iterations re-run after a restart appear twice (readers keep
+the last).
 """
 
 from __future__ import annotations
@@ -275,9 +276,10 @@ def format_record(record: dict) -> str:
 
     return (
         f" [balance] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
-        f"tokens/s {num(record['tokens_per_s'], ',.0f')} | MaxVio mean {num(record['maxvio_mean'], '.3f')}"
-        f" max {num(record['maxvio_max'], '.3f')} | load min/max {record['min_load']}/{record['max_load']} | "
-        f"under-half {num(record['frac_under_half'], '.3f')} | dead {record['num_dead']}"
+        f"tokens/s {num(record['tokens_per_s'], ',.0f')} | MaxVio mean "
+        f"{num(record['maxvio_mean'], '.3f')} max {num(record['maxvio_max'], '.3f')} | load "
+        f"min/max {record['min_load']}/{record['max_load']} | under-half "
+        f"{num(record['frac_under_half'], '.3f')} | dead {record['num_dead']}"
     )
 
 

@@ -1,4 +1,5 @@
-"""Batches, loss and datasets for Megatron's training loop (the roles of Megatron-LM's pretrain_gpt).
+"""Batches, loss and datasets for Megatron's training loop (the roles of Megatron-LM's
+pretrain_gpt).
 
 * :func:`train_valid_test_datasets_provider` builds Megatron ``GPTDataset``s (blends, splits,
   per-split paths; ``--mock-data``) on every rank (``is_distributed``): each rank reads its own

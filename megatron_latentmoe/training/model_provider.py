@@ -2,7 +2,8 @@
 
 Megatron-Core 0.19.2's ``pretrain`` builds the model from ``cfg_container.model``: a
 ``GPTModelConfig`` whose ``builder`` names a ``ModelBuilder``. Ours is the same config type with
-our ``StableLatentMoETransformerConfig`` inside (as ``transformer``) and a builder whose ``build_model``
+our ``StableLatentMoETransformerConfig`` inside (as ``transformer``) and a builder whose
+``build_model``
 calls :func:`megatron_latentmoe.model.build_gpt_model` -- the one place the model is assembled,
 shared with the converter and the tests -- so a training checkpoint and an exported or converted
 model are built from identical specs.
@@ -55,7 +56,8 @@ def _default_finalize_hook():
 
 @dataclass(kw_only=True)
 class StableLatentMoEModelConfig(GPTModelConfig):
-    """``GPTModelConfig`` for Stable LatentMoE: ``transformer`` is a ``StableLatentMoETransformerConfig``."""
+    """``GPTModelConfig`` for Stable LatentMoE: ``transformer`` is a
+    ``StableLatentMoETransformerConfig``."""
 
     builder: ClassVar[str] = (
         "megatron_latentmoe.training.model_provider.StableLatentMoEModelBuilder"
@@ -108,7 +110,7 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
         )
         if use_legacy_names_of(model, _resume_checkpoint_keys()) and _rank() == 0:
             print(
-                f"[model_provider] the checkpoint to load names the latent norm "
+                "[model_provider] the checkpoint to load names the latent norm "
                 f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name",
                 flush=True,
             )

@@ -1,14 +1,17 @@
-"""Pretrain a Stable LatentMoE model with Megatron's own training loop (``megatron.training.pretrain``).
+"""Pretrain a Stable LatentMoE model with Megatron's own training loop
+(``megatron.training.pretrain``).
 
 Order of work (everything that can be wrong about the command line fails before anything heavy):
 
 1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (:class:`FlagError`, exit 2),
-   run Megatron's ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its validation too);
+   run Megatron's ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its
+   validation too);
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
    (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
-5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired (:func:`repair_checkpoint_tracker`);
+5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired
+   (:func:`repair_checkpoint_tracker`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging).
@@ -174,8 +177,8 @@ def _plan_layout_change(args, saved) -> None:
             "--no-load-optim"
             if keep
             else (
-                "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and "
-                f"is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
+                "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved "
+                f"and is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
             )
         )
         _print0(

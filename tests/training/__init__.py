@@ -27,7 +27,8 @@ ENTRY = REPO / "examples" / "pretrain_stable_latentmoe.py"
 TINY_ARGS_FILE = REPO / "examples" / "args" / "tiny.sh"
 PYTHON = sys.executable
 
-# Smaller global batch than the main job (2 ranks x micro-batch 4): the tests need speed, not quality.
+# Smaller global batch than the main job (2 ranks x micro-batch 4): the tests need speed, not
+# quality.
 TEST_OVERRIDES = ["--global-batch-size", "8", "--micro-batch-size", "4", "--log-interval", "1"]
 REF_ITERS = 40
 REF_SAVE_INTERVAL = 10
@@ -189,7 +190,8 @@ def read_jsonl(path) -> dict[int, dict]:
 
 
 def checkpoint_tensors(ckpt_iter_dir, contains: str = "") -> dict[str, object]:
-    """Tensors of a torch_dist checkpoint folder whose key contains ``contains`` (full, unsharded)."""
+    """Tensors of a torch_dist checkpoint folder whose key contains ``contains`` (full,
+    unsharded)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

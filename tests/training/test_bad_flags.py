@@ -178,7 +178,8 @@ def _check(name, returncode, output, seconds):
     expected = CASES[name][1]
     error_lines = [line for line in output.splitlines() if "error:" in line]
     print(
-        f"{name}: exit {returncode} after {seconds:.2f} s: {error_lines[-1] if error_lines else output[-500:]}"
+        f"{name}: exit {returncode} after {seconds:.2f} s: "
+        f"{error_lines[-1] if error_lines else output[-500:]}"
     )
     assert returncode == 2, output[-3000:]
     assert error_lines, output[-3000:]

@@ -142,5 +142,6 @@ def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
         assert math.isfinite(record["loss"]) and record["loss_tokens"] == TOKENS_PER_STEP
     assert records[6]["loss"] < records[1]["loss"]
     print(
-        f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> {records[6]['loss']:.4f} ({run.seconds:.0f} s)"
+        f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> "
+        f"{records[6]['loss']:.4f} ({run.seconds:.0f} s)"
     )

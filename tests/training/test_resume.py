@@ -119,7 +119,8 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
             e["loads"] for e in ref.records[i]["layers"]
         ]
 
-    # the checkpoint at 30 -- weights, QB biases, Adam moments -- bit-identical to the uninterrupted one
+    # the checkpoint at 30 -- weights, QB biases, Adam moments -- bit-identical to the
+    # uninterrupted one
     mine = checkpoint_tensors(iter_dir(ckpt, 30))
     theirs = checkpoint_tensors(iter_dir(ref.ckpt, 30))
     assert sorted(mine) == sorted(theirs)
@@ -313,7 +314,8 @@ def _reshard_keeps_optimizer_state(name, layout):
     print(
         f"{name}: largest relative differences after one step "
         + ", ".join(f"{k} {worst[k]:.1e}" for k in top)
-        + f"; grad norm at 11 {[m and m.group(1) for m in norms]}; runs {run.seconds:.0f} s + {step.seconds:.0f} s"
+        + f"; grad norm at 11 {[m and m.group(1) for m in norms]}; runs {run.seconds:.0f} s + "
+        f"{step.seconds:.0f} s"
     )
     assert worst[top[0]] < STEP_RTOL, top[0]
 

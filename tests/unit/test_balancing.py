@@ -221,7 +221,8 @@ def _hist_update(cls, k):
 
 
 def test_stationary_batch_reaches_exact_level():
-    """Repeated updates on one batch: histogram MaxVio goes to the exact level, up to one bin of tokens."""
+    """Repeated updates on one batch: histogram MaxVio goes to the exact level, up to one bin of
+    tokens."""
     m, n, k = 3000, 64, 4
     g = gen(1)
     w, x = torch.randn(16, n, generator=g), torch.randn(m, 16, generator=g)
@@ -257,7 +258,8 @@ def _pathological(m, n, g):
 
 @pytest.mark.parametrize("method", ["uniform", "centred", "sign"])
 def test_pathological_start_qb_vs_sign(method):
-    """From 4 experts taking every token (MaxVio 15), QB is below 1 after one step; sign needs hundreds."""
+    """From 4 experts taking every token (MaxVio 15), QB is below 1 after one step; sign needs
+    hundreds."""
     m, n, k = 2048, 64, 4
     g = gen(5)
     b, mvs = torch.zeros(n), []

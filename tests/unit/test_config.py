@@ -1,4 +1,5 @@
-"""StableLatentMoETransformerConfig: derived Megatron fields and one clear error per wrong value (SPEC §1-§4)."""
+"""StableLatentMoETransformerConfig: derived Megatron fields and one clear error per wrong value
+(SPEC §1-§4)."""
 
 import pytest
 import torch.nn.functional as F

@@ -1,4 +1,5 @@
-"""Embedded default data: corpus, tokenizer (HF + Megatron), JSONL -> .bin/.idx, GPTDataset on CPU."""
+"""Embedded default data: corpus, tokenizer (HF + Megatron), JSONL -> .bin/.idx, GPTDataset on
+CPU."""
 
 import gzip
 import json
@@ -114,7 +115,8 @@ def test_tokenizer_loads_offline_with_transformers_and_round_trips(hf_tok):
 
 
 def test_megatron_builds_the_tokenizer_from_the_flags(hf_tok):
-    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model <assets/tokenizer>, via Megatron's parser."""
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model <assets/tokenizer>, via Megatron's
+    parser."""
     _mcore_quiet()
     import typing_extensions
 
@@ -159,7 +161,8 @@ def test_megatron_builds_the_tokenizer_from_the_flags(hf_tok):
 
 @pytest.mark.skipif(
     not __import__("tokenizers").__version__.startswith("0.23."),
-    reason="the shipped tokenizer was trained with tokenizers 0.23; other versions may order merges differently",
+    reason="the shipped tokenizer was trained with tokenizers 0.23; "
+    "other versions may order merges differently",
 )
 def test_shipped_tokenizer_is_reproducible(capsys):
     assert _load_tool("train_tokenizer").main(["--check"]) == 0, capsys.readouterr().out

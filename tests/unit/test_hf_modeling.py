@@ -1,4 +1,5 @@
-"""HF modeling / configuration of Stable LatentMoE, which is also the project's pure-PyTorch reference.
+"""HF modeling / configuration of Stable LatentMoE, which is also the project's pure-PyTorch
+reference.
 
 * the vectorised block equals a naive per-token loop written here (fp64): routing with a
   selection-only bias, renormalisation over raw scores, scaling factor, latent norm on/off, shared
