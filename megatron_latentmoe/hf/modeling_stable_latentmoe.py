@@ -40,9 +40,11 @@ layers) and read ``block.last_routing`` after a forward.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+
+# typing, not collections.abc: this remote-code file imports only the modules that
+# tests/unit/test_hf_modeling.py allows
+from typing import Callable, NamedTuple  # noqa: UP035
 
 import torch
 import torch.nn.functional as F
