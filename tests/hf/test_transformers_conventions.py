@@ -9,6 +9,7 @@ computation (naive softmax attention, the unpacked run, the run without checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -340,10 +341,30 @@ def test_static_cache_forward_equals_full_forward():
     torch.testing.assert_close(torch.cat([first, *rest], 1), full, rtol=1e-10, atol=1e-10)
 
 
+@contextlib.contextmanager
+def _no_torch_function_modes():
+    """Run without the torch-function modes an earlier in-process Megatron test left entered
+    (compat's ``CudaToCpuDeviceMode`` stays on for the rest of the pytest process); dynamo
+    mis-traces factory calls through it. An HF user's process has no such mode."""
+    popped = []
+    while torch._C._len_torch_function_stack():
+        popped.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def test_torch_compile_matches_eager_without_recompiling_per_routing():
     """torch.compile (not fullgraph) works; the expert loop runs eagerly (one graph break), so new
     routings of same-shaped inputs reuse the graphs (traced, the loop's host-side group sizes
     would add graphs for every new routing); fullgraph is honestly refused."""
+    with _no_torch_function_modes():
+        _check_torch_compile()
+
+
+def _check_torch_compile():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
