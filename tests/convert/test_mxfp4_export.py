@@ -46,6 +46,22 @@ def _make(rank, world, out_dir):
         _workers._save(model, a, os.path.join(out_dir, name))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _leave_no_megatron_world():
+    """``verify`` runs Megatron in this process (a 1-rank gloo world, parallel state, the CPU
+    compat mode); take all of it down after this module so later tests start clean."""
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_latentmoe.compat import revert_cpu_compat
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    revert_cpu_compat()
+
+
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     from megatron_latentmoe.convert import export_checkpoint
