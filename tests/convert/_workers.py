@@ -272,3 +272,24 @@ def save_and_load(rank, world, layouts: dict, checkpoints: list, out_dir: str) -
         }
         ps.destroy_model_parallel()
     return out
+
+
+# The tiny model of arch() as a Megatron config file (JSON/YAML) states it, for the converter's
+# --megatron-config input.
+MEGATRON_CFG = dict(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_latent_size=32,
+    moe_shared_expert_intermediate_size=64,
+    first_k_dense_replace=1,
+    hidden_act="situ",
+    vocab_size=4096,
+    max_sequence_length=256,
+)

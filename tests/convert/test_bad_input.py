@@ -14,26 +14,10 @@ import torch
 
 from megatron_latentmoe.convert import ConversionError, export_checkpoint, import_checkpoint
 
+from . import _workers
+
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-MEGATRON_CFG = dict(
-    num_layers=4,
-    hidden_size=64,
-    ffn_hidden_size=96,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=16,
-    num_moe_experts=8,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    moe_latent_size=32,
-    moe_shared_expert_intermediate_size=64,
-    first_k_dense_replace=1,
-    hidden_act="situ",
-    vocab_size=4096,
-    max_sequence_length=256,
-)
 
 
 def no_leftovers(parent) -> bool:
@@ -110,13 +94,13 @@ def test_truncated_data_file_fails_midway_without_output(workspace, tmp_path):
 )
 def test_config_not_matching_the_weights(workspace, tmp_path, change, match):
     cfg = tmp_path / "megatron.json"
-    cfg.write_text(json.dumps(dict(MEGATRON_CFG, **change)))
+    cfg.write_text(json.dumps(dict(_workers.MEGATRON_CFG, **change)))
     export_fails(workspace.path("ck_single"), tmp_path / "out", match, config_file=str(cfg))
 
 
 def test_correct_config_file_gives_the_same_export(workspace, tmp_path):
     cfg = tmp_path / "megatron.json"
-    cfg.write_text(json.dumps(MEGATRON_CFG))
+    cfg.write_text(json.dumps(_workers.MEGATRON_CFG))
     s = export_checkpoint(
         workspace.path("ck_single"),
         tmp_path / "out",
@@ -224,7 +208,7 @@ def test_import_bad_hf_input(workspace, tmp_path):
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     cfg = tmp_path / "megatron.json"
-    cfg.write_text(json.dumps(dict(MEGATRON_CFG, num_layers=3)))
+    cfg.write_text(json.dumps(dict(_workers.MEGATRON_CFG, num_layers=3)))
     proc = subprocess.run(
         [
             sys.executable,

@@ -164,23 +164,7 @@ def test_megatron_args_without_our_fields_are_refused():
 
 def test_megatron_config_file(tmp_path):
     a = _workers.arch()
-    cfg = dict(
-        num_layers=4,
-        hidden_size=64,
-        ffn_hidden_size=96,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=32,
-        moe_latent_size=32,
-        moe_shared_expert_intermediate_size=64,
-        first_k_dense_replace=1,
-        hidden_act="situ",
-        vocab_size=4096,
-        max_sequence_length=256,
-    )
+    cfg = _workers.MEGATRON_CFG
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     assert arch_from_config_file(tmp_path / "c.json") == a
     (tmp_path / "c.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items()))
