@@ -245,6 +245,15 @@ def validate_stable_latentmoe_args(
         check_stable_latentmoe(lambda field: getattr(args, _ARG_DEST.get(field, field), None))
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
+    if (
+        "quantile_balancing" in (lb if isinstance(lb, (list, tuple)) else [lb])
+        and args.eod_mask_loss
+    ):
+        raise FlagError(
+            "--moe-router-load-balancing-type quantile_balancing with --eod-mask-loss is not "
+            "allowed: Megatron-Core 0.19.2's per-micro-batch QB cannot skip loss-masked tokens; "
+            f"use {QUANTILE_HISTOGRAM} or drop --eod-mask-loss"
+        )
 
     # ---- backend and precision
     impl = args.transformer_impl

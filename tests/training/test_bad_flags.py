@@ -57,6 +57,10 @@ CASES = {
         ],
         ["--moe-ffn-hidden-size 48", "multiple of 32", "--moe-expert-weight-qat mxfp4"],
     ),
+    "megatron_qb_with_eod_mask_loss": (  # refused at start-up, not mid-run by the router
+        ["--moe-router-load-balancing-type", "quantile_balancing", "--eod-mask-loss"],
+        ["--moe-router-load-balancing-type quantile_balancing", "--eod-mask-loss"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],
