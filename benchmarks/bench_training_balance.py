@@ -122,6 +122,60 @@ def run_method(name, flags, args, jsonl):
     return wall
 
 
+def model_shape(args_file):
+    """(experts, top-k, sequence length, global batch) of the args file the race trains."""
+    out = subprocess.run(
+        ["bash", "-c", f'source "{args_file}"; printf "%s\\n" "${{ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+
+    def flag(name):
+        return int(out[len(out) - 1 - out[::-1].index(name) + 1])  # the last occurrence wins
+
+    return (
+        flag("--num-experts"),
+        flag("--moe-router-topk"),
+        flag("--seq-length"),
+        flag("--global-batch-size"),
+    )
+
+
+def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
+    """The MaxVio below which NO balancer can go while routing is a function of the token alone
+    (early training: the router input is mostly the token's embedding).
+
+    Every copy of a token then picks the same k experts, so a token with a share f of the batch
+    puts at least f·m tokens on each of them, against a mean load of m·k/n: MaxVio >= f·n/k - 1.
+    Estimated on global batches of the race's shape cut at random from the embedded corpus (the
+    race's data): mean and max over ``batches`` batches, and the token that sets it.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir, prepare_default_dataset
+
+    dataset = IndexedDataset(prepare_default_dataset())
+    tokens = np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    floors, top = [], {}
+    for _ in range(batches):
+        starts = rng.integers(0, len(tokens) - seq_length, global_batch)
+        counts = np.bincount(np.concatenate([tokens[s : s + seq_length] for s in starts]))
+        floors.append(counts.max() / (seq_length * global_batch) * experts / topk - 1)
+        top[int(counts.argmax())] = top.get(int(counts.argmax()), 0) + 1
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(default_tokenizer_dir(), "tokenizer.json"))
+    return {
+        "mean": float(np.mean(floors)),
+        "max": float(np.max(floors)),
+        "experts_over_topk": experts / topk,
+        "most_frequent_token": vocab.decode([max(top, key=top.get)]),
+    }
+
+
 def summarize(name, records, iters):
     its = [r["iteration"] for r in records]
     vio = [r["maxvio_mean"] for r in records]
@@ -254,8 +308,10 @@ def main(argv=None):
         f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
         "same seed and data order; MaxVio = (max load - mean) / mean of the global batch"
     )
+    floor = token_floor(*model_shape(args.args_file))
     result = {
         "title": title,
+        "token_floor": floor,
         "args_file": os.path.relpath(args.args_file, REPO),
         "iters": args.iters,
         "run_wall_s": walls,
@@ -272,6 +328,11 @@ def main(argv=None):
         print("[race] matplotlib missing: no PNG")
     print(title)
     print("\n".join(table_rows(results)))
+    print(
+        f"floor while routing follows the token alone (n/k = {floor['experts_over_topk']:.0f}): "
+        f"MaxVio >= {floor['mean']:.2f} on a mean batch, {floor['max']:.2f} on the worst "
+        f"(most frequent token {floor['most_frequent_token']!r})"
+    )
     print(f"wrote {json_path} and training_balance.png")
     return 0
 
