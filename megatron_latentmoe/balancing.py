@@ -145,13 +145,10 @@ class _QuantileHistogramBase:
         if num_experts * num_bins + len(HEADER_FIELDS) > INT32_MAX:
             raise ValueError(f"num_experts*num_bins={num_experts * num_bins}; allowed: < 2**31")
         self.num_experts, self.topk, self.num_bins = num_experts, topk, num_bins
-        self._device_fixed = device is not None
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=self._device)
         self._num_tokens = torch.zeros((), dtype=torch.int64, device=self._device)
-        self._flags = torch.zeros(
-            2, dtype=torch.int64, device=self._device
-        )  # bad_inputs, bias_changes
+        self._flags = torch.zeros(2, dtype=torch.int64, device=self._device)  # bad, bias changes
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -221,16 +218,9 @@ class _QuantileHistogramBase:
         return idx.clamp_(0.0, self.num_bins - 1.0)
 
     # ------------------------------------------------------------------ observe
-    def _adopt_device(self, device: torch.device, name: str) -> None:
-        """``device=None``: follow the first tensor seen while the histogram is pristine."""
-        if device == self._device:
-            return
-        if self._device_fixed or self._bias_E is not None or self._reduced is not None:
+    def _check_device(self, device: torch.device, name: str) -> None:
+        if device != self._device:
             raise ValueError(f"{name}.device={device}; allowed: histogram device {self._device}")
-        self._device = device
-        self.counts = self.counts.to(device)
-        self._num_tokens = self._num_tokens.to(device)
-        self._flags = self._flags.to(device)
 
     def _open_or_check_window(self, bias32: torch.Tensor) -> None:
         if self._bias_E is None:
@@ -262,7 +252,7 @@ class _QuantileHistogramBase:
                     f"alpha_M.shape={tuple(alpha_M.shape)} on {alpha_M.device}; "
                     f"allowed: ({m},) on {scores_ME.device}"
                 )
-        self._adopt_device(scores_ME.device, "scores_ME")
+        self._check_device(scores_ME.device, "scores_ME")
         s32 = scores_ME.detach().float()
         b32 = bias_E.detach().float()
         bad = (
@@ -327,7 +317,7 @@ class _QuantileHistogramBase:
             raise ValueError(
                 f"buffer.numel()={buffer.numel()}; allowed: packed_numel={self.packed_numel}"
             )
-        self._adopt_device(buffer.device, "buffer")
+        self._check_device(buffer.device, "buffer")
         nb_cells = self.num_experts * self.num_bins
         head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist(), strict=True))
         if not 1 <= head["ranks"] <= MAX_RANKS:
@@ -380,9 +370,7 @@ class _QuantileHistogramBase:
         m = int(self._num_tokens)
         if m == 0:
             return b32.clone()
-        if (
-            self._range is None
-        ):  # e.g. a rank that only unpacked: the range is a function of the bias
+        if self._range is None:  # a rank that only unpacked: the range follows from the bias
             self._range = self._make_range(b32)
         big_q = -(-m * self.topk // self.num_experts)  # ceil(q), exact
         cum_EB = self.counts.cumsum(dim=1, dtype=torch.int64)
@@ -445,12 +433,7 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
         *,
         sigma: float = 0.005,
     ):
-        if (
-            not isinstance(num_bins, int)
-            or isinstance(num_bins, bool)
-            or num_bins < 2
-            or num_bins % 2
-        ):
+        if isinstance(num_bins, int) and num_bins % 2:
             raise ValueError(f"num_bins={num_bins!r}; allowed: even int >= 2")
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and 0 < sigma <= 1):
             raise ValueError(f"sigma={sigma!r}; allowed: float in (0, 1]")
