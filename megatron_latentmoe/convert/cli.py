@@ -75,13 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vocab_size, max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
         "an HF config.json); default: from the checkpoint",
     )
-    ex.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp32", "fp16"],
-        help="dtype of the exported weights (default: the checkpoint's); "
-        "the expert bias stays fp32",
-    )
+    _dtype(ex, "exported weights", "the checkpoint's")
     ex.add_argument(
         "--expert-dtype",
         default="auto",
@@ -111,13 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--output", required=True, help="Megatron save root to create (--load it)")
     for flag in IGNORED_IMPORT_FLAGS:  # accepted so that existing job scripts keep working
         im.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
-    im.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp32", "fp16"],
-        help="dtype of the Megatron parameters (default: the HF tensors'); "
-        "the expert bias stays fp32",
-    )
+    _dtype(im, "Megatron parameters", "the HF tensors'")
     im.add_argument(
         "--iteration",
         type=int,
@@ -134,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--summary-json", default=None, help="also write the report as JSON")
     _add_verify_args(vf, flag=False)
     return parser
+
+
+def _dtype(p: argparse.ArgumentParser, what: str, default: str) -> None:
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp16"],
+        help=f"dtype of the {what} (default: {default}); the expert bias stays fp32",
+    )
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -219,13 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 read_batch_bytes=args.read_batch_mb << 20,
                 expert_dtype=args.expert_dtype,
             )
-            print(summary.format())
-            result["summary"] = summary.to_dict()
-            report = (
-                _verify(args, args.checkpoint, args.output, args.megatron_config)
-                if args.verify
-                else None
-            )
+            dirs = (args.checkpoint, args.output, args.megatron_config)
         elif args.command == "import":
             from .importer import import_checkpoint
 
@@ -244,11 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 overwrite=args.overwrite,
                 progress=not args.no_progress,
             )
+            dirs = (args.output, args.hf, None)
+        else:
+            summary, dirs = None, (args.checkpoint, args.hf, args.megatron_config)
+        if summary is not None:
             print(summary.format())
             result["summary"] = summary.to_dict()
-            report = _verify(args, args.output, args.hf, None) if args.verify else None
-        else:
-            report = _verify(args, args.checkpoint, args.hf, args.megatron_config)
+        report = _verify(args, *dirs) if summary is None or args.verify else None
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

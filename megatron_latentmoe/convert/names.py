@@ -86,8 +86,7 @@ class TensorMap:
     segments: tuple[Segment, ...]
     kind: str = "copy"  # "copy" | "glu" | "qkv"
     fp32: bool = False  # always stored in fp32 (the QB / expert bias)
-    layer: int | None = None
-    expert: int | None = None
+    expert: int | None = None  # a routed expert's index
     extra_state: bool = False  # the Megatron module has an ``_extra_state`` (ShardedObject)
     checkpoint_name: str | None = None  # saved under this name, not ``megatron`` (fused norms)
 
@@ -191,107 +190,58 @@ def _qkv(mg: str, prefix: str, arch: ModelArch, **kw) -> TensorMap:
     return TensorMap(mg, (row, d), shapes, tuple(segs), "qkv", **kw)
 
 
+def _gated_mlp(mg: str, gate: str, up: str, down: str, inter: int, width: int, **kw):
+    """fc1 = [gate; up] and fc2 = down of a gated MLP (dense, shared or routed expert)."""
+    yield _glu(mg + "linear_fc1.weight", gate, up, inter, width, extra_state=True, **kw)
+    yield _copy(mg + "linear_fc2.weight", down, (width, inter), extra_state=True, **kw)
+
+
 def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     """The TensorMaps of decoder layer ``i`` (global index), in module order."""
     d, hd = arch.hidden_size, arch.kv_channels
     mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-    lk = dict(layer=i)
     moe_layer = arch.is_moe_layer(i)
     yield _copy(
         mg + "input_layernorm.weight",
         hf + "input_layernorm.weight",
         (d,),
         checkpoint_name=mg + "self_attention.linear_qkv.layer_norm_weight",
-        **lk,
     )
-    yield _qkv(
-        mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch, extra_state=True, **lk
-    )
+    yield _qkv(mg + "self_attention.linear_qkv.weight", hf + "self_attn.", arch, extra_state=True)
     yield _copy(
         mg + "self_attention.linear_proj.weight",
         hf + "self_attn.o_proj.weight",
         (d, arch.num_attention_heads * hd),
         extra_state=True,
-        **lk,
     )
     yield _copy(
         mg + "pre_mlp_layernorm.weight",
         hf + "post_attention_layernorm.weight",
         (d,),
         checkpoint_name=None if moe_layer else mg + "mlp.linear_fc1.layer_norm_weight",
-        **lk,
     )
     if not moe_layer:
-        f = arch.ffn_hidden_size
-        yield _glu(
-            mg + "mlp.linear_fc1.weight",
-            hf + "mlp.gate_proj.weight",
-            hf + "mlp.up_proj.weight",
-            f,
-            d,
-            extra_state=True,
-            **lk,
-        )
-        yield _copy(
-            mg + "mlp.linear_fc2.weight",
-            hf + "mlp.down_proj.weight",
-            (d, f),
-            extra_state=True,
-            **lk,
-        )
+        dense = (f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+        yield from _gated_mlp(mg + "mlp.", *dense, arch.ffn_hidden_size, d)
         return
     n, lat, m = arch.num_experts, arch.moe_latent_size, arch.moe_ffn_hidden_size
     moe = hf + "block_sparse_moe."
-    yield _copy(mg + "mlp.router.weight", moe + "gate.weight", (n, d), **lk)
+    yield _copy(mg + "mlp.router.weight", moe + "gate.weight", (n, d))
     yield _copy(
-        mg + "mlp.router.expert_bias", moe + "gate.e_score_correction_bias", (n,), fp32=True, **lk
+        mg + "mlp.router.expert_bias", moe + "gate.e_score_correction_bias", (n,), fp32=True
     )
     for j in range(n):
-        e = f"{mg}mlp.experts.local_experts.{j}."
-        yield _glu(
-            e + "linear_fc1.weight",
-            f"{moe}experts.{j}.w1.weight",
-            f"{moe}experts.{j}.w3.weight",
-            m,
-            lat,
-            expert=j,
-            extra_state=True,
-            **lk,
-        )
-        yield _copy(
-            e + "linear_fc2.weight",
-            f"{moe}experts.{j}.w2.weight",
-            (lat, m),
-            expert=j,
-            extra_state=True,
-            **lk,
-        )
+        w = (f"{moe}experts.{j}.{p}.weight" for p in ("w1", "w3", "w2"))
+        yield from _gated_mlp(f"{mg}mlp.experts.local_experts.{j}.", *w, m, lat, expert=j)
     if arch.moe_shared_expert_intermediate_size:
-        s = arch.moe_shared_expert_intermediate_size
-        yield _glu(
-            mg + "mlp.shared_experts.linear_fc1.weight",
-            moe + "shared_experts.gate_proj.weight",
-            moe + "shared_experts.up_proj.weight",
-            s,
-            d,
-            extra_state=True,
-            **lk,
+        shared = (f"{moe}shared_experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+        yield from _gated_mlp(
+            mg + "mlp.shared_experts.", *shared, arch.moe_shared_expert_intermediate_size, d
         )
-        yield _copy(
-            mg + "mlp.shared_experts.linear_fc2.weight",
-            moe + "shared_experts.down_proj.weight",
-            (d, s),
-            extra_state=True,
-            **lk,
-        )
-    yield _copy(
-        mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d), **lk
-    )
+    yield _copy(mg + "mlp.fc1_latent_proj.weight", moe + "routed_expert_down_proj.weight", (lat, d))
     if arch.latent_moe_use_norm:
-        yield _copy(f"{mg}mlp.{NORM_NAME}.weight", moe + "routed_expert_norm.weight", (lat,), **lk)
-    yield _copy(
-        mg + "mlp.fc2_latent_proj.weight", moe + "routed_expert_up_proj.weight", (d, lat), **lk
-    )
+        yield _copy(f"{mg}mlp.{NORM_NAME}.weight", moe + "routed_expert_norm.weight", (lat,))
+    yield _copy(mg + "mlp.fc2_latent_proj.weight", moe + "routed_expert_up_proj.weight", (d, lat))
 
 
 def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
