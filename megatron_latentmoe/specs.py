@@ -85,15 +85,14 @@ def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> No
     if backend not in BACKENDS:
         raise not_allowed("backend", backend, f"one of {BACKENDS}")
     if backend == "te" and not HAVE_TE:
-        raise ValueError(
-            "backend='te' is not allowed here: Transformer Engine is not installed "
-            "(pip install 'megatron-latentmoe[te]' on a CUDA machine), use backend='local'"
+        raise not_allowed(
+            "backend",
+            backend,
+            "'local' here: Transformer Engine is not installed "
+            "(pip install 'megatron-latentmoe[te]' on a CUDA machine)",
         )
     if not isinstance(config, StableLatentMoETransformerConfig):
-        raise ValueError(
-            f"config of type {type(config).__name__} is not allowed: a "
-            "StableLatentMoETransformerConfig"
-        )
+        raise not_allowed("type(config)", type(config).__name__, "StableLatentMoETransformerConfig")
 
 
 def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, moe: bool):

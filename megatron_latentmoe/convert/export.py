@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import struct
@@ -52,7 +53,6 @@ from .summary import (
     Timer,
     atomic_output_dir,
     check_output_dir,
-    peak_rss_bytes,
 )
 
 DTYPES = {
@@ -63,7 +63,7 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-_ST_DTYPES = {
+ST_DTYPE_NAMES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
     torch.float16: "F16",
@@ -166,9 +166,7 @@ class ShardedSafetensorsWriter:
             if name in seen:
                 raise ConversionError(f"tensor {name!r} planned twice")
             seen.add(name)
-            n = dtype.itemsize
-            for s in shape:
-                n *= s
+            n = dtype.itemsize * math.prod(shape)
             if self.shards[-1] and size + n > max_shard_bytes:
                 self.shards.append([])
                 size = 0
@@ -192,7 +190,7 @@ class ShardedSafetensorsWriter:
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype, n in self.shards[i]:
             header[name] = {
-                "dtype": _ST_DTYPES[dtype],
+                "dtype": ST_DTYPE_NAMES[dtype],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + n],
             }
@@ -571,20 +569,17 @@ def export_checkpoint(
         write_hf_metadata(tmp, hf_config, arch, tok_files)
         summary.files = sum(1 for _ in tmp.iterdir())
     summary.bytes_written = writer.bytes_written
-    summary.bytes_read = reader.bytes_read
-    summary.seconds = timer.elapsed()
-    summary.peak_rss_bytes = peak_rss_bytes()
-    summary.max_rss_growth_bytes = bar.max_growth
-    summary.extra.update(
+    return summary.finish(
+        timer,
+        bar,
+        reader.bytes_read,
+        stream_s,
         dtype=str(model_dtype).replace("torch.", ""),
         shards=len(writer.files),
         expert_dtype="mxfp4" if packed_experts else "auto",
         routed_expert_bytes=expert_bytes,
         megatron_tensors=n_maps,
-        stream_seconds=round(stream_s, 3),
-        stream_mb_per_s=round(writer.bytes_written / 1e6 / max(stream_s, 1e-9), 1),
     )
-    return summary
 
 
 __all__ = [

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -58,7 +59,7 @@ from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
 from .dist_reader import TRACKER_FILE
 from .errors import ConversionError
-from .export import INDEX_FILE, parse_dtype
+from .export import INDEX_FILE, ST_DTYPE_NAMES, parse_dtype
 from .names import (
     check_shape,
     extra_state_key,
@@ -71,7 +72,6 @@ from .summary import (
     Timer,
     atomic_output_dir,
     check_output_dir,
-    peak_rss_bytes,
 )
 
 COMMON_STATE_KEY = "common_state/shard_0_1"
@@ -80,12 +80,7 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 # ------------------------------------------------------------------------------ HF reading
 
 
-_ST_DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F64": torch.float64,
-}
+_ST_DTYPES = {name: dt for dt, name in ST_DTYPE_NAMES.items() if dt.is_floating_point}
 
 
 class SafetensorsFile:
@@ -110,9 +105,6 @@ class SafetensorsFile:
             dt = _ST_DTYPES.get(info.get("dtype"))
             begin, end = info["data_offsets"]
             shape = tuple(info["shape"])
-            numel = 1
-            for d in shape:
-                numel *= d
             if info.get("dtype") == "U8" and name.endswith((mxfp4.PACKED, mxfp4.SCALE)):
                 dt = torch.uint8  # MXFP4 routed experts (checked against config.json by the reader)
             if dt is None:
@@ -120,7 +112,7 @@ class SafetensorsFile:
                     f"{str(path)!r}: tensor {name!r} has dtype {info.get('dtype')}: "
                     "not a supported float type (F32, BF16, F16, F64)"
                 )
-            if end - begin != numel * dt.itemsize or self.base + end > size:
+            if end - begin != math.prod(shape) * dt.itemsize or self.base + end > size:
                 raise ConversionError(
                     f"{str(path)!r}: tensor {name!r} has inconsistent offsets "
                     "(truncated or corrupt file)"
@@ -129,9 +121,7 @@ class SafetensorsFile:
 
     def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
         dt, shape, offset = self.entries[name]
-        row = dt.itemsize
-        for d in shape[1:]:
-            row *= d
+        row = dt.itemsize * math.prod(shape[1:])
         nbytes = (r1 - r0) * row
         raw = torch.empty(nbytes, dtype=torch.uint8)  # no zero-fill, unlike bytearray
         view, done = memoryview(raw.numpy()), 0
@@ -447,17 +437,14 @@ def _import(
         summary.files = sum(1 for _ in ckpt.iterdir())
         summary.bytes_written = sum(p.stat().st_size for p in ckpt.iterdir())
     summary.tensors = sum(1 for k in state_md if isinstance(state_md[k], TensorStorageMetadata))
-    summary.bytes_read = hf.bytes_read
-    summary.seconds = timer.elapsed()
-    summary.peak_rss_bytes = peak_rss_bytes()
-    summary.max_rss_growth_bytes = bar.max_growth
-    summary.extra.update(
+    return summary.finish(
+        timer,
+        bar,
+        hf.bytes_read,
+        stream_s,
         checkpoint_dir=f"{output}/{sub}",
         megatron_tensors=n_maps,
-        stream_seconds=round(stream_s, 3),
-        stream_mb_per_s=round(summary.bytes_written / 1e6 / max(stream_s, 1e-9), 1),
     )
-    return summary
 
 
 __all__ = ["import_checkpoint", "HFCheckpointReader"]

@@ -39,6 +39,7 @@ tests and all converter directions use it.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -95,10 +96,7 @@ class TensorMap:
         return tuple(name for name, _ in self.hf)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     # --------------------------------------------------------------------- conversions
     def to_hf(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -59,6 +59,17 @@ class ConversionSummary:
         out["mb_per_s"] = self.mb_per_s
         return out
 
+    def finish(self, timer: Timer, bar: Progress, bytes_read: int, stream_s: float, **extra):
+        """Record the end of the run: times, bytes read, RSS and the streaming throughput."""
+        self.bytes_read, self.seconds = bytes_read, timer.elapsed()
+        self.peak_rss_bytes, self.max_rss_growth_bytes = peak_rss_bytes(), bar.max_growth
+        self.extra.update(
+            **extra,
+            stream_seconds=round(stream_s, 3),
+            stream_mb_per_s=round(self.bytes_written / 1e6 / max(stream_s, 1e-9), 1),
+        )
+        return self
+
     def format(self) -> str:
         gib = 1 << 30
         lines = [

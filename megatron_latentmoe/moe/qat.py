@@ -25,6 +25,7 @@ from functools import partial
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_latentmoe.fields import not_allowed
 from megatron_latentmoe.ops.mxfp4 import fake_quantize_mxfp4
 
 
@@ -58,9 +59,10 @@ def _te_linears():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if getattr(self, "single_grouped_weight", False):
-                raise ValueError(
-                    "moe_expert_weight_qat='mxfp4' is not allowed with TE's single "
-                    "grouped weight: one weight tensor per expert is needed"
+                raise not_allowed(
+                    "moe_expert_weight_qat",
+                    "mxfp4",
+                    "'none' with TE's single grouped weight (one weight tensor per expert needed)",
                 )
             self.fuse_wgrad_accumulation = False
 
@@ -92,9 +94,10 @@ def with_expert_weight_qat(experts, config):
         swap = _te_linears()
     fc1, fc2 = swap.get(sub.linear_fc1), swap.get(sub.linear_fc2)
     if fc1 is None or fc2 is None:
-        raise ValueError(
-            f"moe_expert_weight_qat={config.moe_expert_weight_qat!r} is not supported "
-            f"for experts built from {sub.linear_fc1.__name__} / {sub.linear_fc2.__name__}"
+        raise not_allowed(
+            "moe_expert_weight_qat",
+            config.moe_expert_weight_qat,
+            f"'none' for experts built from {sub.linear_fc1.__name__} / {sub.linear_fc2.__name__}",
         )
     sub = dataclasses.replace(sub, linear_fc1=fc1, linear_fc2=fc2)
     return partial(experts.func, *experts.args, **{**experts.keywords, "submodules": sub})
