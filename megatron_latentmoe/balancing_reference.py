@@ -21,14 +21,6 @@ from megatron_latentmoe.balancing import (
     cutoff_route,
 )
 
-__all__ = [
-    "exact_quantiles",
-    "exact_quantile_bias",
-    "sign_update_bias",
-    "topk_loads",
-    "max_violation",
-]
-
 
 def _raise_if_bad(scores_ME: torch.Tensor, bias_E: torch.Tensor) -> None:
     """Eager finiteness / range check (one host sync for all three flags)."""

@@ -27,21 +27,12 @@ from megatron_latentmoe.fields import (
     hf_defaults,
     megatron_values,
     read_hf,
+    table_fields,
 )
 
 
-def _with_table_fields(cls):
-    """Add the table's ``added`` rows as dataclass fields (before ``@dataclass`` runs)."""
-    own = dict(cls.__dict__.get("__annotations__", {}))
-    cls.__annotations__ = {f.name: f.python_type for f in ADDED}
-    cls.__annotations__.update(own)
-    for f in ADDED:
-        setattr(cls, f.name, f.default)
-    return cls
-
-
 @dataclass
-@_with_table_fields
+@table_fields(ADDED)
 class StableLatentMoETransformerConfig(TransformerConfig):
     """``TransformerConfig`` + the Stable LatentMoE fields (SPEC §1, §2, §4): the ``added`` rows
     of ``megatron_latentmoe.fields.FIELDS`` (their defaults and docs are there)."""

@@ -265,6 +265,22 @@ ADDED = tuple(f for f in FIELDS if f.added)
 """The rows ``StableLatentMoETransformerConfig`` adds to Megatron's ``TransformerConfig``."""
 
 
+def table_fields(rows):
+    """Class decorator (applied before ``@dataclass``): one annotated field per row of ``rows``,
+    defaulting to the row's ``default`` (none for REQUIRED rows)."""
+
+    def add(cls):
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        cls.__annotations__ = {f.name: f.python_type for f in rows}
+        cls.__annotations__.update(own)
+        for f in rows:
+            if f.default is not REQUIRED:
+                setattr(cls, f.name, f.default)
+        return cls
+
+    return add
+
+
 def hf_defaults() -> dict:
     """{HF key: HF class default} of every row with an HF key (pinned to the shipped HF file)."""
     return {f.hf: f.hf_default for f in FIELDS if f.hf}

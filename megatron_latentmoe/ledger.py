@@ -31,13 +31,6 @@ from typing import Any
 
 from megatron_latentmoe.fields import hf_defaults, not_allowed, read_hf, read_megatron
 
-__all__ = [
-    "K3_FULL_SCALE",
-    "LatentMoEShape",
-    "format_ledger",
-    "parameter_ledger",
-]
-
 NOT_COUNTED = (
     "attention (model-specific; K3: KDA + MLA layers), norms outside the MoE block, MTP and "
     "vision modules are not counted"

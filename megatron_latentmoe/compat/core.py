@@ -12,8 +12,6 @@ import os
 
 from . import registry
 
-__all__ = ["GROUP", "apply_core_compat"]
-
 GROUP = "core"
 
 

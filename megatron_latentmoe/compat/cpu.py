@@ -28,13 +28,6 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from . import core, registry
 
-__all__ = [
-    "CudaToCpuDeviceMode",
-    "apply_cpu_compat",
-    "initialize_parallel_cpu",
-    "revert_cpu_compat",
-]
-
 _CPU = torch.device("cpu")
 _GROUP = "cpu"
 _modes: dict[int, CudaToCpuDeviceMode] = {}  # thread id -> the mode entered on that thread

@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 import typing
 
-__all__ = ["apply_python311_compat"]
-
 
 def apply_python311_compat() -> bool:
     """Alias ``typing.override`` to ``typing_extensions.override`` when Python lacks it.

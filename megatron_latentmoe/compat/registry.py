@@ -13,17 +13,6 @@ import os
 import warnings
 from collections.abc import Callable, Iterable
 
-__all__ = [
-    "ALLOW_UNTESTED_ENV",
-    "TESTED_MEGATRON_CORE_VERSION",
-    "apply_group",
-    "check_megatron_core_version",
-    "is_applied",
-    "patch",
-    "patched",
-    "revert",
-]
-
 TESTED_MEGATRON_CORE_VERSION = "0.19.2"
 ALLOW_UNTESTED_ENV = "MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"
 

@@ -20,16 +20,6 @@ from datetime import timedelta
 
 from . import registry
 
-__all__ = [
-    "apply_cpu_training_compat",
-    "begin_run",
-    "cpu_training_defaults",
-    "exclude_from_step_time",
-    "init_cpu_world",
-    "install_layout_change_load",
-    "parse_with_our_flags",
-]
-
 _CPU_GROUP, _FLAGS_GROUP, _RUN_GROUP = "training-cpu", "training-flags", "training-run"
 
 

@@ -39,7 +39,6 @@ from megatron_latentmoe.fields import (
     FIELDS,
     HF_FIXED,
     QUANTILE_HISTOGRAM,
-    REQUIRED,
     ConfigError,
     ModelField,
     check_stable_latentmoe,
@@ -47,6 +46,7 @@ from megatron_latentmoe.fields import (
     not_allowed,
     read_hf,
     read_megatron,
+    table_fields,
 )
 
 from .errors import ConversionError
@@ -77,19 +77,8 @@ MEGATRON_FIXED = {
 """Megatron fields whose other values the HF model does not implement (None: Megatron's default)."""
 
 
-def _from_table(cls):
-    """Give ``cls`` one dataclass field per row of the table (before ``@dataclass`` runs)."""
-    own = dict(cls.__dict__.get("__annotations__", {}))
-    cls.__annotations__ = {f.name: f.python_type for f in FIELDS}
-    cls.__annotations__.update(own)
-    for f in FIELDS:
-        if f.default is not REQUIRED:
-            setattr(cls, f.name, f.default)
-    return cls
-
-
 @dataclass(frozen=True)
-@_from_table
+@table_fields(FIELDS)
 class ModelArch:
     """What a Stable LatentMoE GPT looks like: one field per row of ``fields.FIELDS`` (Megatron
     names; the rows give the HF keys)."""

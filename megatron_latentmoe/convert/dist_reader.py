@@ -343,6 +343,3 @@ def open_checkpoint(
         common = {}
     arch, source = resolve_arch(common, config_file, checkpoint=str(reader.path))
     return reader, arch, source, common
-
-
-__all__ = ["DistCheckpointReader", "resolve_checkpoint_dir", "open_checkpoint", "TRACKER_FILE"]

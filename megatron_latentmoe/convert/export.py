@@ -580,19 +580,3 @@ def export_checkpoint(
         routed_expert_bytes=expert_bytes,
         megatron_tensors=n_maps,
     )
-
-
-__all__ = [
-    "export_checkpoint",
-    "ShardedSafetensorsWriter",
-    "match_checkpoint",
-    "parse_size",
-    "parse_dtype",
-    "check_expert_dtype",
-    "EXPERT_DTYPES",
-    "resolve_tokenizer_dir",
-    "tokenizer_files",
-    "prepare_hf_metadata",
-    "write_hf_metadata",
-    "INDEX_FILE",
-]

@@ -445,6 +445,3 @@ def _import(
         checkpoint_dir=f"{output}/{sub}",
         megatron_tensors=n_maps,
     )
-
-
-__all__ = ["import_checkpoint", "HFCheckpointReader"]

@@ -352,20 +352,3 @@ def is_model_key(key: str) -> bool:
 def hf_dtype_for(tm: TensorMap, dtype: torch.dtype) -> torch.dtype:
     """The dtype an HF tensor of ``tm`` is stored in when exporting in ``dtype``."""
     return torch.float32 if tm.fp32 else dtype
-
-
-__all__ = [
-    "Location",
-    "MODEL_KEY_PREFIXES",
-    "Segment",
-    "TensorMap",
-    "check_shape",
-    "checkpoint_locations",
-    "extra_state_key",
-    "hf_dtype_for",
-    "hf_tensor_names",
-    "is_model_key",
-    "iter_layer_maps",
-    "iter_tensor_maps",
-    "primary_checkpoint_key",
-]

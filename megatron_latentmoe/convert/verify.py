@@ -171,6 +171,12 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens.to(device), position_ids, None).float().cpu()
 
 
+def _margin(logits: torch.Tensor) -> float:
+    """Smallest top-1 minus top-2 logit over the batch."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
 @torch.no_grad()
 def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
     """Greedy continuation (full re-forward per step); returns new ids [b, n] and per-step
@@ -178,8 +184,7 @@ def megatron_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, 
     seq, margins = tokens, []
     for _ in range(n):
         last = megatron_logits(model, seq)[:, -1]
-        top2 = last.topk(2, dim=-1).values
-        margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+        margins.append(_margin(last))
         seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
     return seq[:, tokens.shape[1] :], margins
 
@@ -211,11 +216,7 @@ def hf_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[f
         output_scores=True,
         return_dict_in_generate=True,
     )
-    margins = []
-    for scores in out.scores:
-        top2 = scores.float().topk(2, dim=-1).values
-        margins.append(float((top2[:, 0] - top2[:, 1]).min()))
-    return out.sequences[:, tokens.shape[1] :], margins
+    return out.sequences[:, tokens.shape[1] :], [_margin(scores) for scores in out.scores]
 
 
 # ------------------------------------------------------------------------------------ tokens
@@ -352,19 +353,3 @@ def verify_export(
         report.hf_margin_at_mismatch = mh[step] if step < len(mh) else float("nan")
     report.seconds = time.perf_counter() - t0
     return report
-
-
-__all__ = [
-    "VerifyReport",
-    "verify_export",
-    "check_verify_options",
-    "check_hf_dir",
-    "load_megatron_model",
-    "load_hf_model",
-    "megatron_device",
-    "megatron_logits",
-    "megatron_greedy",
-    "hf_greedy",
-    "sample_tokens",
-    "compare_logits",
-]

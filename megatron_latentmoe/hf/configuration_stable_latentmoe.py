@@ -189,6 +189,7 @@ class StableLatentMoEConfig(PretrainedConfig):
             "activation_situ_linear_beta",
             "rope_theta",
             "rms_norm_eps",
+            "routed_scaling_factor",
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -211,13 +212,10 @@ class StableLatentMoEConfig(PretrainedConfig):
                 self.num_experts_per_token,
                 f"an integer in [1, num_experts={self.num_experts}]",
             )
-        if not (_is_int(self.num_shared_experts) and self.num_shared_experts >= 0):
-            raise _bad("num_shared_experts", self.num_shared_experts, "an integer >= 0")
-        if not (_is_int(self.first_k_dense_replace) and self.first_k_dense_replace >= 0):
-            raise _bad("first_k_dense_replace", self.first_k_dense_replace, "an integer >= 0")
-        v = self.routed_scaling_factor
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise _bad("routed_scaling_factor", v, "a positive number")
+        for key in ("num_shared_experts", "first_k_dense_replace"):
+            value = getattr(self, key)
+            if not (_is_int(value) and value >= 0):
+                raise _bad(key, value, "an integer >= 0")
         for key in ("latent_moe_use_norm", "moe_renormalize"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool")
@@ -230,6 +228,3 @@ class StableLatentMoEConfig(PretrainedConfig):
     def get_shared_expert_intermediate_size(self) -> int:
         """Width of the ONE shared-expert MLP (N_s * m_e; 0 = none)."""
         return self.num_shared_experts * self.moe_intermediate_size
-
-
-__all__ = ["StableLatentMoEConfig", "AUTO_MAP", "HIDDEN_ACTS"]

@@ -22,12 +22,9 @@ numerically faithful to Megatron-Core's ``GPTModel`` built with the project's sp
 
   with E_j(z) = w2(act(w1 z, w3 z)) and act = SiTU-GLU (SPEC §2) or SwiGLU.
 
-transformers conventions: attention weights (``output_attentions``, also through ``generate``;
-SDPA falls back to the eager kernel for such forwards), ``set_attn_implementation`` at run time,
-gradient checkpointing (``gradient_checkpointing_enable``), padding-free packed batches
-(``position_ids`` restarting per document or ``cu_seq_lens_q``, as ``DataCollatorWithFlattening``
-makes them), custom 4D masks, static cache and ``torch.compile`` (not fullgraph); see the flags
-on ``StableLatentMoEPreTrainedModel``.
+transformers conventions supported (attention weights, run-time attention switch, gradient
+checkpointing, packed batches, custom 4D masks, static cache, ``torch.compile``): see
+``StableLatentMoEPreTrainedModel``.
 
 MXFP4 routed experts (``convert export --expert-dtype mxfp4``: compressed-tensors
 ``mxfp4-pack-quantized``, see "MXFP4 checkpoints" below) load dequantized to the compute dtype.
@@ -357,12 +354,10 @@ class StableLatentMoEGate(nn.Module):
             and bias.dtype in (torch.float32, torch.float64)
             and new.dtype in (torch.float16, torch.bfloat16)
         ):
-            if bias.device.type == "meta" or new.device.type == "meta":
-                self._buffers["e_score_correction_bias"] = new.to(torch.float32)
-            else:
-                self._buffers["e_score_correction_bias"] = bias.to(
-                    device=new.device, dtype=torch.float32
-                )
+            src = new if "meta" in (bias.device.type, new.device.type) else bias
+            self._buffers["e_score_correction_bias"] = src.to(
+                device=new.device, dtype=torch.float32
+            )
         return out
 
     def extra_repr(self) -> str:
@@ -523,21 +518,13 @@ class StableLatentMoEAttention(nn.Module):
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bsz, q_len, _ = hidden_states.shape
-        q = (
-            self.q_proj(hidden_states)
-            .view(bsz, q_len, self.num_heads, self.head_dim)
-            .transpose(1, 2)
-        )
-        k = (
-            self.k_proj(hidden_states)
-            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
-            .transpose(1, 2)
-        )
-        v = (
-            self.v_proj(hidden_states)
-            .view(bsz, q_len, self.num_key_value_heads, self.head_dim)
-            .transpose(1, 2)
-        )
+
+        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, S, n * D] -> [B, n, S, D]
+            return proj(hidden_states).view(bsz, q_len, n, self.head_dim).transpose(1, 2)
+
+        q = heads(self.q_proj, self.num_heads)
+        k = heads(self.k_proj, self.num_key_value_heads)
+        v = heads(self.v_proj, self.num_key_value_heads)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
@@ -684,6 +671,9 @@ def _register_mxfp4_loading():
 
 
 # ================================================================================ HF model classes
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
 def _cache_field(output_cls) -> str:
     """Name of the cache field of a transformers ModelOutput class (``cache`` in recent 5.x,
     ``past_key_values`` before)."""
@@ -736,16 +726,8 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
         checkpoints") unless a ``quantization_config`` is passed."""
         config = kwargs.get("config")
         if config is None:
-            hub = (
-                "cache_dir",
-                "force_download",
-                "local_files_only",
-                "token",
-                "revision",
-                "subfolder",
-            )
             config = cls.config_class.from_pretrained(
-                pretrained_model_name_or_path, **{k: kwargs[k] for k in hub if k in kwargs}
+                pretrained_model_name_or_path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
             )
         if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
             getattr(config, "quantization_config", None)

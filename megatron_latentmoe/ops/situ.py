@@ -51,15 +51,6 @@ from torch.autograd.function import once_differentiable
 
 from megatron_latentmoe.fields import not_allowed
 
-__all__ = [
-    "DEFAULT_SITU_BETA",
-    "DEFAULT_SITU_LINEAR_BETA",
-    "SiTUGLU",
-    "situ_glu",
-    "situ_glu_packed",
-    "validate_situ_beta",
-]
-
 DEFAULT_SITU_BETA = 4.0  # b1, config key `activation_situ_beta`
 DEFAULT_SITU_LINEAR_BETA = 25.0  # b2, config key `activation_situ_linear_beta`
 

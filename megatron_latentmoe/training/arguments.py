@@ -4,13 +4,8 @@ Megatron's own parser (``megatron.training.arguments``) stays the source of ever
 has; :func:`add_stable_latentmoe_args` (Megatron's ``extra_args_provider`` hook) only
 
 * adds one flag per field the model adds to Megatron's config (the ``added`` rows of
-  ``megatron_latentmoe.fields.FIELDS``: name, default and help come from there)::
-
-    --hidden-act {situ,swiglu}   --activation-situ-beta B1   --activation-situ-linear-beta B2
-    --moe-latent-norm / --no-moe-latent-norm   --first-k-dense-replace K
-    --moe-qb-num-bins B   --moe-qb-binning {uniform,centered}
-
-  and the entry point's own: ``--balance-log-file PATH``, ``--balance-log-loads-interval N``,
+  ``megatron_latentmoe.fields.FIELDS``: flag, default and help come from there), and the entry
+  point's own: ``--balance-log-file PATH``, ``--balance-log-loads-interval N``,
   ``--no-default-data``;
 
 * teaches Megatron's ``--moe-router-load-balancing-type`` the value ``quantile_histogram``;
@@ -152,13 +147,13 @@ def _data_prefixes(paths: list[str] | None) -> Iterable[str]:
                 yield token
 
 
+_DATA_PATHS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+_DATA_ARGS_FILES = ("data_args_path", "per_split_data_args_path")
+
+
 def _check_data_paths(args) -> None:
-    for flag, paths in (
-        ("--data-path", args.data_path),
-        ("--train-data-path", args.train_data_path),
-        ("--valid-data-path", args.valid_data_path),
-        ("--test-data-path", args.test_data_path),
-    ):
+    for dest in _DATA_PATHS:
+        flag, paths = "--" + dest.replace("_", "-"), getattr(args, dest)
         if paths is not None and not list(_data_prefixes(paths)):
             raise FlagError(f"{flag} was given without a dataset prefix")
         for prefix in _data_prefixes(paths):
@@ -170,25 +165,15 @@ def _check_data_paths(args) -> None:
                     ".bin/.idx pair (tools/preprocess_data.py writes one), or leave --data-path "
                     "out to train on the shipped corpus."
                 )
-    for flag, path in (
-        ("--data-args-path", args.data_args_path),
-        ("--per-split-data-args-path", args.per_split_data_args_path),
-    ):
+    for dest in _DATA_ARGS_FILES:
+        path = getattr(args, dest)
         if path is not None and not os.path.isfile(path):
-            raise FlagError(f"{flag} {path}: no such file")
+            raise FlagError(f"--{dest.replace('_', '-')} {path}: no such file")
 
 
 def uses_default_data(args) -> bool:
     """True when no dataset flag is given: train on the shipped corpus."""
-    return not (
-        args.data_path
-        or args.train_data_path
-        or args.valid_data_path
-        or args.test_data_path
-        or args.data_args_path
-        or args.per_split_data_args_path
-        or args.mock_data
-    )
+    return not (args.mock_data or any(getattr(args, d) for d in _DATA_PATHS + _DATA_ARGS_FILES))
 
 
 def validate_stable_latentmoe_args(

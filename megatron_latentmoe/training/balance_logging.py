@@ -42,9 +42,18 @@ from megatron_latentmoe.moe.balance_step import (
     finalize_model_grads_with_quantile_balancing,
 )
 
-# Columns of one layer row of the gathered tensor (before the optional per-expert loads).
-_PRESENT, _MAX_VIO, _MIN_LOAD, _MAX_LOAD, _UNDER_HALF, _DEAD, _TOKENS = range(7)
-_FIXED_COLUMNS = 7
+# One layer row of the gathered tensor: a "present" flag, these metrics (``router.last_balance``
+# fields, and the keys of the layer's record) and then the optional per-expert loads.
+_METRICS = (
+    ("max_vio", float),
+    ("min_load", int),
+    ("max_load", int),
+    ("frac_under_half", float),
+    ("num_dead", int),
+    ("num_tokens", int),
+)
+_FIXED_COLUMNS = 1 + len(_METRICS)
+_TB_KEYS = ("maxvio_mean", "maxvio_max", "min_load", "max_load", "frac_under_half", "num_dead")
 
 
 def _mean(values: list[float]) -> float:
@@ -161,13 +170,9 @@ class BalanceLogger:
             if layer is None or metrics is None or not 1 <= layer <= self.num_layers:
                 continue
             row = table[layer - 1]
-            row[_PRESENT] = 1
-            row[_MAX_VIO] = metrics.max_vio
-            row[_MIN_LOAD] = metrics.min_load
-            row[_MAX_LOAD] = metrics.max_load
-            row[_UNDER_HALF] = metrics.frac_under_half
-            row[_DEAD] = metrics.num_dead
-            row[_TOKENS] = metrics.num_tokens
+            row[0] = 1
+            for column, (key, _) in enumerate(_METRICS, 1):
+                row[column] = getattr(metrics, key)
             if loads is not None and loads[i] is not None:
                 row[_FIXED_COLUMNS:] = loads[i].to(device=device, dtype=torch.float64)
 
@@ -196,17 +201,10 @@ class BalanceLogger:
         layers = []
         for index in range(self.num_layers):
             row = table[index]
-            if row[_PRESENT] <= 0:
+            if row[0] <= 0:
                 continue
-            entry = {
-                "layer": index + 1,
-                "max_vio": float(row[_MAX_VIO]),
-                "min_load": int(row[_MIN_LOAD]),
-                "max_load": int(row[_MAX_LOAD]),
-                "frac_under_half": float(row[_UNDER_HALF]),
-                "num_dead": int(row[_DEAD]),
-                "num_tokens": int(row[_TOKENS]),
-            }
+            entry = {"layer": index + 1}
+            entry.update((key, cast(row[c])) for c, (key, cast) in enumerate(_METRICS, 1))
             if with_loads and table.shape[1] > _FIXED_COLUMNS:
                 entry["loads"] = [int(x) for x in row[_FIXED_COLUMNS:].tolist()]
             layers.append(entry)
@@ -241,14 +239,7 @@ class BalanceLogger:
             print(format_record(record), flush=True)
         writer = self.writer_fn()
         if writer is not None and iteration % self.tensorboard_log_interval == 0:
-            for key in (
-                "maxvio_mean",
-                "maxvio_max",
-                "min_load",
-                "max_load",
-                "frac_under_half",
-                "num_dead",
-            ):
+            for key in _TB_KEYS:
                 value = record[key]
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     writer.add_scalar(f"balance/{key}", value, iteration)
