@@ -37,9 +37,7 @@ def _patch(owner: object, name: str, value: object) -> None:
     registry.patch(_GROUP, owner, name, value)
 
 
-# --------------------------------------------------------------------------------------------
-# CUDA streams and device queries
-# --------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------- CUDA streams and device queries
 class _InertEvent:
     """A CUDA event stand-in: on CPU every operation has already completed."""
 
@@ -111,9 +109,7 @@ def _shim_device_queries() -> None:
     _patch(torch.cuda, "synchronize", lambda device=None: None)
 
 
-# --------------------------------------------------------------------------------------------
-# device="cuda" literals
-# --------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------- device="cuda" literals
 def _is_cuda(device) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -185,9 +181,7 @@ def _shim_mode_in_backward() -> None:
     _patch(torch.autograd, "_engine_run_backward", _engine_run_backward)
 
 
-# --------------------------------------------------------------------------------------------
-# RNG
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------- RNG
 def _cpu_get_rng_state(device=None, clone=False, graph_safe=False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -266,9 +260,7 @@ def _shim_rng() -> None:
         mrandom.initialize_rng_tracker(force_reset=True)  # made before the patch: CUDA-backed
 
 
-# --------------------------------------------------------------------------------------------
-# MoE token dispatch and collectives on gloo
-# --------------------------------------------------------------------------------------------
+# ------------------------------------------------------ MoE token dispatch and collectives on gloo
 def _shim_alltoall_split_sizes() -> None:
     """Hand the alltoall dispatcher's split sizes to ``all_to_all_single`` as lists, not tensors.
 

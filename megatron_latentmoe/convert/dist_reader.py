@@ -182,20 +182,13 @@ class DistCheckpointReader:
                 f"({type(e).__name__}: {e})"
             ) from None
         self._reader.set_up_storage_reader(self.metadata, True)
-        stored = [
-            k
-            for k, v in self.metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)
-        ]
-        self._stored_key = {current_key(k): k for k in stored}  # old checkpoints: old names
+        stored = self.metadata.state_dict_metadata
+        tensors = [k for k, v in stored.items() if isinstance(v, TensorStorageMetadata)]
+        self._stored_key = {current_key(k): k for k in tensors}  # old checkpoints: old names
         self.tensors: dict[str, TensorStorageMetadata] = {
-            current_key(k): self.metadata.state_dict_metadata[k] for k in stored
+            key: stored[k] for key, k in self._stored_key.items()
         }
-        self.byte_objects = [
-            k
-            for k, v in self.metadata.state_dict_metadata.items()
-            if isinstance(v, BytesStorageMetadata)
-        ]
+        self.byte_objects = [k for k, v in stored.items() if isinstance(v, BytesStorageMetadata)]
         self._check_files()
         self.bytes_read = 0
 

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_latentmoe.fields import not_allowed
+
 from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
@@ -113,9 +115,7 @@ EXPERT_DTYPES = ("auto", "mxfp4")
 def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
     """Validate ``expert_dtype`` for ``arch``; True for MXFP4 (before anything is written)."""
     if expert_dtype not in EXPERT_DTYPES:
-        raise ConversionError(
-            f"expert_dtype={expert_dtype!r} is not supported: one of {EXPERT_DTYPES}"
-        )
+        raise not_allowed("expert_dtype", expert_dtype, f"one of {EXPERT_DTYPES}", ConversionError)
     if expert_dtype != "mxfp4":
         return False
     from megatron_latentmoe.ops.mxfp4 import BLOCK
@@ -137,7 +137,7 @@ def parse_dtype(name: str) -> torch.dtype | None:
     if name in (None, "auto"):
         return None
     if name not in DTYPES:
-        raise ConversionError(f"dtype={name!r} is not supported: one of auto, bf16, fp32, fp16")
+        raise not_allowed("dtype", name, "one of auto, bf16, fp32, fp16", ConversionError)
     return DTYPES[name]
 
 
@@ -500,7 +500,7 @@ def export_checkpoint(
     out_dtype = parse_dtype(dtype)
     max_shard = parse_size(max_shard_size)
     if max_shard <= 0:
-        raise ConversionError(f"max_shard_size={max_shard_size!r} must be positive")
+        raise not_allowed("max_shard_size", max_shard_size, "a positive size", ConversionError)
     reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
     packed_experts = check_expert_dtype(expert_dtype, arch)
     name = str(reader.path)

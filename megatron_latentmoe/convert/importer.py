@@ -55,9 +55,11 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from megatron_latentmoe.fields import not_allowed
+
 from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
-from .dist_reader import TRACKER_FILE
+from .dist_reader import COMMON_STATE_KEY, TRACKER_FILE
 from .errors import ConversionError
 from .export import INDEX_FILE, ST_DTYPE_NAMES, parse_dtype
 from .names import (
@@ -73,9 +75,6 @@ from .summary import (
     atomic_output_dir,
     check_output_dir,
 )
-
-COMMON_STATE_KEY = "common_state/shard_0_1"
-
 
 # ------------------------------------------------------------------------------ HF reading
 
@@ -338,7 +337,7 @@ def import_checkpoint(
     if iteration is not None and (
         isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0
     ):
-        raise ConversionError(f"--iteration={iteration!r} must be a non-negative integer")
+        raise not_allowed("--iteration", iteration, "an integer >= 0", ConversionError)
     out_dtype = parse_dtype(dtype)
     hf = HFCheckpointReader(hf_dir)
     try:

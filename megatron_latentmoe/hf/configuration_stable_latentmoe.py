@@ -41,14 +41,9 @@ def _is_int(value) -> bool:
 class StableLatentMoEConfig(PretrainedConfig):
     r"""Configuration for [`StableLatentMoEModel`] / [`StableLatentMoEForCausalLM`].
 
-    Decoder: token embedding (no scaling) -> ``num_hidden_layers`` pre-norm layers (RMSNorm ->
-    GQA self-attention with RoPE -> residual -> RMSNorm -> FFN -> residual) -> RMSNorm -> lm_head.
+    The architecture and the block's formulas: ``modeling_stable_latentmoe.py``'s docstring.
     The FFN of the first ``first_k_dense_replace`` layers is a dense gated MLP of width
-    ``intermediate_size``; every later layer uses the Stable LatentMoE block (SPEC §1):
-
-        s = sigmoid(W_r x); S = TopK(s + e_score_correction_bias)
-        p_j = s_j / sum_S s  (renormalised)
-        y = W_up RMSNorm_l( sum_{j in S} p_j * E_j(W_down x) ) + Shared(x)
+    ``intermediate_size``; every later layer uses the Stable LatentMoE block (SPEC §1).
 
     Args (beyond the usual decoder keys):
         hidden_act: ``"situ"`` (SiTU-GLU everywhere: dense MLP, routed and shared experts) or
