@@ -4,9 +4,9 @@
 per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refuses ("Cannot use
 ReduceOp.AVG with Gloo"). :func:`apply_qb_gloo_compat` replaces it, on gloo only, with the same
 update written as a SUM all-reduce divided by the group size (NCCL keeps Megatron's function).
-Checked against megatron-core 0.19.2 (``compat.registry.check_megatron_core_version``); undo with
-:func:`revert_qb_gloo_compat`. (The other router wall, ``TopKRouter._apply_expert_bias``'s
-unbroadcast padding mask, is fixed in our router subclass, ``moe/router.py``.)
+Patched through :mod:`.registry` (version-checked); undo with :func:`revert_qb_gloo_compat`.
+(The other router wall, ``TopKRouter._apply_expert_bias``'s unbroadcast padding mask, is fixed
+in our router subclass, ``moe/router.py``.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import importlib
 
 import torch
 
-_original = None
+from . import registry
+
+GROUP = "qb-gloo"
 # the package re-exports the function under the module's name: import the module by path
 _MODULE = "megatron.core.distributed.finalize_model_grads"
 
@@ -45,26 +47,19 @@ def _update_router_qb_beta(model, config, dp_cp_group=None):
         beta.copy_(value)
 
 
+def _shim() -> None:
+    fmg = importlib.import_module(_MODULE)
+    registry.patch(GROUP, fmg, "_update_router_qb_beta", _update_router_qb_beta)
+
+
 def apply_qb_gloo_compat() -> bool:
     """Install the replacement when the default process group is gloo (idempotent)."""
-    global _original
-    fmg = importlib.import_module(_MODULE)
-
-    from .registry import check_megatron_core_version
-
-    if _original is not None:
+    if registry.is_applied(GROUP):
         return True
     if not (torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"):
         return False
-    check_megatron_core_version()
-    _original = fmg._update_router_qb_beta
-    fmg._update_router_qb_beta = _update_router_qb_beta
-    return True
+    return registry.apply_group(GROUP, [_shim])
 
 
 def revert_qb_gloo_compat() -> None:
-    global _original
-    fmg = importlib.import_module(_MODULE)
-
-    if _original is not None:
-        fmg._update_router_qb_beta, _original = _original, None
+    registry.revert(GROUP)

@@ -361,6 +361,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
             text = f.read()
     except OSError as e:
         raise ConversionError(f"config file {path!r} cannot be read: {e}") from None
+    kind, parse, error = "JSON", json.loads, json.JSONDecodeError
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
@@ -369,15 +370,11 @@ def read_config_file(path: str | os.PathLike) -> dict:
                 f"config file {path!r} is YAML but PyYAML is not installed "
                 "(pip install pyyaml, or give JSON)"
             ) from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConversionError(f"config file {path!r} is not valid YAML: {e}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConversionError(f"config file {path!r} is not valid JSON: {e}") from None
+        kind, parse, error = "YAML", yaml.safe_load, yaml.YAMLError
+    try:
+        data = parse(text)
+    except error as e:
+        raise ConversionError(f"config file {path!r} is not valid {kind}: {e}") from None
     if not isinstance(data, dict):
         raise ConversionError(
             f"config file {path!r}: expected a mapping at top level, got {type(data).__name__}"

@@ -2,16 +2,12 @@
 
 compressed-tensors' ``mxfp4-pack-quantized`` format, the one vLLM / SGLang read (transformers'
 own ``mxfp4`` quantizer only knows GPT-OSS's fused ``*_blocks`` / ``*_scales`` tensors): each
-routed expert linear ``...block_sparse_moe.experts.{j}.w{1,2,3}`` is stored as
-
-* ``weight_packed`` uint8 [out, in / 2]: two E2M1 codes per byte, element ``2i`` in the low nibble;
-* ``weight_scale`` uint8 [out, in / 32]: one E8M0 byte per block of 32 along ``in`` (the reduction
-  dim), ``2 ** (byte - 127)``;
-
-and ``config.json`` carries ``quantization_config`` (:func:`quantization_config`) whose only
-group targets exactly these linears, so attention, dense and shared experts, the latent
-projections, the router and the LM head stay in the export dtype (SPEC §5). The codes and scales
-are ``ops/mxfp4.py``'s (OCP MX v1.0), bit-exact with what QAT trains on.
+routed expert linear ``...block_sparse_moe.experts.{j}.w{1,2,3}`` is stored as ``weight_packed``
+uint8 [out, in / 2] and ``weight_scale`` uint8 [out, in / 32] (codes, packing and scales:
+``ops/mxfp4.py``), and ``config.json`` carries ``quantization_config``
+(:func:`quantization_config`) whose only group targets exactly these linears, so attention, dense
+and shared experts, the latent projections, the router and the LM head stay in the export dtype
+(SPEC §5). Bit-exact with what QAT trains on.
 """
 
 from __future__ import annotations

@@ -412,11 +412,9 @@ class SiTUGLU(torch.nn.Module):
     ):
         super().__init__()
         if beta is None:
-            beta = getattr(config, "activation_situ_beta", None) if config is not None else None
+            beta = getattr(config, "activation_situ_beta", None)
         if linear_beta is None:
-            linear_beta = (
-                getattr(config, "activation_situ_linear_beta", None) if config is not None else None
-            )
+            linear_beta = getattr(config, "activation_situ_linear_beta", None)
         self.beta = validate_situ_beta(
             "activation_situ_beta", DEFAULT_SITU_BETA if beta is None else beta
         )
