@@ -138,38 +138,37 @@ class ModelField:
 
     @property
     def python_type(self) -> type:
-        if isinstance(self.kind, tuple):
-            return type(self.kind[0])
-        return {
-            "positive int": int,
-            "int >= 0": int,
-            "positive number": float,
-            "bool": bool,
-            "token id": int | None,
-            "str": str,
-        }[self.kind]
+        return type(self.kind[0]) if isinstance(self.kind, tuple) else _KINDS[self.kind][0]
 
     def problem(self, value: Any) -> str | None:
         """What is allowed, when ``value`` is not of this row's kind (None when it is)."""
-        kind = self.kind
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        if isinstance(kind, tuple):
-            return None if value in kind else f"one of {kind}"
-        ok, allowed = {
-            "positive int": (lambda: is_int and value > 0, "a positive integer"),
-            "int >= 0": (lambda: is_int and value >= 0, "an integer >= 0"),
-            "token id": (
-                lambda: value is None or (is_int and value >= 0),
-                "None or an integer >= 0",
-            ),
-            "positive number": (
-                lambda: (is_int or isinstance(value, float)) and value > 0 and math.isfinite(value),
-                "a positive finite number",
-            ),
-            "bool": (lambda: isinstance(value, bool), "True or False"),
-            "str": (lambda: isinstance(value, str), "a string"),
-        }[kind]
-        return None if ok() else allowed
+        if isinstance(self.kind, tuple):
+            return None if value in self.kind else f"one of {self.kind}"
+        _, ok, allowed = _KINDS[self.kind]
+        return None if ok(value) else allowed
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_KINDS = {
+    "positive int": (int, lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "int >= 0": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "token id": (
+        int | None,
+        lambda v: v is None or (_is_int(v) and v >= 0),
+        "None or an integer >= 0",
+    ),
+    "positive number": (
+        float,
+        lambda v: (_is_int(v) or isinstance(v, float)) and v > 0 and math.isfinite(v),
+        "a positive finite number",
+    ),
+    "bool": (bool, lambda v: isinstance(v, bool), "True or False"),
+    "str": (str, lambda v: isinstance(v, str), "a string"),
+}
+"""Row kinds: (Python type, check, what is allowed)."""
 
 
 _HF_ACT = {"situ": "situ", "swiglu": "silu"}

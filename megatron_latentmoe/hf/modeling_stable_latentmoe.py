@@ -971,13 +971,8 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
             return_dict=True,
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            if logits_to_keep > 0:
-                hidden_states = hidden_states[:, -logits_to_keep:]
-        else:
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = self.lm_head(hidden_states)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(outputs.last_hidden_state[:, keep])  # 0 keeps every position
 
         loss = None
         if labels is not None:
