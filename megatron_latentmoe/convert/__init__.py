@@ -13,6 +13,8 @@ Heavy imports (megatron, transformers) happen inside the functions.
 
 from __future__ import annotations
 
+import importlib
+
 from .arch import ARCH_STATE_KEY, ModelArch, arch_common_state, arch_from_config_file, resolve_arch
 from .errors import ConversionError
 
@@ -28,20 +30,15 @@ __all__ = [
     "verify_export",
 ]
 
-
-def export_checkpoint(*args, **kwargs):
-    from .export import export_checkpoint as _export
-
-    return _export(*args, **kwargs)
-
-
-def import_checkpoint(*args, **kwargs):
-    from .importer import import_checkpoint as _import
-
-    return _import(*args, **kwargs)
+_LAZY = {
+    "export_checkpoint": ".export",
+    "import_checkpoint": ".importer",
+    "verify_export": ".verify",
+}
 
 
-def verify_export(*args, **kwargs):
-    from .verify import verify_export as _verify
-
-    return _verify(*args, **kwargs)
+def __getattr__(name: str):
+    """The three entry points, imported on first use (they pull in torch / megatron)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_latentmoe.data.corpus import default_tokenizer_dir
 from megatron_latentmoe.fields import not_allowed
 
 from . import mxfp4
@@ -325,12 +326,6 @@ def _batches(maps: Iterable[TensorMap], budget: int) -> Iterable[list[TensorMap]
         size += n
     if batch:
         yield batch
-
-
-def default_tokenizer_dir() -> str:
-    from megatron_latentmoe.data.corpus import default_tokenizer_dir as shipped
-
-    return shipped()
 
 
 HF_CODE_DIR = Path(__file__).resolve().parent.parent / "hf"

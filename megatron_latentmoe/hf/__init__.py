@@ -42,12 +42,7 @@ def copy_remote_code(save_directory: str | os.PathLike) -> list[Path]:
     """
     dst = Path(save_directory)
     dst.mkdir(parents=True, exist_ok=True)
-    out = []
-    for src in remote_code_paths():
-        target = dst / src.name
-        shutil.copyfile(src, target)
-        out.append(target)
-    return out
+    return [Path(shutil.copyfile(src, dst / src.name)) for src in remote_code_paths()]
 
 
 def save_pretrained_with_code(model, save_directory: str | os.PathLike, **kwargs) -> None:
