@@ -110,13 +110,11 @@ def _ensure_single_process_world() -> None:
         dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
     from megatron.core import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.compat import apply_cpu_compat, initialize_parallel_cpu
 
+    if not parallel_state.model_parallel_is_initialized():
         initialize_parallel_cpu()
     else:
-        from megatron_latentmoe.compat import apply_cpu_compat
-
         apply_cpu_compat()
 
 
@@ -140,16 +138,11 @@ def load_megatron_model(
     model.eval()
     sharded = model.sharded_state_dict()
     present = set(reader.metadata.state_dict_metadata)
-    dropped = []
-    for name in list(sharded):
-        sh = sharded[name]
-        if (
-            isinstance(sh, ShardedObject)
-            and sh.unique_key not in present
-            and name.endswith("_extra_state")
-        ):
-            dropped.append(name)  # local-spec linears' extra state is None; a TE save has its own
-            del sharded[name]
+    for name, sh in list(sharded.items()):
+        # local-spec linears' extra state is None (not saved); a TE save has its own
+        if isinstance(sh, ShardedObject) and sh.unique_key not in present:
+            if name.endswith("_extra_state"):
+                del sharded[name]
     loaded = dist_checkpointing.load(sharded, str(path))
     own = set(model.state_dict())
     loaded = {k: v for k, v in loaded.items() if k in own}  # drop the common state (args, ...)

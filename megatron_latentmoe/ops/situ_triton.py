@@ -89,9 +89,6 @@ def _situ_bwd_kernel(
     tl.store(du_ptr + row * stride_in + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _grid(rows: int, cols: int):
     if cols > 65535 * BLOCK:  # grid axis 1 holds at most 65535 programs
         raise ValueError(
