@@ -10,6 +10,11 @@ Variants (single process, same tokens, same n / k / shared experts):
   norm and / or SiTU-GLU switched off (SwiGLU instead).
 * ``stable_eager_situ``: our block with SiTU-GLU forced onto its eager math (what ran before the
   fused CPU path / the Triton kernels), to show the fused op's gain in the same run.
+* ``stable_router_none``: our block with Megatron's plain sigmoid top-k router (balancing
+  ``none``; loads still counted). Beside ``stable`` it prices Quantile Balancing itself: the
+  top-(k+1) cutoffs, the histogram and the step-end solve (each timed step of a variant ends with
+  the step-end update, ``balance_step.update_balance``). At initialisation both routers spread
+  the tokens alike, so the experts do the same work.
 
 Prints a table of tokens/s and the ratio to ``megatron_moe``; writes JSON (default
 ``benchmarks/results/bench_block.json``). Run: ``python benchmarks/bench_block.py [--help]``.
@@ -130,6 +135,9 @@ def build_variants(a, dtype):
         "stable_swiglu": dict(hidden_act="swiglu"),
         "stable_no_norm_swiglu": dict(latent_moe_use_norm=False, hidden_act="swiglu"),
         "stable_eager_situ": dict(),
+        "stable_router_none": dict(
+            moe_router_load_balancing_type="none", moe_router_score_function="sigmoid"
+        ),
     }.items():
         cfg = tiny_config(
             **common,
@@ -150,10 +158,13 @@ def time_variants(variants, x, grad, iters, warmup):
     """(median, min) seconds per fwd+bwd; variants are interleaved so machine noise hits all
     alike (on a shared, oversubscribed machine the min is the steadier estimate)."""
 
+    from megatron_latentmoe.moe.balance_step import update_balance
+
     def step(layer):
         inp = x.detach().requires_grad_()
         out, _ = layer(inp)
         out.backward(grad)
+        update_balance([layer], None)  # the step end: QB solve, load metrics (no-op: Megatron's)
         layer.zero_grad(set_to_none=True)
 
     from megatron_latentmoe.ops import situ
@@ -220,6 +231,12 @@ def main():
         f"{100 * share('seconds_min', 'stable'):.1f} % fused, "
         f"{100 * share('seconds_min', 'stable_eager_situ'):.1f} % eager math"
     )
+    qb_share = 1.0 - rows["stable_router_none"]["seconds"] / rows["stable"]["seconds"]
+    qb_share_min = 1.0 - rows["stable_router_none"]["seconds_min"] / rows["stable"]["seconds_min"]
+    print(
+        f"Quantile Balancing's share of the block's fwd+bwd+step end (1 - t(stable_router_none) "
+        f"/ t(stable)): median {100 * qb_share:.1f} %, min {100 * qb_share_min:.1f} %"
+    )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
@@ -233,6 +250,8 @@ def main():
                 situ_share_eager=eager_share,
                 situ_share_min=share("seconds_min", "stable"),
                 situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
+                qb_share=qb_share,
+                qb_share_min=qb_share_min,
                 results=rows,
             ),
             indent=2,
