@@ -117,6 +117,29 @@ def run_cli(args: list, summary_path: str) -> dict:
     return summary
 
 
+def machine(load_before) -> dict:
+    """Where a conversion benchmark ran: platform, versions, CPUs and the load around the run."""
+    import torch
+
+    return dict(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cpus=os.cpu_count(),
+        loadavg_before=load_before,
+        loadavg_after=os.getloadavg(),
+    )
+
+
+def write_result(path: str, result: dict) -> None:
+    """Write the result JSON (temp name, then rename: never half-written)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -223,20 +246,12 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    import torch
 
     result = dict(
         benchmark="bench_convert",
         description=__doc__.split("\n\n")[0],
         arch=WIDE_ARCH,
-        machine=dict(
-            platform=platform.platform(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cpus=os.cpu_count(),
-            loadavg_before=load_before,
-            loadavg_after=os.getloadavg(),
-        ),
+        machine=machine(load_before),
         notes=(
             "seconds / MB/s are the conversion call's wall time (reading, converting, writing, "
             "metadata, lazy imports of megatron / transformers) measured inside the process, "
@@ -250,10 +265,7 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_convert import WIDE_ARCH, dir_bytes, run_cli  # noqa: E402 (needs sys.path above)
+from bench_convert import (  # noqa: E402 (needs sys.path above)
+    WIDE_ARCH,
+    dir_bytes,
+    machine,
+    run_cli,
+    write_result,
+)
 
 VARIANTS = {
     "bf16": ["--dtype", "bf16"],
@@ -120,7 +125,6 @@ def main() -> None:
         f"MXFP4 tensor loop {slowdown:.2f}x the bf16 one"
     )
     print(table)
-    import torch
 
     result = dict(
         benchmark="bench_export_mxfp4",
@@ -128,14 +132,7 @@ def main() -> None:
         arch=dict(WIDE_ARCH, num_layers=args.layers),
         params=params,
         checkpoint_bytes=ck_bytes,
-        machine=dict(
-            platform=platform.platform(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cpus=os.cpu_count(),
-            loadavg_before=load_before,
-            loadavg_after=os.getloadavg(),
-        ),
+        machine=machine(load_before),
         notes=(
             "each export in a fresh process; 'stream' = the tensor loop alone (read, quantize, "
             "write); RSS growth = max RSS sampled during the loop minus RSS before it. Shared "
@@ -147,10 +144,7 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":
