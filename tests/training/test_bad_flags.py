@@ -109,14 +109,10 @@ def _argv(name):
     ]
 
 
-@pytest.fixture(scope="module")
-def outcomes():
-    """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
-    for name in CASES:
-        (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
-    cases = {name: _argv(name) for name in CASES}
-    proc = subprocess.run(
-        [PYTHON, "-c", DRIVER, str(REPO), json.dumps(cases)],
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, stdout and stderr together."""
+    return subprocess.run(
+        [PYTHON, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -124,6 +120,15 @@ def outcomes():
         env=environment(),
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
+    for name in CASES:
+        (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
+    cases = {name: _argv(name) for name in CASES}
+    proc = _run(["-c", DRIVER, str(REPO), json.dumps(cases)])
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("CASE "):
@@ -142,29 +147,13 @@ def test_fails_fast_naming_the_flag(outcomes, name):
 def test_entry_point_process_exits_2_before_heavy_work():
     name = "latent_not_divisible_by_tp"
     start = time.time()
-    proc = subprocess.run(
-        [PYTHON, str(ENTRY), *_argv(name)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=environment(),
-        timeout=300,
-    )
+    proc = _run([str(ENTRY), *_argv(name)])
     _check(name, proc.returncode, proc.stdout, time.time() - start)
 
 
 def test_help_lists_our_flags():
     """``--help`` works (megatron-core 0.19.2 alone crashes on a bare '%' in one help string)."""
-    proc = subprocess.run(
-        [PYTHON, str(ENTRY), "--help"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=environment(),
-        timeout=300,
-    )
+    proc = _run([str(ENTRY), "--help"])
     assert proc.returncode == 0, proc.stdout[-3000:]
     for flag in (
         "--hidden-act",
