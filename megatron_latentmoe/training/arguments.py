@@ -223,17 +223,15 @@ def validate_stable_latentmoe_args(
     if args.latent_moe_use_norm is None:
         args.latent_moe_use_norm = args.moe_latent_size is not None
     lb = args.moe_router_load_balancing_type
-    qb = QUANTILE_HISTOGRAM in (lb if isinstance(lb, (list, tuple)) else [lb])
+    balancers = lb if isinstance(lb, (list, tuple)) else [lb]
+    qb = QUANTILE_HISTOGRAM in balancers
     if args.moe_router_score_function is None:
         args.moe_router_score_function = "sigmoid" if qb else "softmax"
     try:
         check_stable_latentmoe(lambda field: getattr(args, _ARG_DEST.get(field, field), None))
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
-    if (
-        "quantile_balancing" in (lb if isinstance(lb, (list, tuple)) else [lb])
-        and args.eod_mask_loss
-    ):
+    if "quantile_balancing" in balancers and args.eod_mask_loss:
         raise FlagError(
             "--moe-router-load-balancing-type quantile_balancing with --eod-mask-loss is not "
             "allowed: Megatron-Core 0.19.2's per-micro-batch QB cannot skip loss-masked tokens; "

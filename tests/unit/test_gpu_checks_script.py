@@ -83,25 +83,23 @@ def test_fetch_gpu_kit_copies_verified_kit(tmp_path):
     shutil.copytree(REPO / "tools", repo / "tools")
     shutil.copy(REPO / ".gitignore", repo / ".gitignore")
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    r = subprocess.run(
-        ["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+
+    def fetch():
+        return subprocess.run(
+            ["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    r = fetch()
     assert r.returncode == 0, r.stderr
     assert (repo / ".tekit" / "te_site.tar.xz").read_bytes() == (
         kit / "te_site.tar.xz"
     ).read_bytes()
     (kit / "SHA256SUMS").write_text("0" * 64 + "  te_site.tar.xz\n")
-    r = subprocess.run(
-        ["bash", str(repo / "tools" / "fetch_gpu_kit.sh"), str(kit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = fetch()
     assert r.returncode != 0  # a bad checksum leaves the previous good copy in place
     assert (repo / ".tekit" / "te_site.tar.xz").exists()
     assert not list(repo.glob(".tekit.tmp.*"))
