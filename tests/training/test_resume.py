@@ -157,22 +157,22 @@ def _load_resharded(name, layout, nproc):
     ]
 
 
+# The layout an EP2 checkpoint is reloaded into: TP2 with sequence parallelism, no EP.
+TP2_SP = [
+    "--expert-model-parallel-size",
+    "1",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+]
+
+
 def test_ep2_checkpoint_continues_with_ep1():
     _load_resharded("ep1", ["--expert-model-parallel-size", "1"], nproc=1)
 
 
 def test_ep2_checkpoint_continues_with_tp2_sp():
-    _load_resharded(
-        "tp2sp",
-        [
-            "--expert-model-parallel-size",
-            "1",
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-        ],
-        nproc=2,
-    )
+    _load_resharded("tp2sp", TP2_SP, nproc=2)
 
 
 def test_longer_run_needs_a_schedule_decision_then_continues():
@@ -321,16 +321,7 @@ def _reshard_keeps_optimizer_state(name, layout):
 
 
 def test_distributed_optimizer_ep2_to_tp2_sp_keeps_adam_moments():
-    _reshard_keeps_optimizer_state(
-        "tp2sp",
-        [
-            "--expert-model-parallel-size",
-            "1",
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-        ],
-    )
+    _reshard_keeps_optimizer_state("tp2sp", TP2_SP)
 
 
 def test_distributed_optimizer_ep2_to_pp2_keeps_adam_moments():
