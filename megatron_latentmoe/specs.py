@@ -31,6 +31,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_mlp_module_spec_for_backend,
 )
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -45,6 +46,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_latentmoe.compat.core import apply_core_compat
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.fields import not_allowed
+from megatron_latentmoe.moe.experts import BatchedActivationSequentialMLP
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
 from megatron_latentmoe.moe.qat import with_expert_weight_qat
@@ -133,6 +135,9 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     moe_sub = megatron_moe.keywords["submodules"]
     if not config.moe_latent_size:
         return partial(megatron_moe.func, submodules=dataclasses.replace(moe_sub, router=router))
+    experts = moe_sub.experts
+    if experts.func is SequentialMLP:  # one activation call for all local experts
+        experts = partial(BatchedActivationSequentialMLP, *experts.args, **experts.keywords)
     if backend == "local":
         down = up = LatentProjection
         norm = WrappedTorchNorm
@@ -144,7 +149,7 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     return partial(
         StableLatentMoELayer,
         submodules=StableLatentMoESubmodules(
-            experts=with_expert_weight_qat(moe_sub.experts, config),
+            experts=with_expert_weight_qat(experts, config),
             shared_experts=moe_sub.shared_experts
             if config.moe_shared_expert_intermediate_size
             else None,

@@ -110,7 +110,8 @@ def test_te_spec_equals_local_spec(megatron_world, dtype, grouped):
         ).cuda()
         te = get_stable_latentmoe_mlp_spec(te_cfg, "te")(config=te_cfg, layer_number=1).cuda()
         expert_kind = type(te.experts).__name__
-        assert expert_kind == ("TEGroupedMLP" if grouped else "SequentialMLP"), expert_kind
+        want = "TEGroupedMLP" if grouped else "BatchedActivationSequentialMLP"
+        assert expert_kind == want, expert_kind
         with torch.no_grad():  # a non-zero QB bias that changes the selection
             local.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, EXPERTS))
         mapped = local_to_te_state(local.state_dict(), grouped)
