@@ -1,17 +1,9 @@
-"""SiTU-GLU, the bounded gated activation of Stable LatentMoE (SPEC §2, formula 12).
+"""SiTU-GLU, the bounded gated activation of Stable LatentMoE: formula and properties in SPEC §2
+(fp32 math, |out| < b1 b2, SwiGLU limit; tests/unit/test_situ.py checks each).
 
-    softcap(x, b)  = b * tanh(x / b)
-    SiTU-GLU(g, u) = [softcap(g, b1) * sigmoid(g)] * softcap(u, b2)      b1 = 4, b2 = 25
-
-Properties (checked in tests/unit/test_situ.py):
-  * |out| < b1 * b2 for every input (tanh in (-1, 1), sigmoid in (0, 1));
-  * first-order equal to SwiGLU = silu(g) * u near 0, and converges pointwise to it as b1, b2
-    -> inf;
-  * the math runs in fp32 (fp64 stays fp64) and the result is cast back to the input dtype.
-
-Memory: the autograd functions here save only their inputs, in the input dtype (for a bf16 fc1
-output that is 2 bytes per element of the packed [..., 2F] tensor), and recompute tanh / sigmoid
-in backward with closed-form derivatives. A plain autograd composition in fp32 would keep the fp32
+Memory: the autograd function saves only its input, in the input dtype (for a bf16 fc1 output
+that is 2 bytes per element of the packed [..., 2F] tensor), and recomputes tanh / sigmoid in
+backward with closed-form derivatives. A plain autograd composition in fp32 would keep the fp32
 upcasts plus several fp32 intermediates alive until backward.
 
 Three implementations of the same formula, chosen per call by ``_path``:
@@ -105,14 +97,8 @@ def _forward_math(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> tor
 
 
 def _backward_math(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    grad: torch.Tensor,
-    b1: float,
-    b2: float,
-    need_g: bool = True,
-    need_u: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, b1: float, b2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Closed-form input gradients, returned in the compute dtype.
 
     A(g) = b1 tanh(g/b1) sigmoid(g)    A'(g) = s (1 - t1^2) + A (1 - s)
@@ -126,13 +112,10 @@ def _backward_math(
     s = torch.sigmoid(g)
     t2 = torch.div(u, b2).tanh_()
     a = torch.mul(t1, s).mul_(b1)  # A(g)
-    dg = du = None
-    if need_u:
-        du = torch.mul(t2, t2).neg_().add_(1.0).mul_(a).mul_(grad)
-    if need_g:
-        dg = t1.mul_(t1).neg_().add_(1.0).mul_(s)  # s (1 - t1^2)
-        dg.add_(s.neg_().add_(1.0).mul_(a))  # + A (1 - s)
-        dg.mul_(t2).mul_(grad).mul_(b2)  # * B(u) * grad
+    du = torch.mul(t2, t2).neg_().add_(1.0).mul_(a).mul_(grad)
+    dg = t1.mul_(t1).neg_().add_(1.0).mul_(s)  # s (1 - t1^2)
+    dg.add_(s.neg_().add_(1.0).mul_(a))  # + A (1 - s)
+    dg.mul_(t2).mul_(grad).mul_(b2)  # * B(u) * grad
     return dg, du
 
 
@@ -185,7 +168,7 @@ def _fused_backward_packed(x: torch.Tensor, grad: torch.Tensor, b1: float, b2: f
 
 @functools.cache
 def _compiled(name: str):
-    fn = {"fwd": _fused_forward, "bwd": _fused_backward, "bwd_packed": _fused_backward_packed}
+    fn = {"fwd": _fused_forward, "bwd_packed": _fused_backward_packed}
     return torch.compile(fn[name], dynamic=True)
 
 
@@ -230,61 +213,6 @@ def _run_compiled(name: str, *args):
             stacklevel=3,
         )
         return None
-
-
-class _SiTUGLUFunction(torch.autograd.Function):
-    """out = SiTU-GLU(gate, up) for same-shape tensors; saves only gate and up."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, b1: float, b2: float):
-        ctx.b1, ctx.b2 = b1, b2
-        ctx.save_for_backward(gate, up)
-        g, u = gate.reshape(-1), up.reshape(-1)
-        path = _path(g, g.numel())
-        if path == "triton":
-            return _triton_ops().situ_fwd(_rows(gate), _rows(up), b1, b2).view(gate.shape)
-        if path == "compiled":
-            out = _run_compiled("fwd", g, u, b1, b2)
-            if out is not None:
-                return out.view(gate.shape)
-        out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-        with _no_autocast(g):
-            for i, j in _row_blocks(g.numel(), 1, g.device):
-                out[i:j].copy_(_forward_math(g[i:j], u[i:j], b1, b2))
-        return out.view(gate.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g, u, go = gate.reshape(-1), up.reshape(-1), grad_out.reshape(-1)
-        path = _path(g, g.numel())
-        fused = None
-        if path == "triton":
-            g2, u2 = _rows(gate), _rows(up)
-            fused = torch.empty_like(g2), torch.empty_like(u2)
-            _triton_ops().situ_bwd(g2, u2, _rows(grad_out), *fused, ctx.b1, ctx.b2)
-        elif path == "compiled":
-            fused = _run_compiled("bwd", g, u, go, ctx.b1, ctx.b2)
-        if fused is not None:
-            dg, du = (t.view(gate.shape) for t in fused)
-            return dg if need_g else None, du if need_u else None, None, None
-        dg = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if need_g else None
-        du = torch.empty(u.shape, dtype=up.dtype, device=up.device) if need_u else None
-        with _no_autocast(g):
-            for i, j in _row_blocks(g.numel(), 1, g.device):
-                dgi, dui = _backward_math(g[i:j], u[i:j], go[i:j], ctx.b1, ctx.b2, need_g, need_u)
-                if need_g:
-                    dg[i:j].copy_(dgi)
-                if need_u:
-                    du[i:j].copy_(dui)
-        return (
-            None if dg is None else dg.view(gate.shape),
-            None if du is None else du.view(up.shape),
-            None,
-            None,
-        )
 
 
 class _SiTUGLUPackedFunction(torch.autograd.Function):
@@ -343,30 +271,6 @@ def _check_floating(name: str, t: Any) -> None:
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
-
-
-def situ_glu(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    beta: float = DEFAULT_SITU_BETA,
-    linear_beta: float = DEFAULT_SITU_LINEAR_BETA,
-) -> torch.Tensor:
-    """SiTU-GLU(gate, up) = [softcap(gate, beta) * sigmoid(gate)] * softcap(up, linear_beta).
-
-    ``gate`` and ``up`` must have the same shape, dtype and device. Computed in fp32 (fp64 for
-    fp64 inputs), returned in the input dtype. Backward saves only the two inputs.
-    """
-    b1 = validate_situ_beta("beta", beta)
-    b2 = validate_situ_beta("linear_beta", linear_beta)
-    _check_floating("gate", gate)
-    _check_floating("up", up)
-    if gate.shape != up.shape:
-        raise ValueError(
-            f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}"
-        )
-    if gate.dtype != up.dtype:
-        raise ValueError(f"gate and up must have the same dtype; got {gate.dtype} and {up.dtype}")
-    return _SiTUGLUFunction.apply(gate, up, b1, b2)
 
 
 def situ_glu_packed(
