@@ -83,7 +83,8 @@ def _te_backend(activation):
     return _TEBackend()
 
 
-def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> None:
+def _provider(config: StableLatentMoETransformerConfig, backend: str):
+    """The checked backend's spec provider, SiTU-GLU when ``hidden_act == "situ"``."""
     if backend not in BACKENDS:
         raise not_allowed("backend", backend, f"one of {BACKENDS}")
     if backend == "te" and not HAVE_TE:
@@ -95,6 +96,8 @@ def _check_backend(config: StableLatentMoETransformerConfig, backend: str) -> No
         )
     if not isinstance(config, StableLatentMoETransformerConfig):
         raise not_allowed("type(config)", type(config).__name__, "StableLatentMoETransformerConfig")
+    activation = SiTUGLU if config.hidden_act == "situ" else None
+    return _LocalBackend(activation) if backend == "local" else _te_backend(activation)
 
 
 def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, moe: bool):
@@ -120,11 +123,8 @@ def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, mo
 def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
     """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``, or without
     ``moe_latent_size`` Megatron's own MoE layer spec with our router."""
-    _check_backend(config, backend)
-    activation = SiTUGLU if config.hidden_act == "situ" else None
-    provider = _LocalBackend(activation) if backend == "local" else _te_backend(activation)
     megatron_moe = get_moe_module_spec_for_backend(
-        backend=provider,
+        backend=_provider(config, backend),
         num_experts=config.num_moe_experts,
         # TE: grouped-GEMM experts when config.moe_grouped_gemm (training turns it on), else
         # SequentialMLP of TE linears (the fallback where cuBLASLt lacks grouped GEMM).
@@ -163,11 +163,10 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
 
 def get_dense_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
     """The dense (first_k_dense_replace) MLP builder, SiTU-GLU when ``hidden_act == "situ"``."""
-    _check_backend(config, backend)
-    activation = SiTUGLU if config.hidden_act == "situ" else None
-    provider = _LocalBackend(activation) if backend == "local" else _te_backend(activation)
     return get_mlp_module_spec_for_backend(
-        backend=provider, num_experts=None, use_te_activation_func=config.use_te_activation_func
+        backend=_provider(config, backend),
+        num_experts=None,
+        use_te_activation_func=config.use_te_activation_func,
     )
 
 
@@ -175,11 +174,11 @@ def get_stable_latentmoe_layer_specs(
     config: StableLatentMoETransformerConfig, backend: str = "local"
 ) -> list[ModuleSpec]:
     """One ``TransformerLayer`` spec per layer of the whole model (dense first, then MoE)."""
-    _check_backend(config, backend)
+    dense_mlp = get_dense_mlp_spec(config, backend)  # checks config and backend first
     dense = ModuleSpec(
         module=TransformerLayer,
         submodules=dataclasses.replace(
-            _layer_submodules(config, backend, moe=False), mlp=get_dense_mlp_spec(config, backend)
+            _layer_submodules(config, backend, moe=False), mlp=dense_mlp
         ),
     )
     if not config.num_moe_experts:

@@ -30,26 +30,18 @@ def set_balance_logger(logger) -> None:
 
 
 # ------------------------------------------------------------------------------------ data
-def _blend_config(args):
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    return get_blend_and_blend_per_split(args)
-
-
 def gpt_dataset_config_from_args(args, tokenizer):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.training.utils import get_blend_and_blend_per_split
 
-    blend, blend_per_split = _blend_config(args)
-    optional = {}
-    for name, arg in (
-        ("num_dataset_builder_threads", "num_dataset_builder_threads"),
-        ("mmap_bin_files", "mmap_bin_files"),
-        ("mid_level_dataset_surplus", "mid_level_dataset_surplus"),
-        ("allow_ambiguous_pad_tokens", "allow_ambiguous_pad_tokens"),
-        ("object_storage_cache_path", "object_storage_cache_path"),
-    ):
-        if hasattr(args, arg):
-            optional[name] = getattr(args, arg)
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    optional = (
+        "num_dataset_builder_threads",
+        "mmap_bin_files",
+        "mid_level_dataset_surplus",
+        "allow_ambiguous_pad_tokens",
+        "object_storage_cache_path",
+    )
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -62,7 +54,7 @@ def gpt_dataset_config_from_args(args, tokenizer):
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        **optional,
+        **{name: getattr(args, name) for name in optional if hasattr(args, name)},
     )
 
 

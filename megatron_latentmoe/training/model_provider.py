@@ -11,9 +11,6 @@ model are built from identical specs.
 The builder also installs the step-end hook on the model's config (Megatron's ``train()`` keeps
 a builder-installed ``finalize_model_grads_func``): gradient finalisation, the Quantile
 Balancing bias update, and balance logging.
-
-For code that still uses Megatron's older ``get_model(model_provider, ...)`` path,
-:func:`model_provider` builds one pipeline stage from the global args.
 """
 
 from __future__ import annotations
@@ -186,27 +183,3 @@ def model_config_from_args(
     )
     model_cfg.latentmoe_backend = BACKENDS[args.transformer_impl]
     return model_cfg
-
-
-def model_provider(
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: int | None = None,
-    config: StableLatentMoETransformerConfig | None = None,
-    pg_collection: ProcessGroupCollection | None = None,
-):
-    """Megatron ``model_provider`` (``get_model`` path): one stage from the global args."""
-    from megatron.training import get_args
-
-    args = get_args()
-    transformer = (
-        config
-        if isinstance(config, StableLatentMoETransformerConfig)
-        else transformer_config_from_args(args)
-    )
-    model_cfg = model_config_from_args(args, transformer)
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return StableLatentMoEModelBuilder(model_cfg).build_model(
-        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
-    )
