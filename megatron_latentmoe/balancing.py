@@ -1,10 +1,8 @@
 """Quantile Balancing math (SPEC §4). Pure PyTorch: this module never imports Megatron.
 
-Notation (SPEC §4): m tokens, n experts, top-k; sigmoid scores ``s`` [m, n] in [0, 1]; bias
-``b`` [n] (selection only); token i's cutoff ``alpha_i`` = its (k+1)-th largest biased score;
-``r_ij = alpha_i - s_ij``. Token i picks expert j under a bias b' iff ``r_ij < b'_j``. Target load
-``q = m·k/n``, ``Q = ceil(q)``. Suffixes name dimensions (torchtitan-style legend): M tokens
-(m), E experts (n), K top-k (k), B bins; so ``scores_ME`` is [m, n] (not "TE": Transformer Engine).
+Notation of SPEC §4 (s, b, ``alpha_i``, ``r_ij = alpha_i - s_ij``, q = m·k/n), ``Q = ceil(q)``.
+Suffixes name dimensions (torchtitan-style legend): M tokens (m), E experts (n), K top-k (k),
+B bins; so ``scores_ME`` is [m, n] (not "TE": Transformer Engine).
 
 The answer ("the" new bias before mean-centring) is the Q-th smallest r of each column,
 ``r_(Q),j`` (the lower order statistic, ``torch.kthvalue(r, Q)``). The values that put exactly Q
@@ -122,13 +120,9 @@ def cutoff_route(
 class _QuantileHistogramBase:
     """Shared machinery of the two binnings (SPEC §4, appendix D): window, observe, pack, solve.
 
-    ``observe`` scatter-adds every ``r_ij`` of a micro-batch into an int32 ``counts`` [n, B]; the
-    binning is a function of the bias in force only (fixed for the window, so every rank derives
-    the same bins). Counts add across micro-batches and ranks; ``pack()``/``unpack_()`` move counts
-    plus a constant header in ONE int32 buffer of ``n*B + len(HEADER_FIELDS)`` words, independent
-    of m. ``solve`` reads, per expert, the first bin whose cumulative count reaches
-    Q = ceil(m k / n) and interpolates linearly inside it, so the estimate lies in the bin of the
-    exact ``r_(Q)``.
+    The binning is a function of the bias in force only (fixed for the window, so every rank
+    derives the same bins); ``pack()``/``unpack_()`` move the int32 counts [n, B] plus a constant
+    header in ONE buffer of ``n*B + len(HEADER_FIELDS)`` words, independent of m.
 
     ``observe`` is sync-free: bad input (NaN/inf, scores outside [0, 1], a bias other than the
     window's) is counted in device flags that travel in the header and raise in
@@ -393,9 +387,8 @@ class _QuantileHistogramBase:
 
 
 class QuantileHistogram(_QuantileHistogramBase):
-    """SPEC §4 histogram: B uniform bins over ``[min(b) - 1, max(b) + 1]``, the range that provably
-    holds every r (``s`` in [0, 1] and ``alpha_i`` is some expert's biased score). Bin width
-    ``(max b - min b + 2) / B``; the estimate is within one bin width of ``exact_quantiles``."""
+    """SPEC §4 histogram: B uniform bins over ``[min(b) - 1, max(b) + 1]`` (the range that holds
+    every r, SPEC §4); the estimate is within one bin width of ``exact_quantiles``."""
 
     def _make_range(self, bias32_E):
         lo = bias32_E.min() - 1.0

@@ -83,13 +83,8 @@ def exact_quantiles(
     scores_ME, bias_E, topk: int, valid_M: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-expert Q-th smallest ``r = alpha - s``, Q = ceil(m k / n) (fp32, NOT mean-centred);
-    bias unchanged if m = 0.
-
-    This is the order statistic that appendix D's histogram rule estimates (the first bin whose
-    cumulative count reaches ceil(q)). Q - 1 tokens have r strictly below it and Q have r <= it;
-    SPEC §4 step 2's "exactly q below" holds for any value in (r_(Q), r_(Q+1)]. The choice moves
-    the bias by one order statistic, far less than a bin, and the histogram tests compare with it.
-    """
+    bias unchanged if m = 0. The order statistic the histogram estimates (why this one of the
+    interval SPEC §4 allows: the ``balancing`` module docstring)."""
     return _exact_quantiles(scores_ME, bias_E, topk, valid_M)[0]
 
 

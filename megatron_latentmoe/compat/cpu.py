@@ -8,13 +8,10 @@ why); with CUDA available it does nothing. :func:`initialize_parallel_cpu` then 
 parallel groups and seeds its RNG tracker in an initialised gloo world -- the step
 ``megatron.training.initialize`` skips when there is no GPU.
 
-Checked against megatron-core 0.19.2 only (:mod:`.registry`); it also applies the shims needed on
-every device (:mod:`.core`).
-
-The patches are process-wide module attributes, recorded in :mod:`.registry` so that
-:func:`revert_cpu_compat` can undo them, except :class:`CudaToCpuDeviceMode`: a
-``TorchFunctionMode`` is per thread, so it is entered on the thread that calls
-:func:`apply_cpu_compat` (call it again on any other thread that runs Megatron code).
+Patches go through :mod:`.registry` (version-checked, revertible) and include :mod:`.core`'s,
+except :class:`CudaToCpuDeviceMode`: a ``TorchFunctionMode`` is per thread, so it is entered on
+the thread that calls :func:`apply_cpu_compat` (call it again on any other thread that runs
+Megatron code).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ a legacy ``common.pt``. Whatever TP / EP / ETP / PP / DP layout wrote it, the me
 each GLOBAL tensor, so reading needs neither the model nor the original process layout.
 
 :class:`DistCheckpointReader` reads one region at a time: the global tensor of a key, one entry
-of a stacked key (one layer of a homogeneous model, one routed expert), optionally a row range.
+of a stacked key (one layer of a homogeneous model, one routed expert).
 It asks DCP's own ``FileSystemReader`` for exactly the saved chunks that overlap the region, so the
 memory used is the region plus the overlapping saved chunks (at most a rank's local shard of
 one tensor), never the checkpoint.
@@ -257,14 +257,11 @@ class DistCheckpointReader:
                 f"({type(e).__name__}: {e}); the files may be truncated or corrupt"
             ) from None
 
-    def read_regions(
-        self, regions: Iterable[tuple[str, Sequence[int], tuple[int, int] | None]]
-    ) -> list[torch.Tensor]:
-        """Read several regions in one pass. Each region: (key, leading indices, row range or
-        None). The leading indices fix the first axes (layer / expert of stacked keys); the row
-        range cuts the next axis. Returns the tensors with the fixed axes removed."""
+    def read_regions(self, regions: Iterable[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """Read several regions in one pass. Each region: (key, leading indices); the indices fix
+        the first axes (layer / expert of stacked keys). Returns the tensors with them removed."""
         requests, outs = [], []
-        for key, lead, rows in regions:
+        for key, lead in regions:
             if key not in self.tensors:
                 raise ConversionError(f"checkpoint {str(self.path)!r} has no tensor {key!r}")
             md = self.tensors[key]
@@ -277,23 +274,18 @@ class DistCheckpointReader:
                     raise ConversionError(
                         f"tensor {key!r} of shape {size}: index {idx} out of range on axis {axis}"
                     )
-            rest = list(size[len(lead) :])
+            rest = size[len(lead) :]
             off = list(lead) + [0] * len(rest)
-            if rows is not None:
-                off[len(lead)] = rows[0]
-                rest[0] = rows[1] - rows[0]
-            dest = torch.empty((1,) * len(lead) + tuple(rest), dtype=md.properties.dtype)
+            dest = torch.empty((1,) * len(lead) + rest, dtype=md.properties.dtype)
             requests.append((self._stored_key[key], off, dest))
-            outs.append(dest.view(tuple(rest)))
+            outs.append(dest.view(rest))
             self.bytes_read += dest.numel() * dest.element_size()
         if requests:
             self._run(_RegionLoadPlanner(requests))
         return outs
 
-    def read(
-        self, key: str, lead: Sequence[int] = (), rows: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        return self.read_regions([(key, lead, rows)])[0]
+    def read(self, key: str, lead: Sequence[int] = ()) -> torch.Tensor:
+        return self.read_regions([(key, lead)])[0]
 
     # ------------------------------------------------------------------ canonical tensors
     def locate(self, tm: TensorMap) -> Location | None:
@@ -312,7 +304,7 @@ class DistCheckpointReader:
 
     def read_locations(self, locs: Sequence[Location]) -> list[torch.Tensor]:
         """Read the canonical tensors at ``locs`` in one pass."""
-        regions = [(k, lead, None) for loc in locs for k, lead in loc.parts]
+        regions = [(k, lead) for loc in locs for k, lead in loc.parts]
         flat = iter(self.read_regions(regions))
         out = []
         for loc in locs:

@@ -90,7 +90,6 @@ class Progress:
     """A tqdm bar over bytes (silent when ``enabled`` is False) that also tracks RSS growth."""
 
     def __init__(self, total_bytes: int, desc: str, enabled: bool = True):
-        self.enabled = enabled
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm

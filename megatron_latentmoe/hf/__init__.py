@@ -28,11 +28,6 @@ REMOTE_CODE_FILES = ("configuration_stable_latentmoe.py", "modeling_stable_laten
 _HERE = Path(__file__).resolve().parent
 
 
-def remote_code_paths() -> list[Path]:
-    """Absolute paths of the two remote-code files in this package."""
-    return [_HERE / name for name in REMOTE_CODE_FILES]
-
-
 def copy_remote_code(save_directory: str | os.PathLike) -> list[Path]:
     """Copy the two remote-code files into ``save_directory`` (created if needed); returns the
     copies.
@@ -42,29 +37,7 @@ def copy_remote_code(save_directory: str | os.PathLike) -> list[Path]:
     """
     dst = Path(save_directory)
     dst.mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copyfile(src, dst / src.name)) for src in remote_code_paths()]
-
-
-def save_pretrained_with_code(model, save_directory: str | os.PathLike, **kwargs) -> None:
-    """``model.save_pretrained(save_directory, **kwargs)`` plus the remote-code files."""
-    model.save_pretrained(save_directory, **kwargs)
-    copy_remote_code(save_directory)
-
-
-def register_auto_classes() -> None:
-    """Register the classes with AutoConfig / AutoModel / AutoModelForCausalLM in this process, so
-    that ``from_pretrained`` works without ``trust_remote_code`` (idempotent)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    for register in (
-        lambda: AutoConfig.register(StableLatentMoEConfig.model_type, StableLatentMoEConfig),
-        lambda: AutoModel.register(StableLatentMoEConfig, StableLatentMoEModel),
-        lambda: AutoModelForCausalLM.register(StableLatentMoEConfig, StableLatentMoEForCausalLM),
-    ):
-        try:
-            register()
-        except ValueError:  # already registered
-            pass
+    return [Path(shutil.copyfile(_HERE / name, dst / name)) for name in REMOTE_CODE_FILES]
 
 
 __all__ = [
@@ -77,7 +50,4 @@ __all__ = [
     "StableLatentMoEModel",
     "StableLatentMoEPreTrainedModel",
     "copy_remote_code",
-    "register_auto_classes",
-    "remote_code_paths",
-    "save_pretrained_with_code",
 ]

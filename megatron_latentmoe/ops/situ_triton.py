@@ -2,11 +2,9 @@
 forward; one read of (gate, up, grad) and one write of (d gate, d up) in backward. fp32 math
 inside for bf16 / fp16 / fp32 tensors; the result is stored in the input dtype.
 
-``ops/situ.py`` calls these for CUDA tensors (routed experts, shared experts and dense MLPs of
-both specs all go through its ``SiTUGLU`` module); the autograd wrapper there saves only the
-input, as on the other paths. The same kernels run on the CPU under ``TRITON_INTERPRET=1``
-(tests/unit/test_situ_triton.py), so they avoid libdevice (the interpreter has no extern
-functions): tanh and sigmoid are written with ``tl.exp``.
+``ops/situ.py`` calls these for CUDA tensors. The same kernels run on the CPU under
+``TRITON_INTERPRET=1`` (tests/unit/test_situ_triton.py), so they avoid libdevice (the
+interpreter has no extern functions): tanh and sigmoid are written with ``tl.exp``.
 
     tanh(x) = sign(x) (1 - e) / (1 + e),   e = exp(-2|x|)        for |x| >= 1/4
             = x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835       for |x| < 1/4
