@@ -3,10 +3,7 @@
 Megatron-Core 0.19.2's ``pretrain`` builds the model from ``cfg_container.model``: a
 ``GPTModelConfig`` whose ``builder`` names a ``ModelBuilder``. Ours is the same config type with
 our ``StableLatentMoETransformerConfig`` inside (as ``transformer``) and a builder whose
-``build_model``
-calls :func:`megatron_latentmoe.model.build_gpt_model` -- the one place the model is assembled,
-shared with the converter and the tests -- so a training checkpoint and an exported or converted
-model are built from identical specs.
+``build_model`` calls :func:`megatron_latentmoe.model.build_gpt_model` (see model.py).
 
 The builder also installs the step-end hook on the model's config (Megatron's ``train()`` keeps
 a builder-installed ``finalize_model_grads_func``): gradient finalisation, the Quantile
