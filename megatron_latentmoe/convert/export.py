@@ -14,11 +14,9 @@ checkpoint in small batches (``read_batch_bytes``), converted, and appended to t
 Peak memory is about one read batch plus the largest tensor, independent of the model size.
 The HF config and the tokenizer are checked before any tensor is read.
 
-``expert_dtype="mxfp4"``: the routed experts are written MXFP4-packed (``convert/mxfp4.py``:
-compressed-tensors ``mxfp4-pack-quantized``, 4.25 bits per weight) with the quantization config in
-``config.json``; every other tensor is exported exactly as without it. They are quantized from
-the checkpoint's own values (before any ``dtype`` cast), as QAT's forward does. Expert widths
-that are not a multiple of 32 are refused before anything is written.
+``expert_dtype="mxfp4"``: the routed experts are written MXFP4-packed (layout and config:
+``convert/mxfp4.py``), quantized from the checkpoint's own values (before any ``dtype`` cast), as
+QAT's forward does; widths that are not a multiple of 32 are refused before anything is written.
 
 Tokenizer (``tokenizer_dir="default"``): the HF tokenizer directory the checkpoint was trained
 with (megatron.training's ``--tokenizer-model``, read from the checkpoint's args; the package's

@@ -1,10 +1,8 @@
 """Per-iteration load-balance (and loss / throughput) logging for Megatron's training loop.
 
-Megatron's ``train()`` calls ``config.finalize_model_grads_func`` exactly once per training step,
-on every rank, after the last micro-batch's backward. :func:`make_finalize_model_grads_func`
-wraps the project's step-end balance update (:func:`finalize_model_grads_with_quantile_balancing`)
-so that, right after it, :class:`BalanceLogger` gathers what happened in the step just routed,
-for every balancing type (``aux_loss``, sign update, Megatron's ``quantile_balancing``, QB, ...):
+:func:`make_finalize_model_grads_func` runs :class:`BalanceLogger` right after the step-end
+balance update (once per step, every rank), for every balancing type (``aux_loss``, sign update,
+Megatron's ``quantile_balancing``, QB, ...); it gathers:
 
 * per MoE layer: MaxVio, min / max expert load, fraction of experts under half the mean load,
   dead experts (load 0) (``router.last_balance``: global over the token-parallel ranks, padding
