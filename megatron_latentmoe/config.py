@@ -23,6 +23,7 @@ from megatron_latentmoe.fields import (
     ADDED,
     FIELDS,
     QUANTILE_HISTOGRAM,
+    balancer_list,
     check_stable_latentmoe,
     hf_defaults,
     megatron_values,
@@ -73,7 +74,7 @@ class StableLatentMoETransformerConfig(TransformerConfig):
 
     @property
     def uses_quantile_balancing(self) -> bool:
-        return self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+        return QUANTILE_HISTOGRAM in balancer_list(self.moe_router_load_balancing_type)
 
 
 def stable_latentmoe_fields() -> tuple[str, ...]:

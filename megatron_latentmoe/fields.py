@@ -38,6 +38,13 @@ from typing import Any
 
 QUANTILE_HISTOGRAM = "quantile_histogram"
 """``moe_router_load_balancing_type`` value that selects our QB router (SPEC §4)."""
+AUX_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+"""Megatron's aux-loss types, the ones QB may be combined with (in a list, coefficient 0 for QB)."""
+
+
+def balancer_list(lb) -> list:
+    """``moe_router_load_balancing_type`` as a list (Megatron takes a string or a list)."""
+    return list(lb) if isinstance(lb, (list, tuple)) else [lb]
 
 HIDDEN_ACTS = ("situ", "swiglu")
 """``hidden_act``: SiTU-GLU (SPEC §2) or plain SwiGLU (ablations); HF calls SwiGLU ``silu``."""
@@ -430,15 +437,9 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                 True,
                 "False with moe_latent_size (shared experts see the full-width input)",
             )
-    lb = get("moe_router_load_balancing_type")
-    if isinstance(lb, (list, tuple)) and QUANTILE_HISTOGRAM in lb and len(lb) > 1:
-        raise ConfigError(
-            "moe_router_load_balancing_type",
-            lb,
-            f"{QUANTILE_HISTOGRAM!r} alone (it cannot be combined with other types)",
-        )
-    if lb in (QUANTILE_HISTOGRAM, [QUANTILE_HISTOGRAM]):
-        _check_quantile_balancing(get)
+    balancers = balancer_list(get("moe_router_load_balancing_type"))
+    if QUANTILE_HISTOGRAM in balancers:
+        _check_quantile_balancing(get, balancers)
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
 
@@ -485,8 +486,15 @@ def _check_expert_weight_qat(get: Callable[[str], Any]) -> None:
         )
 
 
-def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
+def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> None:
     qb = "quantile_histogram balancing"
+    others = [b for b in balancers if b != QUANTILE_HISTOGRAM]
+    if len(others) != len(set(others)) or not set(others) <= set(AUX_LOSSES):
+        raise ConfigError(
+            "moe_router_load_balancing_type",
+            balancers,
+            f"{QUANTILE_HISTOGRAM!r} alone or with distinct aux losses of {list(AUX_LOSSES)}",
+        )
     score = get("moe_router_score_function")
     if score != "sigmoid":
         raise ConfigError("moe_router_score_function", score, f"'sigmoid' with {qb} (SPEC §3)")
@@ -498,8 +506,17 @@ def _check_quantile_balancing(get: Callable[[str], Any]) -> None:
             "Megatron's sign update would fight it",
         )
     coeff = get("moe_aux_loss_coeff")
-    if any(coeff if isinstance(coeff, list) else [coeff]):  # None: not set
+    if len(balancers) == 1 and any(balancer_list(coeff)):  # None: not set
         raise ConfigError("moe_aux_loss_coeff", coeff, f"0 with {qb}")
+    if len(balancers) > 1 and (
+        len(balancer_list(coeff)) != len(balancers)
+        or balancer_list(coeff)[balancers.index(QUANTILE_HISTOGRAM)]
+    ):
+        raise ConfigError(
+            "moe_aux_loss_coeff",
+            coeff,
+            f"one coefficient per balancing type of {balancers}, 0 for {QUANTILE_HISTOGRAM!r}",
+        )
     bins = get("moe_qb_num_bins")
     if not bins >= 2:
         raise ConfigError("moe_qb_num_bins", bins, "an integer >= 2")

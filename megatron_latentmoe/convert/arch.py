@@ -41,6 +41,7 @@ from megatron_latentmoe.fields import (
     QUANTILE_HISTOGRAM,
     ConfigError,
     ModelField,
+    balancer_list,
     check_stable_latentmoe,
     megatron_values,
     not_allowed,
@@ -231,8 +232,10 @@ class ModelArch:
                     ConversionError,
                 )
         values = read_megatron(get, BY_NAME)
-        lb = values["moe_router_load_balancing_type"]
-        values["moe_router_load_balancing_type"] = lb[0] if isinstance(lb, (list, tuple)) else lb
+        lb = balancer_list(values["moe_router_load_balancing_type"])  # QB, with aux losses or not
+        values["moe_router_load_balancing_type"] = (
+            QUANTILE_HISTOGRAM if QUANTILE_HISTOGRAM in lb else lb[0]
+        )
         freq = raw("moe_layer_freq")
         if freq not in (None, 1):
             n, k = values["num_layers"], values["first_k_dense_replace"]

@@ -26,6 +26,7 @@ the one that counts), so every token is counted exactly once. No host sync in th
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram, cutoff_route
@@ -173,6 +174,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
+        seq_length, bsz = logits.shape[:2]
         logits_ME = logits.view(-1, self.config.num_moe_experts)
         padding_M = padding_mask.reshape(-1) if padding_mask is not None else None
         logits_ME = self.apply_z_loss(logits_ME, padding_mask=padding_M)
@@ -188,6 +190,8 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
         routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
         if self.training and torch.is_grad_enabled():
             valid_M = None if padding_M is None else ~padding_M.bool()
             self.qb_histogram.observe(
@@ -195,3 +199,18 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             )
         self._count(routing_map_TE, padding_M)
         return probs_ME, routing_map_TE
+
+    def _apply_aux_losses(self, probs_ME, logits_ME, padding_M, seq_length, bsz):
+        """The aux losses listed beside ``quantile_histogram`` (e.g. ``quantile_histogram
+        seq_aux_loss`` with coefficients ``0 3e-1``), as Megatron's ``TopKRouter.routing`` applies
+        them: on the scores' own top-k, without the bias, so they teach the router weights to
+        spread the tokens and leave QB less imbalance to cancel."""
+        map_ME, scores_ME = compute_routing_scores_for_aux_loss(
+            logits_ME, self.topk, self.score_function, padding_mask=padding_M
+        )
+        padded = padding_M is not None
+        probs_ME = self._apply_aux_loss(probs_ME, scores_ME, map_ME, with_padding_mask=padded)
+        probs_ME = self._apply_seq_aux_loss(
+            probs_ME, scores_ME, map_ME, seq_length, bsz, with_padding_mask=padded
+        )
+        return self._apply_global_aux_loss(probs_ME, scores_ME, map_ME, with_padding_mask=padded)

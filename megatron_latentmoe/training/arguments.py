@@ -36,6 +36,7 @@ from megatron_latentmoe.fields import (
     BY_NAME,
     QUANTILE_HISTOGRAM,
     ConfigError,
+    balancer_list,
     check_stable_latentmoe,
 )
 
@@ -222,8 +223,7 @@ def validate_stable_latentmoe_args(
     args.swiglu = True  # both activations are gated (GLU); keeps Megatron's own checks consistent
     if args.latent_moe_use_norm is None:
         args.latent_moe_use_norm = args.moe_latent_size is not None
-    lb = args.moe_router_load_balancing_type
-    balancers = lb if isinstance(lb, (list, tuple)) else [lb]
+    balancers = balancer_list(args.moe_router_load_balancing_type)
     qb = QUANTILE_HISTOGRAM in balancers
     if args.moe_router_score_function is None:
         args.moe_router_score_function = "sigmoid" if qb else "softmax"

@@ -27,6 +27,10 @@ BALANCERS = {
     "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
     "qb_uniform": dict(moe_qb_binning="uniform"),
     "qb_centered": dict(moe_qb_binning="centered"),
+    "qb_seq_aux_loss": dict(
+        moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+        moe_aux_loss_coeff=[0.0, 0.3],
+    ),
     "qb_megatron_moe_layer": dict(moe_latent_size=None, latent_moe_use_norm=False),
 }
 

@@ -61,6 +61,17 @@ CASES = {
         ["--moe-router-load-balancing-type", "quantile_balancing", "--eod-mask-loss"],
         ["--moe-router-load-balancing-type quantile_balancing", "--eod-mask-loss"],
     ),
+    "qb_aux_coeff_not_zero": (  # QB with an aux loss: QB's own coefficient must be 0
+        [
+            "--moe-router-load-balancing-type",
+            "quantile_histogram",
+            "seq_aux_loss",
+            "--moe-aux-loss-coeff",
+            "0.1",
+            "0.1",
+        ],
+        ["--moe-aux-loss-coeff", "0 for 'quantile_histogram'"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],

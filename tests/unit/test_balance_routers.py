@@ -21,10 +21,16 @@ BALANCERS = {
     "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
     "qb_uniform": dict(moe_qb_binning="uniform"),
     "qb_centered": dict(moe_qb_binning="centered"),
+    "qb_seq_aux_loss": dict(  # QB with Megatron's seq aux loss beside it
+        moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+        moe_aux_loss_coeff=[0.0, 1e-2],
+    ),
 }
 
 
 def _run(rank, world_size):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
     from megatron_latentmoe.compat import initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.moe.balance_step import BalanceMetrics, update_balance
@@ -40,6 +46,8 @@ def _run(rank, world_size):
             layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg)
             layer.set_layer_number(1)
             layer.train()
+            if name == "qb_seq_aux_loss":  # a bias that changes QB's selection
+                layer.router.expert_bias.copy_(torch.linspace(-0.5, 0.5, cfg.num_moe_experts))
             seen = []
             layer.router.register_forward_hook(
                 lambda m, i, o, *, seen=seen: seen.append(o[1].detach().clone())
@@ -65,7 +73,11 @@ def _run(rank, world_size):
             if layer.router.enable_expert_bias:
                 sign_loads = layer.router.local_tokens_per_expert.clone()
             update_balance([layer], None)
+            tracker = get_moe_metrics_tracker()
+            aux = {k: e.values.clone() for k, e in tracker.metrics.items() if e.values.any()}
+            tracker.clear()
             out[(latent, name)] = dict(
+                aux=aux,
                 layer_type=type(layer).__name__,
                 metrics=layer.router.last_balance,
                 loads=layer.router.last_loads_E.clone(),
@@ -98,3 +110,17 @@ def test_metrics_equal_recount_from_routing_map(result, latent, name):
 def test_sign_update_counts_padding_out(result, latent):
     r = result[(latent, "sign_update")]
     assert torch.equal(r["sign_loads"].to(torch.int64), r["recount"])
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "megatron_moe"])
+def test_aux_loss_beside_qb_equals_megatrons(result, latent):
+    """Same weights and tokens: the seq aux loss the QB router adds is the one Megatron's own
+    router computes (on the unbiased top-k; QB's non-zero bias must not enter it)."""
+    with_qb, alone = result[(latent, "qb_seq_aux_loss")], result[(latent, "seq_aux_loss")]
+    assert set(with_qb["aux"]) == set(alone["aux"]) == {"seq_load_balancing_loss"}
+    assert torch.allclose(
+        with_qb["aux"]["seq_load_balancing_loss"],
+        alone["aux"]["seq_load_balancing_loss"],
+        rtol=1e-6,
+    )
+    assert result[(latent, "qb_centered")]["aux"] == {}  # QB alone: no aux loss

@@ -95,6 +95,27 @@ def test_added_fields_are_listed():
             "QB router owns expert_bias",
         ),
         (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
+        (
+            dict(moe_router_load_balancing_type=["quantile_histogram", "sinkhorn"]),
+            "moe_router_load_balancing_type=['quantile_histogram', 'sinkhorn']",
+            "alone or with distinct aux losses",
+        ),
+        (
+            dict(
+                moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+                moe_aux_loss_coeff=[0.1, 0.1],
+            ),
+            "moe_aux_loss_coeff=[0.1, 0.1]",
+            "0 for 'quantile_histogram'",
+        ),
+        (
+            dict(
+                moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+                moe_aux_loss_coeff=0.1,
+            ),
+            "moe_aux_loss_coeff=0.1",
+            "one coefficient per balancing type",
+        ),
         (dict(moe_qb_num_bins=1), "moe_qb_num_bins=1", "integer >= 2"),
         (dict(moe_qb_binning="log"), "moe_qb_binning='log'", "'centered'"),
         (
@@ -151,4 +172,9 @@ def test_qb_is_selected_by_the_load_balancing_type():
     assert tiny_config().moe_router_load_balancing_type == QUANTILE_HISTOGRAM
     plain = tiny_config(moe_router_load_balancing_type="none")
     assert not plain.uses_quantile_balancing
+    with_aux = tiny_config(
+        moe_router_load_balancing_type=["seq_aux_loss", "quantile_histogram"],
+        moe_aux_loss_coeff=[0.3, 0.0],
+    )
+    assert with_aux.uses_quantile_balancing
     assert isinstance(plain, StableLatentMoETransformerConfig)
