@@ -46,6 +46,7 @@ def balancer_list(lb) -> list:
     """``moe_router_load_balancing_type`` as a list (Megatron takes a string or a list)."""
     return list(lb) if isinstance(lb, (list, tuple)) else [lb]
 
+
 HIDDEN_ACTS = ("situ", "swiglu")
 """``hidden_act``: SiTU-GLU (SPEC §2) or plain SwiGLU (ablations); HF calls SwiGLU ``silu``."""
 
