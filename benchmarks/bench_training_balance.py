@@ -36,7 +36,9 @@ from tools.plot_balance import read_records  # noqa: E402
 
 # (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
 # usual coefficient 1e-2; the sign update (DeepSeek-V3, aux-loss-free) Megatron's default rate
-# 1e-3 and a 10x faster one.
+# 1e-3 and a 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap
+# here (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
+# 4.695 / 4.664, QB alone 4.716; one run each).
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": [
@@ -50,6 +52,16 @@ METHODS = {
         "quantile_histogram",
         "--moe-qb-binning",
         "uniform",
+    ],
+    "QB centered + seq_aux_loss (ours)": [
+        "--moe-router-load-balancing-type",
+        "quantile_histogram",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "0",
+        "3e-1",
+        "--moe-qb-binning",
+        "centered",
     ],
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
