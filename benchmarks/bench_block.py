@@ -7,7 +7,10 @@ Variants (single process, same tokens, same n / k / shared experts):
   width is chosen for EQUAL ACTIVATED PARAMETERS per token (k·3·d·m' = k·3·l·m_e + 2·d·l).
 * ``stable``: our block (W_down, latent SiTU-GLU experts, latent RMSNorm, W_up, QB router).
 * ``stable_no_norm``, ``stable_swiglu``, ``stable_no_norm_swiglu``: our block with the latent
-  norm and / or SiTU-GLU switched off (SwiGLU instead).
+  norm and / or SiTU-GLU switched off (SwiGLU instead). SwiGLU is Megatron's function activation,
+  not a module, so its routed experts run Megatron's per-expert forward: with many small experts
+  the "SiTU-GLU share" printed below then also counts the one-call activation's gain (negative
+  at the race's shape).
 * ``stable_eager_situ``: our block with SiTU-GLU forced onto its eager math (what ran before the
   fused CPU path / the Triton kernels), to show the fused op's gain in the same run.
 * ``stable_per_expert_act``: our block with the routed experts' activation called once per
