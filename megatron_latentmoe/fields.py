@@ -507,11 +507,11 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             "Megatron's sign update would fight it",
         )
     coeff = get("moe_aux_loss_coeff")
-    if len(balancers) == 1 and any(balancer_list(coeff)):  # None: not set
+    coeffs = balancer_list(coeff)  # Megatron takes one coefficient or one per balancing type
+    if len(balancers) == 1 and any(coeffs):  # None: not set
         raise ConfigError("moe_aux_loss_coeff", coeff, f"0 with {qb}")
     if len(balancers) > 1 and (
-        len(balancer_list(coeff)) != len(balancers)
-        or balancer_list(coeff)[balancers.index(QUANTILE_HISTOGRAM)]
+        len(coeffs) != len(balancers) or coeffs[balancers.index(QUANTILE_HISTOGRAM)]
     ):
         raise ConfigError(
             "moe_aux_loss_coeff",

@@ -193,11 +193,6 @@ def _path(t: torch.Tensor, out_elems: int) -> str:
     return "eager"
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous [rows, last dim] matrix (a 0-d tensor as [1, 1])."""
-    return (t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)).contiguous()
-
-
 def _run_compiled(name: str, *args):
     """The compiled function's result, or None after warning once if inductor cannot compile."""
     global _compile_failed
