@@ -2,6 +2,7 @@
 """The balance race: every balancer a Megatron user has, against QB, in real Megatron training.
 
     python benchmarks/bench_training_balance.py [--iters 300] [--args-file FILE] [--methods ...]
+                                                [--seeds S ...]
 
 Trains the same model (default: the K3-shaped sparse tiny config, 128 routed experts top-4, EP2
 over 2 processes) once per method through the project's entry point
@@ -11,8 +12,12 @@ writes ``benchmarks/results/training_balance.json`` and ``training_balance.png``
 iteration, log scale, one line per method; loss per iteration; the table), then prints the table.
 
 Per method: mean MaxVio (mean over layers) over iterations 1-50 and 51-end, the worst single
-iteration, iterations with a dead expert (load 0 in some layer), final loss (mean of the last 20
-iterations), tokens/s (median over iterations after the first 5) relative to ``none``.
+iteration (overall, and after iteration 50: past the LR warm-up's collapse), iterations with a
+dead expert (load 0 in some layer), final loss (mean of the last 20 iterations), tokens/s (median
+over iterations after the first 5) relative to ``none``.
+``--seeds`` trains each method once per seed (``--seed S``; data order and initialisation change)
+and reports the mean over the seeds, the worst iteration of all runs and the final loss's spread,
+so a gap between methods can be read against the noise of one run; the curves are the first seed's.
 
 A method whose JSONL already holds every iteration is not re-run (``--fresh`` re-runs all), so a
 killed race resumes where it stopped. Timing is the benchmark's output, never a test assertion.
@@ -37,8 +42,8 @@ from tools.plot_balance import read_records  # noqa: E402
 # (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
 # usual coefficient 1e-2; the sign update (DeepSeek-V3, aux-loss-free) Megatron's default rate
 # 1e-3 and a 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap
-# here (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
-# 4.695 / 4.664, QB alone 4.716; one run each).
+# here (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
+# 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": [
@@ -59,7 +64,7 @@ METHODS = {
         "seq_aux_loss",
         "--moe-aux-loss-coeff",
         "0",
-        "3e-1",
+        "1",
         "--moe-qb-binning",
         "centered",
     ],
@@ -101,7 +106,7 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
-def run_method(name, flags, args, jsonl):
+def run_method(name, flags, args, jsonl, seed=None):
     """Train once with ``flags``; returns the wall time (s). Raises with the log tail on failure."""
     log = jsonl[: -len(".jsonl")] + ".log"
     if os.path.exists(jsonl):
@@ -121,6 +126,7 @@ def run_method(name, flags, args, jsonl):
         "--balance-log-loads-interval",
         "1000000",
         *flags,
+        *([] if seed is None else ["--seed", str(seed)]),
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     start = time.time()
@@ -206,6 +212,7 @@ def summarize(name, records, iters):
         "maxvio_51_end": statistics.fmean(late) if late else float("nan"),
         "maxvio_worst": vio[worst],
         "maxvio_worst_iteration": its[worst],
+        "maxvio_worst_51_end": max(late) if late else float("nan"),
         "iterations_with_dead_expert": sum(1 for r in records if (r.get("num_dead") or 0) > 0),
         "final_loss": statistics.fmean(r["loss"] for r in records[-FINAL:]),
         "tokens_per_s": statistics.median(tps) if tps else float("nan"),
@@ -217,8 +224,28 @@ def summarize(name, records, iters):
     }
 
 
+def combine(runs):
+    """One row from a method's runs over several seeds: means, the worst iteration of all runs,
+    the final loss's spread; the curves of the first seed."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0])
+    for key in ("maxvio_1_50", "maxvio_51_end", "iterations_with_dead_expert", "tokens_per_s"):
+        row[key] = statistics.fmean(r[key] for r in runs)
+    row["maxvio_worst_51_end"] = max(r["maxvio_worst_51_end"] for r in runs)
+    worst = max(runs, key=lambda r: r["maxvio_worst"])
+    row["maxvio_worst"], row["maxvio_worst_iteration"] = (
+        worst["maxvio_worst"],
+        worst["maxvio_worst_iteration"],
+    )
+    row["final_loss_runs"] = [r["final_loss"] for r in runs]
+    row["final_loss"] = statistics.fmean(row["final_loss_runs"])
+    row["final_loss_sd"] = statistics.stdev(row["final_loss_runs"])
+    return row
+
+
 TABLE_HEADER = (
-    f"{'method':<30} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} "
+    f"{'method':<34} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} {'worst 51-':>9} "
     f"{'dead its':>8} {'final loss':>10} {'tok/s vs none':>13}"
 )
 
@@ -227,12 +254,22 @@ def table_rows(results):
     rows = [TABLE_HEADER]
     for r in results:
         rows.append(
-            f"{r['method']:<30} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
+            f"{r['method']:<34} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
             f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
-            f"{r['iterations_with_dead_expert']:>8d} {r['final_loss']:>10.4f} "
+            f"{r['maxvio_worst_51_end']:>9.3f} "
+            f"{r['iterations_with_dead_expert']:>8.0f} {r['final_loss']:>10.4f} "
             f"{r['tokens_per_s_rel']:>13.3f}"
+            + (f"  final loss sd {r['final_loss_sd']:.4f}" if "final_loss_sd" in r else "")
         )
     return rows
+
+
+def _running_mean(values, window):
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot(result, path):
@@ -249,7 +286,7 @@ def plot(result, path):
         style = dict(lw=2.0 if ours else 1.0, alpha=1.0 if ours else 0.8)
         its = range(1, len(r["curve_maxvio"]) + 1)
         ax_vio.plot(its, [max(v, 1e-3) for v in r["curve_maxvio"]], label=r["method"], **style)
-        ax_loss.plot(its, r["curve_loss"], label=r["method"], **style)
+        ax_loss.plot(its, _running_mean(r["curve_loss"], FINAL), label=r["method"], **style)
     ax_vio.set_yscale("log")
     ax_vio.set_xlabel("iteration")
     ax_vio.set_ylabel("MaxVio of the global batch (mean over MoE layers)")
@@ -257,8 +294,8 @@ def plot(result, path):
     ax_vio.grid(True, which="both", alpha=0.3)
     ax_vio.legend(fontsize=8)
     ax_loss.set_xlabel("iteration")
-    ax_loss.set_ylabel("lm loss")
-    ax_loss.set_ylim(top=min(8.0, max(max(r["curve_loss"]) for r in result["methods"])))
+    ax_loss.set_ylabel(f"lm loss (running mean over {FINAL} iterations)")
+    ax_loss.set_ylim(top=min(6.0, max(max(r["curve_loss"]) for r in result["methods"])))
     ax_loss.set_title("training loss")
     ax_loss.grid(True, alpha=0.3)
     ax_loss.legend(fontsize=8)
@@ -293,6 +330,14 @@ def main(argv=None):
     )
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "training_balance"))
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        metavar="S",
+        help="train each method once per seed and report the mean (default: one run, the args "
+        "file's seed)",
+    )
     p.add_argument("--fresh", action="store_true", help="re-run methods that already finished")
     args = p.parse_args(argv)
     if args.iters <= EARLY:
@@ -305,20 +350,29 @@ def main(argv=None):
 
     results, walls = [], {}
     for name in args.methods:
-        jsonl = os.path.join(args.workdir, _slug(name) + ".jsonl")
-        records = read_records(jsonl) if os.path.exists(jsonl) else []
-        if args.fresh or len(records) < args.iters:
-            print(f"[race] {name}: training {args.iters} iterations ...", flush=True)
-            walls[name] = run_method(name, METHODS[name], args, jsonl)
-            records = read_records(jsonl)
-            print(f"[race] {name}: {walls[name]:.0f} s", flush=True)
-        results.append(summarize(name, records[: args.iters], args.iters))
+        runs = []
+        for seed in args.seeds or [None]:
+            run = name if seed is None else f"{name} seed {seed}"
+            jsonl = os.path.join(args.workdir, _slug(run) + ".jsonl")
+            records = read_records(jsonl) if os.path.exists(jsonl) else []
+            if args.fresh or len(records) < args.iters:
+                print(f"[race] {run}: training {args.iters} iterations ...", flush=True)
+                walls[run] = run_method(run, METHODS[name], args, jsonl, seed)
+                records = read_records(jsonl)
+                print(f"[race] {run}: {walls[run]:.0f} s", flush=True)
+            runs.append(summarize(name, records[: args.iters], args.iters))
+        results.append(combine(runs))
     base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), float("nan"))
     for r in results:
         r["tokens_per_s_rel"] = r["tokens_per_s"] / base
     title = (
         f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
-        "same seed and data order; MaxVio = (max load - mean) / mean of the global batch"
+        + (
+            "same seed and data order"
+            if not args.seeds
+            else f"mean over seeds {', '.join(map(str, args.seeds))}"
+        )
+        + "; MaxVio = (max load - mean) / mean of the global batch"
     )
     floor = token_floor(*model_shape(args.args_file))
     result = {
@@ -326,6 +380,7 @@ def main(argv=None):
         "token_floor": floor,
         "args_file": os.path.relpath(args.args_file, REPO),
         "iters": args.iters,
+        "seeds": args.seeds,
         "run_wall_s": walls,
         "methods": results,
     }

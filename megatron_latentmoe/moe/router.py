@@ -202,7 +202,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
 
     def _apply_aux_losses(self, probs_ME, logits_ME, padding_M, seq_length, bsz):
         """The aux losses listed beside ``quantile_histogram`` (e.g. ``quantile_histogram
-        seq_aux_loss`` with coefficients ``0 3e-1``), as Megatron's ``TopKRouter.routing`` applies
+        seq_aux_loss`` with coefficients ``0 1``), as Megatron's ``TopKRouter.routing`` applies
         them: on the scores' own top-k, without the bias, so they teach the router weights to
         spread the tokens and leave QB less imbalance to cancel."""
         map_ME, scores_ME = compute_routing_scores_for_aux_loss(
