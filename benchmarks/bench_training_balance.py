@@ -17,7 +17,7 @@ dead expert (load 0 in some layer), final loss (mean of the last 20 iterations),
 over iterations after the first 5) relative to ``none``.
 ``--seeds`` trains each method once per seed (``--seed S``; data order and initialisation change)
 and reports the mean over the seeds, the worst iteration of all runs and the final loss's spread,
-so a gap between methods can be read against the noise of one run; the curves are the first seed's.
+so a gap between methods can be read against the noise of one run (the plotted curves: means too).
 
 A method whose JSONL already holds every iteration is not re-run (``--fresh`` re-runs all), so a
 killed race resumes where it stopped. Timing is the benchmark's output, never a test assertion.
@@ -225,13 +225,15 @@ def summarize(name, records, iters):
 
 
 def combine(runs):
-    """One row from a method's runs over several seeds: means, the worst iteration of all runs,
-    the final loss's spread; the curves of the first seed."""
+    """One row from a method's runs over several seeds: means (the MaxVio and loss curves too,
+    iteration by iteration), the worst iteration of all runs, the final loss's spread."""
     if len(runs) == 1:
         return runs[0]
     row = dict(runs[0])
     for key in ("maxvio_1_50", "maxvio_51_end", "iterations_with_dead_expert", "tokens_per_s"):
         row[key] = statistics.fmean(r[key] for r in runs)
+    for key in ("curve_maxvio", "curve_maxvio_max", "curve_loss"):
+        row[key] = [statistics.fmean(v) for v in zip(*(r[key] for r in runs), strict=True)]
     row["maxvio_worst_51_end"] = max(r["maxvio_worst_51_end"] for r in runs)
     worst = max(runs, key=lambda r: r["maxvio_worst"])
     row["maxvio_worst"], row["maxvio_worst_iteration"] = (
