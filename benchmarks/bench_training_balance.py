@@ -181,7 +181,7 @@ def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
     for _ in range(batches):
         starts = rng.integers(0, len(tokens) - seq_length, global_batch)
         counts = np.bincount(np.concatenate([tokens[s : s + seq_length] for s in starts]))
-        floors.append(counts.max() / (seq_length * global_batch) * experts / topk - 1)
+        floors.append(max(0.0, counts.max() / (seq_length * global_batch) * experts / topk - 1))
         top[int(counts.argmax())] = top.get(int(counts.argmax()), 0) + 1
     from tokenizers import Tokenizer
 
