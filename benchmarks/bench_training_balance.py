@@ -225,15 +225,18 @@ def summarize(name, records, iters):
 
 
 def combine(runs):
-    """One row from a method's runs over several seeds: means (the MaxVio and loss curves too,
-    iteration by iteration), the worst iteration of all runs, the final loss's spread."""
+    """One row from a method's runs over several seeds: means (every curve too, iteration by
+    iteration), the worst iteration of all runs, the final loss's spread."""
     if len(runs) == 1:
         return runs[0]
     row = dict(runs[0])
     for key in ("maxvio_1_50", "maxvio_51_end", "iterations_with_dead_expert", "tokens_per_s"):
         row[key] = statistics.fmean(r[key] for r in runs)
-    for key in ("curve_maxvio", "curve_maxvio_max", "curve_loss"):
-        row[key] = [statistics.fmean(v) for v in zip(*(r[key] for r in runs), strict=True)]
+    for key in (k for k in row if k.startswith("curve_")):
+        row[key] = [
+            None if None in v else statistics.fmean(v)
+            for v in zip(*(r[key] for r in runs), strict=True)
+        ]
     row["maxvio_worst_51_end"] = max(r["maxvio_worst_51_end"] for r in runs)
     worst = max(runs, key=lambda r: r["maxvio_worst"])
     row["maxvio_worst"], row["maxvio_worst_iteration"] = (
