@@ -15,6 +15,8 @@ Variants (single process, same tokens, same n / k / shared experts):
   fused CPU path / the Triton kernels), to show the fused op's gain in the same run.
 * ``stable_per_expert_act``: our block with the routed experts' activation called once per
   expert (Megatron's ``SequentialMLP`` forward) instead of once for all (``moe/experts.py``).
+* ``stable_module_linears``: our block with each routed expert's fc1 / fc2 called as Megatron's
+  parallel linear modules instead of as bare GEMMs on their weights (``moe/experts.py``).
 * ``stable_router_none``: our block with Megatron's plain sigmoid top-k router (balancing
   ``none``; loads still counted). Beside ``stable`` it prices Quantile Balancing itself: the
   top-(k+1) cutoffs, the histogram and the step-end solve (each timed step of a variant ends with
@@ -141,6 +143,7 @@ def build_variants(a, dtype):
         "stable_no_norm_swiglu": dict(latent_moe_use_norm=False, hidden_act="swiglu"),
         "stable_eager_situ": dict(),
         "stable_per_expert_act": dict(),
+        "stable_module_linears": dict(),
         "stable_router_none": dict(
             moe_router_load_balancing_type="none", moe_router_score_function="sigmoid"
         ),
@@ -155,6 +158,8 @@ def build_variants(a, dtype):
         variants[name] = get_stable_latentmoe_mlp_spec(cfg, backend)(config=cfg, layer_number=1)
         if name == "stable_per_expert_act":  # Megatron's SequentialMLP forward: one call per expert
             variants[name].experts._batched = lambda: False
+        if name == "stable_module_linears":  # Megatron's linear modules, not bare GEMMs
+            variants[name].experts._bare_gemms = lambda: False
         notes[name] = f"ours ({backend} spec) " + (
             ", ".join(f"{k}={v}" for k, v in extra.items()) or "full"
         )
@@ -241,6 +246,8 @@ def main():
     )
     batched = rows["stable_per_expert_act"]["seconds_min"] / rows["stable"]["seconds_min"]
     print(f"one activation call for all experts: {batched:.2f}x faster than one per expert (min)")
+    bare = rows["stable_module_linears"]["seconds"] / rows["stable"]["seconds"]
+    print(f"bare expert GEMMs: the block {bare:.2f}x faster than with Megatron's linears (median)")
     qb_share = 1.0 - rows["stable_router_none"]["seconds"] / rows["stable"]["seconds"]
     qb_share_min = 1.0 - rows["stable_router_none"]["seconds_min"] / rows["stable"]["seconds_min"]
     print(
@@ -261,6 +268,7 @@ def main():
                 situ_share_min=share("seconds_min", "stable"),
                 situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
                 batched_activation_speedup_min=batched,
+                bare_gemm_speedup=bare,
                 qb_share=qb_share,
                 qb_share_min=qb_share_min,
                 results=rows,

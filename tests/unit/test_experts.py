@@ -1,8 +1,10 @@
-"""``BatchedActivationSequentialMLP`` (one SiTU-GLU call for all local experts) == Megatron's
-``SequentialMLP`` forward (one call per expert) on the same weights: output, input gradient and
-every weight gradient within 1e-6 relative (fp32; the activation is elementwise, so only the
-vectorised vs scalar tails of the elementwise kernels can differ, in the last ulp). The counts
-are uneven and include an expert with no token."""
+"""``BatchedActivationSequentialMLP`` (one SiTU-GLU call for all local experts, bare GEMMs) ==
+Megatron's ``SequentialMLP`` forward (one activation and two linear modules per expert) on the
+same weights: output, input gradient and every weight gradient within 1e-6 relative (fp32; the
+activation is elementwise and ``F.linear`` is the same GEMM, so only the vectorised vs scalar
+tails of the kernels and the weight gradient's operand order can differ, in the last ulps). The
+counts are uneven and include an expert with no token. The bare-GEMM path must skip Megatron's
+linear modules, and must not be taken where a linear does more (MXFP4 QAT)."""
 
 import torch
 
@@ -34,7 +36,13 @@ def _compare(rank, world_size):
     upstream = torch.randn(sum(COUNTS), cfg.moe_latent_size)
     counts = torch.tensor(COUNTS)
 
-    results = []
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    module_calls = []
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        original = cls.forward
+        cls.forward = lambda self, *a, _f=original, **k: module_calls.append(1) or _f(self, *a, **k)
+    results, calls = [], []
     for forward in (experts.forward, lambda *a: SequentialMLP.forward(experts, *a)):
         experts.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
@@ -42,6 +50,10 @@ def _compare(rank, world_size):
         (out * upstream).sum().backward()
         grads = {k: p.grad.clone() for k, p in experts.named_parameters()}
         results.append((out.detach(), bias, xi.grad, grads))
+        calls.append(len(module_calls))
+        module_calls.clear()
+    qat = tiny_config(moe_expert_weight_qat="mxfp4", moe_ffn_hidden_size=64)
+    qat_experts = get_stable_latentmoe_mlp_spec(qat)(config=qat, layer_number=1).experts
     (out_b, bias_b, dx_b, g_b), (out_s, bias_s, dx_s, g_s) = results
     return dict(
         out=_rel(out_b, out_s),
@@ -52,6 +64,9 @@ def _compare(rank, world_size):
         ),
         bias=(bias_b, bias_s),
         n_params=len(g_s),
+        bare=experts._bare_gemms(),
+        module_calls=calls,
+        qat_bare=qat_experts._bare_gemms(),
     )
 
 
@@ -61,3 +76,6 @@ def test_batched_activation_equals_sequential_mlp():
     assert r["out"] < TOL and r["dx"] < TOL and r["params"] < TOL, r
     assert r["bias"] == (None, None) and r["n_params"] == 2 * len(COUNTS), r
     assert r["empty_expert_grad_zero"], r
+    # bare GEMMs: no linear module called; Megatron's forward: fc1 + fc2 of every expert
+    assert r["bare"] and r["module_calls"] == [0, 2 * len(COUNTS)], r
+    assert not r["qat_bare"], r  # the MXFP4 linears fake-quantize their weight: called as modules
