@@ -16,6 +16,7 @@ pipeline stage at once (``moe/router.py``: every balancing type):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,15 +57,21 @@ class BalanceMetrics:
         )
 
 
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> list[BalanceCountingRouter]:
     """The load-counting routers (QB or not) of this pipeline stage in training mode, in a fixed
-    order (the same on every rank of a stage)."""
-    return [
-        module
-        for chunk in model_chunks
-        for module in chunk.modules()
-        if isinstance(module, BalanceCountingRouter) and module.training
-    ]
+    order (the same on every rank of a stage). Each chunk's module tree is walked once: a walk
+    costs ~1.7 ms per step on the race's model (~600 modules) and grows with experts x layers."""
+    out = []
+    for chunk in model_chunks:
+        routers = _ROUTERS.get(chunk)
+        if routers is None:
+            routers = [m for m in chunk.modules() if isinstance(m, BalanceCountingRouter)]
+            _ROUTERS[chunk] = routers
+        out += [r for r in routers if r.training]
+    return out
 
 
 def token_parallel_group(config) -> dist.ProcessGroup | None:
