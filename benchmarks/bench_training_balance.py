@@ -13,8 +13,10 @@ iteration, log scale, one line per method; loss per iteration; the table), then 
 
 Per method: mean MaxVio (mean over layers) over iterations 1-50 and 51-end, the worst single
 iteration (overall, and after iteration 50: past the LR warm-up's collapse), iterations with a
-dead expert (load 0 in some layer), final loss (mean of the last 20 iterations), tokens/s (median
-over iterations after the first 5) relative to ``none``.
+dead expert (load 0 in some layer), final loss (mean of the last 20 iterations), tokens/s relative
+to ``none``: from the race runs (median over iterations after the first 5, runs minutes apart)
+and side by side (``bench_step_balancers.py``: every method's model trains in the same two
+processes, one step each in turn, so machine noise hits all alike; ``--side-by-side-steps``).
 ``--seeds`` trains each method once per seed (``--seed S``; data order and initialisation change)
 and reports the mean over the seeds, the worst iteration of all runs and the final loss's spread,
 so a gap between methods can be read against the noise of one run (the plotted curves: means too).
@@ -251,7 +253,7 @@ def combine(runs):
 
 TABLE_HEADER = (
     f"{'method':<34} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} {'worst 51-':>9} "
-    f"{'dead its':>8} {'final loss':>10} {'tok/s vs none':>13}"
+    f"{'dead its':>8} {'final loss':>10} {'tok/s: runs':>11} {'side by side':>12}"
 )
 
 
@@ -263,7 +265,8 @@ def table_rows(results):
             f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
             f"{r['maxvio_worst_51_end']:>9.3f} "
             f"{r['iterations_with_dead_expert']:>8.0f} {r['final_loss']:>10.4f} "
-            f"{r['tokens_per_s_rel']:>13.3f}"
+            f"{r['tokens_per_s_rel']:>11.3f} "
+            f"{r.get('tokens_per_s_rel_side_by_side', math.nan):>12.3f}"
             + (f"  final loss sd {r['final_loss_sd']:.4f}" if "final_loss_sd" in r else "")
         )
     return rows
@@ -319,6 +322,28 @@ def plot(result, path):
     plt.close(fig)
 
 
+def side_by_side_tokens_per_s(args):
+    """``bench_step_balancers.py``'s results for the race's methods (resumable like the runs)."""
+    path = os.path.join(args.workdir, "step_balancers.json")
+    wanted = dict(
+        methods=args.methods,
+        steps=args.side_by_side_steps,
+        args_file=os.path.abspath(args.args_file),
+    )
+    if os.path.exists(path) and not args.fresh:
+        with open(path) as f:
+            done = json.load(f)
+        if {k: done["args"].get(k) for k in wanted} == wanted:
+            return done["results"]
+    print(f"[race] side by side: {args.side_by_side_steps} rounds ...", flush=True)
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_step_balancers.py")]
+    cmd += ["--args-file", wanted["args_file"], "--steps", str(args.side_by_side_steps)]
+    cmd += ["--out", path, "--methods", *args.methods]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    with open(path) as f:
+        return json.load(f)["results"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -342,6 +367,13 @@ def main(argv=None):
         metavar="S",
         help="train each method once per seed and report the mean (default: one run, the args "
         "file's seed)",
+    )
+    p.add_argument(
+        "--side-by-side-steps",
+        type=int,
+        default=60,
+        metavar="N",
+        help="rounds of bench_step_balancers.py for the side-by-side tokens/s (0: skip)",
     )
     p.add_argument("--fresh", action="store_true", help="re-run methods that already finished")
     args = p.parse_args(argv)
@@ -370,6 +402,12 @@ def main(argv=None):
     base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), float("nan"))
     for r in results:
         r["tokens_per_s_rel"] = r["tokens_per_s"] / base
+    side_by_side = None
+    if args.side_by_side_steps and "none" in args.methods:
+        side_by_side = side_by_side_tokens_per_s(args)
+    for r in results:
+        if side_by_side and r["method"] in side_by_side:
+            r["tokens_per_s_rel_side_by_side"] = side_by_side[r["method"]]["ratio_vs_none_paired"]
     title = (
         f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
         + (

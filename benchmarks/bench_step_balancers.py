@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Training-step tokens/s of every balancer, side by side in one run: the balance race's tokens/s
+without its run-to-run noise.
+
+    python benchmarks/bench_step_balancers.py [--steps 60] [--methods M ...] [--args-file FILE]
+
+The race (``bench_training_balance.py``) trains each method in its own pair of processes, minutes
+apart. On a shared machine that moves one method's median step time by more than the 3 % its
+tokens/s target asks about: on this project's 2-core VM two identical ``none`` runs started
+together (one process each, EP1) had medians of 978 and 1,079 ms, and a method's 100-iteration
+race medians ranged over 561-684 ms. Here every method's model trains in the SAME two processes
+(the race's args file and layout, EP2 over 2 ranks, DP2 for the dense part), one whole step each
+in turn (Megatron's schedule, DDP, ``finalize_model_grads`` with the step-end balance update,
+Adam), on the same batches of the shipped corpus, from the same initialisation, with the race's
+flags per method (``bench_training_balance.METHODS``). Machine noise then hits every method
+alike; each step is timed between barriers, so it is the slower rank's time.
+
+Prints per method the median step time over the steps after ``--warmup``, tokens/s, the ratio to
+``none`` and the median of the per-round ratios (``none``'s step and the method's in the same
+round, seconds apart), and writes ``benchmarks/results/bench_step_balancers.json``. The methods'
+routing evolves as in the race (``none`` collapses onto a few experts, the balancers spread the
+tokens), so the ratio includes what balanced routing itself costs, not only the balancer's own
+work. Launches itself with torchrun (2 processes) when started with plain ``python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    from bench_training_balance import METHODS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
+    )
+    p.add_argument("--steps", type=int, default=60, help="timed rounds (one step per method)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed first rounds")
+    p.add_argument(
+        "--methods",
+        nargs="*",
+        default=[m for m in METHODS if m != "sign 1e-2"],
+        choices=list(METHODS),
+        metavar="M",
+    )
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks", "results", "bench_step_balancers.json")
+    )
+    a = p.parse_args(argv)
+    a.args_file = os.path.abspath(a.args_file)
+    if "none" not in a.methods:
+        p.error("--methods must include 'none' (the ratios are to it)")
+    return a
+
+
+def args_file_flags(path):
+    out = subprocess.run(
+        ["bash", "-c", f'source "{path}"; printf "%s\\n" "${{ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+def megatron_args(argv):
+    """Megatron's args for ``argv``, checked like the entry point does (quietly)."""
+    from megatron.training.arguments import validate_args
+
+    from megatron_latentmoe.compat.training import cpu_training_defaults, parse_with_our_flags
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
+    from megatron_latentmoe.training.arguments import (
+        add_stable_latentmoe_args,
+        apply_default_tokenizer,
+        validate_stable_latentmoe_args,
+    )
+
+    saved = sys.argv
+    sys.argv = ["bench_step_balancers", *argv]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_with_our_flags(add_stable_latentmoe_args)
+            validate_stable_latentmoe_args(args, has_cuda=False)
+            apply_default_tokenizer(args, default_tokenizer_dir())
+            cpu_training_defaults(args)
+            validate_args(args, {})
+    finally:
+        sys.argv = saved
+    return args
+
+
+class Trainee:
+    """One method's model, DDP wrapper and optimizer."""
+
+    def __init__(self, args, seed):
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from megatron_latentmoe.model import build_gpt_model
+        from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
+        from megatron_latentmoe.training.model_provider import transformer_config_from_args
+
+        self.config = transformer_config_from_args(args)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        model = build_gpt_model(
+            self.config,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+        )
+        self.ddp = DistributedDataParallel(
+            config=self.config, ddp_config=DistributedDataParallelConfig(), module=model
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                clip_grad=args.clip_grad,
+            ),
+            [self.ddp],
+        )
+
+    def step(self, micro_batches, args, lr):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_latentmoe.training.forward_step import forward_step
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        self.optimizer.step()
+
+
+def corpus_tokens():
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_latentmoe.data.corpus import prepare_default_dataset
+
+    dataset = IndexedDataset(prepare_default_dataset())
+    return np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+
+
+def micro_batches(tokens, args, step, rank, world):
+    """This DP rank's micro-batches of global batch ``step`` (the same for every method)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(10_000 + step)
+    seq = args.seq_length
+    starts = rng.integers(0, len(tokens) - seq - 1, args.global_batch_size)
+    mine = starts[rank * len(starts) // world : (rank + 1) * len(starts) // world]
+    data = torch.from_numpy(np.stack([tokens[s : s + seq + 1] for s in mine]))
+    out = []
+    for i in range(0, len(mine), args.micro_batch_size):
+        chunk = data[i : i + args.micro_batch_size]
+        out.append(
+            dict(
+                tokens=chunk[:, :-1],
+                labels=chunk[:, 1:],
+                loss_mask=torch.ones(chunk.shape[0], seq),
+                position_ids=torch.arange(seq).expand(chunk.shape[0], seq),
+            )
+        )
+    return out
+
+
+def run_rank(a):
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from bench_training_balance import METHODS
+
+    from megatron_latentmoe.compat import (
+        apply_core_compat,
+        apply_cpu_compat,
+        apply_python311_compat,
+    )
+    from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
+    from megatron_latentmoe.compat.training import apply_cpu_training_compat, init_cpu_world
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # set-up chatter, once per model
+    apply_python311_compat()
+    apply_core_compat()
+    apply_cpu_compat()
+    apply_cpu_training_compat()
+    base = args_file_flags(a.args_file) + ["--eval-iters", "0"]
+    per_method = {m: megatron_args(base + METHODS[m]) for m in a.methods}
+    first = per_method[a.methods[0]]
+    from megatron.training.global_vars import set_global_variables
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        set_global_variables(first)
+    init_cpu_world(first)
+    apply_qb_gloo_compat()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for m in a.methods:
+        per_method[m].padded_vocab_size = first.padded_vocab_size
+    trainees = {m: Trainee(per_method[m], first.seed) for m in a.methods}
+    tokens = corpus_tokens()
+    warm_lr = max(1, round(first.lr_warmup_fraction * first.train_iters))
+    times = {m: [] for m in a.methods}
+    global_tokens = first.global_batch_size * first.seq_length
+    for step in range(a.warmup + a.steps):
+        batches = micro_batches(tokens, first, step, rank, world)
+        lr = first.lr * min(1.0, (step + 1) / warm_lr)
+        order = a.methods[step % len(a.methods) :] + a.methods[: step % len(a.methods)]
+        for m in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainees[m].step(batches, per_method[m], lr)
+            dist.barrier()
+            if step >= a.warmup:
+                times[m].append(time.perf_counter() - t0)
+        if rank == 0 and (step + 1) % 10 == 0:
+            print(f"[bench_step] round {step + 1}/{a.warmup + a.steps}", flush=True)
+    if rank != 0:
+        return
+    rows = {}
+    for m in a.methods:
+        t = times[m]
+        rows[m] = dict(
+            step_s_median=statistics.median(t),
+            step_s_min=min(t),
+            tokens_per_s=global_tokens / statistics.median(t),
+            ratio_vs_none=statistics.median(times["none"]) / statistics.median(t),
+            ratio_vs_none_paired=statistics.median(
+                n / x for n, x in zip(times["none"], t, strict=True)
+            ),
+        )
+    print(
+        f"\nwhole training steps, {os.path.relpath(a.args_file, REPO)}, "
+        f"EP{first.expert_model_parallel_size} on {world} CPU processes, "
+        f"{a.steps} rounds after {a.warmup}, {global_tokens} tokens/step"
+    )
+    print(f"{'method':<36}{'ms/step':>9}{'tokens/s':>10}{'vs none':>9}{'paired':>8}")
+    for m, r in rows.items():
+        print(
+            f"{m:<36}{1e3 * r['step_s_median']:>9.0f}{r['tokens_per_s']:>10.0f}"
+            f"{r['ratio_vs_none']:>9.3f}{r['ratio_vs_none_paired']:>8.3f}"
+        )
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            dict(
+                args={k: v for k, v in vars(a).items()},
+                torch=torch.__version__,
+                world_size=world,
+                tokens_per_step=global_tokens,
+                step_times_s=times,
+                results=rows,
+            ),
+            f,
+            indent=1,
+        )
+    os.replace(tmp, a.out)
+    print(f"wrote {a.out}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if "LOCAL_RANK" not in os.environ:
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            PYTHONWARNINGS="ignore",
+            NO_VCS_VERSION="1",
+            CUDA_DEVICE_MAX_CONNECTIONS="1",
+            PYTHONPATH=REPO,
+        )
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(a.nproc), os.path.abspath(__file__)]
+        return subprocess.run(cmd + (sys.argv[1:] if argv is None else argv), env=env).returncode
+    run_rank(a)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
