@@ -41,21 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-    from bench_training_balance import METHODS
+    from bench_training_balance import add_model_and_method_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
-    )
+    add_model_and_method_args(p)
     p.add_argument("--steps", type=int, default=60, help="timed rounds (one step per method)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first rounds")
-    p.add_argument(
-        "--methods",
-        nargs="*",
-        default=[m for m in METHODS if m != "sign 1e-2"],
-        choices=list(METHODS),
-        metavar="M",
-    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
         "--out", default=os.path.join(REPO, "benchmarks", "results", "bench_step_balancers.json")
@@ -65,16 +56,6 @@ def parse_args(argv=None):
     if "none" not in a.methods:
         p.error("--methods must include 'none' (the ratios are to it)")
     return a
-
-
-def args_file_flags(path):
-    out = subprocess.run(
-        ["bash", "-c", f'source "{path}"; printf "%s\\n" "${{ARGS[@]}}"'],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.split()
 
 
 def megatron_args(argv):
@@ -200,7 +181,7 @@ def run_rank(a):
 
     import torch
     import torch.distributed as dist
-    from bench_training_balance import METHODS
+    from bench_training_balance import METHODS, args_file_flags
 
     from megatron_latentmoe.compat import (
         apply_core_compat,

@@ -142,14 +142,19 @@ def run_method(name, flags, args, jsonl, seed=None):
     return wall
 
 
-def model_shape(args_file):
-    """(experts, top-k, sequence length, global batch) of the args file the race trains."""
-    out = subprocess.run(
+def args_file_flags(args_file):
+    """The ``ARGS`` array an ``examples/args`` file defines, as a list of words."""
+    return subprocess.run(
         ["bash", "-c", f'source "{args_file}"; printf "%s\\n" "${{ARGS[@]}}"'],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
+
+
+def model_shape(args_file):
+    """(experts, top-k, sequence length, global batch) of the args file the race trains."""
+    out = args_file_flags(args_file)
 
     def flag(name):
         return int(out[len(out) - 1 - out[::-1].index(name) + 1])  # the last occurrence wins
@@ -344,12 +349,11 @@ def side_by_side_tokens_per_s(args):
         return json.load(f)["results"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_and_method_args(p):
+    """``--args-file`` and ``--methods``, shared with ``bench_step_balancers.py``."""
     p.add_argument(
         "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
     )
-    p.add_argument("--iters", type=int, default=300)
     p.add_argument(
         "--methods",
         nargs="*",
@@ -358,6 +362,12 @@ def main(argv=None):
         metavar="M",
         help="default: all but 'sign 1e-2' (a 10x faster sign update, on request)",
     )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_and_method_args(p)
+    p.add_argument("--iters", type=int, default=300)
     p.add_argument("--workdir", default=os.path.join(REPO, "runs", "training_balance"))
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument(

@@ -4,10 +4,11 @@ activation applied ONCE over all local experts' tokens and each expert's fc1 / f
 Megatron's ``SequentialMLP`` runs each local expert's whole MLP (fc1, activation, fc2) in turn.
 fc1 and fc2 must stay per expert (each has its own weights), but the activation has no weights:
 SiTU-GLU is the same function for every expert. At K3-like sparsity (many experts, few tokens
-each) the per-call cost of its ~10 elementwise kernels dominates: 42 % of the sparse block's CPU
-time at the balance race's shape (64 local experts, ~32 tokens each; ``benchmarks/bench_block.py``).
-Concatenating the experts' fc1 outputs (already contiguous in the permuted order) and activating
-them in one call gives the same numbers (an elementwise function of each row) at one call's cost.
+each) the per-call cost of its ~10 elementwise kernels dominates. Concatenating the experts' fc1
+outputs (already contiguous in the permuted order) and activating them in one call gives the
+same numbers (an elementwise function of each row) at one call's cost: the block's fwd+bwd is
+2.0-2.4x faster at the balance race's shape (128 experts, ~32 tokens each, one CPU thread;
+``benchmarks/bench_block.py``, ``stable_per_expert_act`` beside ``stable_module_linears``).
 
 The same holds for the per-call cost of Megatron's parallel linears: each routed expert's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` wraps its GEMM in Python autograd functions
