@@ -7,12 +7,13 @@ without its run-to-run noise.
 The race (``bench_training_balance.py``) trains each method in its own pair of processes, minutes
 apart. On a shared machine that moves one method's median step time by more than the 3 % its
 tokens/s target asks about: on this project's 2-core VM two identical ``none`` runs started
-together (one process each, EP1) had medians of 978 and 1,079 ms, and a method's 100-iteration
-race medians ranged over 561-684 ms. Here every method's model trains in the SAME two processes
-(the race's args file and layout, EP2 over 2 ranks, DP2 for the dense part), one whole step each
-in turn (Megatron's schedule, DDP, ``finalize_model_grads`` with the step-end balance update,
-Adam), on the same batches of the shipped corpus, from the same initialisation, with the race's
-flags per method (``bench_training_balance.METHODS``). Machine noise then hits every method
+together (one process each, EP1) had medians of 978 and 1,079 ms, and QB centered's race-run
+medians ranged over 561-686 ms. Here every method's model trains in the SAME two processes (the
+race's args file and layout, EP2 over 2 ranks, DP2 for the dense part), one whole step each in
+turn (Megatron's schedule, DDP, ``finalize_model_grads`` with the step-end balance update, Adam
+at the args file's LR after its linear warm-up, no decay), on the same random windows of the
+shipped corpus, from the same initialisation, with the race's flags per method
+(``bench_training_balance.METHODS``). Machine noise then hits every method
 alike; each step is timed between barriers, so it is the slower rank's time.
 
 Prints per method the median step time over the steps after ``--warmup``, tokens/s, the ratio to
