@@ -38,7 +38,7 @@ def _compare(rank, world_size):
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    module_calls = []
+    module_calls = []  # patched linear forwards count here (a spawned worker: no restore needed)
     for cls in (ColumnParallelLinear, RowParallelLinear):
         original = cls.forward
         cls.forward = lambda self, *a, _f=original, **k: module_calls.append(1) or _f(self, *a, **k)
