@@ -204,17 +204,65 @@ def main(argv: list[str] | None = None, check_only: bool = False) -> int:
         sys.argv = saved_argv
 
 
+def checked_args(has_cuda: bool):
+    """Megatron's args from ``sys.argv`` with our flags, checked and completed as a run needs
+    them (the shipped corpus and tokenizer as defaults, CPU-only fusions off, Megatron's
+    ``validate_args``), and the transformer config built from them.
+
+    Returns ``(args, transformer_config, cpu_notes, default_data_dir)``; a bad flag raises
+    ``FlagError``. Needs the compat shims of ``_main`` applied first.
+    """
+    from megatron.training.arguments import validate_args
+
+    from megatron_latentmoe.compat.training import (
+        apply_cpu_training_compat,
+        cpu_training_defaults,
+        parse_with_our_flags,
+    )
+    from megatron_latentmoe.data.corpus import (
+        DEFAULT_DATASET_NAME,
+        default_cache_dir,
+        default_tokenizer_dir,
+    )
+    from megatron_latentmoe.training.arguments import (
+        add_stable_latentmoe_args,
+        apply_default_tokenizer,
+        uses_default_data,
+        validate_stable_latentmoe_args,
+    )
+    from megatron_latentmoe.training.model_provider import transformer_config_from_args
+
+    args = parse_with_our_flags(add_stable_latentmoe_args)
+    validate_stable_latentmoe_args(args, has_cuda=has_cuda)
+    default_data_dir = None
+    if uses_default_data(args):
+        default_data_dir = (
+            os.path.join(args.data_cache_path, "default_data")
+            if args.data_cache_path
+            else str(default_cache_dir())
+        )
+        args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
+        if args.split is None:
+            args.split = "98,2,0"
+    if apply_default_tokenizer(args, default_tokenizer_dir()):
+        _print0(
+            f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})"
+        )
+    cpu_notes = [] if has_cuda else cpu_training_defaults(args)
+    if not has_cuda:
+        apply_cpu_training_compat()
+    validate_args(args, {})
+    return args, transformer_config_from_args(args), cpu_notes, default_data_dir
+
+
 def _main(check_only: bool = False) -> int:
     t_start = time.time()
     _startup_env()
     from megatron_latentmoe.compat import apply_python311_compat
     from megatron_latentmoe.compat.training import (
-        apply_cpu_training_compat,
         begin_run,
-        cpu_training_defaults,
         exclude_from_step_time,
         init_cpu_world,
-        parse_with_our_flags,
     )
 
     apply_python311_compat()
@@ -226,46 +274,12 @@ def _main(check_only: bool = False) -> int:
     apply_core_compat()
     if not has_cuda:
         apply_cpu_compat()
-    from megatron.training.arguments import validate_args
-
-    from megatron_latentmoe.data.corpus import (
-        DEFAULT_DATASET_NAME,
-        default_cache_dir,
-        default_tokenizer_dir,
-        prepare_default_dataset,
-    )
-    from megatron_latentmoe.training.arguments import (
-        FlagError,
-        add_stable_latentmoe_args,
-        apply_default_tokenizer,
-        uses_default_data,
-        validate_stable_latentmoe_args,
-    )
-    from megatron_latentmoe.training.model_provider import transformer_config_from_args
+    from megatron_latentmoe.data.corpus import DEFAULT_DATASET_NAME, prepare_default_dataset
+    from megatron_latentmoe.training.arguments import FlagError
 
     begin_run()
-    args = parse_with_our_flags(add_stable_latentmoe_args)
-    default_data_dir = None
     try:
-        validate_stable_latentmoe_args(args, has_cuda=has_cuda)
-        if uses_default_data(args):
-            default_data_dir = (
-                os.path.join(args.data_cache_path, "default_data")
-                if args.data_cache_path
-                else str(default_cache_dir())
-            )
-            args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
-            if args.split is None:
-                args.split = "98,2,0"
-        if apply_default_tokenizer(args, default_tokenizer_dir()):
-            _print0(
-                f"[{PROG}] tokenizer: the shipped one (HuggingFaceTokenizer {args.tokenizer_model})"
-            )
-        cpu_notes = [] if has_cuda else cpu_training_defaults(args)
-        if not has_cuda:
-            apply_cpu_training_compat()
-        validate_args(args, {})
-        transformer_config = transformer_config_from_args(args)
+        args, transformer_config, cpu_notes, default_data_dir = checked_args(has_cuda)
     except FlagError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
