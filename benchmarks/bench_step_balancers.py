@@ -59,36 +59,24 @@ def parse_args(argv=None):
     return a
 
 
-def megatron_args(argv):
-    """Megatron's args for ``argv``, checked like the entry point does (quietly)."""
-    from megatron.training.arguments import validate_args
-
-    from megatron_latentmoe.compat.training import cpu_training_defaults, parse_with_our_flags
-    from megatron_latentmoe.data.corpus import default_tokenizer_dir
-    from megatron_latentmoe.training.arguments import (
-        add_stable_latentmoe_args,
-        apply_default_tokenizer,
-        validate_stable_latentmoe_args,
-    )
+def checked(argv):
+    """(args, transformer config) for ``argv``, checked as the entry point checks them."""
+    from megatron_latentmoe.training.pretrain import checked_args
 
     saved = sys.argv
     sys.argv = ["bench_step_balancers", *argv]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            args = parse_with_our_flags(add_stable_latentmoe_args)
-            validate_stable_latentmoe_args(args, has_cuda=False)
-            apply_default_tokenizer(args, default_tokenizer_dir())
-            cpu_training_defaults(args)
-            validate_args(args, {})
+            args, config, _, _ = checked_args(has_cuda=False)
     finally:
         sys.argv = saved
-    return args
+    return args, config
 
 
 class Trainee:
     """One method's model, DDP wrapper and optimizer."""
 
-    def __init__(self, args, seed):
+    def __init__(self, args, config, seed):
         import torch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -96,9 +84,8 @@ class Trainee:
 
         from megatron_latentmoe.model import build_gpt_model
         from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
-        from megatron_latentmoe.training.model_provider import transformer_config_from_args
 
-        self.config = transformer_config_from_args(args)
+        self.args, self.config = args, config
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         model = build_gpt_model(
@@ -122,7 +109,7 @@ class Trainee:
             [self.ddp],
         )
 
-    def step(self, micro_batches, args, lr):
+    def step(self, micro_batches, lr):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_latentmoe.training.forward_step import forward_step
@@ -136,21 +123,11 @@ class Trainee:
             data_iterator=iter(micro_batches),
             model=[self.ddp],
             num_microbatches=len(micro_batches),
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
             forward_only=False,
         )
         self.optimizer.step()
-
-
-def corpus_tokens():
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from megatron_latentmoe.data.corpus import prepare_default_dataset
-
-    dataset = IndexedDataset(prepare_default_dataset())
-    return np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
 
 
 def micro_batches(tokens, args, step, rank, world):
@@ -182,7 +159,7 @@ def run_rank(a):
 
     import torch
     import torch.distributed as dist
-    from bench_training_balance import METHODS, args_file_flags
+    from bench_training_balance import METHODS, args_file_flags, corpus_tokens
 
     from megatron_latentmoe.compat import (
         apply_core_compat,
@@ -190,16 +167,15 @@ def run_rank(a):
         apply_python311_compat,
     )
     from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
-    from megatron_latentmoe.compat.training import apply_cpu_training_compat, init_cpu_world
+    from megatron_latentmoe.compat.training import init_cpu_world
 
     logging.getLogger("megatron").setLevel(logging.ERROR)  # set-up chatter, once per model
     apply_python311_compat()
     apply_core_compat()
     apply_cpu_compat()
-    apply_cpu_training_compat()
     base = args_file_flags(a.args_file) + ["--eval-iters", "0"]
-    per_method = {m: megatron_args(base + METHODS[m]) for m in a.methods}
-    first = per_method[a.methods[0]]
+    per_method = {m: checked(base + METHODS[m]) for m in a.methods}
+    first = per_method[a.methods[0]][0]
     from megatron.training.global_vars import set_global_variables
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -208,8 +184,8 @@ def run_rank(a):
     apply_qb_gloo_compat()
     rank, world = dist.get_rank(), dist.get_world_size()
     for m in a.methods:
-        per_method[m].padded_vocab_size = first.padded_vocab_size
-    trainees = {m: Trainee(per_method[m], first.seed) for m in a.methods}
+        per_method[m][0].padded_vocab_size = first.padded_vocab_size
+    trainees = {m: Trainee(*per_method[m], first.seed) for m in a.methods}
     tokens = corpus_tokens()
     warm_lr = max(1, round(first.lr_warmup_fraction * first.train_iters))
     times = {m: [] for m in a.methods}
@@ -221,7 +197,7 @@ def run_rank(a):
         for m in order:
             dist.barrier()
             t0 = time.perf_counter()
-            trainees[m].step(batches, per_method[m], lr)
+            trainees[m].step(batches, lr)
             dist.barrier()
             if step >= a.warmup:
                 times[m].append(time.perf_counter() - t0)

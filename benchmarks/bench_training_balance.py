@@ -167,6 +167,17 @@ def model_shape(args_file):
     )
 
 
+def corpus_tokens():
+    """The shipped corpus (the race's data) as one int64 token array."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_latentmoe.data.corpus import prepare_default_dataset
+
+    dataset = IndexedDataset(prepare_default_dataset())
+    return np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+
+
 def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
     """The MaxVio below which NO balancer can go while routing is a function of the token alone
     (early training: the router input is mostly the token's embedding).
@@ -177,12 +188,10 @@ def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
     race's data): mean and max over ``batches`` batches, and the token that sets it.
     """
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_latentmoe.data.corpus import default_tokenizer_dir, prepare_default_dataset
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
 
-    dataset = IndexedDataset(prepare_default_dataset())
-    tokens = np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+    tokens = corpus_tokens()
     rng = np.random.default_rng(seed)
     floors, top = [], {}
     for _ in range(batches):
