@@ -154,6 +154,26 @@ def test_histogram_within_one_bin_adversarial(cls, case, bias_kind):
     assert_within_one_bin(h, scores, bias, k)
 
 
+def test_centred_bins_are_asinh_bins():
+    """The centred binning computes asinh as log(|y| + sqrt(y^2 + 1)) with the sign of y (faster
+    on CPU): every r gets torch.asinh's bin unless it lies within 1e-4 of a bin edge, over
+    |r - b| from 0 (the atom at b_j: first bin above the middle) to far outside [-1, 1]."""
+    n, nb, sigma = 3, 1000, 0.005
+    bias = torch.tensor([-0.3, 0.0, 0.3])
+    h = CenteredQuantileHistogram(n, 1, nb, sigma=sigma)
+    offsets = torch.cat([-torch.logspace(-6, 1, 4001).flip(0), torch.zeros(1)])
+    offsets = torch.cat([offsets, -offsets.flip(0)[1:]])
+    r_ME = bias + offsets[:, None]
+    u_max = math.asinh((0.6 + 1.0) / sigma)
+    u_bins = torch.asinh(((r_ME - bias) / sigma).double()) * (nb / (2 * u_max))
+    ref = (u_bins.floor() + nb // 2).clamp(0, nb - 1).long()
+    clear = (u_bins - u_bins.round()).abs() > 1e-4
+    got = h.bin_index(r_ME, bias)
+    assert clear.float().mean() > 0.99
+    assert bool((got[clear] == ref[clear]).all())
+    assert bool((got[offsets == 0] == nb // 2).all())
+
+
 def test_exact_order_statistic_definition():
     """exact = Q-th smallest r: Q-1 strictly below (no ties), >= Q at or below, Q = ceil(mk/n)."""
     m, n, k = 333, 896, 16
