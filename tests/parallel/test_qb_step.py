@@ -184,12 +184,20 @@ def _run_layout(rank, world_size, layout, tokens):
     return per_step
 
 
+def _run_layouts(rank, world_size, runs):
+    """``_run_layout`` for each (layout, tokens) of ``runs`` in turn, in the same processes (one
+    spawn per world size: each costs ~10 s of start-up on 2 CPU cores)."""
+    return [_run_layout(rank, world_size, layout, tokens) for layout, tokens in runs]
+
+
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_all_reduced_counts_and_bias_equal_one_process(world_size):
     tokens = 48
-    for name, layout in LAYOUTS[world_size].items():
+    layouts = LAYOUTS[world_size]
+    runs = run_distributed(_run_layouts, world_size, [(lay, tokens) for lay in layouts.values()])
+    for i, (name, layout) in enumerate(layouts.items()):
         ref_counts, ref_loads, ref_bias = _reference(tokens, layout.get("binning", "uniform"))
-        per_rank = run_distributed(_run_layout, world_size, layout, tokens)
+        per_rank = [rank_runs[i] for rank_runs in runs]
         for step in range(STEPS):
             for rank, steps in enumerate(per_rank):
                 got = steps[step]
@@ -210,9 +218,7 @@ def test_all_reduced_counts_and_bias_equal_one_process(world_size):
 def test_all_reduce_size_is_independent_of_the_batch():
     from megatron_latentmoe.balancing import HEADER_FIELDS
 
-    sizes = set()
-    for tokens in (16, 96):
-        per_rank = run_distributed(_run_layout, 2, {"ep": 2}, tokens)
-        sizes |= {s["numel"] for steps in per_rank for s in steps}
+    runs = run_distributed(_run_layouts, 2, [({"ep": 2}, 16), ({"ep": 2}, 96)])
+    sizes = {s["numel"] for rank_runs in runs for steps in rank_runs for s in steps}
     hidden = 64  # tiny_config's hidden size: the mean router input rides along in fixed point
     assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + hidden + EXPERTS + 1)}
