@@ -441,7 +441,7 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
         y_ME = r_ME.sub_(centre_E).mul_(1.0 / self.sigma)
         # asinh(y) = sign(y) log(|y| + sqrt(y^2 + 1)), within 5e-7 of torch.asinh (bins are
         # ~0.02 wide in u). torch.asinh is elementwise scalar code on CPU: 1.1-4.0 ms at [1024, 128]
-        # against 0.4-0.6 ms for this form, the largest part of QB's cost per micro-batch.
+        # against 0.4-0.6 ms for this form (torch.asinh was the largest part of QB's cost per step).
         a_ME = y_ME.abs()
         u_ME = a_ME.mul(a_ME).add_(1.0).sqrt_().add_(a_ME).log_().copysign_(y_ME)
         return u_ME.mul_(inv_du).floor_().add_(self.num_bins // 2)
