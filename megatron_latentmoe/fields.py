@@ -246,6 +246,10 @@ FIELDS: tuple[ModelField, ...] = (
                help="Multiplies the routing probabilities."),
     # ---- Megatron-only: the router's bias update (does not change the weights' layout)
     ModelField("moe_router_load_balancing_type", None, QUANTILE_HISTOGRAM, kind="str"),
+    ModelField("moe_router_enable_expert_bias", None, False, kind="bool",
+               help="Megatron's sign-update expert bias (with a balancing type other than "
+               "quantile_histogram). A router with neither has no expert_bias tensor; its HF "
+               "export carries e_score_correction_bias = 0, which selects the same experts."),
     ModelField("moe_qb_num_bins", None, 1000, added=True,
                help="Histogram bins B per expert for Quantile Balancing (SPEC §4, appendix D)."),
     ModelField("moe_qb_binning", None, "uniform", kind=QB_BINNINGS, added=True,

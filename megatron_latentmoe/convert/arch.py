@@ -128,6 +128,14 @@ class ModelArch:
             )
 
     # ------------------------------------------------------------------ derived
+    @property
+    def has_expert_bias(self) -> bool:
+        """Whether the Megatron routers have an ``expert_bias`` (QB's, or the sign update's)."""
+        return (
+            self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+            or self.moe_router_enable_expert_bias
+        )
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
@@ -308,7 +316,6 @@ class ModelArch:
             self.megatron_config_kwargs(),
             **SMALL_RUN,
             moe_router_load_balancing_type=QUANTILE_HISTOGRAM if qb else "none",
-            moe_router_enable_expert_bias=not qb,
         )
         values.update(overrides)
         return StableLatentMoETransformerConfig(**values)

@@ -253,11 +253,14 @@ def _expected_lead(key: str, arch: ModelArch) -> tuple[int, ...]:
 
 
 def match_checkpoint(reader: DistCheckpointReader, arch: ModelArch, ckpt_name: str):
-    """Locate every canonical tensor; raise one ConversionError listing missing tensors, shape
-    mismatches and unexpected model tensors. Returns the number of canonical tensors."""
+    """Locate every canonical tensor the checkpoint stores (all but the ``zeros`` maps); raise one
+    ConversionError listing missing tensors, shape mismatches and unexpected model tensors.
+    Returns the number of canonical tensors located."""
     missing, mismatched, used = [], [], set()
     count = 0
     for tm in iter_tensor_maps(arch):
+        if tm.zeros:
+            continue
         count += 1
         loc = reader.locate(tm)
         if loc is None:
@@ -518,9 +521,8 @@ def export_checkpoint(
                 plan.extend((n, s, torch.uint8) for n, s in mxfp4.packed_shapes(hf_name, shape))
             else:
                 plan.append((hf_name, shape, dt))
-        largest = max(
-            largest, tm.numel() * max(dt.itemsize, reader.dtype(reader.locate(tm).keys[0]).itemsize)
-        )
+        stored = dt if tm.zeros else reader.dtype(reader.locate(tm).keys[0])
+        largest = max(largest, tm.numel() * max(dt.itemsize, stored.itemsize))
 
     hf_config, arch, tok_files = prepare_hf_metadata(
         arch, model_dtype, tok, adopt_token_ids=trained_by_megatron
@@ -538,8 +540,10 @@ def export_checkpoint(
         try:
             budget = max(read_batch_bytes, 1)
             for batch in _batches(iter_tensor_maps(arch), budget):
-                locs = [reader.locate(tm) for tm in batch]
-                tensors = reader.read_locations(locs)
+                read = iter(
+                    reader.read_locations([reader.locate(tm) for tm in batch if not tm.zeros])
+                )
+                tensors = [torch.zeros(tm.shape) if tm.zeros else next(read) for tm in batch]
                 for tm, t in zip(batch, tensors, strict=True):
                     for hf_name, hf_t in tm.to_hf(t).items():
                         if packed_experts and tm.expert is not None:

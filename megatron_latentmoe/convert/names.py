@@ -31,7 +31,8 @@ Layout transforms are all row (dim-0) re-orderings, described by ``Segment`` lis
 * gated fc1 (dense MLP, shared experts, each routed expert) is [gate; up] stacked ->
   ``gate_proj``/``up_proj`` (``w1``/``w3`` for routed experts);
 * everything else is a copy. ``e_score_correction_bias`` (Megatron ``router.expert_bias``) is
-  always fp32.
+  always fp32. A router trained without an expert bias (an aux loss alone, or ``none``) has no
+  such tensor; its map is marked ``zeros`` and the HF bias is 0 (the same top-k).
 
 ``iter_tensor_maps(arch)`` yields one ``TensorMap`` per canonical Megatron tensor, in model order;
 tests and all converter directions use it.
@@ -90,6 +91,7 @@ class TensorMap:
     expert: int | None = None  # a routed expert's index
     extra_state: bool = False  # the Megatron module has an ``_extra_state`` (ShardedObject)
     checkpoint_name: str | None = None  # saved under this name, not ``megatron`` (fused norms)
+    zeros: bool = False  # no Megatron tensor (a router without expert bias): the HF one is 0
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -226,7 +228,11 @@ def iter_layer_maps(arch: ModelArch, i: int) -> Iterator[TensorMap]:
     moe = hf + "block_sparse_moe."
     yield _copy(mg + "mlp.router.weight", moe + "gate.weight", (n, d))
     yield _copy(
-        mg + "mlp.router.expert_bias", moe + "gate.e_score_correction_bias", (n,), fp32=True
+        mg + "mlp.router.expert_bias",
+        moe + "gate.e_score_correction_bias",
+        (n,),
+        fp32=True,
+        zeros=not arch.has_expert_bias,
     )
     for j in range(n):
         w = (f"{moe}experts.{j}.{p}.weight" for p in ("w1", "w3", "w2"))

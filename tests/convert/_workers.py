@@ -58,8 +58,14 @@ Megatron and HF. (Measured alternatives: std 0.08 gave a 3e-4 margin; a few Adam
 corpus made the model repeat one token.) The verify test asserts margin > 100 x delta."""
 
 
+# The main model as trained with an aux loss alone: its routers have no expert_bias tensor.
+NO_BIAS_ARCH = dict(TEST_ARCH, moe_router_load_balancing_type="aux_loss")
+
+ARCHS = {"main": TEST_ARCH, "homogeneous": HOMOGENEOUS_ARCH, "no_bias": NO_BIAS_ARCH}
+
+
 def arch(kind: str = "main") -> ModelArch:
-    return ModelArch(**(TEST_ARCH if kind == "main" else HOMOGENEOUS_ARCH))
+    return ModelArch(**ARCHS[kind])
 
 
 def _build(a: ModelArch, tp=1, pp=1, ep=1, etp=1):
@@ -185,6 +191,12 @@ def make_reference(rank, world, out_dir: str) -> dict:
             buf.data = full[name].float().clone()
     _save(bf16, a, os.path.join(out_dir, "ck_bf16"))
     legacy_names = _save_with_old_norm_name(model, a, os.path.join(out_dir, "ck_old_names"), full)
+    # the same weights in routers without expert_bias (the model's parameters draw the same
+    # numbers: the bias is a buffer, drawn after them)
+    no_bias = _build(arch("no_bias"))
+    _randomise(no_bias, SEED)
+    assert not any(name.endswith("expert_bias") for name, _ in no_bias.named_buffers())
+    _save(no_bias, arch("no_bias"), os.path.join(out_dir, "ck_no_bias"))
 
     # homogeneous variant: stacked-layer keys, tied embeddings, swiglu, routed scaling
     h = arch("homogeneous")

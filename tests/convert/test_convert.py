@@ -335,10 +335,8 @@ def test_singleton_local_shards_checkpoint_exports_identically(workspace):
     )
 
 
-def test_verify_logits_and_greedy_generation(workspace):
-    """The CLI's ``verify``: Megatron (build_gpt_model, weights by Megatron's loader) vs the HF
-    export (transformers + trust_remote_code, fp32) on 2 x 64 tokens of real text."""
-    report_path = workspace.path("verify.json")
+def run_verify(checkpoint: str, hf: str, report_path: str) -> dict:
+    """The CLI's ``verify`` (32 greedy tokens); asserts exit status 0, returns the report."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -346,9 +344,9 @@ def test_verify_logits_and_greedy_generation(workspace):
             "megatron_latentmoe.convert",
             "verify",
             "--checkpoint",
-            workspace.path("ck_single"),
+            checkpoint,
             "--hf",
-            workspace.path("hf_main"),
+            hf,
             "--verify-tokens",
             "32",
             "--summary-json",
@@ -360,8 +358,16 @@ def test_verify_logits_and_greedy_generation(workspace):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.load(open(report_path))["verify"]
     print(proc.stdout)
+    return json.load(open(report_path))["verify"]
+
+
+def test_verify_logits_and_greedy_generation(workspace):
+    """The CLI's ``verify``: Megatron (build_gpt_model, weights by Megatron's loader) vs the HF
+    export (transformers + trust_remote_code, fp32) on 2 x 64 tokens of real text."""
+    report = run_verify(
+        workspace.path("ck_single"), workspace.path("hf_main"), workspace.path("verify.json")
+    )
     assert report["tokens_source"] == "real text, exported tokenizer"
     assert report["max_abs_diff"] <= 1e-4
     assert report["cosine"] > 0.999999
@@ -370,3 +376,37 @@ def test_verify_logits_and_greedy_generation(workspace):
     assert report["min_margin"] > 100 * report["max_abs_diff"]
     for row in report["megatron_tokens"]:
         assert len(set(row)) > 4
+
+
+def test_router_without_expert_bias_exports_a_zero_bias(workspace, tmp_path):
+    """A model trained with an aux loss alone has no router.expert_bias: its export is the QB
+    model's of the same weights with e_score_correction_bias = 0 (fp32), and verify passes
+    (Megatron routing without a bias vs HF routing with the zero bias). The QB checkpoint
+    described as such a model is refused, naming the bias, rather than exported without it."""
+    from megatron_latentmoe.convert import ConversionError, export_checkpoint
+
+    hf_dir = str(tmp_path / "hf")
+    export_checkpoint(
+        workspace.path("ck_no_bias"), hf_dir, max_shard_size=MAX_SHARD, progress=False
+    )
+    main, no_bias = load_hf_tensors(workspace.path("hf_main")), load_hf_tensors(hf_dir)
+    assert sorted(no_bias) == sorted(main)
+    biases = [k for k in main if k.endswith("gate.e_score_correction_bias")]
+    assert len(biases) == 3
+    for k in main:
+        if k in biases:
+            assert no_bias[k].dtype == torch.float32 and not no_bias[k].any()
+            assert main[k].abs().min() > 0  # the QB model's bias is not zero
+        else:
+            assert torch.equal(no_bias[k], main[k]), k
+    report = run_verify(workspace.path("ck_no_bias"), hf_dir, str(tmp_path / "verify.json"))
+    assert report["max_abs_diff"] <= 1e-4 and report["greedy_identical"]
+
+    cfg = tmp_path / "aux.json"
+    cfg.write_text(
+        json.dumps(dict(_workers.MEGATRON_CFG, moe_router_load_balancing_type="aux_loss"))
+    )
+    with pytest.raises(ConversionError, match=r"unexpected tensor.*mlp\.router\.expert_bias"):
+        export_checkpoint(
+            workspace.path("ck_single"), tmp_path / "hf2", config_file=str(cfg), progress=False
+        )

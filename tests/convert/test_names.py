@@ -151,6 +151,27 @@ def test_arch_round_trips_through_hf_config_and_megatron_args():
         assert ModelArch.from_dict(a.to_dict()) == a
 
 
+def test_expert_bias_map_follows_the_balancer():
+    """QB and the sign update store router.expert_bias; a router with neither (an aux loss alone,
+    ``none``) has none, and its HF bias is written as zeros (``zeros`` maps)."""
+
+    def zeros(**kw):
+        maps = [t for t in iter_tensor_maps(small_arch(**kw)) if t.megatron.endswith("expert_bias")]
+        assert len(maps) == 3  # the MoE layers 1-3
+        return {t.zeros for t in maps}
+
+    assert zeros() == {False}  # quantile_histogram
+    assert zeros(moe_router_load_balancing_type="aux_loss") == {True}
+    assert zeros(moe_router_load_balancing_type="none") == {True}
+    sign = dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True)
+    assert zeros(**sign) == {False}
+    assert ModelArch.from_megatron_args(small_arch(**sign).megatron_args_namespace()) == small_arch(
+        **sign
+    )
+    with pytest.raises(ConversionError, match="moe_router_enable_expert_bias=True"):
+        small_arch(moe_router_enable_expert_bias=True)  # with QB
+
+
 def test_megatron_args_without_our_fields_are_refused():
     ns = _workers.arch().megatron_args_namespace()
     del ns.hidden_act
