@@ -42,9 +42,10 @@ sys.path.insert(0, REPO)
 from tools.plot_balance import read_records  # noqa: E402
 
 # (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
-# usual coefficient 1e-2; the sign update (DeepSeek-V3, aux-loss-free) Megatron's default rate
-# 1e-3 and a 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap
-# here (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
+# usual coefficient 1e-2, and seq_aux_loss also 1: the control of QB + seq_aux_loss (the same aux
+# loss, no QB). The sign update (DeepSeek-V3, aux-loss-free): Megatron's default rate 1e-3 and a
+# 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap here
+# (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
 # 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
@@ -84,6 +85,12 @@ METHODS = {
         "seq_aux_loss",
         "--moe-aux-loss-coeff",
         "1e-2",
+    ],
+    "seq_aux_loss 1": [
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "1",
     ],
     "global_aux_loss": [
         "--moe-router-load-balancing-type",
