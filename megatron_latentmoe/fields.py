@@ -116,8 +116,8 @@ class ModelField:
     required: bool = False
     """Readers refuse an HF config without the key (the HF default is only an example)."""
     kind: Any = "positive int"
-    """Check: "positive int", "int >= 0", "positive number", "bool", "token id", "str", or
-    a tuple of allowed values."""
+    """Check: "positive int", "int >= 0", "number >= 0", "positive number", "bool", "token id",
+    "str", or a tuple of allowed values."""
     megatron: Any = _SAME
     """``TransformerConfig`` field (default: ``name``); None: a ``build_gpt_model`` argument."""
     builder: str | None = None
@@ -167,6 +167,11 @@ _KINDS = {
         int | None,
         lambda v: v is None or (_is_int(v) and v >= 0),
         "None or an integer >= 0",
+    ),
+    "number >= 0": (
+        float,
+        lambda v: (_is_int(v) or isinstance(v, float)) and v >= 0 and math.isfinite(v),
+        "a finite number >= 0",
     ),
     "positive number": (
         float,
@@ -256,6 +261,11 @@ FIELDS: tuple[ModelField, ...] = (
                help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or "
                "'centered' on each expert's bias (same traffic; ~6x closer to the exact quantile "
                "at equal B, see benchmarks/bench_balancing.py)."),
+    ModelField("moe_qb_absorb_coeff", None, 0.0, kind="number >= 0", added=True,
+               help="c of QB's absorption loss -c * sum_j (b_j - mean(b)) * P_j, P_j = expert "
+               "j's mean router score over the micro-batch's tokens: it teaches the router to "
+               "take over QB's bias, so that the token, not the bias, decides the selections "
+               "(moe/router.py; 0 = off)."),
     ModelField("moe_expert_weight_qat", None, "none", kind=EXPERT_WEIGHT_QATS, added=True,
                help="Quantization-aware training of the routed experts (SPEC §5): 'mxfp4' "
                "fake-quantizes every routed expert's w1/w3/w2 to MXFP4 in the forward "
@@ -445,6 +455,13 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
     balancers = balancer_list(get("moe_router_load_balancing_type"))
     if QUANTILE_HISTOGRAM in balancers:
         _check_quantile_balancing(get, balancers)
+    elif get("moe_qb_absorb_coeff"):
+        raise ConfigError(
+            "moe_qb_absorb_coeff",
+            get("moe_qb_absorb_coeff"),
+            "0 unless moe_router_load_balancing_type has quantile_histogram "
+            "(it teaches the router QB's bias)",
+        )
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
 

@@ -26,6 +26,7 @@ the one that counts), so every token is counted exactly once. No host sync in th
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -192,6 +193,8 @@ class QuantileBalancingRouter(BalanceCountingRouter):
 
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
             probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
+        if self.training and torch.is_grad_enabled() and self.config.moe_qb_absorb_coeff:
+            probs_ME = self._apply_absorb_loss(probs_ME, scores_ME, padding_M)
         if self.training and torch.is_grad_enabled():
             valid_M = None if padding_M is None else ~padding_M.bool()
             self.qb_histogram.observe(
@@ -199,6 +202,38 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             )
         self._count(routing_map_TE, padding_M)
         return probs_ME, routing_map_TE
+
+    def _apply_absorb_loss(self, probs_ME, scores_ME, padding_M):
+        """QB's absorption loss ``-c * sum_j (b_j - mean(b)) * P_j`` (c = ``moe_qb_absorb_coeff``),
+        P_j = expert j's mean raw score over the micro-batch's non-padding tokens, the mean taken
+        over the tokens of the whole TP x CP group as Megatron's aux losses take it, so every
+        layout gives one process's gradient.
+
+        The bias is a constant here; the gradient raises the scores of the experts QB boosts and
+        lowers those it holds back, in proportion to the bias. The router thus learns the
+        expert-wise offset that QB alone keeps cancelling (left alone it grows: in the balance race
+        the expert-wise mean router logit varies across experts by 0.5-0.7 at iteration 300), the
+        bias shrinks, and with it the loss's pull: its fixed point is a router whose own top-k is
+        balanced. The same work as an aux loss beside QB, from QB's exact bias rather than the
+        scores' own top-k counts: no top-k, no host sync, one [T, n] reduction (and the all-reduce
+        of one count within the TP x CP group when padding is masked). Measured in the balance
+        race (3 seeds, c = 0.3): final loss 0.050 below QB alone, 0.015 above QB + seq_aux_loss 1;
+        c = 3 diverges (README)."""
+        coeff = self.config.moe_qb_absorb_coeff
+        if padding_M is None:
+            sum_E = scores_ME.sum(dim=0)
+            tokens, valid = scores_ME.shape[0] * self.tp_cp_group.size(), None
+        else:
+            valid_M = (~padding_M.bool()).to(scores_ME.dtype)
+            sum_E = valid_M @ scores_ME
+            valid = valid_M.sum()
+            group_valid = reduce_from_tensor_model_parallel_region(valid.clone(), self.tp_cp_group)
+            tokens = group_valid.clamp(min=1)
+        bias_E = self.expert_bias - self.expert_bias.mean()
+        loss = -coeff * (bias_E.to(sum_E.dtype) * sum_E).sum() / tokens
+        return self.attach_and_log_load_balancing_loss(
+            probs_ME, coeff, loss, "qb_absorb_loss", self.tp_cp_group, valid_token_count=valid
+        )
 
     def _apply_aux_losses(self, probs_ME, logits_ME, padding_M, seq_length, bsz):
         """The aux losses listed beside ``quantile_histogram`` (e.g. ``quantile_histogram

@@ -31,6 +31,7 @@ BALANCERS = {
         moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
         moe_aux_loss_coeff=[0.0, 0.3],
     ),
+    "qb_absorb_loss": dict(moe_qb_binning="centered", moe_qb_absorb_coeff=0.3),
     "qb_megatron_moe_layer": dict(moe_latent_size=None, latent_moe_use_norm=False),
 }
 

@@ -16,6 +16,7 @@ once: the bias after the step proves it. Virtual pipeline stages (interleaved 1F
 (world 2) and PP2 x VPP2 x EP2 (world 4), on a 4-layer model against its own single process.
 MXFP4 QAT of the routed experts (m_e = 64): TP2+SP (ETP2: w2's MXFP4 blocks inside each shard),
 EP2 with recompute, PP2 (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
+QB's absorption loss from a non-zero bias: TP2+SP and EP2 (world 2).
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ LAYOUTS_QAT = {
         "PP2 QAT": dict(tp=1, pp=2, ep=1, etp=1, **QAT),
     },
     4: {"TP2xEP2-ETP2 QAT": dict(tp=2, pp=1, ep=2, etp=2, **QAT)},
+}
+# QB's absorption loss (moe_qb_absorb_coeff) from a non-zero starting bias (a zero bias gives it
+# no gradient): its mean score is over the tokens of the whole TP x CP group, like Megatron's aux
+# losses, so TP2+SP must give one process's router gradient.
+ABSORB = dict(moe_qb_absorb_coeff=0.5)
+LAYOUTS_ABSORB = {
+    "TP2+SP absorb": dict(tp=2, pp=1, ep=1, etp=2, **ABSORB),
+    "EP2 absorb": dict(tp=1, pp=1, ep=2, etp=1, **ABSORB),
 }
 LAYOUTS_VPP = {
     2: {"PP2-VPP2": dict(pp=2, vpp=2, layers=4, **P2P_OVERLAP)},
@@ -137,6 +146,12 @@ def _reference(rank, world_size, layers, extra):
     out = {}
     for dispatcher in DISPATCHERS:
         (model,), ddps, optimizer = _build(dispatcher, layers=layers, **extra)
+        if extra.get("moe_qb_absorb_coeff"):
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name.endswith("router.expert_bias"):
+                        b.copy_(0.2 * torch.randn(b.shape, generator=g))
         full = {
             k: v.detach().clone() if torch.is_tensor(v) else v
             for k, v in model.state_dict().items()
@@ -201,6 +216,11 @@ def reference_qat():
 
 
 @pytest.fixture(scope="module")
+def reference_absorb():
+    return _single_process(layers=2, **ABSORB)
+
+
+@pytest.fixture(scope="module")
 def reference_4_layers():
     return _single_process(layers=4)
 
@@ -230,3 +250,7 @@ def test_virtual_pipeline_matches_single_process(world_size, reference_4_layers)
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS_QAT))
 def test_mxfp4_qat_matches_single_process(world_size, reference_qat):
     _check_with_bias(run_distributed(_layouts, world_size, LAYOUTS_QAT[world_size], reference_qat))
+
+
+def test_absorb_loss_matches_single_process(reference_absorb):
+    _check_with_bias(run_distributed(_layouts, 2, LAYOUTS_ABSORB, reference_absorb))

@@ -72,6 +72,17 @@ CASES = {
         ],
         ["--moe-aux-loss-coeff", "0 for 'quantile_histogram'"],
     ),
+    "absorb_loss_without_qb": (  # the absorption loss teaches the router QB's bias: QB only
+        [
+            "--moe-router-load-balancing-type",
+            "aux_loss",
+            "--moe-aux-loss-coeff",
+            "1e-2",
+            "--moe-qb-absorb-coeff",
+            "0.3",
+        ],
+        ["--moe-qb-absorb-coeff 0.3", "quantile_histogram"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],

@@ -61,6 +61,7 @@ def test_added_fields_are_listed():
         "first_k_dense_replace",
         "moe_qb_num_bins",
         "moe_qb_binning",
+        "moe_qb_absorb_coeff",
         "moe_expert_weight_qat",
     }
 
@@ -95,6 +96,12 @@ def test_added_fields_are_listed():
             "QB router owns expert_bias",
         ),
         (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
+        (dict(moe_qb_absorb_coeff=-0.1), "moe_qb_absorb_coeff=-0.1", "a finite number >= 0"),
+        (
+            dict(moe_router_load_balancing_type="aux_loss", moe_qb_absorb_coeff=0.3),
+            "moe_qb_absorb_coeff=0.3",
+            "quantile_histogram",
+        ),
         (
             dict(moe_router_load_balancing_type=["quantile_histogram", "sinkhorn"]),
             "moe_router_load_balancing_type=['quantile_histogram', 'sinkhorn']",
