@@ -71,6 +71,14 @@ METHODS = {
         "--moe-qb-binning",
         "centered",
     ],
+    "QB centered + absorb 0.3 (ours)": [
+        "--moe-router-load-balancing-type",
+        "quantile_histogram",
+        "--moe-qb-binning",
+        "centered",
+        "--moe-qb-absorb-coeff",
+        "0.3",
+    ],
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",
