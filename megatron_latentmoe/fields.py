@@ -160,6 +160,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
 _KINDS = {
     "positive int": (int, lambda v: _is_int(v) and v > 0, "a positive integer"),
     "int >= 0": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -168,14 +172,10 @@ _KINDS = {
         lambda v: v is None or (_is_int(v) and v >= 0),
         "None or an integer >= 0",
     ),
-    "number >= 0": (
-        float,
-        lambda v: (_is_int(v) or isinstance(v, float)) and v >= 0 and math.isfinite(v),
-        "a finite number >= 0",
-    ),
+    "number >= 0": (float, lambda v: _is_finite_number(v) and v >= 0, "a finite number >= 0"),
     "positive number": (
         float,
-        lambda v: (_is_int(v) or isinstance(v, float)) and v > 0 and math.isfinite(v),
+        lambda v: _is_finite_number(v) and v > 0,
         "a positive finite number",
     ),
     "bool": (bool, lambda v: isinstance(v, bool), "True or False"),
