@@ -227,6 +227,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             valid_M = (~padding_M.bool()).to(scores_ME.dtype)
             sum_E = valid_M @ scores_ME
             valid = valid_M.sum()
+            # a copy: Megatron's all-reduce works in place, and ``valid`` stays the local count
             group_valid = reduce_from_tensor_model_parallel_region(valid.clone(), self.tp_cp_group)
             tokens = group_valid.clamp(min=1)
         bias_E = self.expert_bias - self.expert_bias.mean()
