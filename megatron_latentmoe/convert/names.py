@@ -261,6 +261,17 @@ def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
         yield _copy("output_layer.weight", "lm_head.weight", (v, d))
 
 
+def iter_training_state_maps(arch: ModelArch) -> Iterator[TensorMap]:
+    """The model's training-state buffers that have no HF tensor (``DRIFT_HISTORY``, [2, d] fp32
+    per QB MoE layer), as maps with no HF side: what import writes as zeros."""
+    if not arch.quantile_balanced:
+        return
+    for i in range(arch.num_layers):
+        if arch.is_moe_layer(i):
+            name = f"decoder.layers.{i}.{DRIFT_HISTORY}"
+            yield TensorMap(name, (2, arch.hidden_size), hf=(), segments=(), fp32=True)
+
+
 def hf_tensor_names(arch: ModelArch) -> list[str]:
     """All HF tensor names of the model (what an exported checkpoint contains), in model order."""
     return [name for tm in iter_tensor_maps(arch) for name in tm.hf_names]
@@ -273,6 +284,9 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Checkpoint tensor keys starting with these belong to the model (the rest: optimizer, ...)."""
+DRIFT_HISTORY = "mlp.router.drift_mean_inputs"
+"""QB's drift-correction history (``moe/router.py``): a model buffer that is training state, not a
+weight. Export skips it (``is_model_key``); import writes it as a fresh model has it (zeros)."""
 
 
 @dataclass(frozen=True)
@@ -351,7 +365,10 @@ def extra_state_key(tm: TensorMap, arch: ModelArch) -> str | None:
 
 def is_model_key(key: str) -> bool:
     return (
-        key.startswith(MODEL_KEY_PREFIXES) and "/shard_" not in key and "._extra_state" not in key
+        key.startswith(MODEL_KEY_PREFIXES)
+        and "/shard_" not in key
+        and "._extra_state" not in key
+        and not key.endswith(DRIFT_HISTORY)
     )
 
 

@@ -131,6 +131,54 @@ def _run(rank, world_size):
     out["drift_after_forward"] = layer.router.expert_bias.clone()  # not applied twice
     layer.train()
 
+    # 6b. the extrapolated drift correction: the mean input moves along u by +0.4, then +0.2
+    # (AR(1) gain 0.5), then back by 0.1 (gain -0.5, clipped to 0); a step without tokens
+    # changes nothing
+    u = torch.randn(64)
+
+    def step(shift):
+        y, _ = layer((x + shift * u).requires_grad_())
+        y.sum().backward()
+        update_balance([layer], None)
+        return layer.router.expert_bias.clone(), layer.router.drift_mean_inputs.clone()
+
+    def score_shift(w_new, w_old, h_new, h_old):
+        shift = torch.sigmoid(w_new @ h_new) - torch.sigmoid(w_old @ h_old)
+        return shift - shift.mean()
+
+    step(0.0)
+    step(0.4)
+    out["drift_history_len"] = int(layer.router.drift_mean_inputs.any(dim=1).sum())
+    for name, shift in (("drift_extrapolated", 0.6), ("drift_reversed", 0.5)):
+        history_before = layer.router.drift_mean_inputs.clone()
+        solved, history = step(shift)
+        h_t, h_prev, h_prev2 = history[0], history[1], history_before[1]
+        change, last_change = h_t - h_prev, h_prev - h_prev2
+        gain = float(change @ last_change / (last_change @ last_change))
+        w_old = layer.router.weight.detach().clone()
+        with torch.no_grad():
+            layer.router.weight.add_(0.05 * torch.randn_like(layer.router.weight))
+        w_new = layer.router.weight.detach()
+        expected_h = h_t + min(max(gain, 0.0), 1.0) * change
+        out[name] = {
+            "gain": gain,
+            "saved": layer.router.state_dict()["expert_bias"].clone(),
+            "expected": solved - score_shift(w_new, w_old, expected_h, h_t),
+            "plain": solved - score_shift(w_new, w_old, h_t, h_t),
+        }
+    layer.eval()
+    layer(x)  # applies the pending correction
+    layer.train()
+    bias, history = layer.router.expert_bias.clone(), layer.router.drift_mean_inputs.clone()
+    update_balance([layer], None)  # no forward since the last step: no tokens
+    layer.eval()
+    layer(x)
+    layer.train()
+    out["drift_empty_step"] = (
+        torch.equal(layer.router.expert_bias, bias),
+        torch.equal(layer.router.drift_mean_inputs, history),
+    )
+
     # 7. the absorption loss (moe_qb_absorb_coeff c): the router weight's gradient with it minus
     # without it, on the same padded forward, against the closed form
     # d/dw_j [-c (b_j - mean b) P_j] = -c (b_j - mean b) / T_valid * sum_valid s'(l_ij) x_i
@@ -167,9 +215,10 @@ def test_training_forward_observes_every_token_once(result):
     assert not torch.equal(result["expected_loads"], result["unbiased_loads"])
 
 
-def test_only_weight_and_bias_are_checkpointed(result):
-    # the histogram and the load counters are per-step scratch, kept out of checkpoints
-    assert result["router_state_keys"] == ["expert_bias", "weight"]
+def test_only_weight_bias_and_drift_history_are_checkpointed(result):
+    # the histogram and the load counters are per-step scratch, kept out of checkpoints; the
+    # drift correction's history is kept, so a resumed run extrapolates as the killed one would
+    assert result["router_state_keys"] == ["drift_mean_inputs", "expert_bias", "weight"]
 
 
 def test_padding_tokens_are_not_observed(result):
@@ -192,10 +241,27 @@ def test_nan_scores_raise_at_the_step_end_naming_the_layer(result):
 
 
 def test_drift_correction_moves_the_bias_by_the_score_shift_once(result):
-    # fixed-point mean input (resolution 2.4e-4): the bias agrees to ~1e-5, far below the shift
+    # the mean input travels as two-word fixed point (resolution 7.5e-9; one word, 2.4e-4, is
+    # off by ~1e-5 here): the bias agrees to fp32 rounding, far below the shift
     assert not torch.allclose(result["drift_expected"], result["drift_solved"], atol=1e-3)
-    torch.testing.assert_close(result["drift_saved"], result["drift_expected"], atol=2e-5, rtol=0)
+    torch.testing.assert_close(result["drift_saved"], result["drift_expected"], atol=1e-6, rtol=0)
     assert torch.equal(result["drift_after_forward"], result["drift_saved"])
+
+
+def test_drift_correction_extrapolates_the_mean_input(result):
+    """h* = h_t + g (h_t - h_{t-1}), g = <d_t, d_{t-1}> / |d_{t-1}|^2 clipped to [0, 1]."""
+    assert result["drift_history_len"] == 2
+    moved = result["drift_extrapolated"]
+    assert 0.45 < moved["gain"] < 0.55  # the set-up: the mean moved +0.4 u, then +0.2 u
+    assert (moved["expected"] - moved["plain"]).abs().max() > 1e-4  # extrapolation matters
+    torch.testing.assert_close(moved["saved"], moved["expected"], atol=1e-6, rtol=0)
+    back = result["drift_reversed"]
+    assert back["gain"] < -0.3  # the mean turned back: no extrapolation
+    torch.testing.assert_close(back["saved"], back["plain"], atol=1e-6, rtol=0)
+
+
+def test_a_step_without_tokens_keeps_bias_and_drift_history(result):
+    assert result["drift_empty_step"] == (True, True)
 
 
 def test_absorb_loss_gradient_is_the_closed_form(result):
