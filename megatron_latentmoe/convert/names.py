@@ -262,14 +262,20 @@ def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
 
 
 def iter_training_state_maps(arch: ModelArch) -> Iterator[TensorMap]:
-    """The model's training-state buffers that have no HF tensor (``DRIFT_HISTORY``, [2, d] fp32
-    per QB MoE layer), as maps with no HF side: what import writes as zeros."""
+    """The model's training-state buffers that have no HF tensor (``DRIFT_STATE``, fp32, per QB
+    MoE layer), as maps with no HF side: what import writes as zeros."""
     if not arch.quantile_balanced:
         return
     for i in range(arch.num_layers):
         if arch.is_moe_layer(i):
-            name = f"decoder.layers.{i}.{DRIFT_HISTORY}"
-            yield TensorMap(name, (2, arch.hidden_size), hf=(), segments=(), fp32=True)
+            for name, shape in DRIFT_STATE.items():
+                yield TensorMap(
+                    f"decoder.layers.{i}.{name}",
+                    shape(arch.hidden_size),
+                    hf=(),
+                    segments=(),
+                    fp32=True,
+                )
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -284,9 +290,13 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Checkpoint tensor keys starting with these belong to the model (the rest: optimizer, ...)."""
-DRIFT_HISTORY = "mlp.router.drift_mean_inputs"
-"""QB's drift-correction history (``moe/router.py``): a model buffer that is training state, not a
-weight. Export skips it (``is_model_key``); import writes it as a fresh model has it (zeros)."""
+DRIFT_STATE: dict[str, Callable[[int], tuple[int, ...]]] = {
+    "mlp.router.drift_mean_inputs": lambda hidden: (2, hidden),
+    "mlp.router.drift_gain_terms": lambda hidden: (2,),
+}
+"""QB's drift-correction state (``moe/router.py``), name -> shape given the hidden size: model
+buffers that are training state, not weights. Export skips them (``is_model_key``); import
+writes them as a fresh model has them (zeros)."""
 
 
 @dataclass(frozen=True)
@@ -368,7 +378,7 @@ def is_model_key(key: str) -> bool:
         key.startswith(MODEL_KEY_PREFIXES)
         and "/shard_" not in key
         and "._extra_state" not in key
-        and not key.endswith(DRIFT_HISTORY)
+        and not key.endswith(tuple(DRIFT_STATE))
     )
 
 
