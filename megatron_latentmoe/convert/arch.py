@@ -129,14 +129,12 @@ class ModelArch:
 
     # ------------------------------------------------------------------ derived
     @property
-    def quantile_balanced(self) -> bool:
-        """Whether the Megatron routers are QB routers (``moe/router.py``)."""
-        return self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
-
-    @property
     def has_expert_bias(self) -> bool:
         """Whether the Megatron routers have an ``expert_bias`` (QB's, or the sign update's)."""
-        return self.quantile_balanced or self.moe_router_enable_expert_bias
+        return (
+            self.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+            or self.moe_router_enable_expert_bias
+        )
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace

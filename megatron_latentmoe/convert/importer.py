@@ -30,7 +30,6 @@ dequantized (exact) into the dtype of the other tensors, or ``dtype``.
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import math
 import os
@@ -67,7 +66,6 @@ from .names import (
     check_shape,
     extra_state_key,
     iter_tensor_maps,
-    iter_training_state_maps,
     primary_checkpoint_key,
 )
 from .summary import (
@@ -366,7 +364,7 @@ def _import(
     resolvers: dict = {}
     total, largest = 0, 0
 
-    for tm in itertools.chain(iter_tensor_maps(arch), iter_training_state_maps(arch)):
+    for tm in iter_tensor_maps(arch):
         dt = torch.float32 if tm.fp32 else (out_dtype or hf.dtype(tm.hf[0][0]))
         nbytes = tm.numel() * dt.itemsize
         largest, total = max(largest, nbytes), total + nbytes
@@ -387,10 +385,7 @@ def _import(
         )
 
         def resolve(tm=tm, dt=dt, sizes=sizes):
-            if tm.hf:
-                t = tm.megatron_rows(hf.get, 0, tm.shape[0]).to(dt).reshape(sizes).contiguous()
-            else:  # training state: as a fresh model has it
-                t = torch.zeros(sizes, dtype=dt)
+            t = tm.megatron_rows(hf.get, 0, tm.shape[0]).to(dt).reshape(sizes).contiguous()
             bar.update(t.numel() * t.element_size())
             return t
 

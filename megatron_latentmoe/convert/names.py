@@ -261,23 +261,6 @@ def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
         yield _copy("output_layer.weight", "lm_head.weight", (v, d))
 
 
-def iter_training_state_maps(arch: ModelArch) -> Iterator[TensorMap]:
-    """The model's training-state buffers that have no HF tensor (``DRIFT_STATE``, fp32, per QB
-    MoE layer), as maps with no HF side: what import writes as zeros."""
-    if not arch.quantile_balanced:
-        return
-    for i in range(arch.num_layers):
-        if arch.is_moe_layer(i):
-            for name, shape in DRIFT_STATE.items():
-                yield TensorMap(
-                    f"decoder.layers.{i}.{name}",
-                    shape(arch.hidden_size),
-                    hf=(),
-                    segments=(),
-                    fp32=True,
-                )
-
-
 def hf_tensor_names(arch: ModelArch) -> list[str]:
     """All HF tensor names of the model (what an exported checkpoint contains), in model order."""
     return [name for tm in iter_tensor_maps(arch) for name in tm.hf_names]
@@ -290,13 +273,6 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Checkpoint tensor keys starting with these belong to the model (the rest: optimizer, ...)."""
-DRIFT_STATE: dict[str, Callable[[int], tuple[int, ...]]] = {
-    "mlp.router.drift_mean_inputs": lambda hidden: (2, hidden),
-    "mlp.router.drift_gain_terms": lambda hidden: (2,),
-}
-"""QB's drift-correction state (``moe/router.py``), name -> shape given the hidden size: model
-buffers that are training state, not weights. Export skips them (``is_model_key``); import
-writes them as a fresh model has them (zeros)."""
 
 
 @dataclass(frozen=True)
@@ -375,10 +351,7 @@ def extra_state_key(tm: TensorMap, arch: ModelArch) -> str | None:
 
 def is_model_key(key: str) -> bool:
     return (
-        key.startswith(MODEL_KEY_PREFIXES)
-        and "/shard_" not in key
-        and "._extra_state" not in key
-        and not key.endswith(tuple(DRIFT_STATE))
+        key.startswith(MODEL_KEY_PREFIXES) and "/shard_" not in key and "._extra_state" not in key
     )
 
 

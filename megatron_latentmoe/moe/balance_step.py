@@ -81,28 +81,19 @@ def token_parallel_group(config) -> dist.ProcessGroup | None:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-# The mean router input travels in the integer all-reduce as fixed point, two int32 words per
-# coordinate: each rank adds its local mean, clamped to +-(2**4 - 1) (RMS-normed inputs sit far
-# inside), as a high word (floor of mean * 2**12) and a low word (the rest * 2**15), so both sums
-# over up to MAX_RANKS (2**15) ranks stay inside int32. Resolution 2**-27 (7.5e-9), below the
-# fp32 rounding of the mean itself: the drift correction's extrapolation is first order in the
-# mean, and with one word (resolution 2.4e-4) an EP2 checkpoint continued in TP2+SP moved a QB
-# bias by 2.4e-3 of its step update (tests/training/test_resume.py), now by < 1e-4.
+# The mean router input travels in the integer all-reduce as fixed point: each rank adds its
+# local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
+# up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4.
 _FIXED_SCALE = 2.0**12
-_FIXED_LOW = 2.0**15
 _FIXED_CLAMP = 2.0**4 - 1
 
 
 def _to_fixed(x: torch.Tensor) -> torch.Tensor:
-    scaled = x.double().clamp(-_FIXED_CLAMP, _FIXED_CLAMP) * _FIXED_SCALE
-    high = scaled.floor()
-    low = ((scaled - high) * _FIXED_LOW).round()
-    return torch.cat([high, low]).to(torch.int32)
+    return (x.clamp(-_FIXED_CLAMP, _FIXED_CLAMP) * _FIXED_SCALE).round().to(torch.int32)
 
 
 def _from_fixed(words: torch.Tensor, ranks: int) -> torch.Tensor:
-    high, low = words.double().chunk(2)
-    return ((high + low / _FIXED_LOW) / (_FIXED_SCALE * max(ranks, 1))).float()
+    return words.to(torch.float32) / (_FIXED_SCALE * max(ranks, 1))
 
 
 @torch.no_grad()
@@ -139,7 +130,7 @@ def update_balance(
         router.step_loads_E.zero_()
         router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
-            d = 2 * router.step_input_sum_D.numel()  # two fixed-point words per coordinate
+            d = router.step_input_sum_D.numel()
             hist_words = part.numel() - n - 1 - d
             try:
                 router.qb_histogram.unpack_(part[:hist_words])
@@ -147,9 +138,7 @@ def update_balance(
                 raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
             router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
             ranks = router.qb_histogram._reduced["ranks"]
-            router.set_drift_reference(
-                _from_fixed(part[hist_words : hist_words + d], ranks), num_tokens
-            )
+            router.set_drift_reference(_from_fixed(part[hist_words : hist_words + d], ranks))
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
     return metrics

@@ -39,13 +39,6 @@ def _buffer_device() -> torch.device:
     return torch.device("cpu")
 
 
-DRIFT_GAIN_DECAY = 0.8
-"""Decay of the EMAs behind the drift correction's extrapolation gain (``QuantileBalancingRouter.
-forward``): ~5 steps, long enough that sampling noise averages to its negative correlation (so
-g -> 0 after the warm-up), short against the ~20-step warm-up collapse (replayed: 0.5 and 0.8
-agree within 0.2 MaxVio in every window)."""
-
-
 class BalanceCountingRouter(TopKRouter):
     """Megatron's ``TopKRouter`` plus a per-step count of the tokens routed to each expert.
 
@@ -124,23 +117,13 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         # Sync-free: NaN/inf scores are counted on the device and raise at the step-end update,
         # on every rank (balance_step.py).
         self.qb_histogram = histogram(n, self.topk, num_bins=config.moe_qb_num_bins, device=device)
-        # Drift correction (see ``forward``): this step's summed router input (per-step
-        # scratch); the global mean router input of the last two steps, newest first (zeros: not
-        # seen yet), persistent so that a resumed run extrapolates as the killed one would have;
-        # and, between the step-end solve and the next forward, the input the next batch is
-        # expected at and the scores of this step's mean input under the weights the bias was
-        # solved with.
+        # Router-weight drift correction (see ``forward``): this step's summed router input
+        # (per-step scratch) and, between the step-end solve and the next forward, the global
+        # mean input and the scores it had under the weights the bias was solved with.
         self.register_buffer(
             "step_input_sum_D",
             torch.zeros(config.hidden_size, dtype=torch.float32, device=device),
             persistent=False,
-        )
-        self.register_buffer(
-            "drift_mean_inputs",
-            torch.zeros(2, config.hidden_size, dtype=torch.float32, device=device),
-        )
-        self.register_buffer(  # EMAs of <d_t, d_{t-1}> and |d_{t-1}|^2 (``forward``)
-            "drift_gain_terms", torch.zeros(2, dtype=torch.float32, device=device)
         )
         self._drift_ref = None
 
@@ -155,29 +138,10 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         the same amount -- measured: 0.006-0.007 per step, against a spread of scores across
         tokens of only 0.01-0.015 -- and a bias solved under W_t routes the same tokens under
         W_{t+1} at MaxVio 11-20 (3-5 under W_t). The correction moves the bias by that common
-        shift, estimated at the global mean router input h_t (from the step-end all-reduce):
-        ``b_j -= (s_j(h*; W_{t+1}) - s_j(h_t; W_t))``, re-centred.
-
-        h* extrapolates the mean input, because the layers below the router move too: the next
-        batch arrives at a mean input h_{t+1} != h_t. Replaying the race's first 80 steps (seeds
-        1234 / 1 / 2, QB centered) with the step's own weights and biases: re-solving the bias
-        on the old tokens re-scored under W_{t+1} (the ideal weight correction) balances the
-        next batch no better than the h_t correction (MaxVio 4.33 vs 4.28 over iterations
-        2-50), while the next batch's OWN mean input (not allowed) would give 1.69; the score
-        shift from h_{t+1} - h_t is 3-10x the one from sampling two batches during iterations
-        13-31, and consecutive mean changes point the same way there (cosine 0.66; ~0 after
-        iteration 31). So ``h* = h_t + g (h_t - h_{t-1})``, with g the least-squares AR(1)
-        coefficient of the mean's changes d, ``EMA<d_t, d_{t-1}> / EMA|d_{t-1}|^2`` (decay
-        ``DRIFT_GAIN_DECAY``), clipped to [0, 1] (0 until two changes are seen). Replayed:
-        MaxVio 6.14 -> 3.56 over iterations 13-31, unchanged after iteration 50 (2.18 -> 2.12).
-        The EMA matters in training: with the last pair alone (g from d_t, d_{t-1}) the race's
-        iterations 1-50 improved as much (QB centered, 3 seeds: 4.45 -> 3.15), but once the
-        changes are sampling noise (anti-correlated) a noisy positive g now and then moved the
-        bias the wrong way: MaxVio 1.16 -> 1.20 after iteration 50, one worst iteration 5.68 ->
-        8.04 (iteration 66).
-
-        Everything here is a function of replicated weights and all-reduced numbers, so every
-        rank applies the same correction; no batch is routed with a bias computed from itself.
+        shift, estimated at the global mean router input h (from the step-end all-reduce):
+        ``b_j -= (s_j(h; W_{t+1}) - s_j(h; W_t))``, re-centred. It is a function of replicated
+        weights and all-reduced numbers, so every rank applies the same one; no batch is routed
+        with a bias computed from itself.
         """
         self._apply_drift_correction()
         if self.training and torch.is_grad_enabled():
@@ -192,33 +156,17 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         return torch.sigmoid(self.weight.detach().float() @ h_D)
 
     @torch.no_grad()
-    def set_drift_reference(self, mean_input_D: torch.Tensor, num_tokens: int) -> None:
-        """Step end, after the solve: remember where the next batch's mean input is expected
-        and the scores of this step's mean input under W_t (``forward``); a step without tokens
-        leaves the bias and the history as they are."""
-        if num_tokens == 0:
-            self._drift_ref = None
-            return
-        history_2D, terms_2 = self.drift_mean_inputs, self.drift_gain_terms  # h_{t-1}, h_{t-2}
-        change_D = mean_input_D - history_2D[0]
-        last_change_D = history_2D[0] - history_2D[1]
-        seen = history_2D.any(dim=1).all()
-        new_2 = torch.stack([change_D @ last_change_D, last_change_D @ last_change_D])
-        decay = DRIFT_GAIN_DECAY
-        terms_2.copy_(torch.where(seen, decay * terms_2 + (1 - decay) * new_2, terms_2))
-        gain = (terms_2[0] / terms_2[1].clamp(min=1e-30)).clamp(0.0, 1.0) * seen
-        expected_D = mean_input_D + gain * change_D
-        history_2D[1] = history_2D[0]
-        history_2D[0] = mean_input_D
-        self._drift_ref = (expected_D, self._scores_at(mean_input_D))
+    def set_drift_reference(self, mean_input_D: torch.Tensor) -> None:
+        """Step end, after the solve: remember the mean input and its scores under W_t."""
+        self._drift_ref = (mean_input_D, self._scores_at(mean_input_D))
 
     @torch.no_grad()
     def _apply_drift_correction(self) -> None:
         if self._drift_ref is None:
             return
-        expected_D, old_E = self._drift_ref
+        mean_input_D, old_E = self._drift_ref
         self._drift_ref = None
-        shift_E = self._scores_at(expected_D) - old_E
+        shift_E = self._scores_at(mean_input_D) - old_E
         self.expert_bias.sub_(shift_E - shift_E.mean())
 
     def _save_to_state_dict(self, *args, **kwargs):
