@@ -191,19 +191,19 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
         routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
-            probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
-        if self.training and torch.is_grad_enabled() and self.config.moe_qb_absorb_coeff:
-            probs_ME = self._apply_absorb_loss(probs_ME, scores_ME, padding_M)
         if self.training and torch.is_grad_enabled():
             valid_M = None if padding_M is None else ~padding_M.bool()
+            if self.is_aux_loss_enabled():
+                probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
+            if self.config.moe_qb_absorb_coeff:
+                probs_ME = self._apply_absorb_loss(probs_ME, scores_ME, valid_M)
             self.qb_histogram.observe(
                 scores_ME.detach().float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M
             )
         self._count(routing_map_TE, padding_M)
         return probs_ME, routing_map_TE
 
-    def _apply_absorb_loss(self, probs_ME, scores_ME, padding_M):
+    def _apply_absorb_loss(self, probs_ME, scores_ME, valid_M):
         """QB's absorption loss ``-c * sum_j (b_j - mean(b)) * P_j`` (c = ``moe_qb_absorb_coeff``),
         P_j = expert j's mean raw score over the micro-batch's non-padding tokens, the mean taken
         over the tokens of the whole TP x CP group as Megatron's aux losses take it, so every
@@ -220,13 +220,13 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         race (3 seeds, c = 0.3): final loss 0.050 below QB alone, 0.015 above QB + seq_aux_loss 1;
         c = 3 destabilises training (seed 1234: final loss 5.04 against 4.71; README)."""
         coeff = self.config.moe_qb_absorb_coeff
-        if padding_M is None:
+        if valid_M is None:
             sum_E = scores_ME.sum(dim=0)
             tokens, valid = scores_ME.shape[0] * self.tp_cp_group.size(), None
         else:
-            valid_M = (~padding_M.bool()).to(scores_ME.dtype)
-            sum_E = valid_M @ scores_ME
-            valid = valid_M.sum()
+            weights_M = valid_M.to(scores_ME.dtype)
+            sum_E = weights_M @ scores_ME
+            valid = weights_M.sum()
             # a copy: Megatron's all-reduce works in place, and ``valid`` stays the local count
             group_valid = reduce_from_tensor_model_parallel_region(valid.clone(), self.tp_cp_group)
             tokens = group_valid.clamp(min=1)
