@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -83,9 +84,23 @@ class Trainee:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from megatron_latentmoe.model import build_gpt_model
-        from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
+        from megatron_latentmoe.training.balance_logging import (
+            balance_step_end,
+            make_finalize_model_grads_func,
+        )
+        from megatron_latentmoe.training.qb_rescore import QBRescore
 
         self.args, self.config = args, config
+        self.iteration, self.num_micro_batches = 0, None
+        self.rescore = None
+        if args.moe_qb_rescore_iters:  # QB rescoring, as the entry point runs it
+            self.rescore = QBRescore(
+                args.moe_qb_rescore_iters,
+                partial(balance_step_end, balance_logger=None),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                num_microbatches=lambda: self.num_micro_batches,
+            )
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         model = build_gpt_model(
@@ -96,7 +111,7 @@ class Trainee:
         self.ddp = DistributedDataParallel(
             config=self.config, ddp_config=DistributedDataParallelConfig(), module=model
         )
-        self.config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
+        self.config.finalize_model_grads_func = make_finalize_model_grads_func(None, self.rescore)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -112,22 +127,51 @@ class Trainee:
     def step(self, micro_batches, lr):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_latentmoe.training.forward_step import forward_step
+        from megatron_latentmoe.training.forward_step import forward_step, set_batch_recorder
 
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.num_micro_batches = len(micro_batches)
+        train_step = self._train_step
+        if self.rescore is not None:
+            train_step = self.rescore.wrap_train_step(train_step)
+        set_batch_recorder(self.rescore)
+        train_step(
+            forward_step,
+            iter(micro_batches),
+            [self.ddp],
+            self.optimizer,
+            None,
+            self.config,
+            get_forward_backward_func(),
+            iteration=self.iteration,
+        )
+        self.iteration += 1
+
+    def _train_step(
+        self,
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):
+        """What ``megatron.training``'s ``train_step`` does here (no LR scheduler, no rerun)."""
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.ddp],
-            num_microbatches=len(micro_batches),
+        optimizer.zero_grad()
+        forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
             forward_only=False,
         )
-        self.optimizer.step()
+        optimizer.step()
 
 
 def micro_batches(tokens, args, step, rank, world):

@@ -47,6 +47,7 @@ from tools.plot_balance import read_records  # noqa: E402
 # 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap here
 # (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
 # 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
+RESCORE_ALL = "1000000000"  # --moe-qb-rescore-iters: every iteration of any race
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": [
@@ -78,6 +79,27 @@ METHODS = {
         "centered",
         "--moe-qb-absorb-coeff",
         "0.3",
+    ],
+    # QB rescoring every step (training/qb_rescore.py): the bias from the updated model's scores
+    "QB centered + rescore (ours)": [
+        "--moe-router-load-balancing-type",
+        "quantile_histogram",
+        "--moe-qb-binning",
+        "centered",
+        "--moe-qb-rescore-iters",
+        RESCORE_ALL,
+    ],
+    "QB centered + seq_aux_loss + rescore (ours)": [
+        "--moe-router-load-balancing-type",
+        "quantile_histogram",
+        "seq_aux_loss",
+        "--moe-aux-loss-coeff",
+        "0",
+        "1",
+        "--moe-qb-binning",
+        "centered",
+        "--moe-qb-rescore-iters",
+        RESCORE_ALL,
     ],
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [

@@ -266,6 +266,12 @@ FIELDS: tuple[ModelField, ...] = (
                "j's mean router score over the micro-batch's tokens: it teaches the router to "
                "take over QB's bias, so that the token, not the bias, decides the selections "
                "(moe/router.py; 0 = off)."),
+    ModelField("moe_qb_rescore_iters", None, 0, kind="int >= 0", added=True,
+               help="For the first N iterations, QB solves the next step's bias from this "
+               "step's batch as the UPDATED model scores it: one forward-only pass of the "
+               "batch after the optimizer step (no backward), so the bias follows the fast "
+               "early-training drift of the router and its inputs (training/qb_rescore.py; "
+               "0 = off)."),
     ModelField("moe_expert_weight_qat", None, "none", kind=EXPERT_WEIGHT_QATS, added=True,
                help="Quantization-aware training of the routed experts (SPEC §5): 'mxfp4' "
                "fake-quantizes every routed expert's w1/w3/w2 to MXFP4 in the forward "
@@ -455,13 +461,17 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
     balancers = balancer_list(get("moe_router_load_balancing_type"))
     if QUANTILE_HISTOGRAM in balancers:
         _check_quantile_balancing(get, balancers)
-    elif get("moe_qb_absorb_coeff"):
-        raise ConfigError(
-            "moe_qb_absorb_coeff",
-            get("moe_qb_absorb_coeff"),
-            "0 unless moe_router_load_balancing_type has quantile_histogram "
-            "(it teaches the router QB's bias)",
-        )
+    else:
+        for field, why in (
+            ("moe_qb_absorb_coeff", "it teaches the router QB's bias"),
+            ("moe_qb_rescore_iters", "it re-solves QB's bias"),
+        ):
+            if get(field):
+                raise ConfigError(
+                    field,
+                    get(field),
+                    f"0 unless moe_router_load_balancing_type has quantile_histogram ({why})",
+                )
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
 

@@ -141,6 +141,14 @@ def exclude_from_step_time(wrap: Callable[[Callable], Callable]) -> None:
         registry.patch(_RUN_GROUP, mtraining, name, wrap(getattr(mtraining, name)))
 
 
+def wrap_train_step(wrap: Callable[[Callable], Callable]) -> None:
+    """``megatron.training.training.train_step`` becomes ``wrap(train_step)`` (QB rescoring runs
+    its forward-only pass after the optimizer step: ``training/qb_rescore.py``)."""
+    import megatron.training.training as mtraining
+
+    registry.patch(_RUN_GROUP, mtraining, "train_step", wrap(mtraining.train_step))
+
+
 def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> None:
     """``megatron.training.training.load_checkpoint`` for a checkpoint of another parallel layout.
 

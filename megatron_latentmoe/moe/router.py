@@ -18,7 +18,8 @@ bias itself changes only at the step end (``balance_step.py``), so a batch is ne
 a bias computed from itself.
 
 Counted / observed: the non-padding tokens (``padding_mask`` True = padding) of training
-forwards with autograd on. Not counted: eval / inference forwards and the first pass of an
+forwards with autograd on; observed only: a QB rescoring pass (``qb_rescoring``,
+``training/qb_rescore.py``). Not counted: eval / inference forwards and the first pass of an
 activation-recomputed forward (Megatron runs it under ``no_grad``; the recompute in backward is
 the one that counts), so every token is counted exactly once. No host sync in the forward.
 """
@@ -126,6 +127,9 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             persistent=False,
         )
         self._drift_ref = None
+        # Set by training/qb_rescore.py around its forward-only pass (no grad): observe, and
+        # only observe (no load count, no loss), the scores of the rescored batch.
+        self.qb_rescoring = False
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Megatron's router forward, after applying a pending drift correction, and summing the
@@ -191,11 +195,12 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
         routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
-        if self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if training or self.qb_rescoring:
             valid_M = None if padding_M is None else ~padding_M.bool()
-            if self.is_aux_loss_enabled():
+            if training and self.is_aux_loss_enabled():
                 probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
-            if self.config.moe_qb_absorb_coeff:
+            if training and self.config.moe_qb_absorb_coeff:
                 probs_ME = self._apply_absorb_loss(probs_ME, scores_ME, valid_M)
             self.qb_histogram.observe(
                 scores_ME.detach().float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M

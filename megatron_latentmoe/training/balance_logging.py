@@ -34,10 +34,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.utils import get_model_config
 
 from megatron_latentmoe.moe.balance_step import (
     balance_routers,
     finalize_model_grads_with_quantile_balancing,
+    token_parallel_group,
+    update_balance,
 )
 
 # One layer row of the gathered tensor: a "present" flag, these metrics (``router.last_balance``
@@ -279,22 +283,29 @@ def _device_of(model_chunks) -> torch.device:
     return torch.device("cpu")
 
 
-def make_finalize_model_grads_func(balance_logger: BalanceLogger | None):
-    """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, the balance update,
-    logging."""
+def balance_step_end(model, balance_logger: BalanceLogger | None, drift_correction: bool = True):
+    """The step-end balance update (one integer all-reduce, QB solve) and its log line."""
+    update_balance(model, token_parallel_group(get_model_config(model[0])), drift_correction)
+    if balance_logger is not None:
+        balance_logger.on_step_end(model)
+
+
+def make_finalize_model_grads_func(balance_logger: BalanceLogger | None, rescore=None):
+    """A ``config.finalize_model_grads_func``: Megatron's grad finalisation, then the step end
+    (unless a QB rescoring step defers it behind the optimizer step: ``qb_rescore.py``)."""
 
     def finalize_model_grads_and_log_balance(
         model, num_tokens=None, pg_collection=None, force_all_reduce=False
     ):
-        routers = balance_routers(model) if balance_logger is not None else None
-        finalize_model_grads_with_quantile_balancing(
-            model,
-            num_tokens=num_tokens,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
+        grads = dict(
+            num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
         )
+        if rescore is not None and rescore.deferring:
+            finalize_model_grads(model, **grads)
+            return
+        finalize_model_grads_with_quantile_balancing(model, **grads)
         if balance_logger is not None:
-            balance_logger.on_step_end(model, routers=routers)
+            balance_logger.on_step_end(model)
 
     return finalize_model_grads_and_log_balance
 

@@ -23,10 +23,20 @@ import torch
 _BALANCE_LOGGER = None
 
 
+_BATCH_RECORDER = None
+
+
 def set_balance_logger(logger) -> None:
     """The :class:`BalanceLogger` that receives training losses (None: none)."""
     global _BALANCE_LOGGER
     _BALANCE_LOGGER = logger
+
+
+def set_batch_recorder(recorder) -> None:
+    """The :class:`~megatron_latentmoe.training.qb_rescore.QBRescore` that records the training
+    forward's micro-batches (None: none)."""
+    global _BATCH_RECORDER
+    _BATCH_RECORDER = recorder
 
 
 # ------------------------------------------------------------------------------------ data
@@ -88,11 +98,11 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def get_batch(data_iterator, *, pre_process: bool, config=None):
-    """This rank's micro-batch on its device, plus the router padding mask (True = padding)."""
+def get_batch(batch, *, pre_process: bool, config=None):
+    """This rank's micro-batch (the loader's dict) on its device, plus the router padding mask
+    (True = padding)."""
     from megatron.core import parallel_state
 
-    batch = next(data_iterator)
     # Decided on the loader's (host) tensor: no device sync. None == an all-False mask.
     has_padding = bool((batch["loss_mask"] == 0).any())
     device = _device()
@@ -160,13 +170,17 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     timers = get_timers()
     config = get_model_config(model)
     pre_process = get_attr_wrapped_model(model, "pre_process")
-    training = model.training
+    # not training: evaluation, and QB's rescoring pass (training mode under no_grad)
+    training = model.training and torch.is_grad_enabled()
     if training and _BALANCE_LOGGER is not None:
         _BALANCE_LOGGER.mark_forward()
 
     timers("batch-generator", log_level=2).start()
+    batch = next(data_iterator)
+    if training and _BATCH_RECORDER is not None:
+        _BATCH_RECORDER.record(data_iterator, batch)
     tokens, labels, loss_mask, attention_mask, position_ids, padding_mask = get_batch(
-        data_iterator, pre_process=pre_process, config=config
+        batch, pre_process=pre_process, config=config
     )
     timers("batch-generator").stop()
 

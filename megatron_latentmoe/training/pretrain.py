@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import time
+from functools import partial
 
 PROG = "pretrain_stable_latentmoe"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -263,6 +264,7 @@ def _main(check_only: bool = False) -> int:
         begin_run,
         exclude_from_step_time,
         init_cpu_world,
+        wrap_train_step,
     )
 
     apply_python311_compat()
@@ -300,6 +302,7 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
         BalanceLogger,
+        balance_step_end,
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
@@ -307,6 +310,7 @@ def _main(check_only: bool = False) -> int:
         install_finalize_hook,
         model_config_from_args,
     )
+    from megatron_latentmoe.training.qb_rescore import QBRescore
 
     set_global_variables(args)
     model_cfg = model_config_from_args(args, transformer_config)
@@ -328,7 +332,18 @@ def _main(check_only: bool = False) -> int:
 
     balance_logger = _make_balance_logger(args, BalanceLogger, default_jsonl_path(args))
     fstep.set_balance_logger(balance_logger)
-    install_finalize_hook(make_finalize_model_grads_func(balance_logger))
+    rescore = None
+    if args.moe_qb_rescore_iters:
+        rescore = QBRescore(
+            args.moe_qb_rescore_iters,
+            partial(balance_step_end, balance_logger=balance_logger),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.decoder_seq_length,
+        )
+        wrap_train_step(rescore.wrap_train_step)
+    fstep.set_batch_recorder(rescore)
+    install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)
 
     try:

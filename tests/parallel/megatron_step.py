@@ -1,16 +1,18 @@
 """One Megatron training step on any parallel layout, and its comparison with a single process.
 
-Shared by the parallel equivalence tests: a fixed global batch (``GLOBAL_BATCH`` sequences of
-``SEQ`` tokens, vocab ``VOCAB``), split over data-parallel ranks in micro-batches of 1 and run
-through Megatron's forward-backward schedule (1F1B with PP, interleaved 1F1B with virtual
-stages); ``train_step`` returns the loss, the reduced gradients (``main_grad``) of each model
-chunk, the optimizer's grad norm and the loss after the step.
+Shared by the parallel equivalence tests: ``build`` makes a rank's model chunks (the tiny GPT
+with Stable LatentMoE layers), their DDP wrappers and Megatron Adam; a fixed global batch
+(``GLOBAL_BATCH`` sequences of ``SEQ`` tokens, vocab ``VOCAB``) is split over data-parallel ranks
+in micro-batches of 1 and run through Megatron's forward-backward schedule (1F1B with PP,
+interleaved 1F1B with virtual stages); ``train_step`` returns the loss, the reduced gradients
+(``main_grad``) of each model chunk, the optimizer's grad norm and the loss after the step.
 """
 
 from __future__ import annotations
 
 RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typically ~1e-7)
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
+BINS = 1000
 DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -78,6 +80,63 @@ def train_step(models, ddps, optimizer):
     ok, grad_norm, _ = optimizer.step()
     assert ok
     return loss, grads, grad_norm, run_schedule(ddps, forward_only=True)
+
+
+def build(dispatcher, tp=1, pp=1, ep=1, etp=1, vpp=None, layers=2, seed=1234, **extra):
+    """This rank's model chunks (one per virtual stage), their DDP wrappers and Megatron Adam."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.model import build_gpt_model
+    from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
+
+    ps.destroy_model_parallel()
+    initialize_parallel_cpu(tp, pp, ep, etp, seed=seed, virtual_pipeline_model_parallel_size=vpp)
+    config = tiny_config(
+        num_layers=layers,
+        first_k_dense_replace=1,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp64",
+        moe_qb_num_bins=BINS,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
+    stages = range(vpp) if vpp else [None]
+    models = [
+        build_gpt_model(
+            config,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            vp_stage=stage,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        )
+        for stage in stages
+    ]
+    ddps = [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(),
+            module=model,
+            disable_bucketing=i > 0,
+        )
+        for i, model in enumerate(models)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddps
+    )
+    return models, ddps, optimizer
 
 
 def rel(a, b):

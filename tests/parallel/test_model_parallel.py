@@ -25,9 +25,9 @@ import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
 from .megatron_step import (
+    BINS,
     DISPATCHERS,
-    SEQ,
-    VOCAB,
+    build,
     check_layouts,
     grad_error,
     step_errors,
@@ -36,7 +36,6 @@ from .megatron_step import (
 
 pytestmark = pytest.mark.slow
 
-BINS = 1000
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 LAYOUTS_2 = {
     "TP2+SP": dict(tp=2, pp=1, ep=1, etp=2),
@@ -79,63 +78,6 @@ LAYOUTS_VPP = {
 }
 
 
-def _build(dispatcher, tp=1, pp=1, ep=1, etp=1, vpp=None, layers=2, seed=1234, **extra):
-    """This rank's model chunks (one per virtual stage), their DDP wrappers and Megatron Adam."""
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megatron_latentmoe.compat import initialize_parallel_cpu
-    from megatron_latentmoe.config import tiny_config
-    from megatron_latentmoe.model import build_gpt_model
-    from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
-
-    ps.destroy_model_parallel()
-    initialize_parallel_cpu(tp, pp, ep, etp, seed=seed, virtual_pipeline_model_parallel_size=vpp)
-    config = tiny_config(
-        num_layers=layers,
-        first_k_dense_replace=1,
-        moe_token_dispatcher_type=dispatcher,
-        moe_router_dtype="fp64",
-        moe_qb_num_bins=BINS,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1,
-        pipeline_dtype=torch.float32,
-        **extra,
-    )
-    stages = range(vpp) if vpp else [None]
-    models = [
-        build_gpt_model(
-            config,
-            vocab_size=VOCAB,
-            max_sequence_length=SEQ,
-            vp_stage=stage,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-        )
-        for stage in stages
-    ]
-    ddps = [
-        DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(),
-            module=model,
-            disable_bucketing=i > 0,
-        )
-        for i, model in enumerate(models)
-    ]
-    config.finalize_model_grads_func = finalize_model_grads_with_quantile_balancing
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), ddps
-    )
-    return models, ddps, optimizer
-
-
 def _biases(model):
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.expert_bias")}
 
@@ -145,7 +87,7 @@ def _reference(rank, world_size, layers, extra):
 
     out = {}
     for dispatcher in DISPATCHERS:
-        (model,), ddps, optimizer = _build(dispatcher, layers=layers, **extra)
+        (model,), ddps, optimizer = build(dispatcher, layers=layers, **extra)
         if extra.get("moe_qb_absorb_coeff"):
             g = torch.Generator().manual_seed(5)
             with torch.no_grad():
@@ -176,7 +118,7 @@ def _layouts(rank, world_size, layouts, reference):
     for name, layout in layouts.items():
         for dispatcher in DISPATCHERS:
             ref = reference[dispatcher]
-            models, ddps, optimizer = _build(dispatcher, **layout)
+            models, ddps, optimizer = build(dispatcher, **layout)
             for model in models:
                 model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
             loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer)

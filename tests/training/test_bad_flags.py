@@ -83,6 +83,10 @@ CASES = {
         ],
         ["--moe-qb-absorb-coeff 0.3", "quantile_histogram"],
     ),
+    "rescore_without_qb": (  # the rescoring pass re-solves QB's bias: QB only
+        ["--moe-router-load-balancing-type", "none", "--moe-qb-rescore-iters", "50"],
+        ["--moe-qb-rescore-iters 50", "quantile_histogram"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],

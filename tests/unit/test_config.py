@@ -62,6 +62,7 @@ def test_added_fields_are_listed():
         "moe_qb_num_bins",
         "moe_qb_binning",
         "moe_qb_absorb_coeff",
+        "moe_qb_rescore_iters",
         "moe_expert_weight_qat",
     }
 
@@ -100,6 +101,12 @@ def test_added_fields_are_listed():
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_absorb_coeff=0.3),
             "moe_qb_absorb_coeff=0.3",
+            "quantile_histogram",
+        ),
+        (dict(moe_qb_rescore_iters=-1), "moe_qb_rescore_iters=-1", "an integer >= 0"),
+        (
+            dict(moe_router_load_balancing_type="aux_loss", moe_qb_rescore_iters=50),
+            "moe_qb_rescore_iters=50",
             "quantile_histogram",
         ),
         (

@@ -1,0 +1,206 @@
+"""QB rescoring (``training/qb_rescore.py``) in a real Megatron step, one process and EP2.
+
+A step wrapped by ``QBRescore`` must leave:
+
+* the weights of a plain step (the rescoring pass adds no gradient, moves nothing but the bias);
+* the routed loads of the training forward (routed with the old bias), not the rescored ones;
+* the bias that a plain step-end update solves from a training forward of the SAME batch under
+  the UPDATED weights, i.e. the rescored scores (and not the lagged bias a plain step solves);
+* exactly one integer all-reduce for the balance update (under EP2: DP2 over the tokens): the
+  integer all-reduces of a plain step, no more;
+* under EP2 the same bias on every rank, to the bit (the plain update's equality with one
+  process, layout by layout, is ``test_qb_step.py``'s and ``test_model_parallel.py``'s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .launcher import run_distributed
+from .megatron_step import GLOBAL_BATCH, SEQ, batch, build, loss_func
+
+pytestmark = pytest.mark.slow
+
+
+def _micro_batches():
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tokens, labels = batch()
+    per_rank = GLOBAL_BATCH // dp
+    return [
+        (tokens[i : i + 1], labels[i : i + 1])
+        for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    ]
+
+
+def _run(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_latentmoe.moe.balance_step import balance_routers
+    from megatron_latentmoe.training.balance_logging import (
+        balance_step_end,
+        make_finalize_model_grads_func,
+    )
+    from megatron_latentmoe.training.qb_rescore import QBRescore
+
+    ep = world_size
+    recorder = {}
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        if torch.is_grad_enabled() and "rescore" in recorder:
+            recorder["rescore"].record(data_iterator, (tokens, labels))
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+        return model(tokens, position_ids, None, labels=labels), loss_func
+
+    def forward_backward(ddps):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=ddps,
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ,
+            micro_batch_size=1,
+        )
+
+    def megatron_train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):  # megatron.training's train_step, reduced to what the rescoring relies on
+        for ddp in model:
+            ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ,
+            micro_batch_size=1,
+        )
+        assert optimizer.step()[0]
+
+    def state(model):
+        routers = balance_routers([model])
+        return dict(
+            params={n: p.detach().clone() for n, p in model.named_parameters()},
+            bias=[r.expert_bias.clone() for r in routers],
+            loads=[r.last_loads_E.clone() for r in routers],
+        )
+
+    int_reduces = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *a, **kw):
+        if tensor.dtype == torch.int32:
+            int_reduces.append(tensor.numel())
+        return all_reduce(tensor, *a, **kw)
+
+    # ---- A: one rescored step
+    (model,), ddps, optimizer = build("alltoall", ep=ep)
+    micro_batches = _micro_batches()
+    rescore = QBRescore(
+        1,
+        lambda model, drift_correction: balance_step_end(model, None, drift_correction),
+        seq_length=SEQ,
+        micro_batch_size=1,
+        num_microbatches=lambda: len(micro_batches),
+    )
+    recorder["rescore"] = rescore
+    model.config.finalize_model_grads_func = make_finalize_model_grads_func(None, rescore)
+    dist.all_reduce = counting_all_reduce
+    try:
+        rescore.wrap_train_step(megatron_train_step)(
+            forward_step,
+            iter(micro_batches),
+            ddps,
+            optimizer,
+            None,
+            model.config,
+            get_forward_backward_func(),
+            iteration=0,
+        )
+    finally:
+        dist.all_reduce = all_reduce
+    rescored = state(model)
+    assert not rescore._batches and all(not r.qb_rescoring for r in balance_routers([model]))
+    recorder.clear()
+
+    # ---- B: a plain step (lagged solve), then the reference solve: bias back to the one the
+    # step started from, a training forward/backward of the same batch under the updated
+    # weights, the plain step-end update -- no optimizer step
+    (model_b,), ddps_b, optimizer_b = build("alltoall", ep=ep)
+    model_b.config.finalize_model_grads_func = make_finalize_model_grads_func(None)
+    start_bias = [r.expert_bias.clone() for r in balance_routers([model_b])]
+    plain_reduces, int_reduces = int_reduces, []
+    dist.all_reduce = counting_all_reduce
+    try:
+        megatron_train_step(
+            forward_step,
+            iter(micro_batches),
+            ddps_b,
+            optimizer_b,
+            None,
+            model_b.config,
+            get_forward_backward_func(),
+        )
+    finally:
+        dist.all_reduce = all_reduce
+    plain_reduces, int_reduces = int_reduces, plain_reduces
+    lagged = state(model_b)
+    for router, bias in zip(balance_routers([model_b]), start_bias, strict=True):
+        router.expert_bias.copy_(bias)
+        router._drift_ref = None
+    for ddp in ddps_b:
+        ddp.zero_grad_buffer()
+    forward_backward(ddps_b)
+    reference = state(model_b)
+    return dict(
+        rescored=rescored,
+        lagged=lagged,
+        reference=reference,
+        int_reduces=int_reduces,
+        plain_reduces=plain_reduces,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {1: run_distributed(_run, 1), 2: run_distributed(_run, 2)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_rescored_step_solves_from_the_updated_model(runs, world_size):
+    import torch
+
+    for out in runs[world_size]:
+        rescored, lagged, reference = out["rescored"], out["lagged"], out["reference"]
+        for name, p in rescored["params"].items():
+            assert torch.equal(p, lagged["params"][name]), f"{name}: the rescoring moved weights"
+        for got, want in zip(rescored["loads"], lagged["loads"], strict=True):
+            assert torch.equal(got, want), "loads must be the training forward's"
+        for got, want, lag in zip(rescored["bias"], reference["bias"], lagged["bias"], strict=True):
+            assert torch.equal(got, want), (
+                f"rescored bias off the reference by {(got - want).abs().max()}"
+            )
+            assert (got - lag).abs().max() > 1e-4, "the test needs a lag the rescoring removes"
+        if world_size > 1:  # the integer all-reduces (sizes) of a plain step, the QB one included
+            assert sorted(out["int_reduces"]) == sorted(out["plain_reduces"]), out
+            assert sum(size > 1000 for size in out["int_reduces"]) == 1, out["int_reduces"]
+
+
+def test_ep2_ranks_end_with_the_same_bias(runs):
+    import torch
+
+    first, second = runs[2]
+    for a, b in zip(first["rescored"]["bias"], second["rescored"]["bias"], strict=True):
+        assert torch.equal(a, b)
