@@ -20,12 +20,13 @@ reshard its state; the entry point says so, naming the flags that would have kep
 restores the LR schedule), so later iterations differ.
 
 Distributed optimizer (``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``, EP2,
-11 iterations, checkpoints at 5/10/11): a kill during the save of 10 and a resume from 5 give
-bit-identical losses and checkpoint at 11; loading the checkpoint of 10 with TP2+SP or PP2 keeps
-the optimizer state: re-saved right after the load (Megatron's ``--ckpt-convert-save``), every
-full (gathered) tensor -- weights, QB biases, fp32 main params, Adam moments -- equals the
-saved one exactly, and one step later (iteration 11) the weights and moments match the EP2 run
-to :data:`STEP_RTOL` of each tensor's largest update / moment.
+11 iterations, checkpoints at 5/10/11, QB rescoring for iterations 1-8): a kill during the save of
+10 and a resume from 5 give bit-identical losses and checkpoint at 11 (the rescoring resumes
+too); its first step logs the plain reference run's loss and loads; loading the checkpoint of
+10 with TP2+SP or PP2 keeps the optimizer state: re-saved right after the load (Megatron's
+``--ckpt-convert-save``), every full (gathered) tensor -- weights, QB biases, fp32 main params,
+Adam moments -- equals the saved one exactly, and one step later (iteration 11) the weights and
+moments match the EP2 run to :data:`STEP_RTOL` of each tensor's largest update / moment.
 """
 
 from __future__ import annotations
@@ -58,7 +59,16 @@ RESHARD_RTOL = 1e-5
 # moments dropped (--no-load-optim) the same comparison is off by O(1) (see the report).
 STEP_RTOL = 2e-3
 DIST_OPT = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
-DIST_ARGS = DIST_OPT + ["--train-iters", "11", "--save-interval", "5"]
+# QB rescoring for iterations 1-8 (training/qb_rescore.py): the resume from 5 continues it,
+# iterations 9-11 run the plain step end
+DIST_ARGS = DIST_OPT + [
+    "--train-iters",
+    "11",
+    "--save-interval",
+    "5",
+    "--moe-qb-rescore-iters",
+    "8",
+]
 
 
 def _kill_during_save(ckpt, iteration=10):
@@ -216,6 +226,17 @@ def dist_reference() -> ReferenceRun:
     ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
     run = run_entry(DIST_ARGS + ["--save", str(ckpt), "--balance-log-file", str(jsonl)]).check()
     return ReferenceRun(ckpt, jsonl, read_jsonl(jsonl), run.output, run.seconds)
+
+
+def test_qb_rescoring_leaves_the_logged_step_alone():
+    """The rescored run's first step logs the loss and loads of the plain reference run's first
+    step (the rescoring pass after it is neither a loss nor a load); later its bias differs.
+    (Megatron's LR warm-up starts at 0: step 1 moves no weight, so step 2 routes alike too.)"""
+    rescored, plain = dist_reference().records, reference_run().records
+    assert rescored[1]["loss"] == plain[1]["loss"]
+    loads = {i: [[e["loads"] for e in r[i]["layers"]] for r in (rescored, plain)] for i in (1, 3)}
+    assert loads[1][0] == loads[1][1]
+    assert loads[3][0] != loads[3][1]
 
 
 def test_distributed_optimizer_killed_save_resumes_with_identical_losses():
