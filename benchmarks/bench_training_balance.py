@@ -47,60 +47,20 @@ from tools.plot_balance import read_records  # noqa: E402
 # 10x faster one. QB + seq_aux_loss: the coefficient that closed most of QB's loss gap here
 # (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
 # 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
-RESCORE_ALL = "1000000000"  # --moe-qb-rescore-iters: every iteration of any race
+QB = ["--moe-router-load-balancing-type", "quantile_histogram"]
+CENTERED = ["--moe-qb-binning", "centered"]
+QB_SEQ_AUX = QB + ["seq_aux_loss", "--moe-aux-loss-coeff", "0", "1"] + CENTERED
+# QB rescoring (training/qb_rescore.py) at every iteration of any race: the bias solved from the
+# updated model's scores of the step's batch
+RESCORE = ["--moe-qb-rescore-iters", "1000000000"]
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
-    "QB centered (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "--moe-qb-binning",
-        "centered",
-    ],
-    "QB uniform (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "--moe-qb-binning",
-        "uniform",
-    ],
-    "QB centered + seq_aux_loss (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "seq_aux_loss",
-        "--moe-aux-loss-coeff",
-        "0",
-        "1",
-        "--moe-qb-binning",
-        "centered",
-    ],
-    "QB centered + absorb 0.3 (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "--moe-qb-binning",
-        "centered",
-        "--moe-qb-absorb-coeff",
-        "0.3",
-    ],
-    # QB rescoring every step (training/qb_rescore.py): the bias from the updated model's scores
-    "QB centered + rescore (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "--moe-qb-binning",
-        "centered",
-        "--moe-qb-rescore-iters",
-        RESCORE_ALL,
-    ],
-    "QB centered + seq_aux_loss + rescore (ours)": [
-        "--moe-router-load-balancing-type",
-        "quantile_histogram",
-        "seq_aux_loss",
-        "--moe-aux-loss-coeff",
-        "0",
-        "1",
-        "--moe-qb-binning",
-        "centered",
-        "--moe-qb-rescore-iters",
-        RESCORE_ALL,
-    ],
+    "QB centered (ours)": QB + CENTERED,
+    "QB uniform (ours)": QB + ["--moe-qb-binning", "uniform"],
+    "QB centered + seq_aux_loss (ours)": QB_SEQ_AUX,
+    "QB centered + absorb 0.3 (ours)": QB + CENTERED + ["--moe-qb-absorb-coeff", "0.3"],
+    "QB centered + rescore (ours)": QB + CENTERED + RESCORE,
+    "QB centered + seq_aux_loss + rescore (ours)": QB_SEQ_AUX + RESCORE,
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",

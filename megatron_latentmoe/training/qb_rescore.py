@@ -32,6 +32,7 @@ the backward is only ~2.4x the forward.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -82,56 +83,36 @@ class QBRescore:
 
     def wrap_train_step(self, train_step: Callable) -> Callable:
         """``megatron.training.training.train_step`` with the rescoring pass and the step end
-        after it, for iterations 1..``iters``."""
+        after it, for iterations 1..``iters`` (Megatron's 0-based ``iteration`` < ``iters``)."""
+        signature = inspect.signature(train_step)
 
         @functools.wraps(train_step)
-        def train_step_with_qb_rescore(
-            forward_step_func,
-            data_iterator,
-            model,
-            optimizer,
-            opt_param_scheduler,
-            config,
-            forward_backward_func,
-            iteration=None,
-            **kwargs,
-        ):
-            step = functools.partial(
-                train_step,
-                forward_step_func,
-                data_iterator,
-                model,
-                optimizer,
-                opt_param_scheduler,
-                config,
-                forward_backward_func,
-                iteration=iteration,
-                **kwargs,
-            )
+        def train_step_with_qb_rescore(*args, **kwargs):
+            call = signature.bind(*args, **kwargs).arguments
+            iteration = call.get("iteration")
             if iteration is None or iteration >= self.iters:
-                return step()
+                return train_step(*args, **kwargs)
             self.deferring, self._batches = True, {}
             try:
-                out = step()
+                out = train_step(*args, **kwargs)
             finally:
                 self.deferring = False
             try:
-                self._rescore(
-                    forward_step_func, data_iterator, model, config, forward_backward_func, kwargs
-                )
+                self._rescore(call)
             finally:
                 self._batches = {}
-            self.step_end(model, drift_correction=False)
+            self.step_end(call["model"], drift_correction=False)
             return out
 
         return train_step_with_qb_rescore
 
-    def _rescore(
-        self, forward_step_func, data_iterator, model, config, forward_backward_func, kwargs
-    ):
+    def _rescore(self, call: dict) -> None:
+        """The forward-only pass of the recorded micro-batches; ``call``: ``train_step``'s
+        arguments by name."""
         from megatron_latentmoe.moe.balance_step import balance_routers
         from megatron_latentmoe.moe.router import QuantileBalancingRouter
 
+        model, config = call["model"], call["config"]
         routers = [r for r in balance_routers(model) if isinstance(r, QuantileBalancingRouter)]
         for router in routers:
             router.qb_histogram.reset()  # the training forward's scores: superseded
@@ -139,14 +120,14 @@ class QBRescore:
         timers, config.timers = config.timers, None  # as Megatron's evaluate(): not timed
         try:
             with torch.no_grad():
-                forward_backward_func(
-                    forward_step_func=forward_step_func,
-                    data_iterator=self._replay(data_iterator),
+                call["forward_backward_func"](
+                    forward_step_func=call["forward_step_func"],
+                    data_iterator=self._replay(call["data_iterator"]),
                     model=model,
                     num_microbatches=self.num_microbatches(),
                     forward_only=True,
                     **self.schedule,
-                    **{k: kwargs[k] for k in ("pg_collection", "p2p_communicator") if k in kwargs},
+                    **{k: call[k] for k in ("pg_collection", "p2p_communicator") if k in call},
                 )
         finally:
             config.timers = timers
