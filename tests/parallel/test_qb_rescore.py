@@ -1,4 +1,5 @@
-"""QB rescoring (``training/qb_rescore.py``) in a real Megatron step, one process and EP2.
+"""QB rescoring (``training/qb_rescore.py``) in a real Megatron step: one process, EP2, and PP2
+(Megatron's 1F1B schedule runs the rescoring pass through the pipeline).
 
 A step wrapped by ``QBRescore`` must leave:
 
@@ -34,7 +35,10 @@ def _micro_batches():
     ]
 
 
-def _run(rank, world_size):
+LAYOUTS = {"1 process": (1, {}), "EP2": (2, dict(ep=2)), "PP2": (2, dict(pp=2))}
+
+
+def _run(rank, world_size, layout):
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -46,7 +50,6 @@ def _run(rank, world_size):
     )
     from megatron_latentmoe.training.qb_rescore import QBRescore
 
-    ep = world_size
     recorder = {}
 
     def forward_step(data_iterator, model):
@@ -106,7 +109,7 @@ def _run(rank, world_size):
         return all_reduce(tensor, *a, **kw)
 
     # ---- A: one rescored step
-    (model,), ddps, optimizer = build("alltoall", ep=ep)
+    (model,), ddps, optimizer = build("alltoall", **layout)
     micro_batches = _micro_batches()
     rescore = QBRescore(
         1,
@@ -138,7 +141,7 @@ def _run(rank, world_size):
     # ---- B: a plain step (lagged solve), then the reference solve: bias back to the one the
     # step started from, a training forward/backward of the same batch under the updated
     # weights, the plain step-end update -- no optimizer step
-    (model_b,), ddps_b, optimizer_b = build("alltoall", ep=ep)
+    (model_b,), ddps_b, optimizer_b = build("alltoall", **layout)
     model_b.config.finalize_model_grads_func = make_finalize_model_grads_func(None)
     start_bias = [r.expert_bias.clone() for r in balance_routers([model_b])]
     plain_reduces, int_reduces = int_reduces, []
@@ -175,14 +178,14 @@ def _run(rank, world_size):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {1: run_distributed(_run, 1), 2: run_distributed(_run, 2)}
+    return {name: run_distributed(_run, n, layout) for name, (n, layout) in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_rescored_step_solves_from_the_updated_model(runs, world_size):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_rescored_step_solves_from_the_updated_model(runs, name):
     import torch
 
-    for out in runs[world_size]:
+    for out in runs[name]:
         rescored, lagged, reference = out["rescored"], out["lagged"], out["reference"]
         for name, p in rescored["params"].items():
             assert torch.equal(p, lagged["params"][name]), f"{name}: the rescoring moved weights"
@@ -193,7 +196,7 @@ def test_rescored_step_solves_from_the_updated_model(runs, world_size):
                 f"rescored bias off the reference by {(got - want).abs().max()}"
             )
             assert (got - lag).abs().max() > 1e-4, "the test needs a lag the rescoring removes"
-        if world_size > 1:  # the integer all-reduces (sizes) of a plain step, the QB one included
+        if name == "EP2":  # the integer all-reduces (sizes) of a plain step, the QB one included
             assert sorted(out["int_reduces"]) == sorted(out["plain_reduces"]), out
             assert sum(size > 1000 for size in out["int_reduces"]) == 1, out["int_reduces"]
 
@@ -201,6 +204,6 @@ def test_rescored_step_solves_from_the_updated_model(runs, world_size):
 def test_ep2_ranks_end_with_the_same_bias(runs):
     import torch
 
-    first, second = runs[2]
+    first, second = runs["EP2"]
     for a, b in zip(first["rescored"]["bias"], second["rescored"]["bias"], strict=True):
         assert torch.equal(a, b)
