@@ -127,6 +127,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             persistent=False,
         )
         self._drift_ref = None
+        self.last_mean_input_D = None  # the last step's global mean router input (step end)
         # Set by training/qb_rescore.py around its forward-only pass (no grad): observe, and
         # only observe (no load count, no loss), the scores of the rescored batch.
         self.qb_rescoring = False

@@ -302,6 +302,7 @@ def make_finalize_model_grads_func(balance_logger: BalanceLogger | None, rescore
         )
         if rescore is not None and rescore.deferring:
             finalize_model_grads(model, **grads)
+            rescore.before_optimizer_step(model)
             return
         finalize_model_grads_with_quantile_balancing(model, **grads)
         if balance_logger is not None:

@@ -14,19 +14,22 @@ behind the optimizer step:
 
 1. the training forward records the micro-batches it consumes (``forward_step.py``; references
    to the loader's host tensors, no copy);
-2. after ``optimizer.step()``, one forward-only pass of those micro-batches through Megatron's own
+2. before ``optimizer.step()`` each QB router arms its drift correction (``moe/router.py``) at the
+   previous step's global mean router input, so that the first forward after the update starts
+   from the bias moved by the update's score shift;
+3. after ``optimizer.step()``, one forward-only pass of those micro-batches through Megatron's own
    schedule (pipeline and token dispatchers as in evaluation), under ``no_grad``, the routers in
-   training mode with ``qb_rescoring`` set: the QB histograms observe the updated model's scores.
-   Loads, losses and aux losses stay those of the training forward;
-3. the usual step end (``moe/balance_step.py``): ONE integer all-reduce (rescored histograms,
-   training loads), the global solve, the balance log; no drift correction is needed.
+   training mode with ``qb_rescoring`` set: the QB histograms observe the updated model's scores
+   under the drift-corrected bias. Loads, losses and aux losses stay those of the training forward;
+4. the usual step end (``moe/balance_step.py``): ONE integer all-reduce (rescored histograms,
+   training loads, mean router input), the global solve, the balance log.
 
 The next batch is still routed with a bias computed from another batch (this one), by one global
 solve per step. The cost is one forward of the batch per rescored step. Measured in the race
-(seed 1234, 300 iterations; README): rescoring every step gives MaxVio 1.39 / 0.86 (iterations
-1-50 / 51-300), worst 2.23 at iteration 1 (zero bias, as for every method) and 2.09 after it, one
-iteration with a dead expert, final loss 4.723 against 4.725, at 0.70x the tokens/s on CPU, where
-the backward is only ~2.4x the forward.
+(seed 1234, 300 iterations; README), MaxVio iterations 1-50 / 51-300 / worst after iteration 1 /
+dead-expert iterations / final loss: plain QB 4.35 / 1.20 / 11.05 / 48 / 4.725; rescoring without
+step 2 3.21 / 1.11 / 6.96 / 52 / 4.730 (QB's one-shot solve, started from a bias that lags the
+update, moves too little); with step 2 1.40 / 0.91 / 2.36 / 4 / 4.714.
 """
 
 from __future__ import annotations
@@ -74,6 +77,22 @@ class QBRescore:
         if self.deferring:
             self._batches.setdefault(id(data_iterator), []).append(batch)
 
+    def before_optimizer_step(self, model) -> None:
+        """Arm each QB router's drift correction at the last step's global mean router input,
+        under the weights the optimizer is about to update: the rescoring pass, the first forward
+        after the update, then observes under the bias moved by the weight update's score shift
+        (one fixed-point step ahead, from numbers every rank has: no extra all-reduce)."""
+        for router in self._qb_routers(model):
+            if router.last_mean_input_D is not None:
+                router.set_drift_reference(router.last_mean_input_D)
+
+    @staticmethod
+    def _qb_routers(model):
+        from megatron_latentmoe.moe.balance_step import balance_routers
+        from megatron_latentmoe.moe.router import QuantileBalancingRouter
+
+        return [r for r in balance_routers(model) if isinstance(r, QuantileBalancingRouter)]
+
     def _replay(self, data_iterator):
         if isinstance(data_iterator, list):  # virtual pipeline: one iterator per model chunk
             return [self._replay(d) for d in data_iterator]
@@ -109,11 +128,8 @@ class QBRescore:
     def _rescore(self, call: dict) -> None:
         """The forward-only pass of the recorded micro-batches; ``call``: ``train_step``'s
         arguments by name."""
-        from megatron_latentmoe.moe.balance_step import balance_routers
-        from megatron_latentmoe.moe.router import QuantileBalancingRouter
-
         model, config = call["model"], call["config"]
-        routers = [r for r in balance_routers(model) if isinstance(r, QuantileBalancingRouter)]
+        routers = self._qb_routers(model)
         for router in routers:
             router.qb_histogram.reset()  # the training forward's scores: superseded
             router.qb_rescoring = True

@@ -6,7 +6,9 @@ A step wrapped by ``QBRescore`` must leave:
 * the weights of a plain step (the rescoring pass adds no gradient, moves nothing but the bias);
 * the routed loads of the training forward (routed with the old bias), not the rescored ones;
 * the bias that a plain step-end update solves from a training forward of the SAME batch under
-  the UPDATED weights, i.e. the rescored scores (and not the lagged bias a plain step solves);
+  the UPDATED weights, i.e. the rescored scores (and not the lagged bias a plain step solves),
+  routed with the bias the step started from moved by the drift correction at the previous
+  step's mean router input (armed before the optimizer step, applied after it);
 * exactly one integer all-reduce for the balance update (under EP2: DP2 over the tokens): the
   integer all-reduces of a plain step, no more;
 * under EP2 the same bias on every rank, to the bit (the plain update's equality with one
@@ -33,6 +35,14 @@ def _micro_batches():
         (tokens[i : i + 1], labels[i : i + 1])
         for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     ]
+
+
+def _mean_input(router):
+    """A global mean router input, the same on every rank (what the step end all-reduces)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7 + router.layer_number)
+    return torch.randn(router.config.hidden_size, generator=g)
 
 
 LAYOUTS = {"1 process": (1, {}), "EP2": (2, dict(ep=2)), "PP2": (2, dict(pp=2))}
@@ -120,6 +130,8 @@ def _run(rank, world_size, layout):
     )
     recorder["rescore"] = rescore
     model.config.finalize_model_grads_func = make_finalize_model_grads_func(None, rescore)
+    for router in balance_routers([model]):  # as if an earlier step had measured it
+        router.last_mean_input_D = _mean_input(router)
     dist.all_reduce = counting_all_reduce
     try:
         rescore.wrap_train_step(megatron_train_step)(
@@ -144,6 +156,10 @@ def _run(rank, world_size, layout):
     (model_b,), ddps_b, optimizer_b = build("alltoall", **layout)
     model_b.config.finalize_model_grads_func = make_finalize_model_grads_func(None)
     start_bias = [r.expert_bias.clone() for r in balance_routers([model_b])]
+    # the drift correction's reference: the mean input's scores under the weights before the step
+    drift_refs = [
+        (h, r._scores_at(h)) for r in balance_routers([model_b]) for h in [_mean_input(r)]
+    ]
     plain_reduces, int_reduces = int_reduces, []
     dist.all_reduce = counting_all_reduce
     try:
@@ -160,9 +176,9 @@ def _run(rank, world_size, layout):
         dist.all_reduce = all_reduce
     plain_reduces, int_reduces = int_reduces, plain_reduces
     lagged = state(model_b)
-    for router, bias in zip(balance_routers([model_b]), start_bias, strict=True):
+    for router, bias, ref in zip(balance_routers([model_b]), start_bias, drift_refs, strict=True):
         router.expert_bias.copy_(bias)
-        router._drift_ref = None
+        router._drift_ref = ref  # applied by the next forward, under the updated weights
     for ddp in ddps_b:
         ddp.zero_grad_buffer()
     forward_backward(ddps_b)
