@@ -262,17 +262,16 @@ def combine(runs):
     return row
 
 
-TABLE_HEADER = (
-    f"{'method':<34} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} {'worst 51-':>9} "
-    f"{'dead its':>8} {'final loss':>10} {'tok/s: runs':>11} {'side by side':>12}"
-)
-
-
 def table_rows(results):
-    rows = [TABLE_HEADER]
+    width = max([34] + [len(r["method"]) for r in results])  # the method column fits every name
+    rows = [
+        f"{'method':<{width}} {'MaxVio 1-50':>11} {'51-end':>8} {'worst (it)':>13} "
+        f"{'worst 51-':>9} {'dead its':>8} {'final loss':>10} {'tok/s: runs':>11} "
+        f"{'side by side':>12}"
+    ]
     for r in results:
         rows.append(
-            f"{r['method']:<34} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
+            f"{r['method']:<{width}} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
             f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
             f"{r['maxvio_worst_51_end']:>9.3f} "
             f"{r['iterations_with_dead_expert']:>8.0f} {r['final_loss']:>10.4f} "
@@ -325,7 +324,7 @@ def plot(result, path):
         1.0,
         "\n".join(table_rows(result["methods"])),
         family="monospace",
-        fontsize=10,
+        fontsize=8,
         va="top",
     )
     ax_tab.set_title(result["title"], loc="left", fontsize=10)
