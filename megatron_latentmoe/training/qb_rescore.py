@@ -71,6 +71,7 @@ class QBRescore:
         """True during a rescored step's training forward/backward: the finalize hook then
         leaves the step end to :meth:`wrap_train_step`."""
         self._batches: dict[int, list] = {}
+        self._warned = False
 
     def record(self, data_iterator, batch) -> None:
         """The training forward step consumed ``batch`` from ``data_iterator``."""
@@ -85,6 +86,24 @@ class QBRescore:
         for router in self._qb_routers(model):
             if router.last_mean_input_D is not None:
                 router.set_drift_reference(router.last_mean_input_D)
+
+    def _warn_if_resumed(self, model, iteration: int) -> None:
+        """A run resumed inside the rescoring window: the armed drift correction's mean input
+        (``router.last_mean_input_D``) is not in the checkpoint, so the first rescored step runs
+        without it and the run no longer reproduces an uninterrupted one bit for bit."""
+        self._warned = True
+        if any(r.last_mean_input_D is None for r in self._qb_routers(model)):
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(
+                    f"WARNING: resumed at iteration {iteration}, inside --moe-qb-rescore-iters "
+                    f"{self.iters}: the first rescored step runs without the armed drift "
+                    "correction (its mean router input is not checkpointed), so losses differ "
+                    "slightly from an uninterrupted run's (resume outside the window for "
+                    "bit-exact runs)",
+                    flush=True,
+                )
 
     @staticmethod
     def _qb_routers(model):
@@ -111,6 +130,8 @@ class QBRescore:
             iteration = call.get("iteration")
             if iteration is None or iteration >= self.iters:
                 return train_step(*args, **kwargs)
+            if iteration > 0 and not self._warned:
+                self._warn_if_resumed(call["model"], iteration)
             self.deferring, self._batches = True, {}
             try:
                 out = train_step(*args, **kwargs)
