@@ -30,6 +30,10 @@ solve per step. The cost is one forward of the batch per rescored step. Measured
 dead-expert iterations / final loss: plain QB 4.35 / 1.20 / 11.05 / 48 / 4.725; rescoring without
 step 2 3.21 / 1.11 / 6.96 / 52 / 4.730 (QB's one-shot solve, started from a bias that lags the
 update, moves too little); with step 2 1.40 / 0.91 / 2.36 / 4 / 4.714.
+
+Resuming: outside the window a resumed run is bit-exact. Inside it, the first rescored step after
+the load has no armed correction (``router.last_mean_input_D`` is not checkpointed), so the run
+drifts from an uninterrupted one by ~1e-5 in loss; :meth:`QBRescore.wrap_train_step` warns.
 """
 
 from __future__ import annotations
