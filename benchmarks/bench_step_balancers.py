@@ -92,7 +92,7 @@ class Trainee:
 
         self.args, self.config = args, config
         self.iteration, self.num_micro_batches = 0, None
-        self.rescore = None
+        self.rescore, self.train_step = None, self._train_step
         if args.moe_qb_rescore_iters:  # QB rescoring, as the entry point runs it
             self.rescore = QBRescore(
                 args.moe_qb_rescore_iters,
@@ -101,6 +101,7 @@ class Trainee:
                 micro_batch_size=args.micro_batch_size,
                 num_microbatches=lambda: self.num_micro_batches,
             )
+            self.train_step = self.rescore.wrap_train_step(self._train_step)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         model = build_gpt_model(
@@ -132,11 +133,8 @@ class Trainee:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.num_micro_batches = len(micro_batches)
-        train_step = self._train_step
-        if self.rescore is not None:
-            train_step = self.rescore.wrap_train_step(train_step)
-        set_batch_recorder(self.rescore)
-        train_step(
+        set_batch_recorder(self.rescore)  # the trainees share the forward step's recorder slot
+        self.train_step(
             forward_step,
             iter(micro_batches),
             [self.ddp],

@@ -39,7 +39,6 @@ from megatron.core.utils import get_model_config
 
 from megatron_latentmoe.moe.balance_step import (
     balance_routers,
-    finalize_model_grads_with_quantile_balancing,
     token_parallel_group,
     update_balance,
 )
@@ -297,16 +296,16 @@ def make_finalize_model_grads_func(balance_logger: BalanceLogger | None, rescore
     def finalize_model_grads_and_log_balance(
         model, num_tokens=None, pg_collection=None, force_all_reduce=False
     ):
-        grads = dict(
-            num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
+        finalize_model_grads(
+            model,
+            num_tokens=num_tokens,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
         )
         if rescore is not None and rescore.deferring:
-            finalize_model_grads(model, **grads)
             rescore.before_optimizer_step(model)
-            return
-        finalize_model_grads_with_quantile_balancing(model, **grads)
-        if balance_logger is not None:
-            balance_logger.on_step_end(model)
+        else:
+            balance_step_end(model, balance_logger)
 
     return finalize_model_grads_and_log_balance
 
