@@ -8,8 +8,9 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
 * :func:`init_cpu_world`: what ``initialize_megatron`` skips without a GPU (gloo world, parallel
   groups, seeded RNG tracker);
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
-* per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time` and
-  :func:`install_layout_change_load`.
+* per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time`,
+  :func:`wrap_train_step`, :func:`install_layout_change_load` and
+  :func:`load_optional_checkpoint_keys`.
 """
 
 from __future__ import annotations
@@ -173,3 +174,38 @@ def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> Non
         return iteration, flops
 
     registry.patch(_RUN_GROUP, mtraining, "load_checkpoint", load_checkpoint)
+
+
+def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
+    """``megatron.core.dist_checkpointing.load`` skips a requested tensor whose checkpoint key ends
+    with one of ``suffixes`` when the checkpoint does not hold it (state added to the model
+    after the checkpoint was written: QB rescoring's ``router.qb_mean_input``). Megatron would
+    fail the load; the module keeps its value, and its ``_load_from_state_dict`` accepts the
+    absence. Every other key is loaded as strictly as before."""
+    import megatron.core.dist_checkpointing as dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    original = dist_checkpointing.load
+
+    def optional(value) -> bool:
+        return isinstance(value, ShardedTensor) and value.key.endswith(suffixes)
+
+    def drop_absent(tree, present) -> None:
+        for name, value in list(tree.items()):
+            if isinstance(value, dict):
+                drop_absent(value, present)
+            elif optional(value) and value.key not in present:
+                del tree[name]
+
+    def has_optional(tree) -> bool:
+        return any(has_optional(v) if isinstance(v, dict) else optional(v) for v in tree.values())
+
+    @functools.wraps(original)
+    def load(sharded_state_dict, checkpoint_dir, *a, **kw):
+        if has_optional(sharded_state_dict):
+            drop_absent(
+                sharded_state_dict, set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
+            )
+        return original(sharded_state_dict, checkpoint_dir, *a, **kw)
+
+    registry.patch(_RUN_GROUP, dist_checkpointing, "load", load)

@@ -273,6 +273,9 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Checkpoint tensor keys starting with these belong to the model (the rest: optimizer, ...)."""
+TRAINING_STATE_SUFFIXES = (".router.qb_mean_input",)
+"""Model-module buffers that only training reads (QB rescoring's last global mean router input,
+``moe/router.py``): never exported, and a checkpoint without them still loads."""
 
 
 @dataclass(frozen=True)
@@ -351,7 +354,10 @@ def extra_state_key(tm: TensorMap, arch: ModelArch) -> str | None:
 
 def is_model_key(key: str) -> bool:
     return (
-        key.startswith(MODEL_KEY_PREFIXES) and "/shard_" not in key and "._extra_state" not in key
+        key.startswith(MODEL_KEY_PREFIXES)
+        and "/shard_" not in key
+        and "._extra_state" not in key
+        and not key.endswith(TRAINING_STATE_SUFFIXES)
     )
 
 

@@ -106,7 +106,7 @@ def update_balance(
     and token counts; then every QB router solves its new bias (SPEC §4); metrics; reset.
     ``drift_correction=False``: the histograms were observed under the weights the next batch is
     routed with (a rescoring pass, training/qb_rescore.py), so no drift correction follows (the
-    global mean router input is kept: ``router.last_mean_input_D``)."""
+    global mean router input is kept: ``router.qb_mean_input``)."""
     routers = balance_routers(model_chunks)
     if not routers:
         return []
@@ -143,9 +143,9 @@ def update_balance(
                 raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
             router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
             ranks = router.qb_histogram._reduced["ranks"]
-            router.last_mean_input_D = _from_fixed(part[hist_words : hist_words + d], ranks)
+            router.qb_mean_input.copy_(_from_fixed(part[hist_words : hist_words + d], ranks))
             if drift_correction:
-                router.set_drift_reference(router.last_mean_input_D)
+                router.set_drift_reference(router.qb_mean_input.clone())
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
     return metrics

@@ -127,7 +127,15 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             persistent=False,
         )
         self._drift_ref = None
-        self.last_mean_input_D = None  # the last step's global mean router input (step end)
+        # The last step's global mean router input (step end; NaN: not known yet). QB rescoring
+        # arms the drift correction at it (training/qb_rescore.py), so a run that rescores keeps
+        # it in its checkpoints (a resume inside the rescoring window is then exact); a
+        # checkpoint without it still loads (``_load_from_state_dict``: it stays unknown).
+        self.register_buffer(
+            "qb_mean_input",
+            torch.full((config.hidden_size,), float("nan"), dtype=torch.float32, device=device),
+            persistent=bool(config.moe_qb_rescore_iters),
+        )
         # Set by training/qb_rescore.py around its forward-only pass (no grad): observe, and
         # only observe (no load count, no loss), the scores of the rescored batch.
         self.qb_rescoring = False
@@ -177,6 +185,21 @@ class QuantileBalancingRouter(BalanceCountingRouter):
     def _save_to_state_dict(self, *args, **kwargs):
         self._apply_drift_correction()  # a checkpoint holds the bias the next batch will use
         return super()._save_to_state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        """``qb_mean_input`` is optional both ways: a checkpoint written without QB rescoring
+        lacks it (it stays NaN: unknown), and one written with it loads into a run without."""
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        key = prefix + "qb_mean_input"
+        if key in missing_keys:
+            missing_keys.remove(key)
+            self.qb_mean_input.fill_(float("nan"))
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""

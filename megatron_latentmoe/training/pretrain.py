@@ -264,6 +264,7 @@ def _main(check_only: bool = False) -> int:
         begin_run,
         exclude_from_step_time,
         init_cpu_world,
+        load_optional_checkpoint_keys,
         wrap_train_step,
     )
 
@@ -299,6 +300,7 @@ def _main(check_only: bool = False) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
+    from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
         BalanceLogger,
@@ -342,6 +344,7 @@ def _main(check_only: bool = False) -> int:
             decoder_seq_length=args.decoder_seq_length,
         )
         wrap_train_step(rescore.wrap_train_step)
+        load_optional_checkpoint_keys(TRAINING_STATE_SUFFIXES)
     fstep.set_batch_recorder(rescore)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)

@@ -31,9 +31,10 @@ dead-expert iterations / final loss: plain QB 4.35 / 1.20 / 11.05 / 48 / 4.725; 
 step 2 3.21 / 1.11 / 6.96 / 52 / 4.730 (QB's one-shot solve, started from a bias that lags the
 update, moves too little); with step 2 1.40 / 0.91 / 2.36 / 4 / 4.714.
 
-Resuming: outside the window a resumed run is bit-exact. Inside it, the first rescored step after
-the load has no armed correction (``router.last_mean_input_D`` is not checkpointed), so the run
-drifts from an uninterrupted one by ~1e-5 in loss; :meth:`QBRescore.wrap_train_step` warns.
+Resuming is bit-exact, inside the window too: a run that rescores checkpoints each QB router's
+last global mean router input (``router.qb_mean_input``, the armed correction's reference). A
+checkpoint written without rescoring lacks it and still loads; the first rescored step after that
+load then runs without the armed correction, and :meth:`QBRescore.wrap_train_step` warns.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ import inspect
 from collections.abc import Callable
 
 import torch
+
+
+def _known_mean_inputs(routers) -> list[bool]:
+    """Whether each router's ``qb_mean_input`` is known (finite); one host sync for all."""
+    if not routers:
+        return []
+    return torch.stack([torch.isfinite(r.qb_mean_input).all() for r in routers]).tolist()
 
 
 class QBRescore:
@@ -87,25 +95,25 @@ class QBRescore:
         under the weights the optimizer is about to update: the rescoring pass, the first forward
         after the update, then observes under the bias moved by the weight update's score shift
         (one fixed-point step ahead, from numbers every rank has: no extra all-reduce)."""
-        for router in self._qb_routers(model):
-            if router.last_mean_input_D is not None:
-                router.set_drift_reference(router.last_mean_input_D)
+        routers = self._qb_routers(model)
+        for router, known in zip(routers, _known_mean_inputs(routers), strict=True):
+            if known:  # NaN before the first step end, or after loading an older checkpoint
+                router.set_drift_reference(router.qb_mean_input.clone())
 
     def _warn_if_resumed(self, model, iteration: int) -> None:
-        """A run resumed inside the rescoring window: the armed drift correction's mean input
-        (``router.last_mean_input_D``) is not in the checkpoint, so the first rescored step runs
-        without it and the run no longer reproduces an uninterrupted one bit for bit."""
+        """A run resumed inside the rescoring window from a checkpoint written without rescoring:
+        it has no ``router.qb_mean_input``, so the first rescored step runs without the armed
+        drift correction."""
         self._warned = True
-        if any(r.last_mean_input_D is None for r in self._qb_routers(model)):
+        if not all(_known_mean_inputs(self._qb_routers(model))):
             import torch.distributed as dist
 
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(
                     f"WARNING: resumed at iteration {iteration}, inside --moe-qb-rescore-iters "
-                    f"{self.iters}: the first rescored step runs without the armed drift "
-                    "correction (its mean router input is not checkpointed), so losses differ "
-                    "slightly from an uninterrupted run's (resume outside the window for "
-                    "bit-exact runs)",
+                    f"{self.iters}, from a checkpoint without the QB routers' mean router input "
+                    "(router.qb_mean_input: written without --moe-qb-rescore-iters): the first "
+                    "rescored step runs without the armed drift correction",
                     flush=True,
                 )
 

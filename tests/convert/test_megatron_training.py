@@ -1,12 +1,14 @@
 """The converter against checkpoints of the real training entry point (``megatron.training``).
 
 1. ``examples/pretrain_stable_latentmoe.py`` (torchrun, 2 ranks, EP2, tiny model) trains 3
-   iterations and saves a torch_dist checkpoint: the model description comes from the ``args``
-   that megatron.training stores (no --megatron-config).
+   iterations with QB rescoring and saves a torch_dist checkpoint: the model description comes
+   from the ``args`` that megatron.training stores (no --megatron-config); the rescoring state
+   (``router.qb_mean_input``) is not exported.
 2. CLI export with ``--verify``: Megatron vs HF logits / greedy generation on that trained model.
 3. CLI import of the export as a layout-free ``release`` checkpoint (loaded by the EP2 runs).
 4. Two 1-iteration runs from iteration 0 with the same data: ``--load <original> --finetune``
-   and ``--load <imported>`` with NO extra flag (release: fresh optimizer and RNG by design).
+   and ``--load <imported>`` with NO extra flag (release: fresh optimizer and RNG by design),
+   both rescoring (the import has no rescoring state: it loads without it).
    Same weights, same batch, same layout: the losses of iteration 1 are bit-identical.
 """
 
@@ -50,6 +52,8 @@ def test_trained_checkpoint_exports_verifies_imports_and_loads_for_training():
             str(ckpt),
             "--balance-log-file",
             "none",
+            "--moe-qb-rescore-iters",  # its checkpoint holds router.qb_mean_input: not exported
+            "3",
         ]
     ).check()
 
@@ -88,13 +92,17 @@ def test_trained_checkpoint_exports_verifies_imports_and_loads_for_training():
     assert "note: --ep ignored" in proc.stderr
     assert (imported / "latest_checkpointed_iteration.txt").read_text() == "release"
 
+    # both runs rescore: the import has no router.qb_mean_input and still loads
     losses = {}
     for name, extra in (
         ("original", ["--load", str(ckpt), "--finetune"]),
         ("imported", ["--load", str(imported)]),
     ):
         jsonl = base / f"{name}.jsonl"
-        run = run_entry(["--train-iters", "1", "--balance-log-file", str(jsonl), *extra]).check()
+        run = run_entry(
+            ["--train-iters", "1", "--balance-log-file", str(jsonl), "--moe-qb-rescore-iters", "1"]
+            + extra
+        ).check()
         if name == "imported":
             assert "loading release" in run.output, run.output[-3000:]
         losses[name] = read_jsonl(jsonl)[1]["loss"]

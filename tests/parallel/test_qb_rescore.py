@@ -131,7 +131,7 @@ def _run(rank, world_size, layout):
     recorder["rescore"] = rescore
     model.config.finalize_model_grads_func = make_finalize_model_grads_func(None, rescore)
     for router in balance_routers([model]):  # as if an earlier step had measured it
-        router.last_mean_input_D = _mean_input(router)
+        router.qb_mean_input.copy_(_mean_input(router))
     dist.all_reduce = counting_all_reduce
     try:
         rescore.wrap_train_step(megatron_train_step)(
