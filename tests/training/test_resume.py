@@ -20,13 +20,15 @@ reshard its state; the entry point says so, naming the flags that would have kep
 restores the LR schedule), so later iterations differ.
 
 Distributed optimizer (``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``, EP2,
-11 iterations, checkpoints at 5/10/11, QB rescoring for iterations 1-4): a kill during the save of
-10 and a resume from 5 give bit-identical losses and checkpoint at 11; its first step logs the
-plain reference run's loss and loads; loading the checkpoint of 10 with TP2+SP or PP2 keeps the
-optimizer state: re-saved right after the load (Megatron's ``--ckpt-convert-save``), every full
-(gathered) tensor -- weights, QB biases, fp32 main params, Adam moments -- equals the saved one
-exactly, and one step later (iteration 11) the weights and moments match the EP2 run to
-:data:`STEP_RTOL` of each tensor's largest update / moment.
+11 iterations, checkpoints at 5/10/11, QB rescoring for iterations 1-8): a kill during the save of
+10 and a resume from 5, inside the rescoring window, give bit-identical losses and checkpoint at
+11; its first step logs the plain reference run's loss and loads; loading the checkpoint of 10
+with TP2+SP or PP2 keeps the optimizer state: re-saved right after the load (Megatron's
+``--ckpt-convert-save``), every full (gathered) tensor -- weights, QB biases, rescoring's mean
+router input, fp32 main params, Adam moments -- equals the saved one exactly, and one step later
+(iteration 11) the weights and moments match the EP2 run to :data:`STEP_RTOL` of each tensor's
+largest update / moment (the mean router input: to :data:`MEAN_INPUT_STEP`). A checkpoint without
+rescoring's state loads into a run that rescores.
 """
 
 from __future__ import annotations
