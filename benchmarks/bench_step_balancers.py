@@ -21,7 +21,12 @@ Prints per method the median step time over the steps after ``--warmup``, tokens
 round, seconds apart), and writes ``benchmarks/results/bench_step_balancers.json``. The methods'
 routing evolves as in the race (``none`` collapses onto a few experts, the balancers spread the
 tokens), so the ratio includes what balanced routing itself costs, not only the balancer's own
-work. Launches itself with torchrun (2 processes) when started with plain ``python``.
+work. That work is timed apart: ``router ms`` is the median per step of the time spent in the
+routers' forward (QB: its input sum, drift correction, top-(k+1) cutoffs and histogram; the aux
+losses' top-k and loss; every router's load count) plus the step-end update
+(``update_balance``: the all-reduce, QB's solve, the balance metrics), on rank 0, without the
+routers' small backward. Launches itself with torchrun (2 processes) when started with plain
+``python``.
 """
 
 from __future__ import annotations
@@ -172,6 +177,35 @@ class Trainee:
         optimizer.step()
 
 
+def _time_balancer_work(trainees) -> list[float]:
+    """Accumulate, in the returned one-element list, the seconds spent in every trainee's routers'
+    forward (instance-level wrappers: no class is patched) and in the step-end
+    ``update_balance``."""
+    import functools
+
+    from megatron_latentmoe.moe.balance_step import balance_routers
+    from megatron_latentmoe.training import balance_logging
+
+    spent = [0.0]
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        return wrapper
+
+    for trainee in trainees.values():
+        for router in balance_routers([trainee.ddp.module]):
+            router.forward = timed(router.forward)
+    balance_logging.update_balance = timed(balance_logging.update_balance)
+    return spent
+
+
 def micro_batches(tokens, args, step, rank, world):
     """This DP rank's micro-batches of global batch ``step`` (the same for every method)."""
     import numpy as np
@@ -228,9 +262,11 @@ def run_rank(a):
     for m in a.methods:
         per_method[m][0].padded_vocab_size = first.padded_vocab_size
     trainees = {m: Trainee(*per_method[m], first.seed) for m in a.methods}
+    router_s = _time_balancer_work(trainees)
     tokens = corpus_tokens()
     warm_lr = max(1, round(first.lr_warmup_fraction * first.train_iters))
     times = {m: [] for m in a.methods}
+    router_times = {m: [] for m in a.methods}
     global_tokens = first.global_batch_size * first.seq_length
     for step in range(a.warmup + a.steps):
         batches = micro_batches(tokens, first, step, rank, world)
@@ -238,11 +274,12 @@ def run_rank(a):
         order = a.methods[step % len(a.methods) :] + a.methods[: step % len(a.methods)]
         for m in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, r0 = time.perf_counter(), router_s[0]
             trainees[m].step(batches, lr)
             dist.barrier()
             if step >= a.warmup:
                 times[m].append(time.perf_counter() - t0)
+                router_times[m].append(router_s[0] - r0)
         if rank == 0 and (step + 1) % 10 == 0:
             print(f"[bench_step] round {step + 1}/{a.warmup + a.steps}", flush=True)
     if rank != 0:
@@ -258,17 +295,24 @@ def run_rank(a):
             ratio_vs_none_paired=statistics.median(
                 n / x for n, x in zip(times["none"], t, strict=True)
             ),
+            router_s_median=statistics.median(router_times[m]),
         )
     print(
         f"\nwhole training steps, {os.path.relpath(a.args_file, REPO)}, "
         f"EP{first.expert_model_parallel_size} on {world} CPU processes, "
         f"{a.steps} rounds after {a.warmup}, {global_tokens} tokens/step"
     )
-    print(f"{'method':<36}{'ms/step':>9}{'tokens/s':>10}{'vs none':>9}{'paired':>8}")
+    width = max(len(m) for m in rows) + 2
+    print(
+        f"{'method':<{width}}{'ms/step':>9}{'tokens/s':>10}{'vs none':>9}{'paired':>8}"
+        f"{'router ms':>11}{'of step':>9}"
+    )
     for m, r in rows.items():
         print(
-            f"{m:<36}{1e3 * r['step_s_median']:>9.0f}{r['tokens_per_s']:>10.0f}"
+            f"{m:<{width}}{1e3 * r['step_s_median']:>9.0f}{r['tokens_per_s']:>10.0f}"
             f"{r['ratio_vs_none']:>9.3f}{r['ratio_vs_none_paired']:>8.3f}"
+            f"{1e3 * r['router_s_median']:>11.1f}"
+            f"{r['router_s_median'] / r['step_s_median']:>9.1%}"
         )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     tmp = a.out + ".tmp"
@@ -280,6 +324,7 @@ def run_rank(a):
                 world_size=world,
                 tokens_per_step=global_tokens,
                 step_times_s=times,
+                router_times_s=router_times,
                 results=rows,
             ),
             f,

@@ -16,7 +16,9 @@ iteration (overall, and after iteration 50: past the LR warm-up's collapse), ite
 dead expert (load 0 in some layer), final loss (mean of the last 20 iterations), tokens/s relative
 to ``none``: from the race runs (median over iterations after the first 5, runs minutes apart)
 and side by side (``bench_step_balancers.py``: every method's model trains in the same two
-processes, one step each in turn, so machine noise hits all alike; ``--side-by-side-steps``).
+processes, one step each in turn, so machine noise hits all alike; ``--side-by-side-steps``;
+not for a method that rescores only the first iterations: its steps cost a rescoring row's, then
+the same method's without rescoring).
 ``--seeds`` trains each method once per seed (``--seed S``; data order and initialisation change)
 and reports the mean over the seeds, the worst iteration of all runs and the final loss's spread,
 so a gap between methods can be read against the noise of one run (the plotted curves: means too).
@@ -50,17 +52,23 @@ from tools.plot_balance import read_records  # noqa: E402
 QB = ["--moe-router-load-balancing-type", "quantile_histogram"]
 CENTERED = ["--moe-qb-binning", "centered"]
 QB_SEQ_AUX = QB + ["seq_aux_loss", "--moe-aux-loss-coeff", "0", "1"] + CENTERED
+QB_ABSORB = QB + CENTERED + ["--moe-qb-absorb-coeff", "1"]
 # QB rescoring (training/qb_rescore.py) at every iteration of any race: the bias solved from the
-# updated model's scores of the step's batch
+# updated model's scores of the step's batch; and only over iterations 1-50, the warm-up where
+# the spike is (the recommended use: after it a step costs what QB's does)
 RESCORE = ["--moe-qb-rescore-iters", "1000000000"]
+RESCORE_WARMUP = ["--moe-qb-rescore-iters", "50"]
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": QB + CENTERED,
     "QB uniform (ours)": QB + ["--moe-qb-binning", "uniform"],
     "QB centered + seq_aux_loss (ours)": QB_SEQ_AUX,
     "QB centered + absorb 0.3 (ours)": QB + CENTERED + ["--moe-qb-absorb-coeff", "0.3"],
+    "QB centered + absorb 1 (ours)": QB_ABSORB,
     "QB centered + rescore (ours)": QB + CENTERED + RESCORE,
     "QB centered + seq_aux_loss + rescore (ours)": QB_SEQ_AUX + RESCORE,
+    "QB centered + seq_aux_loss + rescore 1-50 (ours)": QB_SEQ_AUX + RESCORE_WARMUP,
+    "QB centered + absorb 1 + rescore 1-50 (ours)": QB_ABSORB + RESCORE_WARMUP,
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",
@@ -332,11 +340,20 @@ def plot(result, path):
     plt.close(fig)
 
 
-def side_by_side_tokens_per_s(args):
-    """``bench_step_balancers.py``'s results for the race's methods (resumable like the runs)."""
+def rescore_window(flags) -> int:
+    """The iterations a method rescores (``--moe-qb-rescore-iters``; 0: none)."""
+    return (
+        int(flags[flags.index("--moe-qb-rescore-iters") + 1])
+        if "--moe-qb-rescore-iters" in flags
+        else 0
+    )
+
+
+def side_by_side_tokens_per_s(args, methods):
+    """``bench_step_balancers.py``'s results for ``methods`` (resumable like the runs)."""
     path = os.path.join(args.workdir, "step_balancers.json")
     wanted = dict(
-        methods=args.methods,
+        methods=methods,
         steps=args.side_by_side_steps,
         args_file=os.path.abspath(args.args_file),
     )
@@ -348,7 +365,7 @@ def side_by_side_tokens_per_s(args):
     print(f"[race] side by side: {args.side_by_side_steps} rounds ...", flush=True)
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_step_balancers.py")]
     cmd += ["--args-file", wanted["args_file"], "--steps", str(args.side_by_side_steps)]
-    cmd += ["--out", path, "--methods", *args.methods]
+    cmd += ["--out", path, "--methods", *methods]
     subprocess.run(cmd, cwd=REPO, check=True)
     with open(path) as f:
         return json.load(f)["results"]
@@ -419,10 +436,16 @@ def main(argv=None):
         r["tokens_per_s_rel"] = r["tokens_per_s"] / base
     side_by_side = None
     if args.side_by_side_steps and "none" in args.methods:
-        side_by_side = side_by_side_tokens_per_s(args)
+        # not a method that rescores only part of the race: its per-step median would mix
+        # rescored and plain steps (its steps cost the rescoring rows' inside the window, the
+        # same method's without rescoring after it)
+        steady = [m for m in args.methods if not 0 < rescore_window(METHODS[m]) < args.iters]
+        side_by_side = side_by_side_tokens_per_s(args, steady)
     for r in results:
         if side_by_side and r["method"] in side_by_side:
-            r["tokens_per_s_rel_side_by_side"] = side_by_side[r["method"]]["ratio_vs_none_paired"]
+            row = side_by_side[r["method"]]
+            r["tokens_per_s_rel_side_by_side"] = row["ratio_vs_none_paired"]
+            r["router_share_side_by_side"] = row["router_s_median"] / row["step_s_median"]
     title = (
         f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
         + (
