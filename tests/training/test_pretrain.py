@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -111,14 +112,15 @@ def test_ep2_checkpoint_loads_and_training_continues():
     assert (iter_dir(ckpt, 31) / "metadata.json").is_file()
 
 
-@pytest.mark.parametrize("virtual_stages", [None, 2], ids=["pp2", "pp2-vpp2"])
-def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
-    jsonl = scratch_dir() / f"pp2-vpp{virtual_stages}.jsonl"
+@functools.cache
+def _pp2_run(virtual_stages, rescore_iters=0):
+    jsonl = scratch_dir() / f"pp2-vpp{virtual_stages}-rescore{rescore_iters}.jsonl"
     vpp = (
         ["--num-layers-per-virtual-pipeline-stage", str(4 // 2 // virtual_stages)]
         if virtual_stages
         else []
     )
+    rescore = ["--moe-qb-rescore-iters", str(rescore_iters)] if rescore_iters else []
     run = run_entry(
         [
             "--pipeline-model-parallel-size",
@@ -130,9 +132,15 @@ def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
             "--balance-log-file",
             str(jsonl),
             *vpp,
+            *rescore,
         ]
     ).check()
-    records = read_jsonl(jsonl)
+    return run, read_jsonl(jsonl)
+
+
+@pytest.mark.parametrize("virtual_stages", [None, 2], ids=["pp2", "pp2-vpp2"])
+def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
+    run, records = _pp2_run(virtual_stages)
     assert sorted(records) == list(range(1, 7))
     for record in records.values():
         # PP2: layer 2 lives on stage 0, layers 3-4 on stage 1 (the logging rank's);
@@ -145,3 +153,19 @@ def test_pp2_metrics_of_every_stage_reach_the_logging_rank(virtual_stages):
         f"PP2 x VPP{virtual_stages or 1}: loss {records[1]['loss']:.4f} -> "
         f"{records[6]['loss']:.4f} ({run.seconds:.0f} s)"
     )
+
+
+def test_qb_rescoring_replays_every_virtual_stage():
+    """QB rescoring through the interleaved pipeline schedule (PP2 x VPP2: each rank holds two
+    model chunks, each reading its own data iterator, which the rescoring pass replays): the
+    logged first step is the plain run's, and the rescored solves change the routing after it."""
+    _, plain = _pp2_run(2)
+    run, rescored = _pp2_run(2, rescore_iters=6)
+    assert sorted(rescored) == list(range(1, 7))
+    assert rescored[1]["loss"] == plain[1]["loss"]
+    loads = {i: [[e["loads"] for e in r[i]["layers"]] for r in (rescored, plain)] for i in (1, 3)}
+    assert loads[1][0] == loads[1][1]
+    assert loads[3][0] != loads[3][1]
+    for record in rescored.values():
+        assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
+    print(f"PP2 x VPP2 rescoring: loss {rescored[6]['loss']:.4f} vs plain {plain[6]['loss']:.4f}")
