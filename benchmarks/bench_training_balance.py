@@ -309,9 +309,16 @@ def plot(result, path):
     fig = plt.figure(figsize=(14, 10), constrained_layout=True)
     grid = fig.add_gridspec(2, 2, height_ratios=[1.25, 0.8])
     ax_vio, ax_loss = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
-    for r in result["methods"]:
+    tab20 = plt.get_cmap("tab20").colors  # one distinct colour per method: dark shades first
+    colors = tab20[0::2] + tab20[1::2]
+    for i, r in enumerate(result["methods"]):
         ours = "ours" in r["method"]
-        style = dict(lw=2.0 if ours else 1.0, alpha=1.0 if ours else 0.8)
+        style = dict(
+            color=colors[i % len(colors)],
+            lw=2.0 if ours else 1.0,
+            ls="-" if ours else "--",
+            alpha=1.0 if ours else 0.8,
+        )
         its = range(1, len(r["curve_maxvio"]) + 1)
         ax_vio.plot(its, [max(v, 1e-3) for v in r["curve_maxvio"]], label=r["method"], **style)
         ax_loss.plot(its, _running_mean(r["curve_loss"], FINAL), label=r["method"], **style)
