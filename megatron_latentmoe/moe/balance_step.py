@@ -145,7 +145,7 @@ def update_balance(
             ranks = router.qb_histogram._reduced["ranks"]
             router.qb_mean_input.copy_(_from_fixed(part[hist_words : hist_words + d], ranks))
             if drift_correction:
-                router.set_drift_reference(router.qb_mean_input.clone())
+                router.set_drift_reference()
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
     return metrics

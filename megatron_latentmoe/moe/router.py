@@ -169,8 +169,10 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         return torch.sigmoid(self.weight.detach().float() @ h_D)
 
     @torch.no_grad()
-    def set_drift_reference(self, mean_input_D: torch.Tensor) -> None:
-        """Step end, after the solve: remember the mean input and its scores under W_t."""
+    def set_drift_reference(self) -> None:
+        """Remember the last step's mean input (``qb_mean_input``, copied: the next step end
+        overwrites it) and its scores under the current weights W_t."""
+        mean_input_D = self.qb_mean_input.clone()
         self._drift_ref = (mean_input_D, self._scores_at(mean_input_D))
 
     @torch.no_grad()

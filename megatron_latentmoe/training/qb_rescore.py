@@ -98,7 +98,7 @@ class QBRescore:
         routers = self._qb_routers(model)
         for router, known in zip(routers, _known_mean_inputs(routers), strict=True):
             if known:  # NaN before the first step end, or after loading an older checkpoint
-                router.set_drift_reference(router.qb_mean_input.clone())
+                router.set_drift_reference()
 
     def _warn_if_resumed(self, model, iteration: int) -> None:
         """A run resumed inside the rescoring window from a checkpoint written without rescoring:
