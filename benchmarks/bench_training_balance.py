@@ -186,13 +186,14 @@ def corpus_tokens():
 
 
 def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
-    """The MaxVio below which NO balancer can go while routing is a function of the token alone
-    (early training: the router input is mostly the token's embedding).
+    """The MaxVio no balancer could go below if routing were a function of the token alone.
 
-    Every copy of a token then picks the same k experts, so a token with a share f of the batch
-    puts at least f·m tokens on each of them, against a mean load of m·k/n: MaxVio >= f·n/k - 1.
-    Estimated on global batches of the race's shape cut at random from the embedded corpus (the
-    race's data): mean and max over ``batches`` batches, and the token that sets it.
+    Every copy of a token would then pick the same k experts, so a token with a share f of the
+    batch puts at least f·m tokens on each of them, against a mean load of m·k/n: MaxVio >=
+    f·n/k - 1. Estimated on global batches of the race's shape cut at random from the embedded
+    corpus (the race's data): mean and max over ``batches`` batches, and the token that sets it.
+    An estimate, not a floor: the copies of a token differ by their context, and a bias learnt
+    from other batches splits them (``bench_balance_floor.py`` measures what a bias can reach).
     """
     import numpy as np
 
@@ -486,9 +487,10 @@ def main(argv=None):
     print(title)
     print("\n".join(table_rows(results)))
     print(
-        f"floor while routing follows the token alone (n/k = {floor['experts_over_topk']:.0f}): "
+        f"if every copy of a token took the same experts (n/k = {floor['experts_over_topk']:.0f}): "
         f"MaxVio >= {floor['mean']:.2f} on a mean batch, {floor['max']:.2f} on the worst "
-        f"(most frequent token {floor['most_frequent_token']!r})"
+        f"(most frequent token {floor['most_frequent_token']!r}); not a floor: "
+        "benchmarks/bench_balance_floor.py measures one"
     )
     print(f"wrote {json_path} and training_balance.png")
     return 0

@@ -1,0 +1,415 @@
+#!/usr/bin/env python
+"""How low can ANY balancer take the balance race's MaxVio? Floors measured on the race's model at
+its initial weights (the weights every method routes iteration 1 with) and on the race's batches.
+
+    python benchmarks/bench_balance_floor.py [--args-file FILE] [--seeds 1234 1 2] [--batches 300]
+
+Every balancer of the race routes a token to the top-k of ``scores + b`` for some bias b (b = 0
+for the aux losses and ``none``). So for one batch at fixed weights, no method can beat the best
+b for that batch, and a method that never routes a batch with a bias computed from the batch
+itself (QB's rule; no method can know a batch before routing it) can at best expect what a b
+learnt from OTHER data gives. This benchmark builds the race's model exactly as the race does
+(same args file, seed, EP2 over 2 processes, Megatron's data pipeline and sample order; checked:
+the ``none`` routing of batch 1 reproduces the race's iteration-1 loads expert for expert), feeds it
+the race's batches 1..N without training, and records per batch the MaxVio of the global batch
+(mean over the MoE layers, as the race) under four biases:
+
+* ``no bias``: what every method routes iteration 1 with;
+* ``the batch's own balancing bias``: solved on the batch itself (forbidden to QB: the best any
+  b can do on that batch);
+* ``the previous batch's balancing bias``: solved on batch t-1, routing batch t (a balancer
+  that knew batch t-1 exactly and the weights did not move);
+* ``a pooled bias from other batches``: solved on the pooled tokens of up to ``--pool`` batches
+  of the other parity (odd batches are routed with a bias from even ones and vice versa): the
+  population bias, what a balancer that knew many other batches, but not this one, would use.
+
+A balancing bias is solved layer by layer in the forward (layer l's bias changes layer l+1's
+input) by iterating the exact sort-based QB update (``balancing_reference.exact_quantile_bias``)
+with damping 0.5, keeping the iterate with the lowest MaxVio on the tokens it is solved on.
+Prints a table (mean, worst and how many batches reach MaxVio <= 1.0) and writes
+``benchmarks/results/balance_floor.json``. Launches itself with torchrun (2 processes) when
+started with plain ``python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from functools import partial
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "none": "no bias (iteration 1 of every method)",
+    "own": "the batch's own balancing bias (forbidden)",
+    "previous": "the previous batch's balancing bias",
+    "pooled": "a pooled bias from other batches",
+}
+TARGET = 1.0  # issue #10: worst iteration MaxVio <= 1.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
+    )
+    p.add_argument("--seeds", nargs="+", type=int, default=[1234], metavar="S")
+    p.add_argument("--batches", type=int, default=300, help="the race's batches 1..N")
+    p.add_argument(
+        "--race-iters",
+        type=int,
+        default=300,
+        help="the race's --iters (it sizes Megatron's dataset, hence the sample order)",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        help="sequences per batch (default: the args file's; another size is not the race's "
+        "data, so batch 1 is not checked against it)",
+    )
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="V"
+    )
+    p.add_argument("--pool", type=int, default=50, help="batches pooled per parity")
+    p.add_argument("--solver-iters", type=int, default=40)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--race-dir",
+        default=os.path.join(REPO, "runs", "training_balance"),
+        help="the race's workdir: batch 1 is checked against its none run's iteration 1",
+    )
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # one torchrun per seed
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks", "results", "balance_floor.json")
+    )
+    a = p.parse_args(argv)
+    for name in ("batches", "pool", "solver_iters"):
+        if getattr(a, name) < 2:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 2")
+    a.args_file = os.path.abspath(a.args_file)
+    return a
+
+
+# ----------------------------------------------------------------------------- bias math
+def loads_of(scores_ME, bias_E, topk):
+    """Tokens per expert when each token takes the top-k of fp32 ``scores + bias``."""
+    import torch
+
+    idx = (scores_ME + bias_E).topk(topk, dim=1).indices
+    return torch.bincount(idx.reshape(-1), minlength=scores_ME.shape[1])
+
+
+def max_vio(loads_E) -> float:
+    mean = loads_E.double().mean()
+    return float((loads_E.max() - mean) / mean)
+
+
+def balancing_bias(scores_ME, topk, iters):
+    """(bias, MaxVio on ``scores_ME``): damped iterations of the exact QB update from b = 0, the
+    iterate with the lowest MaxVio."""
+    import torch
+
+    from megatron_latentmoe.balancing_reference import exact_quantile_bias
+
+    bias = torch.zeros(scores_ME.shape[1], dtype=torch.float32)
+    best = (bias, max_vio(loads_of(scores_ME, bias, topk)))
+    for _ in range(iters):
+        bias = bias + 0.5 * (exact_quantile_bias(scores_ME, bias, topk) - bias)
+        vio = max_vio(loads_of(scores_ME, bias, topk))
+        if vio < best[1]:
+            best = (bias, vio)
+    return best
+
+
+# ----------------------------------------------------------------------------- model and data
+def build(a):
+    """(args, model, this rank's micro-batches of batches 1..N) as the race's run builds them."""
+    from bench_step_balancers import checked
+    from bench_training_balance import METHODS, args_file_flags
+    from megatron.training.global_vars import set_global_variables
+
+    from megatron_latentmoe.compat.training import init_cpu_world
+    from megatron_latentmoe.model import build_gpt_model
+    from megatron_latentmoe.training.forward_step import train_valid_test_datasets_provider
+
+    flags = args_file_flags(a.args_file) + METHODS["QB centered (ours)"]
+    flags += ["--train-iters", str(max(a.batches, a.race_iters)), "--eval-iters", "0"]
+    flags += ["--seed", str(a.seed)]
+    if a.global_batch_size:
+        flags += ["--global-batch-size", str(a.global_batch_size)]
+    args, config = checked(flags)
+    with contextlib.redirect_stdout(io.StringIO()):
+        set_global_variables(args)
+    init_cpu_world(args)  # seeds the RNGs as the race's pretrain does, before the model is built
+    model = build_gpt_model(
+        config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings
+    )
+    from megatron.training.training import build_train_valid_test_data_iterators
+
+    args.iteration, args.consumed_train_samples, args.consumed_valid_samples = 0, 0, 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_iter, _, _ = build_train_valid_test_data_iterators(train_valid_test_datasets_provider)
+    per_step = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    batches = [[next(train_iter) for _ in range(per_step)] for _ in range(a.batches)]
+    return args, config, model, batches
+
+
+class Floors:
+    """Routes every batch through the model with each variant's bias, set in the routers' own
+    ``routing`` (instance wrappers) layer by layer, and records the global loads."""
+
+    def __init__(self, a, args, config, model, batches):
+        import torch.distributed as dist
+
+        from megatron_latentmoe.moe.balance_step import token_parallel_group
+        from megatron_latentmoe.moe.router import QuantileBalancingRouter
+
+        self.a, self.args, self.config, self.model, self.batches = a, args, config, model, batches
+        self.topk = config.moe_router_topk
+        self.group = token_parallel_group(config)
+        self.world = dist.get_world_size(self.group)
+        self.routers = [m for m in model.modules() if isinstance(m, QuantileBalancingRouter)]
+        self.policy = None
+        for layer, router in enumerate(self.routers):
+            router.routing = self._wrap(layer, router, router.routing)
+
+    def _wrap(self, layer, router, routing):
+        def wrapped(logits, padding_mask=None):
+            import torch
+
+            with torch.no_grad():
+                router.expert_bias.copy_(
+                    self.policy(layer, self._global_scores(logits, padding_mask))
+                )
+            return routing(logits, padding_mask=padding_mask)
+
+        return wrapped
+
+    def _global_scores(self, logits, padding_mask):
+        """fp32 sigmoid scores [tokens of every rank, n], padding dropped."""
+        import torch
+        import torch.distributed as dist
+
+        n = logits.shape[-1]
+        s = torch.sigmoid(logits.detach().reshape(-1, n).float())
+        valid = (
+            torch.ones(s.shape[0]) if padding_mask is None else (~padding_mask.reshape(-1)).float()
+        )
+        both = torch.cat([s, valid[:, None]], dim=1)
+        parts = [torch.empty_like(both) for _ in range(self.world)]
+        dist.all_gather(parts, both, group=self.group)
+        g = torch.cat(parts)
+        return g[g[:, -1] > 0, :-1].contiguous()
+
+    def forward(self, step_batches, policy):
+        import torch
+
+        from megatron_latentmoe.training.forward_step import get_batch
+
+        self.policy = policy
+        self.model.train()
+        with torch.no_grad():
+            for batch in step_batches:
+                tokens, labels, loss_mask, attention, position_ids, padding = get_batch(
+                    batch, pre_process=True, config=self.config
+                )
+                self.model(
+                    tokens,
+                    position_ids,
+                    attention,
+                    labels=labels,
+                    loss_mask=loss_mask,
+                    padding_mask=padding,
+                )
+
+    def run_variant(self, name, pooled=None):
+        """Per batch: [MaxVio of each MoE layer]; and the loads of batch 1 per layer."""
+        import torch
+
+        zeros = torch.zeros(self.config.num_moe_experts)
+        state = dict(zeros=zeros, previous=[zeros] * len(self.routers), vios=None, loads_1=[])
+        out = []
+        for t, step_batches in enumerate(self.batches):
+            state["vios"] = [None] * len(self.routers)
+            self.forward(step_batches, partial(self._variant_bias, name, t, pooled, state))
+            out.append(state["vios"])
+        return out, state["loads_1"]
+
+    def _variant_bias(self, name, t, pooled, state, layer, g):
+        """The bias variant ``name`` routes batch ``t`` with at MoE layer ``layer`` (global scores
+        ``g``); records the loads it gives."""
+        if name == "none":
+            bias = state["zeros"]
+        elif name == "own":
+            bias = balancing_bias(g, self.topk, self.a.solver_iters)[0]
+        elif name == "previous":
+            bias = state["previous"][layer]
+            state["previous"][layer] = balancing_bias(g, self.topk, self.a.solver_iters)[0]
+        else:
+            bias = pooled[1 - t % 2][layer]
+        loads = loads_of(g, bias, self.topk)
+        state["vios"][layer] = max_vio(loads)
+        if t == 0:
+            state["loads_1"].append(loads.tolist())
+        return bias
+
+    def pooled_biases(self):
+        """For each parity: the balancing bias of each layer, solved on the pooled tokens of that
+        parity's first ``--pool`` batches, layer after layer."""
+        import torch
+
+        biases = []
+        for parity in (0, 1):
+            solved = []
+            for layer in range(len(self.routers)):
+                pool = []
+                for step_batches in self.batches[parity::2][: self.a.pool]:
+                    self.forward(step_batches, partial(_pool_bias, solved, layer, pool))
+                solved.append(balancing_bias(torch.cat(pool), self.topk, self.a.solver_iters)[0])
+            biases.append(solved)
+        return biases
+
+
+def _pool_bias(solved, layer, pool, i, g):
+    """Layers before ``layer`` route with their solved pooled bias; ``layer`` adds its scores to
+    ``pool`` (routed without a bias, as are the layers after it, which nothing reads)."""
+    import torch
+
+    if i == layer:
+        pool.append(g)
+    return solved[i] if i < layer else torch.zeros(g.shape[1])
+
+
+def race_iteration_1(a):
+    """Per-layer loads of iteration 1 in the race's ``none`` run of this seed (None: not run)."""
+    path = os.path.join(a.race_dir, f"none_seed_{a.seed}.jsonl")
+    if a.global_batch_size or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        first = json.loads(f.readline())
+    return [layer["loads"] for layer in first["layers"]]
+
+
+def run_rank(a):
+    import logging
+
+    import torch.distributed as dist
+
+    from megatron_latentmoe.compat import (
+        apply_core_compat,
+        apply_cpu_compat,
+        apply_python311_compat,
+    )
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    apply_python311_compat()
+    apply_core_compat()
+    apply_cpu_compat()
+    args, config, model, batches = build(a)
+    floors = Floors(a, args, config, model, batches)
+    start, result = time.time(), {}
+    pooled = floors.pooled_biases() if "pooled" in a.variants else None
+    result["tokens_per_batch"] = args.global_batch_size * args.seq_length
+    for name in a.variants:
+        vios, loads_1 = floors.run_variant(name, pooled)
+        result[name] = vios
+        if name == "none":
+            race = race_iteration_1(a)
+            result["batch_1_loads"] = loads_1
+            result["matches_race_iteration_1"] = None if race is None else race == loads_1
+        if dist.get_rank() == 0:
+            print(f"[floor] seed {a.seed}: {name} done ({time.time() - start:.0f} s)", flush=True)
+    if dist.get_rank() == 0:
+        tmp = a.part + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, a.part)
+
+
+def summarize(per_seed, variants):
+    """Per variant: mean over the batches' MaxVio (mean over layers), the worst, the share of
+    batches at or under the target; 'previous' skips batch 1 (nothing precedes it)."""
+    rows = {}
+    for name in variants:
+        per_batch = []
+        for result in per_seed.values():
+            vios = result[name][1:] if name == "previous" else result[name]
+            per_batch += [sum(v) / len(v) for v in vios]
+        rows[name] = dict(
+            mean=sum(per_batch) / len(per_batch),
+            worst=max(per_batch),
+            at_or_under_target=sum(v <= TARGET for v in per_batch) / len(per_batch),
+            batch_1={  # 'previous' has no bias for batch 1
+                s: None if name == "previous" else sum(r[name][0]) / len(r[name][0])
+                for s, r in per_seed.items()
+            },
+        )
+    return rows
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if "LOCAL_RANK" in os.environ:
+        run_rank(a)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    import subprocess
+
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONWARNINGS="ignore",
+        NO_VCS_VERSION="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        PYTHONPATH=REPO,
+    )
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    per_seed = {}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for seed in a.seeds:
+        part = a.out + f".seed{seed}.part"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(a.nproc), os.path.abspath(__file__), *argv]
+        cmd += ["--seed", str(seed), "--part", part]
+        subprocess.run(cmd, env=env, check=True)
+        with open(part) as f:
+            per_seed[str(seed)] = json.load(f)
+        os.remove(part)
+    rows = summarize(per_seed, a.variants)
+    tokens = next(iter(per_seed.values()))["tokens_per_batch"]
+    print(
+        f"\nMaxVio floors at the initial weights, {os.path.relpath(a.args_file, REPO)}, "
+        f"batches 1-{a.batches} of {tokens} tokens, seeds {' '.join(per_seed)} "
+        "(mean over MoE layers, global batch)"
+    )
+    width = max(len(v) for v in VARIANTS.values()) + 2
+    print(f"{'bias':<{width}}{'mean':>7}{'worst':>7}{'<= 1.0':>8}  batch 1 by seed")
+    for name, r in rows.items():
+        batch_1 = " / ".join("-" if v is None else f"{v:.2f}" for v in r["batch_1"].values())
+        print(
+            f"{VARIANTS[name]:<{width}}{r['mean']:>7.2f}{r['worst']:>7.2f}"
+            f"{r['at_or_under_target']:>8.0%}  {batch_1}"
+        )
+    checks = {s: r.get("matches_race_iteration_1") for s, r in per_seed.items()}
+    print(f"batch 1 under no bias == the race's iteration-1 loads (none run): {checks}")
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(args=vars(a), results=rows, per_seed=per_seed), f, indent=1)
+    os.replace(tmp, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
