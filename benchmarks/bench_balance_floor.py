@@ -71,8 +71,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--global-batch-size",
         type=int,
-        help="sequences per batch (default: the args file's; another size is not the race's "
-        "data, so batch 1 is not checked against it)",
+        help="sequences per batch, one micro-batch per rank (default: the args file's; another "
+        "size is not the race's data, so batch 1 is not checked against it)",
     )
     p.add_argument(
         "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="V"
@@ -94,6 +94,9 @@ def parse_args(argv=None):
     for name in ("batches", "pool", "solver_iters"):
         if getattr(a, name) < 2:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 2")
+    gbs = a.global_batch_size
+    if gbs is not None and (gbs < a.nproc or gbs % a.nproc):
+        p.error(f"--global-batch-size {gbs}: allowed: a positive multiple of --nproc {a.nproc}")
     a.args_file = os.path.abspath(a.args_file)
     return a
 
@@ -131,7 +134,7 @@ def balancing_bias(scores_ME, topk, iters):
 
 # ----------------------------------------------------------------------------- model and data
 def build(a):
-    """(args, model, this rank's micro-batches of batches 1..N) as the race's run builds them."""
+    """(args, config, model, this rank's micro-batch of batches 1..N) as the race builds them."""
     from bench_step_balancers import checked
     from bench_training_balance import METHODS, args_file_flags
     from megatron.training.global_vars import set_global_variables
@@ -143,8 +146,9 @@ def build(a):
     flags = args_file_flags(a.args_file) + METHODS["QB centered (ours)"]
     flags += ["--train-iters", str(max(a.batches, a.race_iters)), "--eval-iters", "0"]
     flags += ["--seed", str(a.seed)]
-    if a.global_batch_size:
-        flags += ["--global-batch-size", str(a.global_batch_size)]
+    if a.global_batch_size:  # one micro-batch per rank and step: the routing hooks see a batch
+        mbs = a.global_batch_size // a.nproc
+        flags += ["--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(mbs)]
     args, config = checked(flags)
     with contextlib.redirect_stdout(io.StringIO()):
         set_global_variables(args)
@@ -157,8 +161,13 @@ def build(a):
     args.iteration, args.consumed_train_samples, args.consumed_valid_samples = 0, 0, 0
     with contextlib.redirect_stdout(io.StringIO()):
         train_iter, _, _ = build_train_valid_test_data_iterators(train_valid_test_datasets_provider)
-    per_step = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    batches = [[next(train_iter) for _ in range(per_step)] for _ in range(a.batches)]
+    if args.global_batch_size != args.micro_batch_size * args.data_parallel_size:
+        raise SystemExit(
+            f"--global-batch-size {args.global_batch_size}: this benchmark routes one "
+            f"micro-batch per rank and step; allowed: micro-batch size ({args.micro_batch_size}) "
+            f"x data-parallel ranks ({args.data_parallel_size})"
+        )
+    batches = [next(train_iter) for _ in range(a.batches)]
     return args, config, model, batches
 
 
@@ -209,7 +218,9 @@ class Floors:
         g = torch.cat(parts)
         return g[g[:, -1] > 0, :-1].contiguous()
 
-    def forward(self, step_batches, policy):
+    def forward(self, batch, policy):
+        """This rank's micro-batch of one step through the model, each router's bias from
+        ``policy(layer, global scores)``."""
         import torch
 
         from megatron_latentmoe.training.forward_step import get_batch
@@ -217,18 +228,17 @@ class Floors:
         self.policy = policy
         self.model.train()
         with torch.no_grad():
-            for batch in step_batches:
-                tokens, labels, loss_mask, attention, position_ids, padding = get_batch(
-                    batch, pre_process=True, config=self.config
-                )
-                self.model(
-                    tokens,
-                    position_ids,
-                    attention,
-                    labels=labels,
-                    loss_mask=loss_mask,
-                    padding_mask=padding,
-                )
+            tokens, labels, loss_mask, attention, position_ids, padding = get_batch(
+                batch, pre_process=True, config=self.config
+            )
+            self.model(
+                tokens,
+                position_ids,
+                attention,
+                labels=labels,
+                loss_mask=loss_mask,
+                padding_mask=padding,
+            )
 
     def run_variant(self, name, pooled=None):
         """Per batch: [MaxVio of each MoE layer]; and the loads of batch 1 per layer."""
@@ -237,9 +247,9 @@ class Floors:
         zeros = torch.zeros(self.config.num_moe_experts)
         state = dict(zeros=zeros, previous=[zeros] * len(self.routers), vios=None, loads_1=[])
         out = []
-        for t, step_batches in enumerate(self.batches):
+        for t, batch in enumerate(self.batches):
             state["vios"] = [None] * len(self.routers)
-            self.forward(step_batches, partial(self._variant_bias, name, t, pooled, state))
+            self.forward(batch, partial(self._variant_bias, name, t, pooled, state))
             out.append(state["vios"])
         return out, state["loads_1"]
 
@@ -271,8 +281,8 @@ class Floors:
             solved = []
             for layer in range(len(self.routers)):
                 pool = []
-                for step_batches in self.batches[parity::2][: self.a.pool]:
-                    self.forward(step_batches, partial(_pool_bias, solved, layer, pool))
+                for batch in self.batches[parity::2][: self.a.pool]:
+                    self.forward(batch, partial(_pool_bias, solved, layer, pool))
                 solved.append(balancing_bias(torch.cat(pool), self.topk, self.a.solver_iters)[0])
             biases.append(solved)
         return biases
