@@ -374,25 +374,17 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    import subprocess
+    from bench_step_balancers import torchrun
 
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        PYTHONWARNINGS="ignore",
-        NO_VCS_VERSION="1",
-        CUDA_DEVICE_MAX_CONNECTIONS="1",
-        PYTHONPATH=REPO,
-    )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     per_seed = {}
     argv = sys.argv[1:] if argv is None else list(argv)
     for seed in a.seeds:
         part = a.out + f".seed{seed}.part"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(a.nproc), os.path.abspath(__file__), *argv]
-        cmd += ["--seed", str(seed), "--part", part]
-        subprocess.run(cmd, env=env, check=True)
+        if torchrun(
+            os.path.abspath(__file__), a.nproc, [*argv, "--seed", str(seed), "--part", part]
+        ):
+            raise SystemExit(f"seed {seed}: the run failed (its output is above)")
         with open(part) as f:
             per_seed[str(seed)] = json.load(f)
         os.remove(part)

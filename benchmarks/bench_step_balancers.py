@@ -334,20 +334,25 @@ def run_rank(a):
     print(f"wrote {a.out}")
 
 
+def torchrun(script, nproc, argv) -> int:
+    """Run ``script argv`` under torchrun on ``nproc`` CPU processes; its exit status."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONWARNINGS="ignore",
+        NO_VCS_VERSION="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        PYTHONPATH=REPO,
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), script, *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
 def main(argv=None):
     a = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-            PYTHONWARNINGS="ignore",
-            NO_VCS_VERSION="1",
-            CUDA_DEVICE_MAX_CONNECTIONS="1",
-            PYTHONPATH=REPO,
-        )
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(a.nproc), os.path.abspath(__file__)]
-        return subprocess.run(cmd + (sys.argv[1:] if argv is None else argv), env=env).returncode
+        return torchrun(os.path.abspath(__file__), a.nproc, sys.argv[1:] if argv is None else argv)
     run_rank(a)
     import torch.distributed as dist
 
