@@ -175,13 +175,13 @@ class Floors:
     """Routes every batch through the model with each variant's bias, set in the routers' own
     ``routing`` (instance wrappers) layer by layer, and records the global loads."""
 
-    def __init__(self, a, args, config, model, batches):
+    def __init__(self, a, config, model, batches):
         import torch.distributed as dist
 
         from megatron_latentmoe.moe.balance_step import token_parallel_group
         from megatron_latentmoe.moe.router import QuantileBalancingRouter
 
-        self.a, self.args, self.config, self.model, self.batches = a, args, config, model, batches
+        self.a, self.config, self.model, self.batches = a, config, model, batches
         self.topk = config.moe_router_topk
         self.group = token_parallel_group(config)
         self.world = dist.get_world_size(self.group)
@@ -324,7 +324,7 @@ def run_rank(a):
     apply_core_compat()
     apply_cpu_compat()
     args, config, model, batches = build(a)
-    floors = Floors(a, args, config, model, batches)
+    floors = Floors(a, config, model, batches)
     start, result = time.time(), {}
     pooled = floors.pooled_biases() if "pooled" in a.variants else None
     result["tokens_per_batch"] = args.global_batch_size * args.seq_length
