@@ -103,16 +103,21 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- bias math
 def loads_of(scores_ME, bias_E, topk):
-    """Tokens per expert when each token takes the top-k of fp32 ``scores + bias``."""
+    """Tokens per expert when each token takes the top-k of fp32 ``scores + bias``, as the QB
+    router routes (``balancing.cutoff_route``)."""
     import torch
 
-    idx = (scores_ME + bias_E).topk(topk, dim=1).indices
-    return torch.bincount(idx.reshape(-1), minlength=scores_ME.shape[1])
+    from megatron_latentmoe.balancing import cutoff_route
+
+    idx_MK, _ = cutoff_route(scores_ME, bias_E, topk)
+    return torch.bincount(idx_MK.reshape(-1), minlength=scores_ME.shape[1])
 
 
 def max_vio(loads_E) -> float:
-    mean = loads_E.double().mean()
-    return float((loads_E.max() - mean) / mean)
+    """The race's MaxVio of one layer's loads (``balance_step.BalanceMetrics``)."""
+    from megatron_latentmoe.moe.balance_step import BalanceMetrics
+
+    return BalanceMetrics.from_loads(loads_E, int(loads_E.sum())).max_vio
 
 
 def balancing_bias(scores_ME, topk, iters):
