@@ -272,6 +272,11 @@ FIELDS: tuple[ModelField, ...] = (
                "batch after the optimizer step (no backward), so the bias follows the fast "
                "early-training drift of the router and its inputs (training/qb_rescore.py; "
                "0 = off)."),
+    ModelField("moe_qb_calibrate_batches", None, 0, kind="int >= 0", added=True,
+               help="Before iteration 1 of a run that starts at iteration 0, solve QB's bias "
+               "layer by layer on the run's LAST N global batches at the initial weights "
+               "(forward-only passes), instead of starting from 0: iteration 1 is routed "
+               "balanced too (training/qb_calibrate.py; 0 = off; N < --train-iters)."),
     ModelField("moe_expert_weight_qat", None, "none", kind=EXPERT_WEIGHT_QATS, added=True,
                help="Quantization-aware training of the routed experts (SPEC §5): 'mxfp4' "
                "fake-quantizes every routed expert's w1/w3/w2 to MXFP4 in the forward "
@@ -465,6 +470,7 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         for field, why in (
             ("moe_qb_absorb_coeff", "it teaches the router QB's bias"),
             ("moe_qb_rescore_iters", "it re-solves QB's bias"),
+            ("moe_qb_calibrate_batches", "it solves QB's bias before training"),
         ):
             if get(field):
                 raise ConfigError(

@@ -19,9 +19,11 @@ a bias computed from itself.
 
 Counted / observed: the non-padding tokens (``padding_mask`` True = padding) of training
 forwards with autograd on; observed only: a QB rescoring pass (``qb_rescoring``,
-``training/qb_rescore.py``). Not counted: eval / inference forwards and the first pass of an
-activation-recomputed forward (Megatron runs it under ``no_grad``; the recompute in backward is
-the one that counts), so every token is counted exactly once. No host sync in the forward.
+``training/qb_rescore.py``); only kept aside: the scores of a QB calibration pass
+(``qb_calibration_scores``, ``training/qb_calibrate.py``). Not counted: eval / inference
+forwards and the first pass of an activation-recomputed forward (Megatron runs it under
+``no_grad``; the recompute in backward is the one that counts), so every token is counted
+exactly once. No host sync in the forward.
 """
 
 from __future__ import annotations
@@ -139,6 +141,9 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         # Set by training/qb_rescore.py around its forward-only pass (no grad): observe, and
         # only observe (no load count, no loss), the scores of the rescored batch.
         self.qb_rescoring = False
+        # Set to a list by training/qb_calibrate.py around its forward-only passes (no grad):
+        # every micro-batch's fp32 scores and valid-token mask are appended to it.
+        self.qb_calibration_scores = None
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Megatron's router forward, after applying a pending drift correction, and summing the
@@ -221,6 +226,9 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
         routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
+        if self.qb_calibration_scores is not None:
+            valid = None if padding_M is None else ~padding_M.bool()
+            self.qb_calibration_scores.append((scores_ME.detach().float(), valid))
         training = self.training and torch.is_grad_enabled()
         if training or self.qb_rescoring:
             valid_M = None if padding_M is None else ~padding_M.bool()

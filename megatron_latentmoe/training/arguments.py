@@ -302,6 +302,34 @@ def validate_stable_latentmoe_args(
         raise FlagError("--seq-length is required")
     if args.balance_log_loads_interval < 1:
         raise FlagError("--balance-log-loads-interval must be >= 1")
+    _check_qb_calibration(args)
+
+
+def _check_qb_calibration(args) -> None:
+    """The calibration pool is the run's last N global batches (``training/qb_calibrate.py``)."""
+    n = args.moe_qb_calibrate_batches
+    if not n:
+        return
+    if args.train_iters is None:
+        raise FlagError(
+            f"--moe-qb-calibrate-batches {n} needs --train-iters (its pool is the run's last "
+            "N global batches)"
+        )
+    if n >= args.train_iters:
+        raise FlagError(
+            f"--moe-qb-calibrate-batches {n}: allowed 0 to --train-iters - 1 = "
+            f"{args.train_iters - 1} (iteration 1's batch must stay out of the pool)"
+        )
+    if args.rampup_batch_size:
+        raise FlagError(
+            f"--moe-qb-calibrate-batches {n} does not support --rampup-batch-size (the pool "
+            "is N batches of the final global batch size)"
+        )
+    if args.dataloader_type not in (None, "single"):
+        raise FlagError(
+            f"--moe-qb-calibrate-batches {n} with --dataloader-type {args.dataloader_type}: "
+            "allowed: single (the pool is the last N global batches of the run's sample order)"
+        )
 
 
 def apply_default_tokenizer(args, tokenizer_dir: str) -> bool:

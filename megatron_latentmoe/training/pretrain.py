@@ -312,6 +312,7 @@ def _main(check_only: bool = False) -> int:
         install_finalize_hook,
         model_config_from_args,
     )
+    from megatron_latentmoe.training.qb_calibrate import QBCalibration
     from megatron_latentmoe.training.qb_rescore import QBRescore
 
     set_global_variables(args)
@@ -348,11 +349,24 @@ def _main(check_only: bool = False) -> int:
     fstep.set_batch_recorder(rescore)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)
+    datasets_provider = fstep.train_valid_test_datasets_provider
+    if args.moe_qb_calibrate_batches:
+        calibration = QBCalibration(
+            args.moe_qb_calibrate_batches,
+            train_iters=args.train_iters,
+            global_batch_size=args.global_batch_size,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.decoder_seq_length,
+            log=lambda line: print(line, flush=True),
+        )
+        datasets_provider = calibration.wrap_datasets_provider(datasets_provider)
+        wrap_train_step(calibration.wrap_train_step)  # outermost: before a rescored first step
 
     try:
         mtraining.pretrain(
             cfg_container,
-            fstep.train_valid_test_datasets_provider,
+            datasets_provider,
             ModelType.encoder_or_decoder,
             fstep.forward_step,
         )

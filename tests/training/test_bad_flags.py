@@ -87,6 +87,14 @@ CASES = {
         ["--moe-router-load-balancing-type", "none", "--moe-qb-rescore-iters", "50"],
         ["--moe-qb-rescore-iters 50", "quantile_histogram"],
     ),
+    "calibration_without_qb": (  # calibration solves QB's bias: QB only
+        ["--moe-router-load-balancing-type", "none", "--moe-qb-calibrate-batches", "4"],
+        ["--moe-qb-calibrate-batches 4", "quantile_histogram"],
+    ),
+    "calibration_pool_reaches_iteration_1": (  # the pool is the run's last N batches
+        ["--train-iters", "10", "--moe-qb-calibrate-batches", "10"],
+        ["--moe-qb-calibrate-batches 10", "--train-iters - 1 = 9"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],

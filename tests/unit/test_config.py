@@ -63,6 +63,7 @@ def test_added_fields_are_listed():
         "moe_qb_binning",
         "moe_qb_absorb_coeff",
         "moe_qb_rescore_iters",
+        "moe_qb_calibrate_batches",
         "moe_expert_weight_qat",
     }
 
