@@ -60,6 +60,9 @@ QB_ABSORB = QB + CENTERED + ["--moe-qb-absorb-coeff", "1"]
 # the spike is (the recommended use: after it a step costs what QB's does)
 RESCORE = ["--moe-qb-rescore-iters", "1000000000"]
 RESCORE_WARMUP = ["--moe-qb-rescore-iters", "50"]
+# QB calibration (training/qb_calibrate.py): iteration 1's bias solved on the run's last 16
+# global batches at the initial weights
+CALIBRATE = ["--moe-qb-calibrate-batches", "16"]
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": QB + CENTERED,
@@ -71,6 +74,10 @@ METHODS = {
     "QB centered + seq_aux_loss + rescore (ours)": QB_SEQ_AUX + RESCORE,
     "QB centered + seq_aux_loss + rescore 1-50 (ours)": QB_SEQ_AUX + RESCORE_WARMUP,
     "QB centered + absorb 1 + rescore 1-50 (ours)": QB_ABSORB + RESCORE_WARMUP,
+    "QB centered + absorb 1 + rescore 1-50 + calibrate (ours)": QB_ABSORB
+    + RESCORE_WARMUP
+    + CALIBRATE,
+    "QB centered + seq_aux_loss + rescore + calibrate (ours)": QB_SEQ_AUX + RESCORE + CALIBRATE,
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",
