@@ -10,6 +10,8 @@ interleaved 1F1B with virtual stages); ``train_step`` returns the loss, the redu
 
 from __future__ import annotations
 
+import contextlib
+
 RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typically ~1e-7)
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
 BINS = 1000
@@ -171,3 +173,25 @@ def check_layouts(per_rank):
         print(f"{key[0]:>22s} {key[1]:>9s} " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
     bad = {k: e for k, e in worst.items() if max(e.values()) > RTOL or "loss" not in e}
     assert not bad, f"layouts off the single-process run by more than {RTOL}: {bad}"
+
+
+@contextlib.contextmanager
+def int32_all_reduces():
+    """Yields a list that records the size of every int32 ``all_reduce`` made inside the block
+    (QB's balance traffic: histograms, loads, token counts)."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = []
+    original = dist.all_reduce
+
+    def counting(tensor, *a, **kw):
+        if tensor.dtype == torch.int32:
+            sizes.append(tensor.numel())
+        return original(tensor, *a, **kw)
+
+    dist.all_reduce = counting
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = original

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from .launcher import run_distributed, shard_state_dict_for_rank
-from .megatron_step import GLOBAL_BATCH, SEQ, VOCAB, build, forward_step
+from .megatron_step import GLOBAL_BATCH, SEQ, VOCAB, build, forward_step, int32_all_reduces
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,6 @@ def _run(rank, world_size, layout, state=None, **extra):
     """Calibrate on ``layout``; ``state``: the one-process model's state dict, sharded here (every
     layout then starts from the same weights)."""
     import torch
-    import torch.distributed as dist
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -92,19 +91,8 @@ def _run(rank, world_size, layout, state=None, **extra):
     )
     params = {n: p.detach().clone() for m in models for n, p in m.named_parameters()}
     rng, tracker = torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()
-    int_reduces = []
-    all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *a, **kw):
-        if tensor.dtype == torch.int32:
-            int_reduces.append(tensor.numel())
-        return all_reduce(tensor, *a, **kw)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    with int32_all_reduces() as int_reduces:
         results = calibration.calibrate(call)
-    finally:
-        dist.all_reduce = all_reduce
     rng_kept = torch.equal(torch.get_rng_state(), rng) and all(
         torch.equal(v, tracker[k])
         for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()

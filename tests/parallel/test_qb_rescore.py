@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from .launcher import run_distributed
-from .megatron_step import GLOBAL_BATCH, SEQ, batch, build, loss_func
+from .megatron_step import GLOBAL_BATCH, SEQ, batch, build, int32_all_reduces, loss_func
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,6 @@ LAYOUTS = {"1 process": (1, {}), "EP2": (2, dict(ep=2)), "PP2": (2, dict(pp=2))}
 
 def _run(rank, world_size, layout):
     import torch
-    import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_latentmoe.moe.balance_step import balance_routers
@@ -110,14 +109,6 @@ def _run(rank, world_size, layout):
             loads=[r.last_loads_E.clone() for r in routers],
         )
 
-    int_reduces = []
-    all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *a, **kw):
-        if tensor.dtype == torch.int32:
-            int_reduces.append(tensor.numel())
-        return all_reduce(tensor, *a, **kw)
-
     # ---- A: one rescored step
     (model,), ddps, optimizer = build("alltoall", **layout)
     micro_batches = _micro_batches()
@@ -132,8 +123,7 @@ def _run(rank, world_size, layout):
     model.config.finalize_model_grads_func = make_finalize_model_grads_func(None, rescore)
     for router in balance_routers([model]):  # as if an earlier step had measured it
         router.qb_mean_input.copy_(_mean_input(router))
-    dist.all_reduce = counting_all_reduce
-    try:
+    with int32_all_reduces() as int_reduces:
         rescore.wrap_train_step(megatron_train_step)(
             forward_step,
             iter(micro_batches),
@@ -144,8 +134,6 @@ def _run(rank, world_size, layout):
             get_forward_backward_func(),
             iteration=0,
         )
-    finally:
-        dist.all_reduce = all_reduce
     rescored = state(model)
     assert not rescore._batches and all(not r.qb_rescoring for r in balance_routers([model]))
     recorder.clear()
@@ -160,9 +148,7 @@ def _run(rank, world_size, layout):
     drift_refs = [
         (h, r._scores_at(h)) for r in balance_routers([model_b]) for h in [_mean_input(r)]
     ]
-    plain_reduces, int_reduces = int_reduces, []
-    dist.all_reduce = counting_all_reduce
-    try:
+    with int32_all_reduces() as plain_reduces:
         megatron_train_step(
             forward_step,
             iter(micro_batches),
@@ -172,9 +158,6 @@ def _run(rank, world_size, layout):
             model_b.config,
             get_forward_backward_func(),
         )
-    finally:
-        dist.all_reduce = all_reduce
-    plain_reduces, int_reduces = int_reduces, plain_reduces
     lagged = state(model_b)
     for router, bias, ref in zip(balance_routers([model_b]), start_bias, drift_refs, strict=True):
         router.expert_bias.copy_(bias)
