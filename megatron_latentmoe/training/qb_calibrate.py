@@ -165,7 +165,10 @@ class QBCalibration:
         return train_step_after_qb_calibration
 
     # ------------------------------------------------------------------------------ the pool
-    def _pool_micro_batches(self, num_microbatches: int) -> list:
+    def pool_micro_batches(self, num_microbatches: int) -> list:
+        """This rank's micro-batches of the pool, in order: Megatron's training sampler over the
+        kept training dataset, from sample ``(train_iters - N) * global_batch_size`` (a training
+        loop of your own may override this with its own pool)."""
         from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 
         dataset = next((d for d in self.train_datasets if d is not None), None)
@@ -202,7 +205,7 @@ class QBCalibration:
             dist.all_gather_object(gathered, numbers, group=pp_group)
             numbers = [x for part in gathered for x in part]
         num_microbatches = self.num_microbatches()
-        batches = self._pool_micro_batches(num_microbatches)
+        batches = self.pool_micro_batches(num_microbatches)
         group = token_parallel_group(config)
         tracker = tensor_parallel.get_cuda_rng_tracker()
         tracker_states = tracker.get_states()

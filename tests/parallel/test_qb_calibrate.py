@@ -68,7 +68,7 @@ def _run(rank, world_size, layout, state=None, **extra):
     pool, per_rank = _pool()
 
     class Calibration(QBCalibration):
-        def _pool_micro_batches(self, num_microbatches):
+        def pool_micro_batches(self, num_microbatches):
             assert num_microbatches == per_rank
             return pool
 
