@@ -87,7 +87,9 @@ def test_ep2_checkpoint_written_with_qb_bias():
 
 
 def test_ep2_checkpoint_loads_and_training_continues():
-    """Load the checkpoint of iteration 30 and train one more iteration (same schedule)."""
+    """Load the checkpoint of iteration 30 and train one more iteration (same schedule). The
+    resumed run also passes ``--moe-qb-calibrate-batches``, as a launch script that calibrates
+    would: a run that resumes keeps its checkpoint's bias, so iteration 31 is still bit-identical."""
     ref = reference_run()
     ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "resume_plus_one", upto=30)
     jsonl = scratch_dir() / "resume_plus_one.jsonl"
@@ -102,9 +104,12 @@ def test_ep2_checkpoint_loads_and_training_continues():
             "31",
             "--balance-log-file",
             str(jsonl),
+            "--moe-qb-calibrate-batches",
+            "4",
         ]
     ).check()
     assert "successfully loaded checkpoint" in run.output and "at iteration 30" in run.output
+    assert "[QB calibration]" not in run.output
     records = read_jsonl(jsonl)
     assert sorted(records) == [31], sorted(records)
     assert records[31]["loss"] == ref.records[31]["loss"]  # same state, same batch: bit-identical
