@@ -89,7 +89,8 @@ def test_ep2_checkpoint_written_with_qb_bias():
 def test_ep2_checkpoint_loads_and_training_continues():
     """Load the checkpoint of iteration 30 and train one more iteration (same schedule). The
     resumed run also passes ``--moe-qb-calibrate-batches``, as a launch script that calibrates
-    would: a run that resumes keeps its checkpoint's bias, so iteration 31 is still bit-identical."""
+    would: a run that resumes keeps its checkpoint's bias, so iteration 31 is still
+    bit-identical."""
     ref = reference_run()
     ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "resume_plus_one", upto=30)
     jsonl = scratch_dir() / "resume_plus_one.jsonl"
