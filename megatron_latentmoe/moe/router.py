@@ -226,12 +226,11 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
         routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
 
+        valid_M = None if padding_M is None else ~padding_M.bool()
         if self.qb_calibration_scores is not None:
-            valid = None if padding_M is None else ~padding_M.bool()
-            self.qb_calibration_scores.append((scores_ME.detach().float(), valid))
+            self.qb_calibration_scores.append((scores_ME.detach().float(), valid_M))
         training = self.training and torch.is_grad_enabled()
         if training or self.qb_rescoring:
-            valid_M = None if padding_M is None else ~padding_M.bool()
             if training and self.is_aux_loss_enabled():
                 probs_ME = self._apply_aux_losses(probs_ME, logits_ME, padding_M, seq_length, bsz)
             if training and self.config.moe_qb_absorb_coeff:

@@ -10,6 +10,8 @@ pretrain_gpt).
   Balancing and not counted in the expert loads (the router's convention: True = padding). A
   micro-batch without masked tokens passes ``padding_mask=None`` (the same routing, decided on
   the loader's host tensor: no device sync), which Megatron's own ``quantile_balancing`` needs.
+* :func:`forward_only_pass` runs given micro-batches forward through a training step's own
+  schedule (QB rescoring and QB calibration).
 * :func:`loss_func` returns Megatron's ``(loss sum, token count, {"lm loss": [sum, count]})``
   and feeds the same pair to the balance logger for the per-iteration JSONL.
 """
@@ -196,3 +198,24 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         getattr(args, "rerun_mode", "disabled") != "disabled"
     )
     return output_tensor, partial(loss_func, loss_mask, training=training, check_nan=check_nan)
+
+
+def forward_only_pass(call: dict, data_iterator, num_microbatches: int, schedule: dict) -> None:
+    """One forward-only pass of ``data_iterator``'s micro-batches through the schedule of a
+    ``train_step`` call (``call``: its arguments by name): pipeline and token dispatchers as in
+    Megatron's ``evaluate()``, timers off; the caller decides ``no_grad``. ``schedule``: the
+    ``seq_length``, ``micro_batch_size`` and ``decoder_seq_length`` of the run."""
+    config = call["config"]
+    timers, config.timers = config.timers, None  # as Megatron's evaluate(): not timed
+    try:
+        call["forward_backward_func"](
+            forward_step_func=call["forward_step_func"],
+            data_iterator=data_iterator,
+            model=call["model"],
+            num_microbatches=num_microbatches,
+            forward_only=True,
+            **schedule,
+            **{k: call[k] for k in ("pg_collection", "p2p_communicator") if k in call},
+        )
+    finally:
+        config.timers = timers

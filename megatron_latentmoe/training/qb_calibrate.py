@@ -194,10 +194,12 @@ class QBCalibration:
 
         from megatron_latentmoe.moe.balance_step import balance_routers, token_parallel_group
         from megatron_latentmoe.moe.router import QuantileBalancingRouter
+        from megatron_latentmoe.training.forward_step import forward_only_pass
 
         t0 = time.time()
-        model, config = call["model"], call["config"]
-        routers = [r for r in balance_routers(model) if isinstance(r, QuantileBalancingRouter)]
+        routers = [
+            r for r in balance_routers(call["model"]) if isinstance(r, QuantileBalancingRouter)
+        ]
         numbers = [r.layer_number for r in routers]
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         if dist.is_initialized() and dist.get_world_size(pp_group) > 1:
@@ -206,11 +208,10 @@ class QBCalibration:
             numbers = [x for part in gathered for x in part]
         num_microbatches = self.num_microbatches()
         batches = self.pool_micro_batches(num_microbatches)
-        group = token_parallel_group(config)
+        group = token_parallel_group(call["config"])
         tracker = tensor_parallel.get_cuda_rng_tracker()
         tracker_states = tracker.get_states()
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        timers, config.timers = config.timers, None  # as Megatron's evaluate(): not timed
         results = []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -220,24 +221,16 @@ class QBCalibration:
                         router.qb_calibration_scores = []
                     for b in range(self.num_batches):
                         chunk = batches[b * num_microbatches : (b + 1) * num_microbatches]
-                        call["forward_backward_func"](
-                            forward_step_func=call["forward_step_func"],
-                            data_iterator=self._iterators(call["data_iterator"], chunk),
-                            model=model,
-                            num_microbatches=num_microbatches,
-                            forward_only=True,
-                            **self.schedule,
-                            **{
-                                k: call[k]
-                                for k in ("pg_collection", "p2p_communicator")
-                                if k in call
-                            },
+                        forward_only_pass(
+                            call,
+                            self._iterators(call["data_iterator"], chunk),
+                            num_microbatches,
+                            self.schedule,
                         )
                     for router in own:
                         pool, router.qb_calibration_scores = router.qb_calibration_scores, None
                         results.append(self._solve(router, pool, group))
         finally:
-            config.timers = timers
             tracker.set_states(tracker_states)
             for router in routers:
                 router.qb_calibration_scores = None

@@ -161,24 +161,20 @@ class QBRescore:
     def _rescore(self, call: dict) -> None:
         """The forward-only pass of the recorded micro-batches; ``call``: ``train_step``'s
         arguments by name."""
-        model, config = call["model"], call["config"]
-        routers = self._qb_routers(model)
+        from megatron_latentmoe.training.forward_step import forward_only_pass
+
+        routers = self._qb_routers(call["model"])
         for router in routers:
             router.qb_histogram.reset()  # the training forward's scores: superseded
             router.qb_rescoring = True
-        timers, config.timers = config.timers, None  # as Megatron's evaluate(): not timed
         try:
             with torch.no_grad():
-                call["forward_backward_func"](
-                    forward_step_func=call["forward_step_func"],
-                    data_iterator=self._replay(call["data_iterator"]),
-                    model=model,
-                    num_microbatches=self.num_microbatches(),
-                    forward_only=True,
-                    **self.schedule,
-                    **{k: call[k] for k in ("pg_collection", "p2p_communicator") if k in call},
+                forward_only_pass(
+                    call,
+                    self._replay(call["data_iterator"]),
+                    self.num_microbatches(),
+                    self.schedule,
                 )
         finally:
-            config.timers = timers
             for router in routers:
                 router.qb_rescoring = False
