@@ -256,9 +256,10 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         scores' own top-k counts: no top-k, no host sync, one [T, n] reduction (and the all-reduce
         of one count within the TP x CP group when padding is masked). Measured in the balance
         race (3 seeds, c = 0.3): final loss 0.050 below QB alone, 0.015 above QB + seq_aux_loss 1;
-        c = 3 destabilises training (seed 1234: final loss 5.04 against 4.71; README). With the
-        warm-up spike removed (``--moe-qb-rescore-iters 50``) c = 1 ends level with the best aux
-        loss (4.628 against 4.626; without rescoring 4.687): the README's recipe."""
+        c = 3 destabilises training (seed 1234: final loss 5.04 against 4.71;
+        benchmarks/BALANCE_RACE.md). With the warm-up spike removed (``--moe-qb-rescore-iters 50``)
+        c = 1 ends level with the best aux loss (4.628 against 4.626; without rescoring 4.687): the
+        README's recommended flags."""
         coeff = self.config.moe_qb_absorb_coeff
         if valid_M is None:
             sum_E = scores_ME.sum(dim=0)

@@ -26,10 +26,10 @@ behind the optimizer step:
 
 The next batch is still routed with a bias computed from another batch (this one), by one global
 solve per step. The cost is one forward of the batch per rescored step. Measured in the race
-(seed 1234, 300 iterations; README), MaxVio iterations 1-50 / 51-300 / worst after iteration 1 /
-dead-expert iterations / final loss: plain QB 4.35 / 1.20 / 11.05 / 48 / 4.725; rescoring without
-step 2 3.21 / 1.11 / 6.96 / 52 / 4.730 (QB's one-shot solve, started from a bias that lags the
-update, moves too little); with step 2 1.40 / 0.91 / 2.36 / 4 / 4.714.
+(seed 1234, 300 iterations; benchmarks/BALANCE_RACE.md), MaxVio iterations 1-50 / 51-300 /
+worst after iteration 1 / dead-expert iterations / final loss: plain QB 4.35 / 1.20 / 11.05 / 48 /
+4.725; rescoring without step 2 3.21 / 1.11 / 6.96 / 52 / 4.730 (QB's one-shot solve, started
+from a bias that lags the update, moves too little); with step 2 1.40 / 0.91 / 2.36 / 4 / 4.714.
 
 Resuming is bit-exact, inside the window too: a run that rescores checkpoints each QB router's
 last global mean router input (``router.qb_mean_input``, the armed correction's reference). A
