@@ -4,7 +4,7 @@
 per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refuses ("Cannot use
 ReduceOp.AVG with Gloo"). :func:`apply_qb_gloo_compat` replaces it, on gloo only, with the same
 update written as a SUM all-reduce divided by the group size (NCCL keeps Megatron's function).
-Patched through :mod:`.registry` (version-checked); undo with :func:`revert_qb_gloo_compat`.
+Patched through :mod:`.registry` (version-checked; ``registry.revert(GROUP)`` undoes it).
 (The other router wall, ``TopKRouter._apply_expert_bias``'s unbroadcast padding mask, is fixed
 in our router subclass, ``moe/router.py``.)
 """
@@ -59,7 +59,3 @@ def apply_qb_gloo_compat() -> bool:
     if not (torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"):
         return False
     return registry.apply_group(GROUP, [_shim])
-
-
-def revert_qb_gloo_compat() -> None:
-    registry.revert(GROUP)
