@@ -17,16 +17,16 @@ shipped corpus, from the same initialisation, with the race's flags per method
 alike; each step is timed between barriers, so it is the slower rank's time.
 
 Prints per method the median step time over the steps after ``--warmup``, tokens/s, the ratio to
-``none`` and the median of the per-round ratios (``none``'s step and the method's in the same
-round, seconds apart), and writes ``benchmarks/results/bench_step_balancers.json``. The methods'
-routing evolves as in the race (``none`` collapses onto a few experts, the balancers spread the
-tokens), so the ratio includes what balanced routing itself costs, not only the balancer's own
-work. That work is timed apart: ``router ms`` is the median per step of the time spent in the
-routers' forward (QB: its input sum, drift correction, top-(k+1) cutoffs and histogram; the aux
-losses' top-k and loss; every router's load count) plus the step-end update
-(``update_balance``: the all-reduce, QB's solve, the balance metrics), on rank 0, without the
-routers' small backward. Launches itself with torchrun (2 processes) when started with plain
-``python``.
+``none`` and the median of the per-round ratios (``none``'s step and the method's in the same round,
+seconds apart) with its 95 % bootstrap interval, and writes
+``benchmarks/results/bench_step_balancers.json``. The methods' routing evolves as in the race
+(``none`` collapses onto a few experts, the balancers spread the tokens), so the ratio includes what
+balanced routing itself costs, not only the balancer's own work. That work is timed apart: ``router
+ms`` is the median per step of the time spent in the routers' forward (QB: its input sum, drift
+correction, top-(k+1) cutoffs and histogram; the aux losses' top-k and loss; every router's load
+count) plus the step-end update (``update_balance``: the all-reduce, QB's solve, the balance
+metrics), on rank 0, without the routers' small backward. Launches itself with torchrun (2
+processes) when started with plain ``python``.
 """
 
 from __future__ import annotations
@@ -206,6 +206,23 @@ def _time_balancer_work(trainees) -> list[float]:
     return spent
 
 
+def paired(none_times, times) -> list[float]:
+    """Per-round ratios: ``none``'s step over the method's, seconds apart in the same round."""
+    return [n / x for n, x in zip(none_times, times, strict=True)]
+
+
+def bootstrap_ci95(ratios, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median of ``ratios`` (rounds resampled with
+    replacement; a fixed seed, so a run's JSON reproduces its interval)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def micro_batches(tokens, args, step, rank, world):
     """This DP rank's micro-batches of global batch ``step`` (the same for every method)."""
     import numpy as np
@@ -292,9 +309,8 @@ def run_rank(a):
             step_s_min=min(t),
             tokens_per_s=global_tokens / statistics.median(t),
             ratio_vs_none=statistics.median(times["none"]) / statistics.median(t),
-            ratio_vs_none_paired=statistics.median(
-                n / x for n, x in zip(times["none"], t, strict=True)
-            ),
+            ratio_vs_none_paired=statistics.median(paired(times["none"], t)),
+            ratio_vs_none_paired_ci95=bootstrap_ci95(paired(times["none"], t)),
             router_s_median=statistics.median(router_times[m]),
         )
     print(
@@ -305,12 +321,13 @@ def run_rank(a):
     width = max(len(m) for m in rows) + 2
     print(
         f"{'method':<{width}}{'ms/step':>9}{'tokens/s':>10}{'vs none':>9}{'paired':>8}"
-        f"{'router ms':>11}{'of step':>9}"
+        f"{'95% CI':>14}{'router ms':>11}{'of step':>9}"
     )
     for m, r in rows.items():
         print(
             f"{m:<{width}}{1e3 * r['step_s_median']:>9.0f}{r['tokens_per_s']:>10.0f}"
             f"{r['ratio_vs_none']:>9.3f}{r['ratio_vs_none_paired']:>8.3f}"
+            f"{'{:.3f}-{:.3f}'.format(*r['ratio_vs_none_paired_ci95']):>14}"
             f"{1e3 * r['router_s_median']:>11.1f}"
             f"{r['router_s_median'] / r['step_s_median']:>9.1%}"
         )
