@@ -462,6 +462,8 @@ def main(argv=None):
         if side_by_side and r["method"] in side_by_side:
             row = side_by_side[r["method"]]
             r["tokens_per_s_rel_side_by_side"] = row["ratio_vs_none_paired"]
+            # a side-by-side JSON written before the interval existed (a resumed race) has none
+            r["tokens_per_s_rel_side_by_side_ci95"] = row.get("ratio_vs_none_paired_ci95")
             r["router_share_side_by_side"] = row["router_s_median"] / row["step_s_median"]
     title = (
         f"{os.path.basename(args.args_file)}, EP2 on 2 CPU processes, {args.iters} iterations, "
