@@ -43,15 +43,20 @@ ENV = {
 
 
 @functools.cache
-def tiny_args() -> tuple:
-    """The ARGS array of examples/args/tiny.sh, exactly as bash sees it."""
+def args_file_args(path: Path) -> tuple:
+    """The ARGS array of an args file (``examples/args/*.sh``), exactly as bash sees it."""
     out = subprocess.run(
-        ["bash", "-c", f'source "{TINY_ARGS_FILE}"; printf "%s\\0" "${{ARGS[@]}}"'],
+        ["bash", "-c", f'source "{path}"; printf "%s\\0" "${{ARGS[@]}}"'],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
     return tuple(a for a in out.split("\0") if a)
+
+
+def tiny_args() -> tuple:
+    """The ARGS array of examples/args/tiny.sh."""
+    return args_file_args(TINY_ARGS_FILE)
 
 
 @functools.cache

@@ -95,6 +95,10 @@ CASES = {
         ["--train-iters", "10", "--moe-qb-calibrate-batches", "10"],
         ["--moe-qb-calibrate-batches 10", "--train-iters - 1 = 9"],
     ),
+    "megatron_assert_without_a_message": (  # validate_args' bare assert, as one line
+        ["--fp16", "--bf16"],
+        ["Megatron's validate_args refused these flags", "assert not args.bf16"],
+    ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],
