@@ -22,13 +22,16 @@ Reused Megatron names: ``--num-experts``, ``--moe-latent-size``, ``--moe-router-
 ``validate_args`` and before any process group, model or dataset exists. It checks what only the
 command line can get wrong (flags this entry point does not support, backend, data paths) and
 runs the model config's own rules (``fields.check_stable_latentmoe``) on the parsed flags, so
-every wrong combination raises :class:`FlagError` naming the flags, in one line.
+every wrong combination raises :class:`FlagError` naming the flags, in one line. Megatron's
+own ``validate_args`` checks with bare asserts; :func:`megatron_refusal` turns one into that line.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import traceback
 from collections.abc import Iterable
 
 from megatron_latentmoe.fields import (
@@ -383,3 +386,28 @@ def flag_message(err) -> str:
     """A config error in flags: ``--num-experts 7 (num_moe_experts=7) is not allowed: a multiple
     of --expert-model-parallel-size 2``."""
     return err.render(_flag_value)
+
+
+def megatron_refusal(args, err: AssertionError) -> str:
+    """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
+    (a process count the model-parallel layout does not divide) the flags and what is allowed."""
+    sizes = {
+        "--tensor-model-parallel-size": args.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        "--context-parallel-size": args.context_parallel_size,
+    }
+    remat = getattr(args, "gtp_weight_remat_size", 1) or 1
+    model = math.prod(sizes.values()) * remat
+    if "world size" in str(err) and args.world_size % model:
+        product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
+        product += f" x the weight-remat size {remat}" if remat > 1 else ""
+        return (
+            f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
+            f"= {model}: launch a multiple of {model} processes"
+        )
+    frame = traceback.extract_tb(err.__traceback__)[-1]  # the assert: what it checks
+    line = frame.line.rstrip(" \\(").rstrip(",")  # a multi-line assert: its first line
+    check = f"{os.path.basename(frame.filename)}:{frame.lineno} `{line}`"
+    return f"Megatron's validate_args refused these flags ({check})" + (
+        f": {err}" if str(err) else ""
+    )

@@ -22,12 +22,10 @@ megatron_latentmoe.training.pretrain``.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
 import time
-import traceback
 from functools import partial
 
 PROG = "pretrain_stable_latentmoe"
@@ -231,6 +229,7 @@ def checked_args(has_cuda: bool):
         FlagError,
         add_stable_latentmoe_args,
         apply_default_tokenizer,
+        megatron_refusal,
         uses_default_data,
         validate_stable_latentmoe_args,
     )
@@ -258,33 +257,8 @@ def checked_args(has_cuda: bool):
     try:
         validate_args(args, {})
     except AssertionError as err:  # megatron.training checks its flags with bare asserts
-        raise FlagError(_megatron_refusal(args, err)) from None
+        raise FlagError(megatron_refusal(args, err)) from None
     return args, transformer_config_from_args(args), cpu_notes, default_data_dir
-
-
-def _megatron_refusal(args, err: AssertionError) -> str:
-    """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
-    (a process count the model-parallel layout does not divide) the flags and what is allowed."""
-    sizes = {
-        "--tensor-model-parallel-size": args.tensor_model_parallel_size,
-        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-        "--context-parallel-size": args.context_parallel_size,
-    }
-    remat = getattr(args, "gtp_weight_remat_size", 1) or 1
-    model = math.prod(sizes.values()) * remat
-    if "world size" in str(err) and args.world_size % model:
-        product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
-        product += f" x the weight-remat size {remat}" if remat > 1 else ""
-        return (
-            f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
-            f"= {model}: launch a multiple of {model} processes"
-        )
-    frame = traceback.extract_tb(err.__traceback__)[-1]  # the assert: what it checks
-    line = frame.line.rstrip(" \\(").rstrip(",")  # a multi-line assert: its first line
-    check = f"{os.path.basename(frame.filename)}:{frame.lineno} `{line}`"
-    return f"Megatron's validate_args refused these flags ({check})" + (
-        f": {err}" if str(err) else ""
-    )
 
 
 def _main(check_only: bool = False) -> int:
