@@ -82,8 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
         "--race-dir",
-        default=os.path.join(REPO, "runs", "training_balance"),
-        help="the race's workdir: batch 1 is checked against its none run's iteration 1",
+        help="the race's workdir: batch 1 is checked against its none run's iteration 1 "
+        "(default: the race's default for --args-file)",
     )
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # one torchrun per seed
     p.add_argument("--part", help=argparse.SUPPRESS)
@@ -98,6 +98,10 @@ def parse_args(argv=None):
     if gbs is not None and (gbs < a.nproc or gbs % a.nproc):
         p.error(f"--global-batch-size {gbs}: allowed: a positive multiple of --nproc {a.nproc}")
     a.args_file = os.path.abspath(a.args_file)
+    if a.race_dir is None:
+        from bench_training_balance import race_workdir
+
+        a.race_dir = race_workdir(a.args_file)
     return a
 
 

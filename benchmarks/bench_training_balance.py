@@ -50,7 +50,7 @@ from tools.plot_balance import read_records  # noqa: E402
 # (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
 # 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
 # QB + absorb: c = 0.3 (the scan's best alone) and 1 (with the warm-up rescored, 3 seeds: 4.629
-# and 4.628; the README's recommended flags).
+# and 4.628; at d 512 c = 1 destabilises training: BALANCE_RACE.md).
 QB = ["--moe-router-load-balancing-type", "quantile_histogram"]
 CENTERED = ["--moe-qb-binning", "centered"]
 QB_SEQ_AUX = QB + ["seq_aux_loss", "--moe-aux-loss-coeff", "0", "1"] + CENTERED
@@ -63,6 +63,8 @@ RESCORE_WARMUP = ["--moe-qb-rescore-iters", "50"]
 # QB calibration (training/qb_calibrate.py): iteration 1's bias solved on the run's last 16
 # global batches at the initial weights
 CALIBRATE = ["--moe-qb-calibrate-batches", "16"]
+# run only when listed: a 10x faster sign update, and a control of the wide race
+ON_REQUEST = ("sign 1e-2", "QB centered + rescore 1-50 + calibrate (ours)")
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": QB + CENTERED,
@@ -78,6 +80,8 @@ METHODS = {
     + RESCORE_WARMUP
     + CALIBRATE,
     "QB centered + seq_aux_loss + rescore + calibrate (ours)": QB_SEQ_AUX + RESCORE + CALIBRATE,
+    # the recipe without its absorption loss: the wide race's (k3_sparse_wide.sh) control
+    "QB centered + rescore 1-50 + calibrate (ours)": QB + CENTERED + RESCORE_WARMUP + CALIBRATE,
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",
@@ -388,6 +392,13 @@ def side_by_side_tokens_per_s(args, methods):
         return json.load(f)["results"]
 
 
+def race_workdir(args_file):
+    """The race's default workdir for ``args_file``: a run's JSONL is named by method and seed
+    only, so each model gets its own folder (the d 128 race's runs are not the d 512 race's)."""
+    stem = os.path.splitext(os.path.basename(args_file))[0]
+    return os.path.join(REPO, "runs", "training_balance", stem)
+
+
 def add_model_and_method_args(p):
     """``--args-file`` and ``--methods``, shared with ``bench_step_balancers.py``."""
     p.add_argument(
@@ -396,10 +407,10 @@ def add_model_and_method_args(p):
     p.add_argument(
         "--methods",
         nargs="*",
-        default=[m for m in METHODS if m != "sign 1e-2"],
+        default=[m for m in METHODS if m not in ON_REQUEST],
         choices=list(METHODS),
         metavar="M",
-        help="default: all but 'sign 1e-2' (a 10x faster sign update, on request)",
+        help=f"default: all but {ON_REQUEST} (on request)",
     )
 
 
@@ -407,7 +418,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_method_args(p)
     p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--workdir", default=os.path.join(REPO, "runs", "training_balance"))
+    p.add_argument(
+        "--workdir",
+        help="runs and their JSONL, reused when complete (default: "
+        "runs/training_balance/<args file's name>: one model's runs never stand in for another's)",
+    )
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument(
         "--seeds",
@@ -431,6 +446,7 @@ def main(argv=None):
             f"--iters {args.iters}: must be > {EARLY} "
             f"(the windows are 1-{EARLY} and {EARLY + 1}-end)"
         )
+    args.workdir = args.workdir or race_workdir(args.args_file)
     os.makedirs(args.workdir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
 
