@@ -265,7 +265,8 @@ FIELDS: tuple[ModelField, ...] = (
                help="c of QB's absorption loss -c * sum_j (b_j - mean(b)) * P_j, P_j = expert "
                "j's mean router score over the micro-batch's tokens: it teaches the router to "
                "take over QB's bias, so that the token, not the bias, decides the selections "
-               "(moe/router.py; 0 = off)."),
+               "(moe/router.py; 0 = off). Measured: c = 1 closes QB's loss gap at d 128 but "
+               "destabilises training at d 512 (benchmarks/BALANCE_RACE.md)."),
     ModelField("moe_qb_rescore_iters", None, 0, kind="int >= 0", added=True,
                help="For the first N iterations, QB solves the next step's bias from this "
                "step's batch as the UPDATED model scores it: one forward-only pass of the "
