@@ -186,8 +186,8 @@ def test_rescored_step_solves_from_the_updated_model(runs, name):
 
     for out in runs[name]:
         rescored, lagged, reference = out["rescored"], out["lagged"], out["reference"]
-        for name, p in rescored["params"].items():
-            assert torch.equal(p, lagged["params"][name]), f"{name}: the rescoring moved weights"
+        for param, p in rescored["params"].items():
+            assert torch.equal(p, lagged["params"][param]), f"{param}: the rescoring moved weights"
         for got, want in zip(rescored["loads"], lagged["loads"], strict=True):
             assert torch.equal(got, want), "loads must be the training forward's"
         for got, want, lag in zip(rescored["bias"], reference["bias"], lagged["bias"], strict=True):
