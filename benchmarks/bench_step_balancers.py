@@ -102,6 +102,7 @@ class Trainee:
             self.rescore = QBRescore(
                 args.moe_qb_rescore_iters,
                 partial(balance_step_end, balance_logger=None),
+                solves=args.moe_qb_rescore_solves,
                 seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size,
                 num_microbatches=lambda: self.num_micro_batches,

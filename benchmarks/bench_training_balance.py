@@ -63,8 +63,14 @@ RESCORE_WARMUP = ["--moe-qb-rescore-iters", "50"]
 # QB calibration (training/qb_calibrate.py): iteration 1's bias solved on the run's last 16
 # global batches at the initial weights
 CALIBRATE = ["--moe-qb-calibrate-batches", "16"]
-# run only when listed: a 10x faster sign update, and a control of the wide race
-ON_REQUEST = ("sign 1e-2", "QB centered + rescore 1-50 + calibrate (ours)")
+# 4 QB solves per rescored step (--moe-qb-rescore-solves; opt-in: S integer all-reduces a step)
+SOLVES_4 = ["--moe-qb-rescore-solves", "4"]
+# run only when listed: a 10x faster sign update, and the wide race's controls
+ON_REQUEST = (
+    "sign 1e-2",
+    "QB centered + rescore 1-50 + calibrate (ours)",
+    "QB centered + rescore 1-50 x 4 solves + calibrate (ours)",
+)
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
     "QB centered (ours)": QB + CENTERED,
@@ -82,6 +88,11 @@ METHODS = {
     "QB centered + seq_aux_loss + rescore + calibrate (ours)": QB_SEQ_AUX + RESCORE + CALIBRATE,
     # the recipe without its absorption loss: the wide race's (k3_sparse_wide.sh) control
     "QB centered + rescore 1-50 + calibrate (ours)": QB + CENTERED + RESCORE_WARMUP + CALIBRATE,
+    "QB centered + rescore 1-50 x 4 solves + calibrate (ours)": QB
+    + CENTERED
+    + RESCORE_WARMUP
+    + SOLVES_4
+    + CALIBRATE,
     "aux_loss": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"],
     "sign 1e-3": [
         "--moe-router-load-balancing-type",

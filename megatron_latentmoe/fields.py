@@ -273,6 +273,11 @@ FIELDS: tuple[ModelField, ...] = (
                "batch after the optimizer step (no backward), so the bias follows the fast "
                "early-training drift of the router and its inputs (training/qb_rescore.py; "
                "0 = off)."),
+    ModelField("moe_qb_rescore_solves", None, 1, kind="positive int", added=True,
+               help="QB solves per rescored step: S - 1 extra solves, each an integer all-reduce "
+               "of the histograms and another forward-only pass of the batch under the bias it "
+               "solved, so the bias moves all the way in the warm-up's collapse (the one-solve "
+               "default keeps one all-reduce per step; needs --moe-qb-rescore-iters)."),
     ModelField("moe_qb_calibrate_batches", None, 0, kind="int >= 0", added=True,
                help="Before iteration 1 of a run that starts at iteration 0, solve QB's bias "
                "layer by layer on the run's LAST N global batches at the initial weights "
@@ -479,6 +484,13 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     get(field),
                     f"0 unless moe_router_load_balancing_type has quantile_histogram ({why})",
                 )
+    solves = get("moe_qb_rescore_solves")
+    if solves not in (None, 1) and not get("moe_qb_rescore_iters"):
+        raise ConfigError(
+            "moe_qb_rescore_solves",
+            solves,
+            "1 unless moe_qb_rescore_iters > 0 with quantile_histogram (it solves rescored steps)",
+        )
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
 

@@ -137,11 +137,7 @@ def update_balance(
         if isinstance(router, QuantileBalancingRouter):
             d = router.step_input_sum_D.numel()
             hist_words = part.numel() - n - 1 - d
-            try:
-                router.qb_histogram.unpack_(part[:hist_words])
-            except (ValueError, OverflowError) as err:
-                raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
-            router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
+            _solve_from(router, part[:hist_words])
             ranks = router.qb_histogram._reduced["ranks"]
             router.qb_mean_input.copy_(_from_fixed(part[hist_words : hist_words + d], ranks))
             if drift_correction:
@@ -149,6 +145,33 @@ def update_balance(
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
     return metrics
+
+
+def _solve_from(router: QuantileBalancingRouter, words: torch.Tensor) -> None:
+    """The router's new bias from its all-reduced histogram words (SPEC §4 steps 2-3)."""
+    try:
+        router.qb_histogram.unpack_(words)
+    except (ValueError, OverflowError) as err:
+        raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
+    router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
+
+
+@torch.no_grad()
+def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module], group) -> None:
+    """An extra QB solve inside a rescored step (``--moe-qb-rescore-solves S > 1``,
+    training/qb_rescore.py): ONE integer all-reduce of the QB routers' histograms only, each
+    router's new bias, histograms reset. Loads, token counts and mean router inputs stay for the
+    step end (:func:`update_balance`)."""
+    routers = [r for r in balance_routers(model_chunks) if isinstance(r, QuantileBalancingRouter)]
+    if not routers:
+        return
+    packed = [r.qb_histogram.pack() for r in routers]
+    buffer = torch.cat(packed)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    for router, words in zip(routers, buffer.split([p.numel() for p in packed]), strict=True):
+        _solve_from(router, words)
+        router.qb_histogram.reset()
 
 
 def finalize_model_grads_with_quantile_balancing(

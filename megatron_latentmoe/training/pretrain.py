@@ -345,6 +345,7 @@ def _main(check_only: bool = False) -> int:
         rescore = QBRescore(
             args.moe_qb_rescore_iters,
             partial(balance_step_end, balance_logger=balance_logger),
+            solves=args.moe_qb_rescore_solves,
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.decoder_seq_length,

@@ -24,6 +24,15 @@ behind the optimizer step:
 4. the usual step end (``moe/balance_step.py``): ONE integer all-reduce (rescored histograms,
    training loads, mean router input), the global solve, the balance log.
 
+``--moe-qb-rescore-solves S`` (default 1) repeats steps 3-4's solve S times per rescored step:
+S - 1 extra solves (``balance_step.solve_quantile_bias``: one integer all-reduce of the
+histograms each), each followed by another forward-only pass under the bias it solved; the step
+end solves the last. QB's solve fixes every token's cutoff at the bias the batch was observed
+under, so when the bias has to move far (the warm-up's collapse) one solve lands short of the
+bias that balances even the observed batch; repeated solves on the same batch close the gap. This
+breaks the one-all-reduce-per-step contract, inside the rescoring window only, and costs S
+forward passes per rescored step: opt-in. Measured (benchmarks/BALANCE_RACE.md section 7, d 512).
+
 The next batch is still routed with a bias computed from another batch (this one), by one global
 solve per step. The cost is one forward of the batch per rescored step. Measured in the race
 (seed 1234, 300 iterations; benchmarks/BALANCE_RACE.md), MaxVio iterations 1-50 / 51-300 /
@@ -55,13 +64,15 @@ def _known_mean_inputs(routers) -> list[bool]:
 
 class QBRescore:
     """Records each rescored step's micro-batches, re-runs them forward after the optimizer step
-    and then calls ``step_end(model, drift_correction=False)``."""
+    (``solves`` times, an extra QB solve between two passes) and then calls
+    ``step_end(model, drift_correction=False)``."""
 
     def __init__(
         self,
         iters: int,
         step_end: Callable[..., None],
         *,
+        solves: int = 1,
         seq_length: int,
         micro_batch_size: int,
         decoder_seq_length: int | None = None,
@@ -69,6 +80,7 @@ class QBRescore:
     ) -> None:
         self.iters = iters
         self.step_end = step_end
+        self.solves = solves
         self.schedule = dict(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
@@ -150,13 +162,24 @@ class QBRescore:
             finally:
                 self.deferring = False
             try:
-                self._rescore(call)
+                for solve in range(self.solves):
+                    if solve:  # the last pass's histograms -> bias; observe again under it
+                        self._solve(call["model"])
+                    self._rescore(call)
             finally:
                 self._batches = {}
             self.step_end(call["model"], drift_correction=False)
             return out
 
         return train_step_with_qb_rescore
+
+    @staticmethod
+    def _solve(model) -> None:
+        from megatron.core.utils import get_model_config
+
+        from megatron_latentmoe.moe.balance_step import solve_quantile_bias, token_parallel_group
+
+        solve_quantile_bias(model, token_parallel_group(get_model_config(model[0])))
 
     def _rescore(self, call: dict) -> None:
         """The forward-only pass of the recorded micro-batches; ``call``: ``train_step``'s

@@ -13,6 +13,10 @@ A step wrapped by ``QBRescore`` must leave:
   integer all-reduces of a plain step, no more;
 * under EP2 the same bias on every rank, to the bit (the plain update's equality with one
   process, layout by layout, is ``test_qb_step.py``'s and ``test_model_parallel.py``'s).
+
+With ``solves=2`` (``--moe-qb-rescore-solves 2``) the bias is that of one more reference solve:
+a second training forward of the same batch under the first solve's bias, then the step end;
+with exactly one more integer all-reduce, of the histograms.
 """
 
 from __future__ import annotations
@@ -45,10 +49,16 @@ def _mean_input(router):
     return torch.randn(router.config.hidden_size, generator=g)
 
 
-LAYOUTS = {"1 process": (1, {}), "EP2": (2, dict(ep=2)), "PP2": (2, dict(pp=2))}
+LAYOUTS = {
+    "1 process": (1, {}, 1),
+    "EP2": (2, dict(ep=2), 1),
+    "PP2": (2, dict(pp=2), 1),
+    "1 process, 2 solves": (1, {}, 2),
+    "EP2, 2 solves": (2, dict(ep=2), 2),
+}
 
 
-def _run(rank, world_size, layout):
+def _run(rank, world_size, layout, solves):
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -115,6 +125,7 @@ def _run(rank, world_size, layout):
     rescore = QBRescore(
         1,
         lambda model, drift_correction: balance_step_end(model, None, drift_correction),
+        solves=solves,
         seq_length=SEQ,
         micro_batch_size=1,
         num_microbatches=lambda: len(micro_batches),
@@ -162,9 +173,10 @@ def _run(rank, world_size, layout):
     for router, bias, ref in zip(balance_routers([model_b]), start_bias, drift_refs, strict=True):
         router.expert_bias.copy_(bias)
         router._drift_ref = ref  # applied by the next forward, under the updated weights
-    for ddp in ddps_b:
-        ddp.zero_grad_buffer()
-    forward_backward(ddps_b)
+    for _ in range(solves):  # each: the same batch under the last solve's bias, the step end
+        for ddp in ddps_b:
+            ddp.zero_grad_buffer()
+        forward_backward(ddps_b)
     reference = state(model_b)
     return dict(
         rescored=rescored,
@@ -177,7 +189,10 @@ def _run(rank, world_size, layout):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {name: run_distributed(_run, n, layout) for name, (n, layout) in LAYOUTS.items()}
+    return {
+        name: run_distributed(_run, n, layout, solves)
+        for name, (n, layout, solves) in LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -188,7 +203,7 @@ def test_rescored_step_solves_from_the_updated_model(runs, name):
         rescored, lagged, reference = out["rescored"], out["lagged"], out["reference"]
         for param, p in rescored["params"].items():
             assert torch.equal(p, lagged["params"][param]), f"{param}: the rescoring moved weights"
-        for got, want in zip(rescored["loads"], lagged["loads"], strict=True):
+        for got, want in zip(rescored["loads"], lagged["loads"], strict=True):  # 2 solves too
             assert torch.equal(got, want), "loads must be the training forward's"
         for got, want, lag in zip(rescored["bias"], reference["bias"], lagged["bias"], strict=True):
             assert torch.equal(got, want), (
@@ -198,11 +213,24 @@ def test_rescored_step_solves_from_the_updated_model(runs, name):
         if name == "EP2":  # the integer all-reduces (sizes) of a plain step, the QB one included
             assert sorted(out["int_reduces"]) == sorted(out["plain_reduces"]), out
             assert sum(size > 1000 for size in out["int_reduces"]) == 1, out["int_reduces"]
+        if name == "EP2, 2 solves":  # one more, of the QB histograms only
+            extra = sorted(out["int_reduces"])
+            for size in out["plain_reduces"]:
+                extra.remove(size)
+            assert len(extra) == 1 and extra[0] > 1000, out
 
 
-def test_ep2_ranks_end_with_the_same_bias(runs):
+@pytest.mark.parametrize("name", ["EP2", "EP2, 2 solves"])
+def test_ep2_ranks_end_with_the_same_bias(runs, name):
     import torch
 
-    first, second = runs["EP2"]
+    first, second = runs[name]
     for a, b in zip(first["rescored"]["bias"], second["rescored"]["bias"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_second_solve_moves_the_bias(runs):
+    for one, two in zip(runs["1 process"], runs["1 process, 2 solves"], strict=True):
+        pairs = zip(one["rescored"]["bias"], two["rescored"]["bias"], strict=True)
+        moved = max(float((a - b).abs().max()) for a, b in pairs)
+        assert moved > 1e-6, "the test needs a second solve that differs from the first"

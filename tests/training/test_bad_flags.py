@@ -87,6 +87,10 @@ CASES = {
         ["--moe-router-load-balancing-type", "none", "--moe-qb-rescore-iters", "50"],
         ["--moe-qb-rescore-iters 50", "quantile_histogram"],
     ),
+    "rescore_solves_without_rescoring": (  # the extra solves run inside rescored steps
+        ["--moe-qb-rescore-solves", "4"],
+        ["--moe-qb-rescore-solves 4", "moe_qb_rescore_iters > 0"],
+    ),
     "calibration_without_qb": (  # calibration solves QB's bias: QB only
         ["--moe-router-load-balancing-type", "none", "--moe-qb-calibrate-batches", "4"],
         ["--moe-qb-calibrate-batches 4", "quantile_histogram"],

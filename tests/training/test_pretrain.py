@@ -119,10 +119,10 @@ def test_ep2_checkpoint_loads_and_training_continues():
 
 
 @functools.cache
-def _pp2_run(virtual_stages, rescore_iters=0, calibrate_batches=0):
-    jsonl = (
-        scratch_dir()
-        / f"pp2-vpp{virtual_stages}-rescore{rescore_iters}-calibrate{calibrate_batches}.jsonl"
+def _pp2_run(virtual_stages, rescore_iters=0, calibrate_batches=0, rescore_solves=1):
+    jsonl = scratch_dir() / (
+        f"pp2-vpp{virtual_stages}-rescore{rescore_iters}x{rescore_solves}"
+        f"-calibrate{calibrate_batches}.jsonl"
     )
     vpp = (
         ["--num-layers-per-virtual-pipeline-stage", str(4 // 2 // virtual_stages)]
@@ -130,6 +130,8 @@ def _pp2_run(virtual_stages, rescore_iters=0, calibrate_batches=0):
         else []
     )
     rescore = ["--moe-qb-rescore-iters", str(rescore_iters)] if rescore_iters else []
+    if rescore_solves != 1:
+        rescore += ["--moe-qb-rescore-solves", str(rescore_solves)]
     calibrate = ["--moe-qb-calibrate-batches", str(calibrate_batches)] if calibrate_batches else []
     run = run_entry(
         [
@@ -180,6 +182,22 @@ def test_qb_rescoring_replays_every_virtual_stage():
     for record in rescored.values():
         assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
     print(f"PP2 x VPP2 rescoring: loss {rescored[6]['loss']:.4f} vs plain {plain[6]['loss']:.4f}")
+
+
+def test_qb_rescore_solves_reach_every_virtual_stage():
+    """``--moe-qb-rescore-solves 2`` through the entry point and the interleaved pipeline schedule:
+    the first step is still the plain run's, and the extra solve changes the routing of the
+    iterations after it in every MoE layer, against one solve per rescored step."""
+    _, plain = _pp2_run(2)
+    _, one = _pp2_run(2, rescore_iters=6)
+    _, two = _pp2_run(2, rescore_iters=6, rescore_solves=2)
+    assert sorted(two) == list(range(1, 7))
+    assert two[1]["loss"] == plain[1]["loss"]
+    assert [e["loads"] for e in two[1]["layers"]] == [e["loads"] for e in one[1]["layers"]]
+    for layer in range(len(MOE_LAYERS)):
+        assert two[2]["layers"][layer]["loads"] != one[2]["layers"][layer]["loads"], layer
+    for record in two.values():
+        assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
 
 
 def test_qb_calibration_through_every_virtual_stage():

@@ -63,6 +63,7 @@ def test_added_fields_are_listed():
         "moe_qb_binning",
         "moe_qb_absorb_coeff",
         "moe_qb_rescore_iters",
+        "moe_qb_rescore_solves",
         "moe_qb_calibrate_batches",
         "moe_expert_weight_qat",
     }
@@ -109,6 +110,12 @@ def test_added_fields_are_listed():
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_rescore_iters=50),
             "moe_qb_rescore_iters=50",
             "quantile_histogram",
+        ),
+        (dict(moe_qb_rescore_solves=0), "moe_qb_rescore_solves=0", "a positive integer"),
+        (
+            dict(moe_qb_rescore_solves=2),
+            "moe_qb_rescore_solves=2",
+            "1 unless moe_qb_rescore_iters > 0",
         ),
         (
             dict(moe_router_load_balancing_type=["quantile_histogram", "sinkhorn"]),
