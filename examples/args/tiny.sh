@@ -35,7 +35,10 @@ ARGS=(
   --weight-decay 0.01 --clip-grad 1.0
   --adam-beta1 0.9 --adam-beta2 0.95
   --seed 1234
-  --num-workers 1
+  # batches read in the training process: a forked DataLoader worker of a process whose threads
+  # are running can deadlock in CPython 3.11's after-fork (a test run hung so, the worker stuck
+  # in PyOS_AfterFork_Child); on CPU a worker gains nothing (same losses to the bit, same speed)
+  --num-workers 0
   # ---- evaluation, logging, checkpoints
   --eval-interval 1000 --eval-iters 0
   --log-interval 10
