@@ -109,18 +109,26 @@ class Run:
 
 
 def run_entry(extra: list[str], nproc: int = 2, timeout: float = 300.0) -> Run:
-    """Run the entry point under torchrun to completion."""
+    """Run the entry point under torchrun to completion. A run still going after ``timeout``
+    seconds is killed with every rank (left alone, hung ranks would outlive the test and slow
+    the rest of the session) and returns exit -9 with its output and a line saying so."""
     start = time.time()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         command(extra, nproc),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout,
         cwd=REPO,
         env=environment(),
     )
-    return Run(proc.returncode, proc.stdout, time.time() - start)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        output += f"\n[run_entry] timed out after {timeout:.0f} s: torchrun and every rank killed\n"
+        return Run(-9, output, time.time() - start)
+    return Run(proc.returncode, output, time.time() - start)
 
 
 def kill_tree(pid: int) -> None:
