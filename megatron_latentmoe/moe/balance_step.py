@@ -120,12 +120,8 @@ def update_balance(
         # tokens per step, bounded by the histogram's int32 check (balancing.py)
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
         packed.append(torch.cat(parts))
-    sizes = [p.numel() for p in packed]
-    buffer = torch.cat(packed)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     metrics = []
-    for router, part in zip(routers, buffer.split(sizes), strict=True):
+    for router, part in zip(routers, _sum_over_ranks(packed, group), strict=True):
         n = router.config.num_moe_experts
         loads_E, num_tokens = part[-n - 1 : -1].to(torch.int64), int(part[-1])
         router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None
@@ -147,6 +143,14 @@ def update_balance(
     return metrics
 
 
+def _sum_over_ranks(packed: list[torch.Tensor], group) -> tuple[torch.Tensor, ...]:
+    """Each router's int32 words summed over ``group`` by ONE all-reduce of their concatenation."""
+    buffer = torch.cat(packed)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return buffer.split([p.numel() for p in packed])
+
+
 def _solve_from(router: QuantileBalancingRouter, words: torch.Tensor) -> None:
     """The router's new bias from its all-reduced histogram words (SPEC §4 steps 2-3)."""
     try:
@@ -166,10 +170,7 @@ def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module], group) -> None:
     if not routers:
         return
     packed = [r.qb_histogram.pack() for r in routers]
-    buffer = torch.cat(packed)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-    for router, words in zip(routers, buffer.split([p.numel() for p in packed]), strict=True):
+    for router, words in zip(routers, _sum_over_ranks(packed, group), strict=True):
         _solve_from(router, words)
         router.qb_histogram.reset()
 
