@@ -255,13 +255,13 @@ def summarize(name, records, iters):
         "method": name,
         "iterations": len(records),
         "maxvio_1_50": statistics.fmean(early),
-        "maxvio_51_end": statistics.fmean(late) if late else float("nan"),
+        "maxvio_51_end": statistics.fmean(late) if late else None,
         "maxvio_worst": vio[worst],
         "maxvio_worst_iteration": its[worst],
-        "maxvio_worst_51_end": max(late) if late else float("nan"),
+        "maxvio_worst_51_end": max(late) if late else None,
         "iterations_with_dead_expert": sum(1 for r in records if (r.get("num_dead") or 0) > 0),
         "final_loss": statistics.fmean(r["loss"] for r in records[-FINAL:]),
-        "tokens_per_s": statistics.median(tps) if tps else float("nan"),
+        "tokens_per_s": statistics.median(tps) if tps else None,
         "curve_maxvio": vio,
         "curve_maxvio_max": [r["maxvio_max"] for r in records],
         "curve_loss": [r["loss"] for r in records],
@@ -277,13 +277,14 @@ def combine(runs):
         return runs[0]
     row = dict(runs[0])
     for key in ("maxvio_1_50", "maxvio_51_end", "iterations_with_dead_expert", "tokens_per_s"):
-        row[key] = statistics.fmean(r[key] for r in runs)
+        row[key] = _mean_or_none([r[key] for r in runs])
     for key in (k for k in row if k.startswith("curve_")):
         row[key] = [
             None if None in v else statistics.fmean(v)
             for v in zip(*(r[key] for r in runs), strict=True)
         ]
-    row["maxvio_worst_51_end"] = max(r["maxvio_worst_51_end"] for r in runs)
+    late = [r["maxvio_worst_51_end"] for r in runs]
+    row["maxvio_worst_51_end"] = None if None in late else max(late)
     worst = max(runs, key=lambda r: r["maxvio_worst"])
     row["maxvio_worst"], row["maxvio_worst_iteration"] = (
         worst["maxvio_worst"],
@@ -295,6 +296,17 @@ def combine(runs):
     return row
 
 
+def _mean_or_none(values):
+    """The mean, or None (JSON null, "-" in the table) where a run lacks the figure."""
+    return None if None in values else statistics.fmean(values)
+
+
+def _cell(value, spec):
+    """``value`` formatted by ``spec`` (width included), or "-" at that width when it is None."""
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return f"{'-':>{width}}" if value is None else format(value, spec)
+
+
 def table_rows(results):
     width = max([34] + [len(r["method"]) for r in results])  # the method column fits every name
     rows = [
@@ -304,12 +316,13 @@ def table_rows(results):
     ]
     for r in results:
         rows.append(
-            f"{r['method']:<{width}} {r['maxvio_1_50']:>11.3f} {r['maxvio_51_end']:>8.3f} "
+            f"{r['method']:<{width}} {r['maxvio_1_50']:>11.3f} "
+            f"{_cell(r['maxvio_51_end'], '>8.3f')} "
             f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
-            f"{r['maxvio_worst_51_end']:>9.3f} "
+            f"{_cell(r['maxvio_worst_51_end'], '>9.3f')} "
             f"{r['iterations_with_dead_expert']:>8.0f} {r['final_loss']:>10.4f} "
-            f"{r['tokens_per_s_rel']:>11.3f} "
-            f"{r.get('tokens_per_s_rel_side_by_side', math.nan):>12.3f}"
+            f"{_cell(r['tokens_per_s_rel'], '>11.3f')} "
+            f"{_cell(r.get('tokens_per_s_rel_side_by_side'), '>12.3f')}"
             + (f"  final loss sd {r['final_loss_sd']:.4f}" if "final_loss_sd" in r else "")
         )
     return rows
@@ -475,9 +488,11 @@ def main(argv=None):
                 print(f"[race] {run}: {walls[run]:.0f} s", flush=True)
             runs.append(summarize(name, records[: args.iters], args.iters))
         results.append(combine(runs))
-    base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), float("nan"))
+    # relative to `none`'s runs: None (JSON null) when `none` did not run or a figure is missing
+    base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), None)
     for r in results:
-        r["tokens_per_s_rel"] = r["tokens_per_s"] / base
+        known = base and r["tokens_per_s"] is not None
+        r["tokens_per_s_rel"] = r["tokens_per_s"] / base if known else None
     side_by_side = None
     if args.side_by_side_steps and "none" in args.methods:
         # not a method that rescores only part of the race: its per-step median would mix
@@ -514,7 +529,7 @@ def main(argv=None):
     json_path = os.path.join(args.out, "training_balance.json")
     tmp = json_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1, allow_nan=False)  # strict JSON: a missing figure is null
     os.replace(tmp, json_path)
     try:
         plot(result, os.path.join(args.out, "training_balance.png"))

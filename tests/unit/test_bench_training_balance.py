@@ -1,0 +1,65 @@
+"""benchmarks/bench_training_balance.py's summary of the race's runs: the windows, the worst
+iteration and the mean over seeds are the figures the README's table quotes; a figure a run
+cannot give (the window after iteration 50 of a 40-iteration run, tokens/s without timings)
+is null in the JSON and "-" in the table, never NaN (which strict JSON readers refuse)."""
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "bench_training_balance", REPO / "benchmarks" / "bench_training_balance.py"
+)
+race = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(race)
+
+
+def _records(vio, loss=4.0, tokens_per_s=1000.0):
+    return [
+        dict(
+            iteration=i + 1,
+            loss=loss + i * 1e-3,
+            tokens_per_s=tokens_per_s,
+            maxvio_mean=v,
+            maxvio_max=2 * v,
+            num_dead=int(v > 5),
+            frac_under_half=0.0,
+        )
+        for i, v in enumerate(vio)
+    ]
+
+
+def test_windows_worst_and_mean_over_seeds():
+    a = race.summarize("m", _records([1.0] * 50 + [0.5] * 49 + [3.0]), 100)
+    b = race.summarize("m", _records([9.0] + [2.0] * 99, loss=5.0), 100)
+    assert (a["maxvio_1_50"], a["maxvio_51_end"], a["maxvio_worst_51_end"]) == (
+        1.0,
+        pytest.approx(0.55),
+        3.0,
+    )
+    assert (a["maxvio_worst"], a["maxvio_worst_iteration"]) == (3.0, 100)
+    assert b["iterations_with_dead_expert"] == 1
+    row = race.combine([a, b])
+    assert row["maxvio_1_50"] == statistics.fmean([1.0, (9.0 + 49 * 2.0) / 50])
+    assert (row["maxvio_worst"], row["maxvio_worst_iteration"]) == (9.0, 1)
+    assert row["maxvio_worst_51_end"] == 3.0
+    assert row["final_loss_runs"] == [a["final_loss"], b["final_loss"]]
+    assert abs(row["final_loss"] - 4.5895) < 1e-9  # 4 + mean(i 80..99)/1000, 5 + the same
+
+
+def test_a_missing_figure_is_null_and_a_dash():
+    short = race.summarize("short run", _records([1.0] * 40, tokens_per_s=float("nan")), 40)
+    assert short["maxvio_51_end"] is None and short["tokens_per_s"] is None
+    row = race.combine([short, short])
+    assert row["maxvio_51_end"] is None and row["maxvio_worst_51_end"] is None
+    short["tokens_per_s_rel"] = None  # `none` not in the race
+    json.dumps([short, row], allow_nan=False)  # raises on NaN
+    line = race.table_rows([short])[1]
+    assert "nan" not in line
+    cells = line.split()
+    assert cells[cells.index("1.000") + 1] == "-"  # the 51-end window
+    assert cells[-2:] == ["-", "-"]  # tokens/s: runs and side by side
