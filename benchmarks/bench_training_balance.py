@@ -63,13 +63,18 @@ RESCORE_WARMUP = ["--moe-qb-rescore-iters", "50"]
 # QB calibration (training/qb_calibrate.py): iteration 1's bias solved on the run's last 16
 # global batches at the initial weights
 CALIBRATE = ["--moe-qb-calibrate-batches", "16"]
-# 4 QB solves per rescored step (--moe-qb-rescore-solves; opt-in: S integer all-reduces a step)
+# S QB solves per rescored step (--moe-qb-rescore-solves S; opt-in: S integer all-reduces a step)
+SOLVES_2 = ["--moe-qb-rescore-solves", "2"]
 SOLVES_4 = ["--moe-qb-rescore-solves", "4"]
-# run only when listed: a 10x faster sign update, and the wide race's controls
+# run only when listed: a 10x faster sign update, and the rows of the d 512 and 4x-batch races
 ON_REQUEST = (
     "sign 1e-2",
     "QB centered + rescore 1-50 + calibrate (ours)",
     "QB centered + rescore 1-50 x 4 solves + calibrate (ours)",
+    "QB centered + seq_aux_loss + rescore x 2 solves + calibrate (ours)",
+    "QB centered + seq_aux_loss + rescore x 4 solves + calibrate (ours)",
+    "QB centered + seq_aux_loss + rescore 1-50 x 4 solves + calibrate (ours)",
+    "QB centered + absorb 1 + rescore 1-50 x 4 solves + calibrate (ours)",
 )
 METHODS = {
     "none": ["--moe-router-load-balancing-type", "none"],
@@ -90,6 +95,25 @@ METHODS = {
     "QB centered + rescore 1-50 + calibrate (ours)": QB + CENTERED + RESCORE_WARMUP + CALIBRATE,
     "QB centered + rescore 1-50 x 4 solves + calibrate (ours)": QB
     + CENTERED
+    + RESCORE_WARMUP
+    + SOLVES_4
+    + CALIBRATE,
+    # every step rescored with 2 or 4 solves: at 4x the batch (k3_sparse_tiny_gbs64.sh) they keep
+    # every iteration <= 1.0
+    "QB centered + seq_aux_loss + rescore x 2 solves + calibrate (ours)": QB_SEQ_AUX
+    + RESCORE
+    + SOLVES_2
+    + CALIBRATE,
+    "QB centered + seq_aux_loss + rescore x 4 solves + calibrate (ours)": QB_SEQ_AUX
+    + RESCORE
+    + SOLVES_4
+    + CALIBRATE,
+    # the same two recipes rescoring only the warm-up: the lag returns after the window
+    "QB centered + seq_aux_loss + rescore 1-50 x 4 solves + calibrate (ours)": QB_SEQ_AUX
+    + RESCORE_WARMUP
+    + SOLVES_4
+    + CALIBRATE,
+    "QB centered + absorb 1 + rescore 1-50 x 4 solves + calibrate (ours)": QB_ABSORB
     + RESCORE_WARMUP
     + SOLVES_4
     + CALIBRATE,
