@@ -301,14 +301,10 @@ def combine(runs):
         return runs[0]
     row = dict(runs[0])
     for key in ("maxvio_1_50", "maxvio_51_end", "iterations_with_dead_expert", "tokens_per_s"):
-        row[key] = _mean_or_none([r[key] for r in runs])
+        row[key] = _of_all(statistics.fmean, [r[key] for r in runs])
     for key in (k for k in row if k.startswith("curve_")):
-        row[key] = [
-            None if None in v else statistics.fmean(v)
-            for v in zip(*(r[key] for r in runs), strict=True)
-        ]
-    late = [r["maxvio_worst_51_end"] for r in runs]
-    row["maxvio_worst_51_end"] = None if None in late else max(late)
+        row[key] = [_of_all(statistics.fmean, v) for v in zip(*(r[key] for r in runs), strict=True)]
+    row["maxvio_worst_51_end"] = _of_all(max, [r["maxvio_worst_51_end"] for r in runs])
     worst = max(runs, key=lambda r: r["maxvio_worst"])
     row["maxvio_worst"], row["maxvio_worst_iteration"] = (
         worst["maxvio_worst"],
@@ -320,15 +316,14 @@ def combine(runs):
     return row
 
 
-def _mean_or_none(values):
-    """The mean, or None (JSON null, "-" in the table) where a run lacks the figure."""
-    return None if None in values else statistics.fmean(values)
+def _of_all(reduce, values):
+    """``reduce(values)``, or None (JSON null, "-" in the table) where a run lacks the figure."""
+    return None if None in values else reduce(values)
 
 
-def _cell(value, spec):
-    """``value`` formatted by ``spec`` (width included), or "-" at that width when it is None."""
-    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
-    return f"{'-':>{width}}" if value is None else format(value, spec)
+def _cell(value, width):
+    """``value`` to 3 decimals right-aligned in ``width``, or "-" there when it is None."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.3f}"
 
 
 def table_rows(results):
@@ -341,12 +336,12 @@ def table_rows(results):
     for r in results:
         rows.append(
             f"{r['method']:<{width}} {r['maxvio_1_50']:>11.3f} "
-            f"{_cell(r['maxvio_51_end'], '>8.3f')} "
+            f"{_cell(r['maxvio_51_end'], 8)} "
             f"{r['maxvio_worst']:>7.3f} ({r['maxvio_worst_iteration']:>3d}) "
-            f"{_cell(r['maxvio_worst_51_end'], '>9.3f')} "
+            f"{_cell(r['maxvio_worst_51_end'], 9)} "
             f"{r['iterations_with_dead_expert']:>8.0f} {r['final_loss']:>10.4f} "
-            f"{_cell(r['tokens_per_s_rel'], '>11.3f')} "
-            f"{_cell(r.get('tokens_per_s_rel_side_by_side'), '>12.3f')}"
+            f"{_cell(r['tokens_per_s_rel'], 11)} "
+            f"{_cell(r.get('tokens_per_s_rel_side_by_side'), 12)}"
             + (f"  final loss sd {r['final_loss_sd']:.4f}" if "final_loss_sd" in r else "")
         )
     return rows
