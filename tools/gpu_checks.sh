@@ -8,7 +8,8 @@
 #   bash tools/fetch_gpu_kit.sh        # here, once: kit + SHA256SUMS -> .tekit/ (ignored)
 #   run(command="bash tools/gpu_checks.sh", carry=[".tekit"], timeout_s=600)   # device tool
 #   bash tools/gpu_checks.sh --check   # CPU dry run: checksums, unpack to a temp dir, layout,
-#                                      # GLIBCXX, imports (skipped without CUDA / Python 3.12)
+#                                      # GLIBCXX, imports (skipped without CUDA / Python 3.12);
+#                                      # runs .venv/bin/python (scripts/setup_env.sh) if present
 #
 # Budget (estimates; no GPU run yet): set-up ~1 min, tests/gpu ~2-3 min (timeout 210 s),
 # benchmarks ~1.5 min (timeouts 120 s + 45 s): ~5-6 min, at most ~8 min, under the 10-minute call.
@@ -28,7 +29,11 @@ case "${1:-}" in
 esac
 out="${OUT:-$repo/runs/gpu_checks}"
 kit="${KIT:-$repo/.tekit}"
+# The GPU run uses the machine's python3; the CPU dry run the venv of scripts/setup_env.sh if any.
 py="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ] && [ "$mode" = check ] && [ -x "$repo/.venv/bin/python" ]; then
+  py="$repo/.venv/bin/python"
+fi
 mkdir -p "$out"
 log="$out/gpu_checks.log"
 : > "$log"
@@ -84,6 +89,9 @@ export PYTHONPATH="$site:$repo" NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1 NO_VCS
   CUDA_DEVICE_MAX_CONNECTIONS=1
 
 # ---------------------------------------------------------------- 3. install + import probes
+R[python]="$py"
+"$py" -c "import torch" >> "$log" 2>&1 \
+  || fail "PYTHON=$py cannot import torch; allowed: a python with torch (set PYTHON=...)"
 if [ "$mode" = check ]; then
   inst=(env DRY_RUN=1 OFFLINE=1 PYTHON="$py" bash scripts/install_into_env.sh)
 else inst=(env OFFLINE=1 PYTHON="$py" bash scripts/install_into_env.sh); fi

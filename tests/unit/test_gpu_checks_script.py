@@ -75,6 +75,29 @@ def test_kit_layout_is_checked_and_named(tmp_path):
         assert f"kit lacks {piece}" in out
     assert "kit lacks megatron/core" not in out
     assert "kit lacks the prebuilt transformer_engine_torch extension" in out
+    assert "FAIL: PYTHON=false cannot import torch; allowed: a python with torch" in out
+
+
+def test_check_mode_defaults_to_the_venv(tmp_path):
+    """Without PYTHON the CPU dry run uses the venv of scripts/setup_env.sh (the machine's python3
+    may lack torch); the GPU run keeps python3. Recorded as ``python`` in gpu_checks.json."""
+    venv_py = REPO / ".venv" / "bin" / "python"
+    if not venv_py.exists():
+        pytest.skip("no .venv here (bash scripts/setup_env.sh makes it)")
+    kit = _fake_kit(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--check"],
+        capture_output=True,
+        text=True,
+        env=dict(env, OUT=str(tmp_path / "out"), KIT=str(kit)),
+        cwd=REPO,
+        timeout=300,
+        check=False,
+    )
+    summary = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
+    assert summary["python"] == str(venv_py), r.stdout + r.stderr
+    assert "cannot import torch" not in r.stdout
 
 
 def test_fetch_gpu_kit_copies_verified_kit(tmp_path):
