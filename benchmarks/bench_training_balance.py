@@ -355,6 +355,14 @@ def _running_mean(values, window):
     return out
 
 
+def loss_axis_top(methods, above_final=1.5):
+    """Top of the loss panel: ``above_final`` above the highest final loss (the first
+    iterations start near ln(vocab) = 8.3 and would flatten every curve's tail), or the highest
+    loss when that is lower."""
+    highest = max(max(r["curve_loss"]) for r in methods)
+    return min(highest, max(r["final_loss"] for r in methods) + above_final)
+
+
 def plot(result, path):
     import matplotlib
 
@@ -385,7 +393,7 @@ def plot(result, path):
     ax_vio.legend(fontsize=8)
     ax_loss.set_xlabel("iteration")
     ax_loss.set_ylabel(f"lm loss (running mean over {FINAL} iterations)")
-    ax_loss.set_ylim(top=min(6.0, max(max(r["curve_loss"]) for r in result["methods"])))
+    ax_loss.set_ylim(top=loss_axis_top(result["methods"]))
     ax_loss.set_title("training loss")
     ax_loss.grid(True, alpha=0.3)
     ax_loss.legend(fontsize=8)

@@ -21,6 +21,7 @@ WORLD_SIZES = {
     "k3_sparse_tiny.sh": 2,
     "k3_sparse_wide.sh": 2,
     "k3_sparse_tiny_gbs64.sh": 2,
+    "k3_sparse_tiny_gbs64_lr1e4.sh": 2,
     "k3_sparse_wide_gbs64.sh": 2,
     "k3_full_scale.sh": 1024,
 }

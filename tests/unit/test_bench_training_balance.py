@@ -63,3 +63,14 @@ def test_a_missing_figure_is_null_and_a_dash():
     cells = line.split()
     assert cells[cells.index("1.000") + 1] == "-"  # the 51-end window
     assert cells[-2:] == ["-", "-"]  # tokens/s: runs and side by side
+
+
+def test_loss_panel_shows_every_final_loss():
+    """The loss panel's top sits above every method's final loss, also when training ends above
+    6 (the race at LR 1e-4: a fixed top of 6.0 left the panel empty)."""
+    for final in (4.6, 6.33):
+        runs = [race.summarize(m, _records([1.0] * 300, loss=final - 0.3), 300) for m in "ab"]
+        for r in runs:
+            r["curve_loss"] = [8.3] + r["curve_loss"][1:]  # the first iteration near ln(vocab)
+        top = race.loss_axis_top(runs)
+        assert max(r["final_loss"] for r in runs) < top < 8.3
