@@ -33,7 +33,9 @@ def _fake_kit(tmp_path, members=("site/megatron/core/__init__.py",)):
 
 
 def _run(args, tmp_path, timeout=120, **env):
+    """The script with ``env`` over this environment (a value of None unsets the variable)."""
     full_env = dict(os.environ, OUT=str(tmp_path / "out"), **env)
+    full_env = {k: v for k, v in full_env.items() if v is not None}
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         capture_output=True,
@@ -85,16 +87,7 @@ def test_check_mode_defaults_to_the_venv(tmp_path):
     if not venv_py.exists():
         pytest.skip("no .venv here (bash scripts/setup_env.sh makes it)")
     kit = _fake_kit(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    r = subprocess.run(
-        ["bash", str(SCRIPT), "--check"],
-        capture_output=True,
-        text=True,
-        env=dict(env, OUT=str(tmp_path / "out"), KIT=str(kit)),
-        cwd=REPO,
-        timeout=300,
-        check=False,
-    )
+    r = _run(["--check"], tmp_path, timeout=300, KIT=str(kit), PYTHON=None)
     summary = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
     assert summary["python"] == str(venv_py), r.stdout + r.stderr
     assert "cannot import torch" not in r.stdout
