@@ -268,20 +268,17 @@ class _QuantileHistogramBase:
                 )
         if alpha_M is None:
             _, alpha_M = cutoff_route(s32, b32, self.topk)
-        n, nb = self.num_experts, self.num_bins
         idx_ME = self._finite_clamp_(self._bin_index_(alpha_M[:, None] - s32))  # fp32, in [0, B-1]
-        if n * nb <= 2**24:  # flat index exact in fp32: add row offsets before the single cast
-            idx_ME.add_(torch.arange(n, device=idx_ME.device, dtype=torch.float32).mul_(nb))
-            flat = idx_ME.view(-1).to(torch.int64)
-        else:
-            flat = (idx_ME.to(torch.int64) + torch.arange(n, device=idx_ME.device) * nb).view(-1)
+        # Expert-major bins, scattered along each expert's row; a token's weight (1, or 0 for
+        # padding) broadcast over the experts, never materialised.
+        idx_EM = idx_ME.t().to(torch.int64, memory_format=torch.contiguous_format)
         if valid_M is None:
-            src = torch.ones(1, dtype=torch.int32, device=flat.device).expand(flat.numel())
+            weight_M = torch.ones((), dtype=torch.int32, device=s32.device).expand(m)
             self._num_tokens += m
         else:
-            src = valid_M.to(torch.int32)[:, None].expand(m, n).reshape(-1)
+            weight_M = valid_M.to(torch.int32)
             self._num_tokens += valid_M.sum()
-        self.counts.view(-1).scatter_add_(0, flat, src)
+        self.counts.scatter_add_(1, idx_EM, weight_M.expand(self.num_experts, m))
 
     # ------------------------------------------------------------------ communication
     def pack(self) -> torch.Tensor:
@@ -366,10 +363,15 @@ class _QuantileHistogramBase:
         if self._range is None:  # a rank that only unpacked: the range follows from the bias
             self._range = self._make_range(b32)
         big_q = -(-m * self.topk // self.num_experts)  # ceil(q), exact
-        cum_EB = self.counts.cumsum(dim=1, dtype=torch.int64)
-        c_E = (cum_EB < big_q).sum(dim=1).clamp_(max=self.num_bins - 1)  # first bin with cum >= Q
+        # int32 is exact: a row sums to m <= 2**31-1 (observe / unpack_ check it). No int64 copy
+        # of the counts and no [n, B] mask (on one CPU thread at n=128, B=1000: 0.2-0.35 ms a
+        # solve instead of 0.25-1.4, the same bias bit for bit).
+        cum_EB = self.counts.cumsum(dim=1, dtype=torch.int32)
+        big_q_E1 = torch.full((self.num_experts, 1), big_q, dtype=torch.int32, device=self._device)
+        c_E = torch.searchsorted(cum_EB, big_q_E1).squeeze(1)  # first bin with cum >= Q
+        c_E.clamp_(max=self.num_bins - 1)
         in_bin_E = self.counts.gather(1, c_E[:, None]).squeeze(1).to(torch.int64)
-        before_E = cum_EB.gather(1, c_E[:, None]).squeeze(1) - in_bin_E
+        before_E = cum_EB.gather(1, c_E[:, None]).squeeze(1).to(torch.int64) - in_bin_E
         frac_E = (
             ((big_q - before_E).double() / in_bin_E.clamp(min=1).double()).clamp_(0.0, 1.0).float()
         )
