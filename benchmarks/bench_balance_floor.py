@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """How low can ANY balancer take the balance race's MaxVio? Floors measured on the race's model at
-its initial weights (the weights every method routes iteration 1 with) and on the race's batches.
+its initial weights (the weights every method routes iteration 1 with), or at a race run's trained
+weights (``--load``), and on the race's batches.
 
     python benchmarks/bench_balance_floor.py [--args-file FILE] [--seeds 1234 1 2] [--batches 300]
+        [--load SAVE_DIR [--ckpt-step N]]
 
 Every balancer of the race routes a token to the top-k of ``scores + b`` for some bias b (b = 0
 for the aux losses and ``none``). So for one batch at fixed weights, no method can beat the best
@@ -26,6 +28,9 @@ the race's batches 1..N without training, and records per batch the MaxVio of th
 A balancing bias is solved layer by layer in the forward (layer l's bias changes layer l+1's
 input) by iterating the exact sort-based QB update (``balancing_reference.exact_quantile_bias``)
 with damping 0.5, keeping the iterate with the lowest MaxVio on the tokens it is solved on.
+With ``--load``, the weights are a checkpoint's (a race run trained with ``--save``; its
+``--ckpt-step``, default the latest), loaded into the same model before the batches are routed:
+the floor once the router has learnt what its balancer taught it.
 Prints a table (mean, worst and how many batches reach MaxVio <= 1.0) and writes
 ``benchmarks/results/balance_floor.json``. Launches itself with torchrun (2 processes) when
 started with plain ``python``.
@@ -78,6 +83,11 @@ def parse_args(argv=None):
         "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="V"
     )
     p.add_argument("--pool", type=int, default=50, help="batches pooled per parity")
+    p.add_argument(
+        "--load",
+        help="a race run's --save folder: route at its trained weights instead of the initial ones",
+    )
+    p.add_argument("--ckpt-step", type=int, help="with --load: that iteration (default: latest)")
     p.add_argument("--solver-iters", type=int, default=40)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
@@ -94,6 +104,13 @@ def parse_args(argv=None):
     for name in ("batches", "pool", "solver_iters"):
         if getattr(a, name) < 2:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 2")
+    if a.ckpt_step is not None and not a.load:
+        p.error(f"--ckpt-step {a.ckpt_step}: allowed only with --load")
+    if a.load and not os.path.isdir(a.load):
+        p.error(f"--load {a.load}: not a folder; allowed: a run's --save folder")
+    if a.load and len(a.seeds) > 1:
+        p.error(f"--load with --seeds {' '.join(map(str, a.seeds))}: allowed: the run's one seed")
+    a.load = a.load and os.path.abspath(a.load)
     gbs = a.global_batch_size
     if gbs is not None and (gbs < a.nproc or gbs % a.nproc):
         p.error(f"--global-batch-size {gbs}: allowed: a positive multiple of --nproc {a.nproc}")
@@ -158,6 +175,9 @@ def build(a):
     if a.global_batch_size:  # one micro-batch per rank and step: the routing hooks see a batch
         mbs = a.global_batch_size // a.nproc
         flags += ["--global-batch-size", str(a.global_batch_size), "--micro-batch-size", str(mbs)]
+    if a.load:
+        flags += ["--load", a.load, "--no-load-optim", "--no-load-rng"]
+        flags += [] if a.ckpt_step is None else ["--ckpt-step", str(a.ckpt_step)]
     args, config = checked(flags)
     with contextlib.redirect_stdout(io.StringIO()):
         set_global_variables(args)
@@ -165,6 +185,11 @@ def build(a):
     model = build_gpt_model(
         config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings
     )
+    if a.load:  # the trained weights (the router's bias is each variant's own, set per batch)
+        from megatron.training.checkpointing import load_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            a.loaded_iteration = load_checkpoint([model], None, None)[0]
     from megatron.training.training import build_train_valid_test_data_iterators
 
     args.iteration, args.consumed_train_samples, args.consumed_valid_samples = 0, 0, 0
@@ -310,7 +335,7 @@ def _pool_bias(solved, layer, pool, i, g):
 def race_iteration_1(a):
     """Per-layer loads of iteration 1 in the race's ``none`` run of this seed (None: not run)."""
     path = os.path.join(a.race_dir, f"none_seed_{a.seed}.jsonl")
-    if a.global_batch_size or not os.path.exists(path):
+    if a.global_batch_size or a.load or not os.path.exists(path):
         return None
     with open(path) as f:
         first = json.loads(f.readline())
@@ -337,6 +362,7 @@ def run_rank(a):
     start, result = time.time(), {}
     pooled = floors.pooled_biases() if "pooled" in a.variants else None
     result["tokens_per_batch"] = args.global_batch_size * args.seq_length
+    result["loaded_iteration"] = getattr(a, "loaded_iteration", None)
     for name in a.variants:
         vios, loads_1 = floors.run_variant(name, pooled)
         result[name] = vios
@@ -399,17 +425,20 @@ def main(argv=None):
         os.remove(part)
     rows = summarize(per_seed, a.variants)
     tokens = next(iter(per_seed.values()))["tokens_per_batch"]
+    loaded = next(iter(per_seed.values()))["loaded_iteration"]
+    weights = "the initial weights" if not a.load else f"{a.load}'s weights (iteration {loaded})"
     print(
-        f"\nMaxVio floors at the initial weights, {os.path.relpath(a.args_file, REPO)}, "
+        f"\nMaxVio floors at {weights}, {os.path.relpath(a.args_file, REPO)}, "
         f"batches 1-{a.batches} of {tokens} tokens, seeds {' '.join(per_seed)} "
         "(mean over MoE layers, global batch)"
     )
-    width = max(len(v) for v in VARIANTS.values()) + 2
+    labels = dict(VARIANTS, none="no bias (the router's own top-k)") if a.load else VARIANTS
+    width = max(len(v) for v in labels.values()) + 2
     print(f"{'bias':<{width}}{'mean':>7}{'worst':>7}{'<= 1.0':>8}  batch 1 by seed")
     for name, r in rows.items():
         batch_1 = " / ".join("-" if v is None else f"{v:.2f}" for v in r["batch_1"].values())
         print(
-            f"{VARIANTS[name]:<{width}}{r['mean']:>7.2f}{r['worst']:>7.2f}"
+            f"{labels[name]:<{width}}{r['mean']:>7.2f}{r['worst']:>7.2f}"
             f"{r['at_or_under_target']:>8.0%}  {batch_1}"
         )
     checks = {s: r.get("matches_race_iteration_1") for s, r in per_seed.items()}
