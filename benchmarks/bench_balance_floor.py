@@ -160,7 +160,8 @@ def balancing_bias(scores_ME, topk, iters):
 
 # ----------------------------------------------------------------------------- model and data
 def build(a):
-    """(args, config, model, this rank's micro-batch of batches 1..N) as the race builds them."""
+    """(args, config, model, this rank's micro-batch of batches 1..N, the iteration of the
+    ``--load`` checkpoint or None) as the race builds them."""
     from bench_step_balancers import checked
     from bench_training_balance import METHODS, args_file_flags
     from megatron.training.global_vars import set_global_variables
@@ -185,11 +186,12 @@ def build(a):
     model = build_gpt_model(
         config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings
     )
+    loaded = None
     if a.load:  # the trained weights (the router's bias is each variant's own, set per batch)
         from megatron.training.checkpointing import load_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):
-            a.loaded_iteration = load_checkpoint([model], None, None)[0]
+            loaded = load_checkpoint([model], None, None)[0]
     from megatron.training.training import build_train_valid_test_data_iterators
 
     args.iteration, args.consumed_train_samples, args.consumed_valid_samples = 0, 0, 0
@@ -202,7 +204,7 @@ def build(a):
             f"x data-parallel ranks ({args.data_parallel_size})"
         )
     batches = [next(train_iter) for _ in range(a.batches)]
-    return args, config, model, batches
+    return args, config, model, batches, loaded
 
 
 class Floors:
@@ -357,12 +359,12 @@ def run_rank(a):
     apply_python311_compat()
     apply_core_compat()
     apply_cpu_compat()
-    args, config, model, batches = build(a)
+    args, config, model, batches, loaded = build(a)
     floors = Floors(a, config, model, batches)
     start, result = time.time(), {}
     pooled = floors.pooled_biases() if "pooled" in a.variants else None
     result["tokens_per_batch"] = args.global_batch_size * args.seq_length
-    result["loaded_iteration"] = getattr(a, "loaded_iteration", None)
+    result["loaded_iteration"] = loaded
     for name in a.variants:
         vios, loads_1 = floors.run_variant(name, pooled)
         result[name] = vios
