@@ -194,21 +194,29 @@ def test_compressed_tensors_decompresses_the_export(ws):
             {"weight_packed": mx[packed], "weight_scale": mx[scale]}, scheme
         )["weight"]
         assert torch.equal(dense.float(), mxfp4_round_trip(plain[k])), k
-    # transformers' compressed-tensors loader on the export == our own dequantizing loader
+    # transformers' compressed-tensors loader on the export == our own dequantizing loader, in
+    # bf16 and fp32. Before transformers 5.23 that loader keeps the experts on compressed-tensors'
+    # quantized forward with bf16 scales whatever the dtype asked for, so in fp32 its first GEMM
+    # fails ("expected m1 and m2 to have the same dtype"; seen with 5.17.0 and 5.22.2).
+    import transformers
+    from packaging.version import Version
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from megatron_latentmoe.convert.verify import load_hf_model
-
-    ct = AutoModelForCausalLM.from_pretrained(
-        str(root / "hf_mx"),
-        trust_remote_code=True,
-        dtype=torch.float32,
-        quantization_config=CompressedTensorsConfig(dequantize=True),
-    )
+    dtypes = [torch.bfloat16]
+    if Version(transformers.__version__) >= Version("5.23"):
+        dtypes.append(torch.float32)
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(ct(tokens).logits, load_hf_model(root / "hf_mx")(tokens).logits)
+    for dtype in dtypes:
+        load = dict(trust_remote_code=True, dtype=dtype)
+        ours = AutoModelForCausalLM.from_pretrained(str(root / "hf_mx"), **load)
+        ct = AutoModelForCausalLM.from_pretrained(
+            str(root / "hf_mx"),
+            quantization_config=CompressedTensorsConfig(dequantize=True),
+            **load,
+        )
+        with torch.no_grad():
+            assert torch.equal(ct(tokens).logits, ours(tokens).logits), dtype
 
 
 def test_hf_model_loaded_from_mxfp4_saves_as_a_dense_model(ws, tmp_path):
