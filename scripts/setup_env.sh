@@ -16,12 +16,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip=("$vpy" -m pip install --disable-pip-version-check -q)
   # CPU torch from the local wheel; never let pip resolve an unpinned torch (multi-GB CUDA build).
   if ! "$vpy" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" "torch>=2.6,<2.14"; else "${pip[@]}" torch==2.13.0; fi
-    # Without a CPU-only wheel for this Python among pip's indexes, torch==2.13.0 is PyPI's Linux
-    # wheel, which carries ~2.7 GB of CUDA libraries; it runs on a CPU as it is.
-    cuda_torch="$("$vpy" -W ignore -c "import torch; print(torch.__version__ if torch.version.cuda else '')")"
-    if [ -n "$cuda_torch" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
-      echo "setup_env: pip chose torch $cuda_torch with CUDA libraries (no CPU-only wheel for this Python on pip's indexes); it runs on the CPU as it is. For a CPU-only venv, remove $venv and rerun with PIP_EXTRA_INDEX_URL set to PyTorch's CPU wheel index." >&2
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "${pip[@]}" "torch>=2.6,<2.14"
+    else
+      "${pip[@]}" torch==2.13.0
+      # Without a CPU-only wheel for this Python among pip's indexes, torch==2.13.0 is PyPI's
+      # Linux wheel, which carries ~2.7 GB of CUDA libraries; it runs on a CPU as it is.
+      cuda_torch="$("$vpy" -W ignore -c "import torch; print(torch.__version__ if torch.version.cuda else '')")"
+      [ -z "$cuda_torch" ] || echo "setup_env: pip chose torch $cuda_torch with CUDA libraries (no CPU-only wheel for this Python on pip's indexes); it runs on the CPU as it is. For a CPU-only venv, remove $venv and rerun with PIP_EXTRA_INDEX_URL set to PyTorch's CPU wheel index." >&2
     fi
   fi
   # megatron-core 0.19.2 declares Python>=3.12 but runs on 3.11 (see ../shared/MEGATRON_ON_CPU.md).
