@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, trust_remote_code=True).eval()
     ids = tokenizer(a.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        return _error(f"--prompt={a.prompt!r} is not allowed: a text of at least one token")
     out = model.generate(
         ids,
         max_new_tokens=a.max_new_tokens,

@@ -6,7 +6,8 @@
     verify   compare a Megatron checkpoint with an HF directory (logits + greedy generation)
 
 Exit status: 0 success, 2 bad input (the message names the file / tensor / key / field),
-3 verification outside tolerance.
+3 verification outside tolerance, 130 / 143 interrupted by Ctrl-C / SIGTERM (a conversion cut
+short leaves no output).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 EXIT_BAD_INPUT = 2
 EXIT_VERIFY_FAILED = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it; SIGTERM exits with 143
 
 
 def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
@@ -171,6 +173,7 @@ def _check_options(args) -> None:
             new_tokens=args.verify_tokens,
             batch=args.verify_batch,
             seq_len=args.verify_seq_len,
+            text=args.verify_text,
         )
     if args.command in ("import", "verify"):
         check_hf_dir(args.hf)
@@ -245,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if report is not None:
         result["verify"] = report.to_dict()
     if args.summary_json:

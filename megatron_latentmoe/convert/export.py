@@ -53,6 +53,7 @@ from .summary import (
     Progress,
     Timer,
     atomic_output_dir,
+    check_not_an_input,
     check_output_dir,
 )
 
@@ -493,11 +494,13 @@ def export_checkpoint(
     """
     timer = Timer()
     check_output_dir(output, overwrite)
+    check_not_an_input(output, "--checkpoint", checkpoint)
     out_dtype = parse_dtype(dtype)
     max_shard = parse_size(max_shard_size)
     if max_shard <= 0:
         raise not_allowed("max_shard_size", max_shard_size, "a positive size", ConversionError)
     reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
+    check_not_an_input(output, "--checkpoint", reader.path)  # the iteration a save root names
     packed_experts = check_expert_dtype(expert_dtype, arch)
     name = str(reader.path)
     n_maps = match_checkpoint(reader, arch, name)

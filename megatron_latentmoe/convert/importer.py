@@ -73,6 +73,7 @@ from .summary import (
     Progress,
     Timer,
     atomic_output_dir,
+    check_not_an_input,
     check_output_dir,
 )
 
@@ -334,6 +335,7 @@ def import_checkpoint(
     """
     timer = Timer()
     check_output_dir(output, overwrite)
+    check_not_an_input(output, "--hf", hf_dir)
     if iteration is not None and (
         isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0
     ):

@@ -7,7 +7,9 @@ import dataclasses
 import os
 import resource
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -141,25 +143,78 @@ def check_output_dir(output: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+def check_not_an_input(output: str | os.PathLike, flag: str, path: str | os.PathLike) -> None:
+    """Refuse an output that would replace the input ``path`` (read through ``flag``): the same
+    directory or one that contains it. ``--overwrite`` would otherwise delete the input."""
+    out, src = Path(output).resolve(), Path(path).resolve()
+    if src == out or out in src.parents:
+        raise ConversionError(
+            f"--output {str(output)!r} would replace the input {flag} {str(path)!r} (it is that "
+            "directory or contains it); allowed: an output directory outside the input"
+        )
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """In the main thread, SIGTERM (what ``timeout``, Slurm and Kubernetes send) raises
+    ``SystemExit(143)`` instead of ending the process at once, so the cleanup of
+    :func:`atomic_output_dir` runs as it does for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT / SIGTERM wait until the block is done (delivered when it ends)."""
+    deferred = {signal.SIGINT, signal.SIGTERM}
+    can_block = hasattr(signal, "pthread_sigmask")
+    if can_block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    try:
+        yield
+    finally:
+        if can_block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, deferred)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``
-    (by rename), on any error it is deleted: a failed conversion never leaves a partial output."""
+    (by rename), on any error, Ctrl-C or SIGTERM it is deleted: a failed conversion never leaves a
+    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.)"""
     out = check_output_dir(output, overwrite).resolve()
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        old: Path | None = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _sigterm_raises():
+        tmp.mkdir()
+        written, old = False, None
+        try:
+            yield tmp
+            with _signals_deferred():  # never stop between the two renames
+                if out.exists():
+                    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+                    out.rename(old)
+                tmp.rename(out)
+                written = True
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+        except BaseException as e:
+            if not written:
+                if old is not None and not out.exists():
+                    old.rename(out)  # the previous output stays as it was
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    print(f"interrupted: removed the partial output {str(tmp)!r}", file=sys.stderr)
+            raise
 
 
 class Timer:

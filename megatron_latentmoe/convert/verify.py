@@ -15,14 +15,16 @@ Reported: max |delta logits|, mean |delta|, cosine similarity of the flattened l
 greedy generation of N tokens (Megatron: full re-forward each step; HF: ``generate`` with its KV
 cache) gives the same tokens; at the first difference, the top-1/top-2 margin of both models
 (a tiny margin means a near-tie flipped by round-off, not a conversion bug).
-Both models run in fp32 whatever the checkpoint dtype, so a bf16 export is compared exactly too.
+Both models run in fp32. Where one side stores a tensor in a narrower dtype than the other (an
+fp32 checkpoint exported with ``--dtype bf16``, an fp32 HF model imported in bf16), the other
+side's copy is rounded to that dtype first, as the conversion rounded it, so a bf16 export is
+compared exactly too (reported; MXFP4 experts are compared as QAT computes them).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -33,6 +35,7 @@ from megatron_latentmoe.fields import not_allowed
 from .arch import ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
+from .names import iter_tensor_maps
 
 DEFAULT_ATOL = 1e-4
 
@@ -55,6 +58,8 @@ class VerifyReport:
     hf_tokens: list = field(default_factory=list)
     atol: float = DEFAULT_ATOL
     seconds: float = 0.0
+    precision: str = ""
+    """Which side's weights were rounded to the other's stored dtype ('' if none)."""
 
     @property
     def passed(self) -> bool:
@@ -67,6 +72,7 @@ class VerifyReport:
     def format(self) -> str:
         lines = [
             f"verify ({self.tokens_source}, batch {list(self.batch_shape)}):",
+            *([f"  {self.precision}"] if self.precision else []),
             f"  logits max |delta| = {self.max_abs_diff:.3e} (tolerance {self.atol:.1e})   "
             f"mean |delta| = {self.mean_abs_diff:.3e}   cosine = {self.cosine:.9f}",
             f"  greedy generation of {self.new_tokens} tokens: "
@@ -104,10 +110,9 @@ def _ensure_single_process_world() -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("NO_VCS_VERSION", "1")
-    if not dist.is_initialized():
-        store = tempfile.mkdtemp(prefix="latentmoe_verify_")
+    if not dist.is_initialized():  # an in-memory store: one process, nothing left on disk
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
     from megatron_latentmoe.compat import apply_cpu_compat, initialize_parallel_cpu
@@ -223,7 +228,9 @@ def sample_tokens(
     text: str | None = None,
     seed: int = 0,
 ) -> tuple[torch.Tensor, str]:
-    """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer)."""
+    """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer). Without a
+    usable tokenizer, seeded random ids (said in the returned source); an explicit ``text`` that
+    cannot give ``seq_len`` tokens raises :class:`ConversionError`."""
     try:
         from transformers import AutoTokenizer
 
@@ -241,8 +248,17 @@ def sample_tokens(
         reason = f"tokenizer ids up to {int(tokens.max())} exceed vocab_size={vocab_size}"
     except Exception as e:  # noqa: BLE001 - no tokenizer / too short text: fall back, and say so
         reason = f"no usable tokenizer/text ({type(e).__name__}: {e})"
+        if text:
+            raise ConversionError(
+                f"--verify-text {_preview(text)}: {reason}; allowed: a text of at least "
+                f"{seq_len} tokens (--verify-seq-len) under the export's tokenizer"
+            ) from None
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
+
+
+def _preview(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def _corpus_texts(batch: int, seq_len: int) -> list[str]:
@@ -266,9 +282,15 @@ def compare_logits(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, floa
     return float(d.max()), float(d.mean()), float(cos)
 
 
-def check_verify_options(*, atol: float, new_tokens: int, batch: int, seq_len: int) -> None:
+def check_verify_options(
+    *, atol: float, new_tokens: int, batch: int, seq_len: int, text: str | None = None
+) -> None:
     """Raise :class:`ConversionError` naming the option (and its flag) if a verify setting is out
     of range."""
+    if text is not None and not text.strip():
+        raise not_allowed(
+            "text (--verify-text)", text, "a non-empty text (default: the corpus)", ConversionError
+        )
     for name, flag, value in (
         ("new_tokens", "--verify-tokens", new_tokens),
         ("batch", "--verify-batch", batch),
@@ -291,6 +313,46 @@ def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:
         return "mxfp4" if mxfp4.is_mxfp4(json.load(f).get("quantization_config")) else "none"
 
 
+@torch.no_grad()
+def match_stored_precision(
+    mg, hf, arch: ModelArch, reader: DistCheckpointReader, hf_dir, *, mxfp4_experts: bool
+) -> str:
+    """Round each side's fp32 copy of a tensor to the dtype the other side stores it in (a no-op
+    where both store the same dtype), so the logits compare the conversion and not the rounding
+    that ``--dtype`` asked for. The fp32 expert bias and MXFP4 routed experts (both sides compute
+    them from the same MXFP4 values) are left as they are. Returns what was rounded, for the
+    report ('' if nothing)."""
+    from .importer import HFCheckpointReader
+
+    mg_params, hf_params = dict(mg.named_parameters()), dict(hf.named_parameters())
+    rounded: dict[str, set[str]] = {"Megatron": set(), "HF": set()}
+    hfr = HFCheckpointReader(hf_dir)
+    try:
+        for tm in iter_tensor_maps(arch):
+            if tm.fp32 or tm.zeros or (mxfp4_experts and tm.expert is not None):
+                continue
+            mg_dtype = reader.dtype(reader.locate(tm).keys[0])
+            hf_dtype = hfr.dtype(tm.hf[0][0])
+            for side, params, names, dtype, own in (
+                ("Megatron", mg_params, (tm.megatron,), hf_dtype, mg_dtype),
+                ("HF", hf_params, tm.hf_names, mg_dtype, hf_dtype),
+            ):
+                if dtype in (torch.float32, own):
+                    continue
+                for name in names:
+                    p = params[name]
+                    p.copy_(p.to(dtype).to(p.dtype))
+                rounded[side].add(str(dtype).replace("torch.", ""))
+    finally:
+        hfr.close()
+    return "; ".join(
+        f"{side} weights rounded to {'/'.join(sorted(dts))} (as the "
+        f"{'HF files store' if side == 'Megatron' else 'Megatron checkpoint stores'} them)"
+        for side, dts in rounded.items()
+        if dts
+    )
+
+
 def check_hf_dir(hf_dir: str | os.PathLike) -> None:
     """Raise :class:`ConversionError` unless ``hf_dir`` is a directory with a ``config.json``."""
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -311,13 +373,15 @@ def verify_export(
     text: str | None = None,
 ) -> VerifyReport:
     """Compare the Megatron checkpoint with its HF export (see module docstring)."""
-    check_verify_options(atol=atol, new_tokens=new_tokens, batch=batch, seq_len=seq_len)
+    check_verify_options(atol=atol, new_tokens=new_tokens, batch=batch, seq_len=seq_len, text=text)
     check_hf_dir(hf_dir)
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
     torch.manual_seed(0)
-    mg = load_megatron_model(reader.path, arch, hf_expert_weight_qat(hf_dir))
+    qat = hf_expert_weight_qat(hf_dir)
+    mg = load_megatron_model(reader.path, arch, qat)
     hf = load_hf_model(hf_dir)
+    precision = match_stored_precision(mg, hf, arch, reader, hf_dir, mxfp4_experts=qat == "mxfp4")
     tokens, source = sample_tokens(hf_dir, arch.vocab_size, batch, seq_len, text)
     lm = megatron_logits(mg, tokens)
     with torch.no_grad():
@@ -338,6 +402,7 @@ def verify_export(
         hf_tokens=gh.tolist(),
         atol=atol,
         min_margin=min(mm) if mm else float("nan"),
+        precision=precision,
     )
     if not same:
         step = int((gm != gh).any(0).nonzero()[0])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,6 +207,46 @@ def test_import_bad_hf_input(workspace, tmp_path):
     _import_fails(tmp_path / "nothing", out, r"HF model directory '.*nothing' does not exist")
 
 
+def test_an_output_that_would_replace_an_input_is_refused(workspace, tmp_path):
+    """``--overwrite`` never deletes an input: an output that is the checkpoint or HF directory,
+    or contains it (the save root of the exported iteration), is refused before any work."""
+    run = tmp_path / "run"
+    shutil.copytree(workspace.path("ck_single"), run / "iter_0000005")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    hf = _hf_copy(workspace, tmp_path)
+    files = sorted(tmp_path.rglob("*"))
+    it = run / "iter_0000005"
+    for ckpt, out in ((it, it), (it, run), (run, run), (run, it), (it, tmp_path)):
+        with pytest.raises(ConversionError, match=r"would replace the input --checkpoint"):
+            export_checkpoint(ckpt, out, overwrite=True, progress=False)
+    for out in (hf, tmp_path):
+        with pytest.raises(ConversionError, match=r"would replace the input --hf"):
+            import_checkpoint(hf, out, overwrite=True, progress=False)
+    assert sorted(tmp_path.rglob("*")) == files
+    # an output inside an input is fine (an export next to the iterations of its save root)
+    export_checkpoint(run, run / "hf", progress=False)
+    assert (run / "hf" / "config.json").is_file() and (it / ".metadata").is_file()
+
+
+def test_sigterm_while_writing_leaves_no_partial_output(tmp_path):
+    """SIGTERM (``timeout``, Slurm) in the middle of a conversion removes the partial output as
+    Ctrl-C does and exits with 143; the output it was to replace stays as it was."""
+    from megatron_latentmoe.convert.summary import atomic_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous")
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "model-00001.safetensors").write_bytes(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises first
+    assert info.value.code == 128 + signal.SIGTERM
+    assert (out / "keep.txt").read_text() == "previous" and no_leftovers(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     cfg = tmp_path / "megatron.json"
@@ -241,6 +283,7 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
             ["--summary-json", "/nonexistent/s.json"],
             r"--summary-json '/nonexistent/s.json': directory",
         ),
+        (["--verify-text", " "], r"text \(--verify-text\)=' ' is not allowed: a non-empty text"),
     ],
 )
 def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, argv, match):
@@ -264,6 +307,17 @@ def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, ar
     assert code == cli.EXIT_BAD_INPUT
     assert re.search(match, capsys.readouterr().err)
     assert not out.exists(), "the export ran although an option was bad"
+
+
+def test_verify_text_that_cannot_fill_the_prompt_is_an_error(workspace):
+    """An explicit ``--verify-text`` shorter than ``--verify-seq-len`` tokens is refused (the
+    default, the corpus, falls back to random ids instead, and the report says so)."""
+    from megatron_latentmoe.convert.verify import sample_tokens
+
+    with pytest.raises(
+        ConversionError, match=r"--verify-text 'hi': .*text too short.*at least 64 tokens"
+    ):
+        sample_tokens(workspace.path("hf_main"), 1000, text="hi")
 
 
 def test_verify_needs_an_hf_directory(workspace, tmp_path, capsys):
@@ -374,6 +428,16 @@ def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "--max-new-tokens=0 is not allowed" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, tool, workspace.path("hf_main"), "--prompt", ""],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--prompt='' is not allowed: a text of at least one token" in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_model_folder_as_tokenizer_ships_only_its_tokenizer_files(workspace, tmp_path):
