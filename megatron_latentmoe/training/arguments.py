@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import struct
 import traceback
+import warnings
 from collections.abc import Iterable
 
 from megatron_latentmoe.fields import (
@@ -110,7 +112,19 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
         add_bias_linear=False,
     )
     _escape_unformattable_help(parser)
+    _one_line_errors(parser)
     return parser
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A misspelt flag or a bad value is argparse's one error line, without the usage text
+    argparse prints first (Megatron's parser has ~700 flags: the usage is ~800 lines, with the
+    error at the very end)."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (all flags: --help)\n")
+
+    parser.error = error
 
 
 def _escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +187,61 @@ def _check_data_paths(args) -> None:
         path = getattr(args, dest)
         if path is not None and not os.path.isfile(path):
             raise FlagError(f"--{dest.replace('_', '-')} {path}: no such file")
+
+
+MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
+"""``--split`` that megatron.training 0.19.2 uses with ``--data-path`` when none is given."""
+
+
+def _sequence_count(prefix: str) -> int:
+    """Sequences in the Megatron indexed dataset ``prefix`` (what Megatron's GPT datasets split):
+    the ``.idx`` header is a 9-byte magic, a <Q version, a <B dtype code, then <Q sequences."""
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(26)
+    if len(header) < 26 or header[:9] != b"MMIDIDX\x00\x00":
+        raise FlagError(f"--data-path {prefix}: {prefix}.idx is not a Megatron index file")
+    return struct.unpack("<Q", header[18:26])[0]
+
+
+def _check_split(args) -> None:
+    """Every non-zero part of ``--split`` must get at least one sequence of every ``--data-path``
+    dataset: megatron-core 0.19.2 builds a part with none by asking an epoch of 0 tokens for 1
+    token, forever (``GPTDataset._get_num_epochs``), a hang without a message. Megatron's own
+    default split, 969,30,1, gives the test part 0.1 %: no sequence in a dataset of under 500."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    split = MEGATRON_DEFAULT_SPLIT if args.split is None else args.split
+    try:
+        with warnings.catch_warnings():  # numpy's divide-by-zero of a zero sum: refused below
+            warnings.simplefilter("ignore")
+            vector = parse_and_normalize_split(split)
+        if not all(math.isfinite(w) for w in vector):
+            raise ValueError(split)
+        matrix = convert_split_vector_to_split_matrix(vector)
+    except (AssertionError, ValueError, ZeroDivisionError):
+        raise FlagError(
+            f"--split {split!r}: allowed: up to three non-negative weights (train, validation, "
+            "test) with a positive sum, e.g. 98,2,0"
+        ) from None
+    given = (
+        f"--split {split}"
+        if args.split is not None
+        else f"--split, not given, is Megatron's default {MEGATRON_DEFAULT_SPLIT.replace(' ', '')},"
+        " which"
+    )
+    for prefix in _data_prefixes(args.data_path):
+        n = _sequence_count(prefix)
+        for part, bounds in zip(("train", "validation", "test"), matrix, strict=True):
+            if bounds is not None and round(bounds[1] * n) <= round(bounds[0] * n):
+                raise FlagError(
+                    f"{given} gives the {part} part none of the {n} sequences of --data-path "
+                    f"{prefix} (Megatron would hang building it); allowed: a --split whose every "
+                    "non-zero part gets at least one sequence, e.g. 98,2,0 (0 for a part you do "
+                    "not need)"
+                )
 
 
 def uses_default_data(args) -> bool:
@@ -298,6 +367,8 @@ def validate_stable_latentmoe_args(
             )
     else:
         _check_data_paths(args)
+        if args.data_path:
+            _check_split(args)
     if args.tokenizer_model is not None and args.tokenizer_type in (None, "HuggingFaceTokenizer"):
         if not os.path.exists(args.tokenizer_model):
             raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")
@@ -388,9 +459,38 @@ def flag_message(err) -> str:
     return err.render(_flag_value)
 
 
+def expert_layout_refusal(args) -> str | None:
+    """Megatron's parallel state needs the processes to be a multiple of the experts' grid,
+    ``--expert-model-parallel-size`` x ``--expert-tensor-parallel-size`` x
+    ``--pipeline-model-parallel-size``, which ``validate_args`` does not check (each rank would
+    fail in ``initialize_model_parallel``). None when it divides. The expert tensor parallel
+    size defaults to the tensor parallel size, as ``validate_args`` sets it."""
+    dense = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if not getattr(args, "num_experts", None) or args.world_size % (
+        dense * args.context_parallel_size
+    ):
+        return None  # no experts, or validate_args refuses the dense layout first
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    sizes = {
+        "--expert-model-parallel-size": args.expert_model_parallel_size,
+        "--expert-tensor-parallel-size": etp,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+    }
+    grid = math.prod(sizes.values())
+    if args.world_size % grid == 0:
+        return None
+    product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
+    return (
+        f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
+        f"= {grid}: launch a multiple of {grid} processes, or a smaller "
+        "--expert-model-parallel-size"
+    )
+
+
 def megatron_refusal(args, err: AssertionError) -> str:
     """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
-    (a process count the model-parallel layout does not divide) the flags and what is allowed."""
+    (a process count that the model-parallel layout or the batch does not divide) the flags and
+    what is allowed."""
     sizes = {
         "--tensor-model-parallel-size": args.tensor_model_parallel_size,
         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
@@ -404,6 +504,19 @@ def megatron_refusal(args, err: AssertionError) -> str:
         return (
             f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
             f"= {model}: launch a multiple of {model} processes"
+        )
+    dp, micro = args.data_parallel_size, args.micro_batch_size
+    batch = args.global_batch_size
+    if (
+        "eval_global_batch_size" in str(err)
+        and args.eval_global_batch_size == batch
+        and args.eval_micro_batch_size == micro
+        and batch % (micro * dp)
+    ):  # the eval sizes were not given: they are the training ones
+        return (
+            f"--global-batch-size {batch} is not allowed with --micro-batch-size {micro} x "
+            f"{dp} data-parallel ranks (WORLD_SIZE={args.world_size} / the model-parallel "
+            f"size): a multiple of {micro * dp}; change one of them or the process count"
         )
     frame = traceback.extract_tb(err.__traceback__)[-1]  # the assert: what it checks
     line = frame.line.rstrip(" \\(").rstrip(",")  # a multi-line assert: its first line

@@ -267,10 +267,10 @@ def format_record(record: dict) -> str:
         )
 
     return (
-        f" [balance] iteration {record['iteration']:>7d} | lm loss {num(record['loss'], '.4f')} | "
-        f"tokens/s {num(record['tokens_per_s'], ',.0f')} | MaxVio mean "
-        f"{num(record['maxvio_mean'], '.3f')} max {num(record['maxvio_max'], '.3f')} | load "
-        f"min/max {record['min_load']}/{record['max_load']} | under-half "
+        f" [balance] iteration {record['iteration']:>7d} | lm loss (this iteration) "
+        f"{num(record['loss'], '.4f')} | tokens/s {num(record['tokens_per_s'], ',.0f')} | "
+        f"MaxVio mean {num(record['maxvio_mean'], '.3f')} max {num(record['maxvio_max'], '.3f')} "
+        f"| load min/max {record['min_load']}/{record['max_load']} | under-half "
         f"{num(record['frac_under_half'], '.3f')} | dead {record['num_dead']}"
     )
 

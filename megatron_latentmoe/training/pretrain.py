@@ -229,6 +229,7 @@ def checked_args(has_cuda: bool):
         FlagError,
         add_stable_latentmoe_args,
         apply_default_tokenizer,
+        expert_layout_refusal,
         megatron_refusal,
         uses_default_data,
         validate_stable_latentmoe_args,
@@ -254,6 +255,9 @@ def checked_args(has_cuda: bool):
     cpu_notes = [] if has_cuda else cpu_training_defaults(args)
     if not has_cuda:
         apply_cpu_training_compat()
+    refusal = expert_layout_refusal(args)
+    if refusal:
+        raise FlagError(refusal)
     try:
         validate_args(args, {})
     except AssertionError as err:  # megatron.training checks its flags with bare asserts

@@ -19,6 +19,9 @@ import pytest
 
 from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
 
+WORLD_SIZE = "2"  # what examples/run_torchrun.sh gives its flag check (tiny.sh is EP2)
+SMALL_CORPUS = scratch_dir() / "small_corpus"  # 50 documents, made by the `outcomes` fixture
+
 CASES = {
     "latent_not_divisible_by_tp": (
         ["--moe-latent-size", "63", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -107,6 +110,29 @@ CASES = {
         ["--num-experts", "8", "--moe-router-topk", "8"],
         ["--moe-router-topk 8", "--num-experts 8"],
     ),
+    "expert_parallel_does_not_divide_the_processes": (  # else each rank fails in Megatron
+        ["--expert-model-parallel-size", "4"],
+        [f"WORLD_SIZE={WORLD_SIZE}", "--expert-model-parallel-size 4", "a multiple of 4"],
+    ),
+    "global_batch_not_a_multiple_of_micro_times_data_parallel": (
+        ["--global-batch-size", "6", "--micro-batch-size", "4"],
+        ["--global-batch-size 6", "--micro-batch-size 4 x 2 data-parallel", "a multiple of 8"],
+    ),
+    "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
+        ["--moe-qb-bins", "10"],
+        ["unrecognized arguments: --moe-qb-bins 10", "--help"],
+    ),
+    "default_split_leaves_a_part_without_data": (  # Megatron would hang building it
+        [
+            "--data-path",
+            str(SMALL_CORPUS),
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            os.path.join(REPO, "megatron_latentmoe", "data", "assets", "tokenizer"),
+        ],
+        ["Megatron's default 969,30,1", "test part none of the 50 sequences", "98,2,0"],
+    ),
 }
 
 HEAVY_MARKERS = (
@@ -159,7 +185,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
-        env=environment(),
+        env=dict(environment(), WORLD_SIZE=WORLD_SIZE),
         timeout=300,
     )
 
@@ -167,8 +193,13 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def outcomes():
     """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
+    from megatron_latentmoe.data.indexed import preprocess_jsonl
+
     for name in CASES:
         (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
+    docs = scratch_dir() / "small_corpus.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
+    preprocess_jsonl(docs, SMALL_CORPUS, progress=False)
     cases = {name: _argv(name) for name in CASES}
     proc = _run(["-c", DRIVER, str(REPO), json.dumps(cases)])
     results = {}
@@ -223,6 +254,38 @@ def _check(name, returncode, output, seconds):
         assert needle in message, (needle, message)
     for marker in HEAVY_MARKERS:
         assert marker not in output, (marker, output[-3000:])
+    assert "usage:" not in output, output[-3000:]  # one line, not argparse's usage
     cache = scratch_dir() / f"bad_flags_cache_{name}"
     assert not any(os.scandir(cache)), f"data was prepared in {cache}"
     assert not (scratch_dir() / f"bad_flags_ckpt_{name}").exists()
+
+
+def test_split_check_follows_megatron_split_arithmetic(tmp_path):
+    """``--split`` is refused exactly when a non-zero part gets no sequence under megatron-core's
+    own split arithmetic (``round(bound * sequences)``), for every prefix of a blend."""
+    import struct
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import FlagError, _check_split
+
+    def dataset(name: str, sequences: int) -> str:
+        prefix = str(tmp_path / name)  # only the .idx header is read
+        header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, sequences, sequences)
+        open(prefix + ".idx", "wb").write(header)
+        return prefix
+
+    small, large = dataset("small", 400), dataset("large", 600)
+    ok = [(None, [large]), ("98,2,0", [small]), ("99,1,0", [small]), ("1", [small])]
+    for split, paths in ok:
+        _check_split(SimpleNamespace(split=split, data_path=paths))
+    # 969,30,1 at 400 sequences: the test part is [round(399.6), round(400)) = [400, 400)
+    bad = [
+        (None, [small], "test"),
+        (None, ["0.5", large, "0.5", small], "test"),
+        ("99.9,0.1,0", [small], "validation"),
+        ("0,0,0", [small], None),
+        ("x", [small], None),
+    ]
+    for split, paths, part in bad:
+        with pytest.raises(FlagError, match=rf"gives the {part} part none" if part else "--split"):
+            _check_split(SimpleNamespace(split=split, data_path=paths))
