@@ -19,13 +19,20 @@ The picture has three panels:
 ``--summary`` prints the first-vs-last-window loss and MaxVio (what the main job reports).
 A resumed run appends to the same JSONL: the last record of an iteration wins.
 Needs matplotlib only for the picture (``--summary`` alone needs nothing beyond Python).
+
+Exit status: 0 on success, 1 when the JSONL cannot be read or has no records (or neither --out
+nor --summary is given), 2 on a bad option (``--window`` below 1; ``--out`` in a folder that does
+not exist, or of a format matplotlib cannot write). The picture is written to a temporary file
+beside ``--out`` and renamed into place: a failed run leaves no half-written picture.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 
 
@@ -118,7 +125,44 @@ def _load_matrix(records: list[dict]):
     return [[v / counts[n] for v in sums[n]] for n in layers], layers
 
 
-def plot(records: list[dict], out: str, window: int, title: str | None = None) -> None:
+def _picture_target(out: str) -> tuple[str, str]:
+    """(format, path written) for ``--out``, as ``savefig`` would pick them: the format from the
+    extension; with none, matplotlib's default format, appended to the name."""
+    import matplotlib
+
+    ext = os.path.splitext(out)[1][1:].lower()
+    if ext:
+        return ext, out
+    fmt = matplotlib.rcParams["savefig.format"]
+    return fmt, out.rstrip(".") + "." + fmt
+
+
+def check_out(out: str) -> str | None:
+    """Why ``--out`` cannot be written (a one-line message naming it), or None if it can."""
+    flag = f"--out={out!r}"
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return f"{flag} needs matplotlib, which is not installed (pip install matplotlib)"
+    fmt, path = _picture_target(out)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} is a directory (a picture file such as RUN/expert_load.png is expected)"
+    if not os.path.isdir(folder):
+        return f"{flag}: directory {folder!r} does not exist (an existing folder is expected)"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag}: directory {folder!r} is not writable"
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in supported:
+        return (
+            f"{flag}: picture format {fmt!r} is not allowed: one of {', '.join(sorted(supported))}"
+        )
+    return None
+
+
+def plot(records: list[dict], out: str, window: int, title: str | None = None) -> str:
+    """Draw the picture into ``out`` (through a temporary file and a rename); returns the path
+    written (``out``, plus matplotlib's default extension if it has none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,8 +265,25 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     ax.grid(True, alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    fmt, path = _picture_target(out)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fig.savefig(f, dpi=110, format=fmt)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _error(message: str) -> int:
+    print(f"plot_balance.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,11 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default=None, help="PNG to write (default: none; use with --summary)")
     p.add_argument(
-        "--window", type=int, default=20, help="iterations in the last window (default 20)"
+        "--window",
+        type=int,
+        default=20,
+        help="iterations in the last window, an integer >= 1 (default 20)",
     )
     p.add_argument("--title", default=None)
     p.add_argument("--summary", action="store_true", help="print the first-vs-last-window summary")
     args = p.parse_args(argv)
+    if args.window < 1:
+        return _error(f"--window={args.window} is not allowed: an integer >= 1")
+    if args.out:
+        problem = check_out(args.out)
+        if problem:
+            return _error(problem)
     try:
         records = read_records(args.jsonl)
     except OSError as err:
@@ -248,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         print("\n".join(summary_lines(summarize(records, args.window))))
     if args.out:
-        plot(records, args.out, args.window, args.title)
-        print(f"expert-load picture: {args.out}")
+        written = plot(records, args.out, args.window, args.title)
+        print(f"expert-load picture: {written}")
     if not args.summary and not args.out:
         print("nothing to do: give --out PNG and/or --summary", file=sys.stderr)
         return 1

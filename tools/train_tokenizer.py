@@ -14,6 +14,12 @@ Both steps are deterministic: the same ``.deb`` gives a byte-identical ``default
 and the same corpus and ``tokenizers`` version give a byte-identical ``tokenizer.json``.
 ``--check`` retrains into a temporary directory and compares with the shipped files.
 
+Exit status: 0 on success (``--check``: the files match), 1 when ``--check`` finds a difference,
+2 on bad input (``--corpus`` missing or not JSONL with a string under "text" on every line: the
+message names the flag, the file, the line and the key; ``--check`` without a tokenizer in
+``--output-dir``; a corpus too small for the vocabulary). Nothing is written on bad input: the
+tokenizer is trained into a temporary folder and moved into ``--output-dir`` at the end.
+
 The ``.deb`` is read with the standard library alone (``ar`` + ``tar.xz`` + the SWORD zText
 format), so no ``dpkg`` or ``libsword`` is needed.
 """
@@ -46,11 +52,12 @@ from megatron_latentmoe.data.corpus import (  # noqa: E402
     DEFAULT_TOKENIZER_DIR,
     EOD_TOKEN,
     PAD_TOKEN,
-    iter_corpus_texts,
 )
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 SWORD_MODULE = "engWEB2015eb"
 SWORD_DIR_IN_DEB = f"usr/share/sword/modules/texts/ztext/{SWORD_MODULE}/"
@@ -235,7 +242,69 @@ def build_corpus(source: Path, out_path: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(corpus: Path, out_dir: Path) -> None:
+class InputError(Exception):
+    """Bad input: the message names the flag, the value and what is allowed (exit status 2)."""
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def read_corpus_texts(corpus: Path, key: str = "text") -> list[str]:
+    """The texts ``iter_corpus_texts`` yields (the same lines, in the same order), checked line
+    by line: a bad file or line raises InputError naming ``--corpus``, the file, the line and the
+    key (worded like ``tools/preprocess_data.py``)."""
+    flag = f"--corpus={str(corpus)!r}"
+    expected = f"a JSONL(.gz) file with a JSON object holding a string under {key!r} on every line"
+    if not corpus.exists():
+        raise InputError(f"{flag}: file not found ({expected} is expected)")
+    if not corpus.is_file():
+        raise InputError(f"{flag} is not a file ({expected} is expected)")
+    opener = gzip.open if str(corpus).endswith(".gz") else open
+    try:
+        with opener(corpus, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # unreadable, corrupt or truncated .gz
+        raise InputError(f"{flag}: cannot read the file ({e})") from None
+    try:
+        data = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{flag}: line {lineno}: not valid UTF-8 ({e.reason})") from None
+    texts: list[str] = []
+    # newline=None: the same line splitting as open(..., "rt"), which iter_corpus_texts uses
+    for lineno, line in enumerate(io.StringIO(data, newline=None), 1):
+        if not line.strip():
+            continue
+        where = f"{flag}: line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{where}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
+                f"{expected} is expected"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InputError(
+                f"{where}: expected a JSON object, got {type(obj).__name__}; {expected} is expected"
+            )
+        if key not in obj:
+            present = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
+            raise InputError(f"{where}: missing JSON key {key!r} (keys present: {present})")
+        if not isinstance(obj[key], str):
+            raise InputError(
+                f"{where}: JSON key {key!r} holds {type(obj[key]).__name__}, expected a string"
+            )
+        texts.append(obj[key])
+    if not any(t.strip() for t in texts):
+        raise InputError(f"{flag}: no non-empty documents ({expected} is expected)")
+    return texts
+
+
+def train_tokenizer(texts: list[str], out_dir: Path, corpus: Path | None = None) -> None:
+    """Train on ``texts`` (from ``read_corpus_texts(corpus)``) and write the three tokenizer files
+    into ``out_dir``; InputError if the corpus is too small for the vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -249,9 +318,12 @@ def train_tokenizer(corpus: Path, out_dir: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = list(iter_corpus_texts(corpus))
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise InputError(
+            f"--corpus={str(corpus)!r} is too small: it yields {tok.get_vocab_size()} tokens, "
+            f"the vocabulary needs {VOCAB_SIZE} (a larger corpus is expected)"
+        )
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
 
@@ -316,26 +388,51 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.corpus.stat().st_size:,} bytes)"
         )
 
+    out = f"--output-dir={str(args.output_dir)!r}"
+    if args.check:
+        missing = [f for f in TOKENIZER_FILES if not (args.output_dir / f).is_file()]
+        if missing:
+            what = "does not exist" if not args.output_dir.is_dir() else f"has no {missing[0]}"
+            return _error(
+                f"{out} {what} (--check compares a retrained tokenizer with the "
+                f"{', '.join(TOKENIZER_FILES)} in --output-dir)"
+            )
+    elif args.output_dir.exists() and not args.output_dir.is_dir():
+        return _error(f"{out} is not a directory (a folder for the tokenizer files is expected)")
+
+    try:
+        texts = read_corpus_texts(args.corpus)
+    except InputError as e:
+        return _error(str(e))
+
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            train_tokenizer(args.corpus, Path(tmp))
-            bad = [
-                f
-                for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                if _sha(Path(tmp) / f) != _sha(args.output_dir / f)
-            ]
+            try:
+                train_tokenizer(texts, Path(tmp), args.corpus)
+            except InputError as e:
+                return _error(str(e))
+            bad = [f for f in TOKENIZER_FILES if _sha(Path(tmp) / f) != _sha(args.output_dir / f)]
         print("tokenizer reproduces the shipped files" if not bad else f"DIFFERS: {bad}")
         return 1 if bad else 0
 
-    tmp = Path(
-        tempfile.mkdtemp(
-            prefix=".tokenizer-",
-            dir=args.output_dir.parent if args.output_dir.parent.exists() else None,
-        )
-    )
+    # train in a temporary folder beside --output-dir (its nearest existing ancestor): the files
+    # are renamed into place on the same file system, and a failed run leaves nothing behind
+    anchor = args.output_dir.resolve().parent
+    while not anchor.is_dir():
+        anchor = anchor.parent
     try:
-        train_tokenizer(args.corpus, tmp)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=anchor))
+    except OSError as e:
+        return _error(f"{out}: cannot write in {str(anchor)!r} ({e.strerror})")
+    try:
+        try:
+            train_tokenizer(texts, tmp, args.corpus)
+        except InputError as e:
+            return _error(str(e))
+        try:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return _error(f"{out}: cannot create it ({e.strerror})")
         for f in tmp.iterdir():
             os.replace(f, args.output_dir / f.name)
     finally:

@@ -168,6 +168,72 @@ def test_shipped_tokenizer_is_reproducible(capsys):
     assert _load_tool("train_tokenizer").main(["--check"]) == 0, capsys.readouterr().out
 
 
+def _train_tokenizer_cli(*args):
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "train_tokenizer.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=OFFLINE_ENV,
+    )
+
+
+@pytest.mark.parametrize(
+    "lines, detail",
+    [
+        (None, ": file not found (a JSONL(.gz) file with a JSON object holding a string under"),
+        (
+            ['{"text": "ok"}', "", '{"body": "no text key"}'],
+            ": line 3: missing JSON key 'text' (keys present: 'body')",
+        ),
+        (['{"text": "ok"}', '{"text": "broken'], ": line 2: malformed JSON ("),
+        (["not json at all"], ": line 1: malformed JSON (Expecting value at column 1)"),
+        (['{"text": 5}'], ": line 1: JSON key 'text' holds int, expected a string"),
+        (['["a list"]'], ": line 1: expected a JSON object, got list"),
+        (['{"text": ""}', "   "], ": no non-empty documents"),
+        (['{"text": "hello world"}'], " is too small: it yields 258 tokens, the vocabulary needs"),
+    ],
+)
+def test_train_tokenizer_bad_corpus_is_one_line_exit_2(tmp_path, lines, detail):
+    corpus = tmp_path / "in.jsonl"
+    if lines is not None:
+        corpus.write_text("\n".join(lines) + "\n")
+    r = _train_tokenizer_cli("--corpus", corpus, "--output-dir", tmp_path / "tok")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: --corpus={str(corpus)!r}{detail}"), r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == ""
+    # nothing written: no --output-dir, no temporary folder left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if lines else [])
+
+
+def test_train_tokenizer_check_needs_a_tokenizer_in_output_dir(tmp_path):
+    missing, empty = tmp_path / "nothere", tmp_path / "empty"
+    empty.mkdir()
+    for folder, what in ((missing, "does not exist"), (empty, "has no tokenizer.json")):
+        r = _train_tokenizer_cli("--check", "--output-dir", folder)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert r.stderr.startswith(
+            f"error: --output-dir={str(folder)!r} {what} (--check compares a retrained tokenizer "
+            "with the tokenizer.json, tokenizer_config.json, special_tokens_map.json in "
+            "--output-dir)"
+        ), r.stderr
+        assert r.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert not any(empty.iterdir())
+
+
+def test_train_tokenizer_writes_a_new_nested_output_dir(tmp_path):
+    out = tmp_path / "a" / "b"
+    r = _train_tokenizer_cli("--corpus", DEFAULT_CORPUS_PATH, "--output-dir", out)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary folder left
+
+
 # ------------------------------------------------------------------------------------------------
 # JSONL -> .bin/.idx
 # ------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ with a dead expert and the worst MaxVio; the picture is written."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -53,3 +54,71 @@ def test_summary_and_picture(tmp_path):
     out = tmp_path / "balance.png"
     plot_balance.plot(records, str(out), window=2)
     assert out.stat().st_size > 10_000
+
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_balance.py")
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def _balance_file(tmp_path):
+    path = tmp_path / "balance.jsonl"
+    path.write_text("".join(json.dumps(_record(i, 1.0, 0)) + "\n" for i in (1, 2, 3)))
+    return path
+
+
+@pytest.mark.parametrize("window", ["0", "-3"])
+def test_window_below_one_is_refused(tmp_path, window):
+    path = _balance_file(tmp_path)
+    r = _run(path, "--summary", "--window", window, "--out", tmp_path / "p.png")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    want = f"plot_balance.py: error: --window={window} is not allowed: an integer >= 1\n"
+    assert r.stderr == want
+    assert r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["balance.jsonl"]
+
+
+def test_out_in_a_missing_directory_is_refused_up_front(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "missing" / "x.png"
+    r = _run(_balance_file(tmp_path), "--out", out, "--summary")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith(
+        f"plot_balance.py: error: --out={str(out)!r}: directory {str(out.parent)!r} does not exist"
+    ), r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == ""  # refused before any work
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["balance.jsonl"]
+
+
+def test_failed_picture_write_leaves_the_previous_picture(tmp_path, monkeypatch):
+    """The picture goes through a temporary file and a rename: a write that fails half-way leaves
+    neither a partial picture nor a temporary file, and the previous picture stays."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def savefig_then_fail(self, fname, *args, **kwargs):
+        if isinstance(fname, (str, os.PathLike)):
+            with open(fname, "wb") as f:
+                f.write(b"half a picture")
+        else:
+            fname.write(b"half a picture")
+        raise OSError("No space left on device")
+
+    records = plot_balance.read_records(str(_balance_file(tmp_path)))
+    out = tmp_path / "p.png"
+    out.write_bytes(b"previous picture")
+    monkeypatch.setattr(Figure, "savefig", savefig_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        plot_balance.plot(records, str(out), window=2)
+    assert out.read_bytes() == b"previous picture"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["balance.jsonl", "p.png"]
+    monkeypatch.undo()
+    assert plot_balance.plot(records, str(out), window=2) == str(out)
+    assert out.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["balance.jsonl", "p.png"]
