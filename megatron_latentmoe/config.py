@@ -42,13 +42,27 @@ class StableLatentMoETransformerConfig(TransformerConfig):
     """Megatron's field, re-defaulted: every norm of the model is an RMSNorm (SPEC §1); the
     only value allowed."""
 
+    latent_moe_use_norm: bool | None = None
+    """The ``latent_moe_use_norm`` row, defaulting as its flag ``--moe-latent-norm`` does: None
+    (not given) = on iff ``moe_latent_size`` is set, so that leaving the latent size out gives
+    Megatron's MoELayer; True without a latent size is refused."""
+
     _layer_freq_from_first_k: bool = dataclasses.field(default=False, repr=False)
     """Internal: ``moe_layer_freq`` was derived from ``first_k_dense_replace`` (not given), so a
     ``dataclasses.replace`` of this config derives it again from the new values."""
 
+    _latent_norm_derived: bool | None = dataclasses.field(default=None, repr=False)
+    """Internal: the ``latent_moe_use_norm`` derived from ``moe_latent_size`` (None: it was
+    given), so that a ``dataclasses.replace`` that keeps it derives it again."""
+
     def __post_init__(self):
         if self._layer_freq_from_first_k:  # a copy (dataclasses.replace): derive it again
             self.moe_layer_freq, self._layer_freq_from_first_k = 1, False
+        if self.latent_moe_use_norm == self._latent_norm_derived:  # a copy that kept it
+            self.latent_moe_use_norm = None
+        self._latent_norm_derived = None
+        if self.latent_moe_use_norm is None:
+            self.latent_moe_use_norm = self._latent_norm_derived = self.moe_latent_size is not None
         check_stable_latentmoe(lambda name: getattr(self, name))
         self._apply_stable_latentmoe_defaults()
         super().__post_init__()

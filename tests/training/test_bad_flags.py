@@ -118,6 +118,25 @@ CASES = {
         ["--global-batch-size", "6", "--micro-batch-size", "4"],
         ["--global-batch-size 6", "--micro-batch-size 4 x 2 data-parallel", "a multiple of 8"],
     ),
+    "too_few_centered_qb_bins": (  # QB would balance worse than without it
+        ["--moe-qb-binning", "centered", "--moe-qb-num-bins", "2"],
+        ["--moe-qb-num-bins 2", ">= 64", "--moe-qb-binning centered"],
+    ),
+    "latent_size_zero": (
+        ["--moe-latent-size", "0"],
+        ["--moe-latent-size 0", "a positive integer"],
+    ),
+    "balancer_that_megatron_drops_in_a_list": (  # its router ignores sinkhorn in a list
+        [
+            "--moe-router-load-balancing-type",
+            "aux_loss",
+            "sinkhorn",
+            "--moe-aux-loss-coeff",
+            "0.01",
+            "0",
+        ],
+        ["aux_loss", "sinkhorn", "distinct aux losses"],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
