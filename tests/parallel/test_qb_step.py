@@ -21,7 +21,8 @@ import torch
 
 from .launcher import run_distributed
 
-EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 200, 2, 3, 2
+# BINS: the fewest uniform bins the config allows (fields.QB_MIN_BINS)
+EXPERTS, TOPK, BINS, LAYERS, MICRO_BATCHES, STEPS = 8, 2, 512, 2, 3, 2
 
 LAYOUTS = {
     2: {
