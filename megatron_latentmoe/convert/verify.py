@@ -328,8 +328,11 @@ def match_stored_precision(
     rounded: dict[str, set[str]] = {"Megatron": set(), "HF": set()}
     hfr = HFCheckpointReader(hf_dir)
     try:
+        in_files = hfr.tensor_names()
         for tm in iter_tensor_maps(arch):
             if tm.fp32 or tm.zeros or (mxfp4_experts and tm.expert is not None):
+                continue
+            if tm.hf[0][0] not in in_files:  # not this model's files: the logits will say so
                 continue
             mg_dtype = reader.dtype(reader.locate(tm).keys[0])
             hf_dtype = hfr.dtype(tm.hf[0][0])
@@ -339,8 +342,7 @@ def match_stored_precision(
             ):
                 if dtype in (torch.float32, own):
                     continue
-                for name in names:
-                    p = params[name]
+                for p in (params[name] for name in names if name in params):
                     p.copy_(p.to(dtype).to(p.dtype))
                 rounded[side].add(str(dtype).replace("torch.", ""))
     finally:
