@@ -53,6 +53,7 @@ from megatron_latentmoe.data.corpus import (  # noqa: E402
     EOD_TOKEN,
     PAD_TOKEN,
 )
+from megatron_latentmoe.data.indexed import PreprocessError, iter_jsonl_texts  # noqa: E402
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1
@@ -252,53 +253,14 @@ def _error(message: str) -> int:
 
 
 def read_corpus_texts(corpus: Path, key: str = "text") -> list[str]:
-    """The texts ``iter_corpus_texts`` yields (the same lines, in the same order), checked line
-    by line: a bad file or line raises InputError naming ``--corpus``, the file, the line and the
-    key (worded like ``tools/preprocess_data.py``)."""
-    flag = f"--corpus={str(corpus)!r}"
-    expected = f"a JSONL(.gz) file with a JSON object holding a string under {key!r} on every line"
-    if not corpus.exists():
-        raise InputError(f"{flag}: file not found ({expected} is expected)")
-    if not corpus.is_file():
-        raise InputError(f"{flag} is not a file ({expected} is expected)")
-    opener = gzip.open if str(corpus).endswith(".gz") else open
+    """Every text of the corpus, each line checked as ``tools/preprocess_data.py`` checks it: a
+    bad file or line raises InputError naming ``--corpus``, the file, the line and the key."""
     try:
-        with opener(corpus, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:  # unreadable, corrupt or truncated .gz
-        raise InputError(f"{flag}: cannot read the file ({e})") from None
-    try:
-        data = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        lineno = raw.count(b"\n", 0, e.start) + 1
-        raise InputError(f"{flag}: line {lineno}: not valid UTF-8 ({e.reason})") from None
-    texts: list[str] = []
-    # newline=None: the same line splitting as open(..., "rt"), which iter_corpus_texts uses
-    for lineno, line in enumerate(io.StringIO(data, newline=None), 1):
-        if not line.strip():
-            continue
-        where = f"{flag}: line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(
-                f"{where}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
-                f"{expected} is expected"
-            ) from None
-        if not isinstance(obj, dict):
-            raise InputError(
-                f"{where}: expected a JSON object, got {type(obj).__name__}; {expected} is expected"
-            )
-        if key not in obj:
-            present = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
-            raise InputError(f"{where}: missing JSON key {key!r} (keys present: {present})")
-        if not isinstance(obj[key], str):
-            raise InputError(
-                f"{where}: JSON key {key!r} holds {type(obj[key]).__name__}, expected a string"
-            )
-        texts.append(obj[key])
+        texts = list(iter_jsonl_texts(corpus, key))
+    except PreprocessError as e:
+        raise InputError(f"--corpus: {e}") from None
     if not any(t.strip() for t in texts):
-        raise InputError(f"{flag}: no non-empty documents ({expected} is expected)")
+        raise InputError(f"--corpus: {corpus}: no non-empty documents under {key!r}")
     return texts
 
 

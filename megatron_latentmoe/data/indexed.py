@@ -132,6 +132,53 @@ def _worker_init(tokenizer, json_keys, append_eod, input_name, subprocess_worker
     )
 
 
+def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> list[str] | None:
+    """The strings under ``keys`` of one JSONL line (None for a blank line); a bad line raises
+    :class:`PreprocessError` naming ``name:lineno`` and what is wrong (UTF-8, JSON, not an
+    object, a missing key, a value that is not a string)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PreprocessError(f"{name}:{lineno}: not valid UTF-8 ({e})") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PreprocessError(
+            f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+        ) from None
+    if not isinstance(obj, dict):
+        raise PreprocessError(f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    out = []
+    for k in keys:
+        if k not in obj:
+            present = ", ".join(repr(x) for x in list(obj)[:10]) or "none"
+            raise PreprocessError(
+                f"{name}:{lineno}: missing JSON key {k!r} (keys present: {present})"
+            )
+        if not isinstance(obj[k], str):
+            raise PreprocessError(
+                f"{name}:{lineno}: JSON key {k!r} holds {type(obj[k]).__name__}, expected a string"
+            )
+        out.append(obj[k])
+    return out
+
+
+def iter_jsonl_texts(path: PathLike, key: str = "text") -> Iterator[str]:
+    """The string under ``key`` of every non-blank line of a JSONL(.gz) file, each line checked
+    as ``preprocess_jsonl`` checks it (:class:`PreprocessError` naming the file and line)."""
+    name = str(path)
+    if not os.path.isfile(path):
+        raise PreprocessError(f"input file not found: {name}")
+    with open(path, "rb") as raw:
+        for first, lines in _batches(raw, name.endswith(".gz"), name):
+            for offset, line in enumerate(lines):
+                texts = document_texts(line, first + offset, name, (key,))
+                if texts is not None:
+                    yield texts[0]
+
+
 def _encode_batch(batch: tuple[int, list[bytes]]):
     """-> (n_documents, {key: (lengths, flat ids)}, n_skipped) or ("error", message)."""
     first_line, raw_lines = batch
@@ -139,36 +186,13 @@ def _encode_batch(batch: tuple[int, list[bytes]]):
     texts = {k: [] for k in keys}
     n_docs = 0
     for offset, raw in enumerate(raw_lines):
-        lineno = first_line + offset
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return ("error", f"{name}:{lineno}: not valid UTF-8 ({e})")
-        if not line.strip():
+            doc = document_texts(raw, first_line + offset, name, keys)
+        except PreprocessError as e:
+            return ("error", str(e))
+        if doc is None:
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            return (
-                "error",
-                f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column "
-                f"{e.colno})",
-            )
-        if not isinstance(obj, dict):
-            return ("error", f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        for k in keys:
-            if k not in obj:
-                present = ", ".join(repr(x) for x in list(obj)[:10]) or "none"
-                return (
-                    "error",
-                    f"{name}:{lineno}: missing JSON key {k!r} (keys present: {present})",
-                )
-            v = obj[k]
-            if not isinstance(v, str):
-                return (
-                    "error",
-                    f"{name}:{lineno}: JSON key {k!r} holds {type(v).__name__}, expected a string",
-                )
+        for k, v in zip(keys, doc, strict=True):
             texts[k].append(v)
         n_docs += 1
 

@@ -179,29 +179,34 @@ def _train_tokenizer_cli(*args):
 
 
 @pytest.mark.parametrize(
-    "lines, detail",
+    "lines, message",
     [
-        (None, ": file not found (a JSONL(.gz) file with a JSON object holding a string under"),
+        (None, "--corpus: input file not found: {corpus}"),
         (
             ['{"text": "ok"}', "", '{"body": "no text key"}'],
-            ": line 3: missing JSON key 'text' (keys present: 'body')",
+            "--corpus: {corpus}:3: missing JSON key 'text' (keys present: 'body')",
         ),
-        (['{"text": "ok"}', '{"text": "broken'], ": line 2: malformed JSON ("),
-        (["not json at all"], ": line 1: malformed JSON (Expecting value at column 1)"),
-        (['{"text": 5}'], ": line 1: JSON key 'text' holds int, expected a string"),
-        (['["a list"]'], ": line 1: expected a JSON object, got list"),
-        (['{"text": ""}', "   "], ": no non-empty documents"),
-        (['{"text": "hello world"}'], " is too small: it yields 258 tokens, the vocabulary needs"),
+        (['{"text": "ok"}', '{"text": "broken'], "--corpus: {corpus}:2: malformed JSON ("),
+        (["not json at all"], "--corpus: {corpus}:1: malformed JSON (Expecting value at column 1)"),
+        (['{"text": 5}'], "--corpus: {corpus}:1: JSON key 'text' holds int, expected a string"),
+        (['["a list"]'], "--corpus: {corpus}:1: expected a JSON object, got list"),
+        (['{"text": ""}', "   "], "--corpus: {corpus}: no non-empty documents under 'text'"),
+        (
+            ['{"text": "hello world"}'],
+            "--corpus={corpus!r} is too small: it yields 258 tokens, the vocabulary needs",
+        ),
     ],
 )
-def test_train_tokenizer_bad_corpus_is_one_line_exit_2(tmp_path, lines, detail):
+def test_train_tokenizer_bad_corpus_is_one_line_exit_2(tmp_path, lines, message):
+    """The corpus lines are checked by preprocess_data.py's own line parser
+    (``indexed.document_texts``), with its messages."""
     corpus = tmp_path / "in.jsonl"
     if lines is not None:
         corpus.write_text("\n".join(lines) + "\n")
     r = _train_tokenizer_cli("--corpus", corpus, "--output-dir", tmp_path / "tok")
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith(f"error: --corpus={str(corpus)!r}{detail}"), r.stderr
+    assert r.stderr.startswith("error: " + message.format(corpus=str(corpus))), r.stderr
     assert r.stderr.count("\n") == 1 and r.stdout == ""
     # nothing written: no --output-dir, no temporary folder left beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if lines else [])
