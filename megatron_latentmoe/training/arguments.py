@@ -459,52 +459,60 @@ def flag_message(err) -> str:
     return err.render(_flag_value)
 
 
-def expert_layout_refusal(args) -> str | None:
-    """Megatron's parallel state needs the processes to be a multiple of the experts' grid,
-    ``--expert-model-parallel-size`` x ``--expert-tensor-parallel-size`` x
-    ``--pipeline-model-parallel-size``, which ``validate_args`` does not check (each rank would
-    fail in ``initialize_model_parallel``). None when it divides. The expert tensor parallel
-    size defaults to the tensor parallel size, as ``validate_args`` sets it."""
-    dense = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if not getattr(args, "num_experts", None) or args.world_size % (
-        dense * args.context_parallel_size
-    ):
-        return None  # no experts, or validate_args refuses the dense layout first
-    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    sizes = {
-        "--expert-model-parallel-size": args.expert_model_parallel_size,
-        "--expert-tensor-parallel-size": etp,
-        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-    }
+def _grid_refusal(world_size: int, sizes: dict[str, int], advice: str = "") -> str | None:
+    """One line refusing a process count that the product of ``sizes`` (label: size) does not
+    divide; None when it divides."""
     grid = math.prod(sizes.values())
-    if args.world_size % grid == 0:
+    if world_size % grid == 0:
         return None
-    product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
+    product = " x ".join(f"{label} {size}" for label, size in sizes.items())
     return (
-        f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
-        f"= {grid}: launch a multiple of {grid} processes, or a smaller "
-        "--expert-model-parallel-size"
+        f"WORLD_SIZE={world_size} (the processes launched) is not allowed with {product} "
+        f"= {grid}: launch a multiple of {grid} processes{advice}"
     )
 
 
-def megatron_refusal(args, err: AssertionError) -> str:
-    """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
-    (a process count that the model-parallel layout or the batch does not divide) the flags and
-    what is allowed."""
+def _model_parallel_sizes(args) -> dict[str, int]:
+    """The sizes whose product ``validate_args`` requires to divide the processes."""
     sizes = {
         "--tensor-model-parallel-size": args.tensor_model_parallel_size,
         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
         "--context-parallel-size": args.context_parallel_size,
     }
     remat = getattr(args, "gtp_weight_remat_size", 1) or 1
-    model = math.prod(sizes.values()) * remat
-    if "world size" in str(err) and args.world_size % model:
-        product = " x ".join(f"{flag} {size}" for flag, size in sizes.items())
-        product += f" x the weight-remat size {remat}" if remat > 1 else ""
-        return (
-            f"WORLD_SIZE={args.world_size} (the processes launched) is not allowed with {product} "
-            f"= {model}: launch a multiple of {model} processes"
-        )
+    if remat > 1:
+        sizes["the weight-remat size"] = remat
+    return sizes
+
+
+def expert_layout_refusal(args) -> str | None:
+    """Megatron's parallel state needs the processes to be a multiple of the experts' grid,
+    ``--expert-model-parallel-size`` x ``--expert-tensor-parallel-size`` x
+    ``--pipeline-model-parallel-size``, which ``validate_args`` does not check (each rank would
+    fail in ``initialize_model_parallel``). None when it divides. The expert tensor parallel
+    size defaults to the tensor parallel size, as ``validate_args`` sets it."""
+    if not getattr(args, "num_experts", None) or _grid_refusal(
+        args.world_size, _model_parallel_sizes(args)
+    ):
+        return None  # no experts, or validate_args refuses the dense layout first
+    sizes = {
+        "--expert-model-parallel-size": args.expert_model_parallel_size,
+        "--expert-tensor-parallel-size": args.expert_tensor_parallel_size
+        or args.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+    }
+    return _grid_refusal(args.world_size, sizes, ", or a smaller --expert-model-parallel-size")
+
+
+def megatron_refusal(args, err: AssertionError) -> str:
+    """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
+    (a process count that the model-parallel layout or the batch does not divide) the flags and
+    what is allowed."""
+    refusal = "world size" in str(err) and _grid_refusal(
+        args.world_size, _model_parallel_sizes(args)
+    )
+    if refusal:
+        return refusal
     dp, micro = args.data_parallel_size, args.micro_batch_size
     batch = args.global_batch_size
     if (
