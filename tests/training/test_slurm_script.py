@@ -21,6 +21,7 @@ from . import PYTHON, REPO, data_cache, environment, scratch_dir
 pytestmark = pytest.mark.slow
 
 SRUN = """#!/usr/bin/env bash
+touch "$(dirname "$0")/srun_ran"
 while [[ "$1" == --* ]]; do shift; done
 exec "$@"
 """
@@ -35,20 +36,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sbatch_script_trains_through_its_torchrun_rendezvous():
+def _sbatch(*flags: str, gpus_per_node: int = 2) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run the script under the stand-ins; returns the process and whether ``srun`` ran."""
     bin_dir = scratch_dir() / "fake_slurm_bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         path = bin_dir / name
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    (bin_dir / "srun_ran").unlink(missing_ok=True)
     env = environment()
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
         SLURM_JOB_NODELIST="localhost",
         SLURM_NNODES="1",
         SLURM_JOB_ID="4242",
-        GPUS_PER_NODE="2",
+        GPUS_PER_NODE=str(gpus_per_node),
         PYTHON=PYTHON,
         MASTER_PORT=str(_free_port()),
         REPO=str(REPO),
@@ -58,16 +61,7 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
             "bash",
             str(REPO / "examples" / "slurm_multinode.sbatch"),
             str(REPO / "examples" / "args" / "tiny.sh"),
-            "--train-iters",
-            "3",
-            "--global-batch-size",
-            "8",
-            "--micro-batch-size",
-            "4",
-            "--log-interval",
-            "1",
-            "--data-cache-path",
-            data_cache(),
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -76,7 +70,42 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
         env=env,
         timeout=300,
     )
+    return proc, (bin_dir / "srun_ran").exists()
+
+
+def test_sbatch_script_trains_through_its_torchrun_rendezvous():
+    proc, srun_ran = _sbatch(
+        "--train-iters",
+        "3",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--log-interval",
+        "1",
+        "--data-cache-path",
+        data_cache(),
+    )
     assert proc.returncode == 0, proc.stdout[-5000:]
+    assert srun_ran
     assert "[slurm] 1 nodes x 2 GPUs" in proc.stdout
     assert proc.stdout.count("[balance] iteration") == 3, proc.stdout[-3000:]
     assert "expert_model_parallel_size ...................... 2" in proc.stdout  # tiny.sh's EP2
+
+
+@pytest.mark.parametrize(
+    "flags, gpus_per_node, named",
+    [
+        (("--hidden-act", "situu"), 2, "--hidden-act"),
+        # tiny.sh is EP2: the check counts SLURM_NNODES x GPUS_PER_NODE processes (here 1),
+        # not the one process that checks.
+        ((), 1, "WORLD_SIZE=1"),
+    ],
+)
+def test_sbatch_script_refuses_bad_flags_once_before_any_rank_starts(flags, gpus_per_node, named):
+    proc, srun_ran = _sbatch(*flags, gpus_per_node=gpus_per_node)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert not srun_ran
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0], proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout
