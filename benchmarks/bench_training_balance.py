@@ -41,7 +41,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tools.plot_balance import read_records  # noqa: E402
+from megatron_latentmoe.training.balance_summary import read_records  # noqa: E402
 
 # (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
 # usual coefficient 1e-2, and seq_aux_loss also 1: the control of QB + seq_aux_loss (the same aux

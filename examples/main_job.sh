@@ -65,7 +65,7 @@ fi
 t_train=$(date +%s)
 
 echo "== [3/4] summary and expert-load picture"
-"$python" "$repo/tools/plot_balance.py" "$out/balance.jsonl" --summary --window 20 \
+"$python" "$repo/tools/plot_balance.py" "$out/balance.jsonl" --summary \
     --out "$out/expert_load.png" --title "tiny Stable LatentMoE + Quantile Balancing (EP2, CPU)"
 echo "   checkpoint: $ckpt (iteration $(cat "$ckpt/latest_checkpointed_iteration.txt"), torch_dist)"
 

@@ -3,7 +3,17 @@ logging.
 
 Entry point: :func:`megatron_latentmoe.training.pretrain.main`
 (``examples/pretrain_stable_latentmoe.py``).
-Submodules are imported lazily: importing this package does not import Megatron.
+Importing this package imports none of its submodules (nor Megatron); ``balance_summary`` is
+plain Python, the others import torch and Megatron.
 """
 
-__all__ = ["arguments", "balance_logging", "forward_step", "model_provider", "pretrain"]
+__all__ = [
+    "arguments",
+    "balance_logging",
+    "balance_summary",
+    "forward_step",
+    "model_provider",
+    "pretrain",
+    "qb_calibrate",
+    "qb_rescore",
+]

@@ -395,7 +395,10 @@ def _main(check_only: bool = False) -> int:
         return 2
 
     if balance_logger.is_logging_rank and balance_logger.history:
-        print(summary_text(balance_logger.history), flush=True)
+        from megatron_latentmoe.training.balance_summary import summarize, summary_lines
+
+        lines = summary_lines(summarize(balance_logger.history))
+        print("\n".join([f"[{PROG}] summary: {lines[0]}", *lines[1:]]), flush=True)
     _print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -423,31 +426,6 @@ def _make_balance_logger(args, cls, jsonl_path):
         dp_group=lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
         pp_group=parallel_state.get_pipeline_model_parallel_group,
         is_last_stage=parallel_state.is_pipeline_last_stage,
-    )
-
-
-def summary_text(history, window: int = 10) -> str:
-    """First-vs-last-window loss and MaxVio of this process's iterations."""
-    import math
-
-    rows = [r for r in history if r.get("loss") is not None and not math.isnan(r["loss"])]
-    if not rows:
-        return f"[{PROG}] summary: no iterations recorded"
-    w = max(1, min(window, len(rows) // 2 or 1))
-    first, last = rows[:w], rows[-w:]
-
-    def avg(rs, key):
-        vals = [r[key] for r in rs if r.get(key) is not None and not math.isnan(r[key])]
-        return sum(vals) / len(vals) if vals else None
-
-    def fmt(value, spec):
-        return "n/a" if value is None else format(value, spec)
-
-    return (
-        f"[{PROG}] summary over iterations {rows[0]['iteration']}-{rows[-1]['iteration']}: "
-        f"lm loss {fmt(avg(first, 'loss'), '.4f')} (first {w}) -> {fmt(avg(last, 'loss'), '.4f')} "
-        f"(last {w}); MaxVio mean {fmt(avg(first, 'maxvio_mean'), '.3f')} -> "
-        f"{fmt(avg(last, 'maxvio_mean'), '.3f')}; tokens/s {fmt(avg(last, 'tokens_per_s'), ',.0f')}"
     )
 
 

@@ -15,6 +15,8 @@ import math
 
 import pytest
 
+from megatron_latentmoe.training.balance_summary import summarize, summary_lines
+
 from . import (
     REF_ARGS,
     REF_ITERS,
@@ -50,6 +52,10 @@ def test_ep2_loss_goes_down():
     assert last < first - 0.5, (first, last)
     # stdout carries the per-iteration balance line on the logging rank
     assert ref.output.count("[balance] iteration") == REF_ITERS
+    # and at the end the summary that tools/plot_balance.py --summary prints from the JSONL
+    lines = summary_lines(summarize([ref.records[i] for i in its]))
+    assert f"[pretrain_stable_latentmoe] summary: {lines[0]}" in ref.output, ref.output[-3000:]
+    assert all(line in ref.output for line in lines[1:]), (lines, ref.output[-3000:])
 
 
 def test_ep2_quantile_balancing_reduces_maxvio():
