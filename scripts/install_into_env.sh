@@ -4,7 +4,7 @@
 # torch, Transformer Engine, apex, triton or NVIDIA libraries. (scripts/setup_env.sh makes a
 # fresh venv instead, for CPU machines.)
 #
-#   bash scripts/install_into_env.sh            # editable install + megatron-core 0.19.2 + [hf]
+#   bash scripts/install_into_env.sh            # editable install + megatron-core + [hf]
 #
 # Env: PYTHON (default python3); OFFLINE=1 (pip --no-index: only what is installed or on
 # PYTHONPATH counts, as on the offline GPU machine of tools/gpu_checks.sh); DRY_RUN=1 (pip
@@ -29,9 +29,11 @@ frozen() {
 frozen > "$pins"
 echo "keeping (pinned): $(tr '\n' ' ' < "$pins")"
 "$py" -m pip install "${opts[@]}" --no-deps --no-build-isolation -e "$repo"
-"$py" -m pip install "${opts[@]}" --constraint "$pins" \
-  "megatron-core==0.19.2" "numpy>=1.26" "packaging>=24.2" psutil "typing_extensions>=4.8" tqdm \
-  "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4"
+# pyproject.toml's requirements (torch aside) and its [hf] extra, read from it, not restated here.
+core="$("$py" "$repo/scripts/pyproject_requirements.py" megatron-core)"
+rest="$("$py" "$repo/scripts/pyproject_requirements.py" runtime hf)"
+mapfile -t reqs <<< "$core"$'\n'"$rest"
+"$py" -m pip install "${opts[@]}" --constraint "$pins" "${reqs[@]}"
 if ! diff <(frozen) "$pins" >/dev/null; then
   echo "ERROR: the environment's torch / TE / NVIDIA packages changed:" >&2
   diff <(frozen) "$pins" >&2 || true

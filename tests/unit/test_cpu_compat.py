@@ -7,13 +7,18 @@ reverted afterwards, so other tests see torch as it was. The two-rank checks (un
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import typing
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_latentmoe.compat import cpu, registry
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU shims are inert when CUDA is available"
@@ -90,6 +95,17 @@ def test_version_check(no_compat, monkeypatch):
     monkeypatch.setenv(registry.ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(RuntimeWarning, match="found 0.18.0"):
         assert registry.check_megatron_core_version() == "0.18.0"
+
+
+def test_tested_version_is_pyprojects_pin():
+    """The install scripts read the pin from pyproject.toml; the version check must agree."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "pyproject_requirements.py"), "megatron-core"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == f"megatron-core=={registry.TESTED_MEGATRON_CORE_VERSION}\n"
 
 
 def test_registry_reverts_one_group_and_refuses_to_reapply():
