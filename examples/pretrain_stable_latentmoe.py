@@ -6,16 +6,12 @@ this model).
     source examples/args/tiny.sh &&
         torchrun --nproc-per-node 2 examples/pretrain_stable_latentmoe.py "${ARGS[@]}" ...
 
-Every Megatron flag works as with pretrain_gpt.py; Stable LatentMoE adds --hidden-act,
---activation-situ-beta, --activation-situ-linear-beta, --moe-latent-norm/--no-moe-latent-norm,
---first-k-dense-replace, --moe-qb-num-bins, --moe-qb-binning, --moe-router-load-balancing-type
-quantile_histogram, --balance-log-file, --balance-log-loads-interval and --no-default-data
-(`--help` lists them under "Stable LatentMoE"; megatron_latentmoe/training/arguments.py). Without
---data-path it trains
-on the shipped corpus with the shipped tokenizer.
+Every Megatron flag works as with pretrain_gpt.py; the flags Stable LatentMoE adds are listed by
+``--help`` under "Stable LatentMoE" (megatron_latentmoe/training/arguments.py). Without
+--data-path it trains on the shipped corpus with the shipped tokenizer.
 
 ``--check-flags`` (first argument): only check the flags, exit 0 or 2 with a one-line error
-(run_torchrun.sh does this once before spawning the ranks).
+(run_torchrun.sh and slurm_multinode.sbatch do this once before starting the ranks).
 
 Without CUDA, megatron-core's import-time warnings that Transformer Engine / Apex are missing
 (about 20 lines, from each rank) are hidden: the CPU path never uses either.
