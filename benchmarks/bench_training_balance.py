@@ -264,7 +264,7 @@ def token_floor(experts, topk, seq_length, global_batch, batches=300, seed=0):
     }
 
 
-def summarize(name, records, iters):
+def summarize(name, records):
     its = [r["iteration"] for r in records]
     vio = [r["maxvio_mean"] for r in records]
     early = [v for i, v in zip(its, vio, strict=True) if i <= EARLY]
@@ -513,7 +513,7 @@ def main(argv=None):
                 walls[run] = run_method(run, METHODS[name], args, jsonl, seed)
                 records = read_records(jsonl)
                 print(f"[race] {run}: {walls[run]:.0f} s", flush=True)
-            runs.append(summarize(name, records[: args.iters], args.iters))
+            runs.append(summarize(name, records[: args.iters]))
         results.append(combine(runs))
     # relative to `none`'s runs: None (JSON null) when `none` did not run or a figure is missing
     base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), None)

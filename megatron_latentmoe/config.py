@@ -91,16 +91,6 @@ class StableLatentMoETransformerConfig(TransformerConfig):
         return QUANTILE_HISTOGRAM in balancer_list(self.moe_router_load_balancing_type)
 
 
-def stable_latentmoe_fields() -> tuple[str, ...]:
-    """Names of the fields this config adds to ``TransformerConfig``."""
-    base = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return tuple(
-        f.name
-        for f in dataclasses.fields(StableLatentMoETransformerConfig)
-        if f.name not in base and not f.name.startswith("_")
-    )
-
-
 SMALL_RUN = dict(
     moe_router_score_function="sigmoid",
     moe_aux_loss_coeff=0.0,
@@ -116,7 +106,8 @@ SMALL_RUN = dict(
 
 
 def tiny_config(**overrides) -> StableLatentMoETransformerConfig:
-    """A small fp32 Stable LatentMoE config for tests, demos and the CPU default run."""
+    """A small fp32 Stable LatentMoE config for tests and demos (the CPU default run's model is
+    ``examples/args/tiny.sh``)."""
     values = dict(
         num_layers=2,
         hidden_size=64,

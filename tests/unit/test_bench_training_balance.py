@@ -34,8 +34,8 @@ def _records(vio, loss=4.0, tokens_per_s=1000.0):
 
 
 def test_windows_worst_and_mean_over_seeds():
-    a = race.summarize("m", _records([1.0] * 50 + [0.5] * 49 + [3.0]), 100)
-    b = race.summarize("m", _records([9.0] + [2.0] * 99, loss=5.0), 100)
+    a = race.summarize("m", _records([1.0] * 50 + [0.5] * 49 + [3.0]))
+    b = race.summarize("m", _records([9.0] + [2.0] * 99, loss=5.0))
     assert (a["maxvio_1_50"], a["maxvio_51_end"], a["maxvio_worst_51_end"]) == (
         1.0,
         pytest.approx(0.55),
@@ -52,7 +52,7 @@ def test_windows_worst_and_mean_over_seeds():
 
 
 def test_a_missing_figure_is_null_and_a_dash():
-    short = race.summarize("short run", _records([1.0] * 40, tokens_per_s=float("nan")), 40)
+    short = race.summarize("short run", _records([1.0] * 40, tokens_per_s=float("nan")))
     assert short["maxvio_51_end"] is None and short["tokens_per_s"] is None
     row = race.combine([short, short])
     assert row["maxvio_51_end"] is None and row["maxvio_worst_51_end"] is None
@@ -69,7 +69,7 @@ def test_loss_panel_shows_every_final_loss():
     """The loss panel's top sits above every method's final loss, also when training ends above
     6 (the race at LR 1e-4: a fixed top of 6.0 left the panel empty)."""
     for final in (4.6, 6.33):
-        runs = [race.summarize(m, _records([1.0] * 300, loss=final - 0.3), 300) for m in "ab"]
+        runs = [race.summarize(m, _records([1.0] * 300, loss=final - 0.3)) for m in "ab"]
         for r in runs:
             r["curve_loss"] = [8.3] + r["curve_loss"][1:]  # the first iteration near ln(vocab)
         top = race.loss_axis_top(runs)

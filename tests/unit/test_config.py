@@ -10,7 +10,6 @@ from megatron_latentmoe.config import (
     QUANTILE_HISTOGRAM,
     StableLatentMoETransformerConfig,
     k3_full_scale_config,
-    stable_latentmoe_fields,
     tiny_config,
 )
 from megatron_latentmoe.fields import AUX_LOSSES, BALANCERS, ConfigError
@@ -53,23 +52,6 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
     full = k3_full_scale_config()
     assert full.moe_layer_freq == [0] + [1] * 92
     assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
-
-
-def test_added_fields_are_listed():
-    assert set(stable_latentmoe_fields()) == {
-        "hidden_act",
-        "activation_situ_beta",
-        "activation_situ_linear_beta",
-        "latent_moe_use_norm",
-        "first_k_dense_replace",
-        "moe_qb_num_bins",
-        "moe_qb_binning",
-        "moe_qb_absorb_coeff",
-        "moe_qb_rescore_iters",
-        "moe_qb_rescore_solves",
-        "moe_qb_calibrate_batches",
-        "moe_expert_weight_qat",
-    }
 
 
 @pytest.mark.parametrize(

@@ -63,10 +63,18 @@ def test_the_shipped_hf_config_has_the_tables_keys_and_defaults():
 def test_the_megatron_config_and_the_flags_have_the_tables_defaults():
     import dataclasses
 
-    from megatron_latentmoe.config import StableLatentMoETransformerConfig, stable_latentmoe_fields
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_latentmoe.config import StableLatentMoETransformerConfig
     from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
 
-    assert stable_latentmoe_fields() == tuple(f.name for f in ADDED)
+    base = {f.name for f in dataclasses.fields(TransformerConfig)}
+    added = tuple(
+        f.name
+        for f in dataclasses.fields(StableLatentMoETransformerConfig)
+        if f.name not in base and not f.name.startswith("_")
+    )
+    assert added == tuple(f.name for f in ADDED)  # the config adds exactly the table's fields
     config_defaults = {
         f.name: f.default for f in dataclasses.fields(StableLatentMoETransformerConfig)
     }
