@@ -429,8 +429,10 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     result["wall_seconds"] = round(time.time() - t_start, 1)
-    with open(os.path.join(args.out, "bench_balancing.json"), "w") as f:
+    json_path = os.path.join(args.out, "bench_balancing.json")
+    with open(json_path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
     plot(result, os.path.join(args.out, "bench_balancing.png"))
     print(f"wrote {args.out}/bench_balancing.json and .png in {result['wall_seconds']} s")
 
@@ -483,7 +485,9 @@ def plot(result, path):
     axes[1].set_title(f"fixed batch of {c['stationary_tokens']} tokens: estimator resolution")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with open(path + ".tmp", "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
+    os.replace(path + ".tmp", path)
     plt.close(fig)
 
 

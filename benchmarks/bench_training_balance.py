@@ -408,7 +408,9 @@ def plot(result, path):
         va="top",
     )
     ax_tab.set_title(result["title"], loc="left", fontsize=10)
-    fig.savefig(path, dpi=90)
+    with open(path + ".tmp", "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
+    os.replace(path + ".tmp", path)
     plt.close(fig)
 
 
