@@ -300,8 +300,9 @@ class _QuantileHistogramBase:
         return torch.cat([self.counts.view(-1), header])
 
     def unpack_(self, buffer: torch.Tensor) -> None:
-        """Load an all-reduced ``pack()`` buffer: counts and token total become global (one sync).
-        Raises on overflow, corruption (rows must sum to the token total), or flagged bad input."""
+        """Load an all-reduced ``pack()`` buffer: counts and token total become global (two host
+        reads at step end: the header, then the row check). Raises on overflow, corruption (rows
+        must sum to the token total), or flagged bad input."""
         _check_tensor("buffer", buffer, 1, (torch.int32,))
         if buffer.numel() != self.packed_numel:
             raise ValueError(

@@ -173,7 +173,10 @@ def _check_data_paths(args) -> None:
     for dest in _DATA_PATHS:
         flag, paths = "--" + dest.replace("_", "-"), getattr(args, dest)
         if paths is not None and not list(_data_prefixes(paths)):
-            raise FlagError(f"{flag} was given without a dataset prefix")
+            raise FlagError(
+                f"{flag} {' '.join(map(str, paths))!r} has no dataset prefix: allowed are "
+                "PREFIX or WEIGHT PREFIX [WEIGHT PREFIX ...] (Megatron .bin/.idx prefixes)"
+            )
         for prefix in _data_prefixes(paths):
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
@@ -375,7 +378,10 @@ def validate_stable_latentmoe_args(
     if args.seq_length is None:
         raise FlagError("--seq-length is required")
     if args.balance_log_loads_interval < 1:
-        raise FlagError("--balance-log-loads-interval must be >= 1")
+        raise FlagError(
+            f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "
+            "an integer >= 1"
+        )
     _check_qb_calibration(args)
 
 

@@ -39,6 +39,14 @@ CASES = {
         ["--data-path", "/nonexistent/corpus_text_document"],
         ["--data-path /nonexistent/corpus_text_document", ".bin", ".idx"],
     ),
+    "data_path_of_weights_only": (
+        ["--data-path", "0.5"],
+        ["--data-path '0.5' has no dataset prefix", "WEIGHT PREFIX"],
+    ),
+    "balance_loads_interval_below_one": (
+        ["--balance-log-loads-interval", "0"],
+        ["--balance-log-loads-interval 0 is not allowed", ">= 1"],
+    ),
     "no_default_data_and_no_data_path": (
         ["--no-default-data"],
         ["--data-path is required"],
