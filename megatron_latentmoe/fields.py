@@ -67,8 +67,8 @@ a router's sigmoid scores spread only ~0.01-0.015 over tokens in training, and t
 at 64). Measured on such scores (``balancing.py`` against ``balancing_reference.py``, 5 seeds,
 MaxVio of the next fresh batch under the solved bias; 128 experts top-4 on 2048 and 8192 tokens,
 8 top-2 on 512 and 2048): at the minimum MaxVio is within 0.06 of B = 1000's in every case, the
-next size down is not (uniform 384: up to +0.10, 256: 0.66 against 0.45; centered 48: +0.07, 32:
-0.51 against 0.43), and tiny.sh trained with B = 2, or 4 centered, balanced worse than no QB."""
+next size down is not (uniform 384: up to +0.10, 256: see ``_QB_MIN_BINS_WHY``; centered 48: +0.07,
+32: the same), and tiny.sh trained with B = 2, or 4 centered, balanced worse than no QB."""
 _QB_MIN_BINS_WHY = {
     "uniform": ("2/B = 0.004", "MaxVio 0.66 at 256 bins against 0.45 at 1000, 128 experts top-4"),
     "centered": ("~0.001 next to the bias", "MaxVio 0.51 at 32 bins against 0.43 at 1000"),
@@ -279,7 +279,9 @@ FIELDS: tuple[ModelField, ...] = (
                "export carries e_score_correction_bias = 0, which selects the same experts."),
     ModelField("moe_qb_num_bins", None, 1000, added=True,
                help="Histogram bins B per expert for Quantile Balancing (SPEC §4, appendix D); "
-               "at least 512 uniform or 64 centered bins (QB_MIN_BINS)."),
+               "at least "
+               + " or ".join(f"{n} {binning}" for binning, n in QB_MIN_BINS.items())
+               + " bins (QB_MIN_BINS)."),
     ModelField("moe_qb_binning", None, "uniform", kind=QB_BINNINGS, added=True,
                help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or "
                "'centered' on each expert's bias (same traffic; ~6x closer to the exact quantile "
@@ -602,7 +604,10 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             coeff,
             f"one coefficient per balancing type of {balancers}, 0 for {QUANTILE_HISTOGRAM!r}",
         )
-    bins, binning = get("moe_qb_num_bins"), get("moe_qb_binning") or "uniform"
+    bins, binning = (
+        get("moe_qb_num_bins"),
+        get("moe_qb_binning") or BY_NAME["moe_qb_binning"].default,
+    )
     least = QB_MIN_BINS[binning]
     if bins < least:
         width, below = _QB_MIN_BINS_WHY[binning]

@@ -81,3 +81,36 @@ def test_every_args_file_passes_the_flag_checks_at_its_process_count():
         "with --tensor-model-parallel-size 8 x --pipeline-model-parallel-size 16 x "
         "--context-parallel-size 1 = 128: launch a multiple of 128 processes"
     ], output[-3000:]
+
+
+# flag of k3_full_scale.sh -> the StableLatentMoETransformerConfig field it sets
+K3_MODEL_FLAGS = {
+    "--num-layers": "num_layers",
+    "--first-k-dense-replace": "first_k_dense_replace",
+    "--hidden-size": "hidden_size",
+    "--ffn-hidden-size": "ffn_hidden_size",
+    "--num-experts": "num_moe_experts",
+    "--moe-router-topk": "moe_router_topk",
+    "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
+    "--moe-latent-size": "moe_latent_size",
+    "--moe-shared-expert-intermediate-size": "moe_shared_expert_intermediate_size",
+    "--hidden-act": "hidden_act",
+    "--activation-situ-beta": "activation_situ_beta",
+    "--activation-situ-linear-beta": "activation_situ_linear_beta",
+    "--moe-qb-num-bins": "moe_qb_num_bins",
+    "--norm-epsilon": "layernorm_epsilon",
+}
+
+
+def test_k3_full_scale_args_are_the_k3_config():
+    """k3_full_scale.sh writes SPEC §5's sizes out as flags; they must be the HF class defaults
+    that ``config.k3_full_scale_config`` (and the converter) read."""
+    from megatron_latentmoe.config import k3_full_scale_config
+
+    argv = args_file_args(ARGS_DIR / "k3_full_scale.sh")
+    given = {flag: argv[argv.index(flag) + 1] for flag in K3_MODEL_FLAGS if flag in argv}
+    assert set(given) == set(K3_MODEL_FLAGS), set(K3_MODEL_FLAGS) - set(given)
+    k3 = k3_full_scale_config()
+    for flag, field in K3_MODEL_FLAGS.items():
+        want = getattr(k3, field)
+        assert type(want)(given[flag]) == want, (flag, given[flag], field, want)
