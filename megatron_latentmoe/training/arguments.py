@@ -352,6 +352,14 @@ def validate_stable_latentmoe_args(
     if args.moe_grouped_gemm and impl != "transformer_engine":
         raise FlagError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
     args.moe_grouped_gemm = impl == "transformer_engine"  # the TE spec uses grouped-GEMM experts
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        # Megatron's combined 1F1B schedule asks forward_step for a schedule plan that splits
+        # the MoE layer into its own nodes: ours returns the model output and the Stable
+        # LatentMoE block's shared W↓ / latent norm + W↑ have no node there.
+        raise FlagError(
+            "--overlap-moe-expert-parallel-comm is not supported by this entry point (Megatron's "
+            "combined 1F1B schedule plan); allowed: off"
+        )
     if args.moe_token_dispatcher_type == "flex" and not has_cuda:
         raise FlagError("--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall")
     tp = args.tensor_model_parallel_size

@@ -164,7 +164,15 @@ def loss_func(
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """Megatron forward step: one micro-batch through the model, and its loss function."""
+    """Megatron forward step: one micro-batch through the model, and its loss function.
+
+    ``return_schedule_plan`` (Megatron's combined 1F1B schedule) is refused: the flag that asks
+    for it, ``--overlap-moe-expert-parallel-comm``, is refused with the other flags."""
+    if return_schedule_plan:
+        raise NotImplementedError(
+            "forward_step(return_schedule_plan=True): Megatron's combined 1F1B schedule plan is "
+            "not supported; run without --overlap-moe-expert-parallel-comm"
+        )
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
     from megatron.training import get_args, get_timers
 

@@ -39,6 +39,10 @@ CASES = {
         ["--data-path", "/nonexistent/corpus_text_document"],
         ["--data-path /nonexistent/corpus_text_document", ".bin", ".idx"],
     ),
+    "ep_comm_overlap": (  # Megatron's combined 1F1B: forward_step cannot build its plan
+        ["--overlap-moe-expert-parallel-comm"],
+        ["--overlap-moe-expert-parallel-comm is not supported"],
+    ),
     "data_path_of_weights_only": (
         ["--data-path", "0.5"],
         ["--data-path '0.5' has no dataset prefix", "WEIGHT PREFIX"],
