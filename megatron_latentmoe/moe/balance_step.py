@@ -43,18 +43,31 @@ class BalanceMetrics:
     """Experts that received no token (load 0)."""
     num_tokens: int
 
-    @classmethod
-    def from_loads(cls, loads_E: torch.Tensor, num_tokens: int) -> BalanceMetrics:
+    @staticmethod
+    def stats(loads_E: torch.Tensor, num_tokens: torch.Tensor | int) -> torch.Tensor:
+        """The metrics' inputs as one float64 tensor on the loads' device (no host read):
+        ``[num_tokens, mean, max, min, experts under half the mean, dead experts]``."""
         loads = loads_E.double()
-        mean = loads.mean().item()
+        mean = loads.mean()
+        tokens = torch.as_tensor(num_tokens, dtype=torch.float64, device=loads.device)
+        under, dead = (loads < 0.5 * mean).sum(), (loads == 0).sum()
+        return torch.stack([tokens, mean, loads.max(), loads.min(), under.double(), dead.double()])
+
+    @classmethod
+    def from_stats(cls, values: list[float], num_experts: int) -> BalanceMetrics:
+        tokens, mean, hi, lo, under, dead = values
         return cls(
-            max_vio=(loads.max().item() - mean) / mean if mean > 0 else 0.0,
-            min_load=int(loads_E.min().item()),
-            max_load=int(loads_E.max().item()),
-            frac_under_half=float((loads < 0.5 * mean).double().mean().item()) if mean else 0.0,
-            num_dead=int((loads_E == 0).sum().item()),
-            num_tokens=int(num_tokens),
+            max_vio=(hi - mean) / mean if mean > 0 else 0.0,
+            min_load=int(lo),
+            max_load=int(hi),
+            frac_under_half=under / num_experts if mean else 0.0,
+            num_dead=int(dead),
+            num_tokens=int(tokens),
         )
+
+    @classmethod
+    def from_loads(cls, loads_E: torch.Tensor, num_tokens: torch.Tensor | int) -> BalanceMetrics:
+        return cls.from_stats(cls.stats(loads_E, num_tokens).tolist(), loads_E.numel())
 
 
 _ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -120,14 +133,11 @@ def update_balance(
         # tokens per step, bounded by the histogram's int32 check (balancing.py)
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
         packed.append(torch.cat(parts))
-    metrics = []
+    stats = []
     for router, part in zip(routers, _sum_over_ranks(packed, group), strict=True):
         n = router.config.num_moe_experts
-        loads_E, num_tokens = part[-n - 1 : -1].to(torch.int64), int(part[-1])
-        router.last_balance = BalanceMetrics.from_loads(loads_E, num_tokens) if num_tokens else None
-        router.last_loads_E = loads_E if num_tokens else None
-        if router.last_balance is not None:
-            metrics.append(router.last_balance)
+        router.last_loads_E = part[-n - 1 : -1].to(torch.int64)
+        stats.append(BalanceMetrics.stats(router.last_loads_E, part[-1]))
         router.step_loads_E.zero_()
         router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
@@ -140,6 +150,14 @@ def update_balance(
                 router.set_drift_reference()
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
+    metrics = []
+    for router, values in zip(routers, torch.stack(stats).tolist(), strict=True):  # 1 host read
+        balance = BalanceMetrics.from_stats(values, router.last_loads_E.numel())
+        router.last_balance = balance if balance.num_tokens else None
+        if router.last_balance is None:
+            router.last_loads_E = None
+        else:
+            metrics.append(balance)
     return metrics
 
 
