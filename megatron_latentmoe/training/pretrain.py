@@ -312,7 +312,6 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
-        BalanceLogger,
         balance_step_end,
         default_jsonl_path,
         make_finalize_model_grads_func,
@@ -342,7 +341,7 @@ def _main(check_only: bool = False) -> int:
         ):
             _plan_layout_change(args, saved)
 
-    balance_logger = _make_balance_logger(args, BalanceLogger, default_jsonl_path(args))
+    balance_logger = _make_balance_logger(args, default_jsonl_path(args))
     fstep.set_balance_logger(balance_logger)
     rescore = None
     if args.moe_qb_rescore_iters:
@@ -406,13 +405,15 @@ def _main(check_only: bool = False) -> int:
     return 0
 
 
-def _make_balance_logger(args, cls, jsonl_path):
+def _make_balance_logger(args, jsonl_path):
     from megatron.core import parallel_state
     from megatron.training import get_args, get_tensorboard_writer
 
+    from megatron_latentmoe.training.balance_logging import BalanceLogger
+
     if jsonl_path and _rank() == int(os.environ.get("WORLD_SIZE", "1")) - 1:
         os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-    return cls(
+    return BalanceLogger(
         num_layers=args.num_layers,
         num_experts=args.num_experts,
         tokens_per_step=args.global_batch_size * args.seq_length,
