@@ -14,8 +14,8 @@ The embedded default corpus itself is prepared with
     python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
 
 Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 130 on
-Ctrl-C or SIGTERM (temporaries removed). Output is written atomically: a failed or interrupted
-run leaves no dataset behind.
+Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed
+or interrupted run leaves no dataset behind.
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ def main(argv=None) -> int:
         import megatron.core.datasets.indexed_dataset  # noqa: F401
     from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
 
+    signals = []
+
     def _terminated(signum, frame):  # clean up temporaries on SIGTERM too (schedulers send it)
+        signals.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminated)
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
-        return 130
+        return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
     print(summary)
     print(f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.tokenizer}")
     return 0

@@ -395,6 +395,35 @@ def test_killed_run_leaves_no_dataset(tmp_path):
     assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
 
 
+def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
+    """SIGTERM (what timeout and Slurm send) while tokenizing: no dataset and no temporary file
+    stays, and the exit status is 128 + 15, as the converter's."""
+    src = tmp_path / "big.jsonl"
+    _write_jsonl(src, [{"text": t} for t in iter_corpus_texts()])
+    prefix = tmp_path / "termed"
+    p = subprocess.Popen(
+        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=OFFLINE_ENV,
+    )
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob("termed.bin.tmp*")):
+            assert p.poll() is None, "finished before it could be stopped"
+            assert time.time() < deadline
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    assert "interrupted: nothing written" in err and "Traceback" not in err, err
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
+
+
 # ------------------------------------------------------------------------------------------------
 # default dataset + Megatron GPTDataset on CPU without torch.distributed
 # ------------------------------------------------------------------------------------------------
