@@ -18,6 +18,17 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .options import (
+    DEFAULT_ATOL,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_READ_BATCH_MB,
+    DEFAULT_VERIFY_BATCH,
+    DEFAULT_VERIFY_SEQ_LEN,
+    DEFAULT_VERIFY_TOKENS,
+    DTYPE_CHOICES,
+    EXPERT_DTYPES,
+)
+
 EXIT_BAD_INPUT = 2
 EXIT_VERIFY_FAILED = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it; SIGTERM exits with 143
@@ -33,16 +44,27 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     p.add_argument(
         "--verify-atol",
         type=float,
-        default=1e-4,
-        help="max |delta logits| allowed (fp32 both sides; default 1e-4)",
+        default=DEFAULT_ATOL,
+        help=f"max |delta logits| allowed (fp32 both sides; default {DEFAULT_ATOL:g})",
     )
     p.add_argument(
-        "--verify-tokens", type=int, default=32, help="greedy tokens to generate (default 32)"
+        "--verify-tokens",
+        type=int,
+        default=DEFAULT_VERIFY_TOKENS,
+        help=f"greedy tokens to generate (default {DEFAULT_VERIFY_TOKENS})",
     )
     p.add_argument(
-        "--verify-seq-len", type=int, default=64, help="prompt length in tokens (default 64)"
+        "--verify-seq-len",
+        type=int,
+        default=DEFAULT_VERIFY_SEQ_LEN,
+        help=f"prompt length in tokens (default {DEFAULT_VERIFY_SEQ_LEN})",
     )
-    p.add_argument("--verify-batch", type=int, default=2, help="prompts (default 2)")
+    p.add_argument(
+        "--verify-batch",
+        type=int,
+        default=DEFAULT_VERIFY_BATCH,
+        help=f"prompts (default {DEFAULT_VERIFY_BATCH})",
+    )
     p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
 
 
@@ -81,13 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--expert-dtype",
         default="auto",
-        choices=["auto", "mxfp4"],
+        choices=EXPERT_DTYPES,
         help="routed experts: 'auto' = like --dtype; 'mxfp4' = MXFP4-packed "
         "(compressed-tensors mxfp4-pack-quantized, 4.25 bits/weight; "
         "QAT-trained models export losslessly)",
     )
     ex.add_argument(
-        "--max-shard-size", default="5GB", help="max bytes per safetensors shard (default 5GB)"
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"max bytes per safetensors shard (default {DEFAULT_MAX_SHARD_SIZE})",
     )
     ex.add_argument(
         "--tokenizer",
@@ -97,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         "training args; 'none' = no tokenizer)",
     )
     ex.add_argument(
-        "--read-batch-mb", type=int, default=256, help="checkpoint read batch (MiB, default 256)"
+        "--read-batch-mb",
+        type=int,
+        default=DEFAULT_READ_BATCH_MB,
+        help=f"checkpoint read batch (MiB, default {DEFAULT_READ_BATCH_MB})",
     )
     _common(ex)
     _add_verify_args(ex)
@@ -130,7 +157,7 @@ def _dtype(p: argparse.ArgumentParser, what: str, default: str) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bf16", "fp32", "fp16"],
+        choices=DTYPE_CHOICES,
         help=f"dtype of the {what} (default: {default}); the expert bias stays fp32",
     )
 

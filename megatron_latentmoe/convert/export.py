@@ -48,6 +48,13 @@ from .arch import ARCH_STATE_KEY, ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
 from .names import TensorMap, hf_dtype_for, iter_tensor_maps
+from .options import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_READ_BATCH_MB,
+    DTYPE_CHOICES,
+    DTYPE_TORCH_NAMES,
+    EXPERT_DTYPES,
+)
 from .summary import (
     ConversionSummary,
     Progress,
@@ -58,13 +65,11 @@ from .summary import (
 )
 
 DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
+    name: getattr(torch, torch_name)
+    for short, torch_name in DTYPE_TORCH_NAMES.items()
+    for name in (short, torch_name)
 }
+"""``dtype`` names (``--dtype``'s and torch's) -> torch dtype."""
 ST_DTYPE_NAMES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -74,8 +79,6 @@ ST_DTYPE_NAMES = {
 }
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-DEFAULT_READ_BATCH_BYTES = 256 << 20
 
 
 def parse_size(text: str | int) -> int:
@@ -108,10 +111,6 @@ def parse_size(text: str | int) -> int:
         ) from None
 
 
-EXPERT_DTYPES = ("auto", "mxfp4")
-"""``--expert-dtype``: routed experts in the export dtype, or MXFP4-packed."""
-
-
 def check_expert_dtype(expert_dtype: str, arch: ModelArch) -> bool:
     """Validate ``expert_dtype`` for ``arch``; True for MXFP4 (before anything is written)."""
     if expert_dtype not in EXPERT_DTYPES:
@@ -137,7 +136,7 @@ def parse_dtype(name: str) -> torch.dtype | None:
     if name in (None, "auto"):
         return None
     if name not in DTYPES:
-        raise not_allowed("dtype", name, "one of auto, bf16, fp32, fp16", ConversionError)
+        raise not_allowed("dtype", name, f"one of {', '.join(DTYPE_CHOICES)}", ConversionError)
     return DTYPES[name]
 
 
@@ -480,7 +479,7 @@ def export_checkpoint(
     tokenizer_dir: str | None = "default",
     overwrite: bool = False,
     progress: bool = True,
-    read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+    read_batch_bytes: int = DEFAULT_READ_BATCH_MB << 20,
     expert_dtype: str = "auto",
 ) -> ConversionSummary:
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).

@@ -36,8 +36,12 @@ from .arch import ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
 from .names import iter_tensor_maps
-
-DEFAULT_ATOL = 1e-4
+from .options import (
+    DEFAULT_ATOL,
+    DEFAULT_VERIFY_BATCH,
+    DEFAULT_VERIFY_SEQ_LEN,
+    DEFAULT_VERIFY_TOKENS,
+)
 
 
 @dataclass
@@ -223,8 +227,8 @@ def hf_greedy(model, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, list[f
 def sample_tokens(
     hf_dir: str | os.PathLike,
     vocab_size: int,
-    batch: int = 2,
-    seq_len: int = 64,
+    batch: int = DEFAULT_VERIFY_BATCH,
+    seq_len: int = DEFAULT_VERIFY_SEQ_LEN,
     text: str | None = None,
     seed: int = 0,
 ) -> tuple[torch.Tensor, str]:
@@ -369,9 +373,9 @@ def verify_export(
     *,
     config_file: str | None = None,
     atol: float = DEFAULT_ATOL,
-    new_tokens: int = 32,
-    batch: int = 2,
-    seq_len: int = 64,
+    new_tokens: int = DEFAULT_VERIFY_TOKENS,
+    batch: int = DEFAULT_VERIFY_BATCH,
+    seq_len: int = DEFAULT_VERIFY_SEQ_LEN,
     text: str | None = None,
 ) -> VerifyReport:
     """Compare the Megatron checkpoint with its HF export (see module docstring)."""

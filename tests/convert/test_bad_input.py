@@ -273,6 +273,24 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_help_imports_no_torch():
+    """``--help`` answers at once: the parser takes its defaults and choices from
+    ``convert/options.py`` and imports neither torch nor megatron / transformers."""
+    code = (
+        "import sys\n"
+        "from megatron_latentmoe.convert.cli import main\n"
+        "for command in ('export', 'import', 'verify'):\n"
+        "    try:\n"
+        "        main([command, '--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "heavy = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
