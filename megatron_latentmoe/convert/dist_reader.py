@@ -34,18 +34,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, tracked_checkpoint_dir
+
 from .arch import ModelArch, resolve_arch
 from .errors import ConversionError
 from .names import Location, TensorMap, checkpoint_locations, current_key, is_model_key
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The directory holding ``.metadata``: ``path`` itself, or for a ``megatron.training`` save
-    root, the iteration its ``latest_checkpointed_iteration.txt`` names (``iter_XXXXXXX`` or
-    ``release``)."""
+    root, the checkpoint its tracker names (``checkpoint_layout.tracked_checkpoint_dir``)."""
     p = Path(path)
     if not p.exists():
         raise ConversionError(f"checkpoint {str(p)!r} does not exist")
@@ -53,35 +53,18 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         raise ConversionError(f"checkpoint {str(p)!r} is not a directory")
     if (p / ".metadata").is_file():
         return p
-    tracker = p / TRACKER_FILE
-    if tracker.is_file():
-        try:
-            text = tracker.read_text().strip()
-        except OSError as e:
-            raise ConversionError(
-                f"checkpoint tracker {str(tracker)!r} cannot be read: {e}"
-            ) from None
-        sub = (
-            "release"
-            if text == "release"
-            else (f"iter_{int(text):07d}" if text.isdigit() else None)
+    q = tracked_checkpoint_dir(p, ConversionError)
+    if q is None:
+        raise ConversionError(
+            f"checkpoint {str(p)!r} is not a torch_dist checkpoint: no '.metadata' file (and no "
+            f"{TRACKER_FILE} naming an iteration directory)"
         )
-        if sub is None:
-            raise ConversionError(
-                f"checkpoint tracker {str(tracker)!r} holds {text!r}: expected an "
-                "iteration number or 'release'"
-            )
-        q = p / sub
-        if not (q / ".metadata").is_file():
-            raise ConversionError(
-                f"checkpoint {str(p)!r}: the tracker names {sub!r} but "
-                f"{str(q / '.metadata')!r} does not exist"
-            )
-        return q
-    raise ConversionError(
-        f"checkpoint {str(p)!r} is not a torch_dist checkpoint: no '.metadata' file (and no "
-        f"{TRACKER_FILE} naming an iteration directory)"
-    )
+    if not (q / ".metadata").is_file():
+        raise ConversionError(
+            f"checkpoint {str(p)!r}: the tracker names {q.name!r} but "
+            f"{str(q / '.metadata')!r} does not exist"
+        )
+    return q
 
 
 class _RegionLoadPlanner(LoadPlanner):

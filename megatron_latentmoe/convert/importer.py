@@ -55,11 +55,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name, tracker_text
 from megatron_latentmoe.fields import not_allowed
 
 from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
-from .dist_reader import COMMON_STATE_KEY, TRACKER_FILE
+from .dist_reader import COMMON_STATE_KEY
 from .errors import ConversionError
 from .export import INDEX_FILE, ST_DTYPE_NAMES, parse_dtype
 from .names import (
@@ -413,7 +414,7 @@ def _import(
         config_source=f"{hf.dir}/config.json",
         largest_tensor_bytes=largest,
     )
-    sub = "release" if iteration is None else f"iter_{iteration:07d}"
+    sub = iteration_dir_name(iteration)
     with atomic_output_dir(output, overwrite) as tmp:
         ckpt = tmp / sub
         writer = FileSystemWriter(
@@ -434,7 +435,7 @@ def _import(
         (ckpt / "metadata.json").write_text(
             json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
         )
-        (tmp / TRACKER_FILE).write_text("release" if iteration is None else str(iteration))
+        (tmp / TRACKER_FILE).write_text(tracker_text(iteration))
         summary.files = sum(1 for _ in ckpt.iterdir())
         summary.bytes_written = sum(p.stat().st_size for p in ckpt.iterdir())
     summary.tensors = sum(1 for k in state_md if isinstance(state_md[k], TensorStorageMetadata))

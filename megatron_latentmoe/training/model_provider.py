@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from megatron.core.pipeline_parallel.utils import (
@@ -26,6 +27,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+from megatron_latentmoe.checkpoint_layout import (
+    TRACKER_FILE,
+    iteration_dir_name,
+    tracked_checkpoint_dir,
+)
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.convert.names import LEGACY_NORM_NAME
 from megatron_latentmoe.fields import ConfigError
@@ -124,21 +130,19 @@ def _resume_checkpoint_keys() -> list[str]:
     except (ImportError, AssertionError):  # built outside megatron.training
         return []
     load = getattr(args, "load", None)
-    tracker = os.path.join(load or "", "latest_checkpointed_iteration.txt")
     if not (
-        load and getattr(args, "ckpt_format", None) == "torch_dist" and os.path.isfile(tracker)
+        load
+        and getattr(args, "ckpt_format", None) == "torch_dist"
+        and os.path.isfile(os.path.join(load, TRACKER_FILE))
     ):
         return []
-    with open(tracker) as f:
-        text = f.read().strip()
-    step = getattr(args, "ckpt_step", None)
-    name = "release" if text == "release" and step is None else f"iter_{int(step or text):07d}"
-    path = os.path.join(load, name)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    step = getattr(args, "ckpt_step", None)  # as in Megatron: overrides the tracker's iteration
+    path = Path(load) / iteration_dir_name(step) if step else tracked_checkpoint_dir(load)
+    if not (path / ".metadata").is_file():
         return []
     from torch.distributed.checkpoint import FileSystemReader
 
-    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
+    return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:

@@ -23,13 +23,18 @@ megatron_latentmoe.training.pretrain``.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from functools import partial
 
+from megatron_latentmoe.checkpoint_layout import (
+    RELEASE,
+    TRACKER_FILE,
+    iteration_dir_name,
+    iteration_of_dir_name,
+)
+
 PROG = "pretrain_stable_latentmoe"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 def _startup_env() -> None:
@@ -73,21 +78,21 @@ def repair_checkpoint_tracker(
     """
     if not load_dir or not os.path.isdir(load_dir):
         return None
-    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    tracker = os.path.join(load_dir, TRACKER_FILE)
     named = None
     if os.path.isfile(tracker):
         try:
             text = open(tracker).read().strip()
         except OSError:
             text = ""
-        if text == "release":
+        if text == RELEASE:
             return None
         if text.isdigit():
             named = int(text)
     complete = sorted(
-        int(m.group(1))
+        iteration
         for entry in os.listdir(load_dir)
-        if (m := _ITER_DIR.match(entry))
+        if (iteration := iteration_of_dir_name(entry)) is not None
         and _complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
     )
     if named is not None and named in complete:
@@ -134,7 +139,7 @@ def saved_args(load_dir: str, ckpt_format: str = "torch_dist"):
 
     try:
         common = dist_checkpointing.load_common_state_dict(
-            os.path.join(load_dir, f"iter_{iteration:07d}")
+            os.path.join(load_dir, iteration_dir_name(iteration))
         )
     except Exception:  # noqa: BLE001 - not a distributed checkpoint: Megatron will report it
         return None
