@@ -48,15 +48,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_latentmoe.fields import not_allowed
+from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME, NORM_NAME
 
 from .arch import ModelArch
 from .errors import ConversionError
-
-NORM_NAME = "routed_expert_norm"
-"""The latent RMSNorm's module name in the MoE layer (Megatron-Bridge's Kimi K3 layer and the HF
-model use it too)."""
-LEGACY_NORM_NAME = "latent_norm"
-"""Its name in checkpoints written before the rename (they still load: :func:`current_key`)."""
 
 
 def current_key(key: str) -> str:

@@ -24,8 +24,8 @@ from megatron.core.transformer.moe.moe_utils import maybe_skip_or_early_return_b
 from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
-from megatron_latentmoe.convert.names import LEGACY_NORM_NAME, NORM_NAME
 from megatron_latentmoe.fields import not_allowed
+from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME, NORM_NAME
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 
 

@@ -33,9 +33,9 @@ from megatron_latentmoe.checkpoint_layout import (
     tracked_checkpoint_dir,
 )
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
-from megatron_latentmoe.convert.names import LEGACY_NORM_NAME
 from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
+from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME
 from megatron_latentmoe.moe.layer import use_legacy_names_of
 from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_message
 

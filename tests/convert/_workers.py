@@ -223,7 +223,7 @@ def _save_with_old_norm_name(model, a: ModelArch, path: str, full: dict) -> dict
     loaded back the way a resumed training run does (``use_legacy_names_of`` its keys), and
     without that (which must fail: the test would otherwise prove nothing)."""
     from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
-    from megatron_latentmoe.convert.names import NORM_NAME
+    from megatron_latentmoe.moe.checkpoint_names import NORM_NAME
     from megatron_latentmoe.moe.layer import use_legacy_names_of
 
     use_legacy_names_of(model, ["decoder.layers.1.mlp.latent_norm.weight"])
