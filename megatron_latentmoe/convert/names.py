@@ -109,17 +109,6 @@ class TensorMap:
             assert tuple(out[name].shape) == shape, (name, out[name].shape, shape)
         return out
 
-    def to_megatron(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """{HF name: tensor} -> the full Megatron tensor."""
-
-        def get(name, r0, r1, cols):
-            t = tensors[name][r0:r1]
-            return t[:, cols] if t.dim() > 1 else t
-
-        for name, shape in self.hf:
-            check_shape(name, tuple(tensors[name].shape), shape)
-        return self.megatron_rows(get, 0, self.shape[0])
-
     def megatron_rows(
         self,
         get: Callable[[str, int, int, slice], torch.Tensor],
@@ -254,11 +243,6 @@ def iter_tensor_maps(arch: ModelArch) -> Iterator[TensorMap]:
     if not arch.tie_embeddings:
         # (GPTModel drops the output layer's _extra_state from its sharded state dict)
         yield _copy("output_layer.weight", "lm_head.weight", (v, d))
-
-
-def hf_tensor_names(arch: ModelArch) -> list[str]:
-    """All HF tensor names of the model (what an exported checkpoint contains), in model order."""
-    return [name for tm in iter_tensor_maps(arch) for name in tm.hf_names]
 
 
 # ------------------------------------------------------------------------ checkpoint key rules

@@ -230,7 +230,6 @@ def sample_tokens(
     batch: int = DEFAULT_VERIFY_BATCH,
     seq_len: int = DEFAULT_VERIFY_SEQ_LEN,
     text: str | None = None,
-    seed: int = 0,
 ) -> tuple[torch.Tensor, str]:
     """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer). Without a
     usable tokenizer, seeded random ids (said in the returned source); an explicit ``text`` that
@@ -257,7 +256,7 @@ def sample_tokens(
                 f"--verify-text {_preview(text)}: {reason}; allowed: a text of at least "
                 f"{seq_len} tokens (--verify-seq-len) under the export's tokenizer"
             ) from None
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
 
 

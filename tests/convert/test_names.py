@@ -17,7 +17,6 @@ from megatron_latentmoe.convert.arch import arch_from_config_file
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import (
     extra_state_key,
-    hf_tensor_names,
     iter_tensor_maps,
     primary_checkpoint_key,
 )
@@ -36,6 +35,27 @@ def small_arch(**kw) -> ModelArch:
     )
     values.update(kw)
     return ModelArch(**values)
+
+
+def hf_tensor_names(a: ModelArch) -> set[str]:
+    """Every HF tensor name the mapping gives the model (what an export contains)."""
+    return {name for tm in iter_tensor_maps(a) for name in tm.hf_names}
+
+
+def rows_of(hf: dict[str, torch.Tensor]):
+    """``TensorMap.megatron_rows``'s reader over in-memory HF tensors (the importer's reads
+    safetensors row ranges the same way)."""
+
+    def get(name, r0, r1, cols):
+        t = hf[name][r0:r1]
+        return t[:, cols] if t.dim() > 1 else t
+
+    return get
+
+
+def to_megatron(tm, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The full Megatron tensor from its HF tensors, as the importer assembles it."""
+    return tm.megatron_rows(rows_of(hf), 0, tm.shape[0])
 
 
 def test_qkv_is_deinterleaved_per_query_group():
@@ -57,7 +77,7 @@ def test_qkv_is_deinterleaved_per_query_group():
     assert torch.equal(
         hf["model.layers.0.self_attn.v_proj.weight"], grouped[:, (hpg + 1) * hd :].reshape(-1, d)
     )
-    assert torch.equal(tm.to_megatron(hf), w)
+    assert torch.equal(to_megatron(tm, hf), w)
 
 
 def test_every_map_round_trips_and_row_slices_match():
@@ -67,16 +87,14 @@ def test_every_map_round_trips_and_row_slices_match():
         w = torch.randn(tm.shape, generator=g)
         hf = tm.to_hf(w)
         assert tuple(hf) == tm.hf_names and all(tuple(hf[n].shape) == s for n, s in tm.hf)
-        assert torch.equal(tm.to_megatron(hf), w), tm.megatron
-
-        def get(name, r0, r1, cols, *, hf=hf):
-            return hf[name][r0:r1][(slice(None), cols)] if hf[name].dim() > 1 else hf[name][r0:r1]
+        assert torch.equal(to_megatron(tm, hf), w), tm.megatron
 
         rows = tm.shape[0]
         for r0, r1 in ((0, rows), (1, rows - 1), (rows // 3, rows // 3 + 5), (rows - 1, rows)):
             cols = slice(2, 7) if len(tm.shape) > 1 else slice(None)
             want = w[r0:r1][(slice(None), cols)] if len(tm.shape) > 1 else w[r0:r1]
-            assert torch.equal(tm.megatron_rows(get, r0, r1, cols), want), (tm.megatron, r0, r1)
+            got = tm.megatron_rows(rows_of(hf), r0, r1, cols)
+            assert torch.equal(got, want), (tm.megatron, r0, r1)
 
 
 def test_gated_fc1_is_gate_then_up():
@@ -91,7 +109,7 @@ def test_gated_fc1_is_gate_then_up():
 
 
 def test_hf_names_follow_spec_section_6():
-    names = set(hf_tensor_names(small_arch()))
+    names = hf_tensor_names(small_arch())
     moe = "model.layers.1.block_sparse_moe."
     for n in (
         "gate.weight",
@@ -120,7 +138,7 @@ def test_hf_names_follow_spec_section_6():
     ):
         assert n in names, n
     assert not any("block_sparse_moe" in n for n in names if n.startswith("model.layers.0."))
-    assert "lm_head.weight" not in set(hf_tensor_names(small_arch(tie_embeddings=True)))
+    assert "lm_head.weight" not in hf_tensor_names(small_arch(tie_embeddings=True))
 
 
 @pytest.mark.slow
