@@ -91,11 +91,16 @@ def _shim_distributed_optimizer_torch_adam_step() -> None:
       correction) ran ahead by the number of parameters per iteration. Each parameter now gets
       its own copy.
     * ``_set_main_param_and_optimizer_states`` copies every tensor of a parameter's state from
-      the loaded one, and the ``fully_reshardable`` loader leaves ``step`` out of it (it comes
-      from the param groups): KeyError ``'step'``. A missing step is now left as it is.
+      the loaded one. The ``fully_reshardable`` loader leaves ``step`` out of it (it comes from
+      the param groups): KeyError ``'step'``; the ``dp_reshardable`` one (Megatron's default
+      format) brings the load template's step, 0 or garbage, over the param groups' real one:
+      the resumed Adam restarts its bias correction. The step now always stays the param
+      groups'. The ``dp_reshardable`` loader also lacks its siblings' ``torch.no_grad``: in fp32
+      the main param is the model's own, and the copy into it raised "a view of a leaf Variable
+      that requires grad"; the copies now run under ``no_grad`` (on GPUs too).
 
     With apex/TE (GPU images) the first two take Megatron's other branch and the third never
-    meets a ``step`` key, so the patches change nothing there.
+    meets a ``step`` key, so the patches change nothing there but the ``no_grad``.
     """
     import torch
     from megatron.core.optimizer import distrib_optimizer
@@ -122,7 +127,8 @@ def _shim_distributed_optimizer_torch_adam_step() -> None:
                 param_state["step"] = param_state["step"].clone()
 
     def set_states_without_step(self, model_param, tensors):
-        set_states(self, model_param, {"step": None, **tensors})  # None: not copied
+        with torch.no_grad():  # fp32: the main param is the model's, a leaf that requires grad
+            set_states(self, model_param, {**tensors, "step": None})  # None: not copied
 
     registry.patch(GROUP, cls, "state_dict", fresh_state_dict)
     registry.patch(GROUP, cls, "load_state_dict", load_with_own_steps)
@@ -154,7 +160,9 @@ def _shim_chained_optimizer_regroup() -> None:
             if "optimizer" in state_dict
             else [state_dict[k] for k in sorted(k for k in state_dict if isinstance(k, int))]
         )
-        if len(saved) == count or not all("optimizer" in entry for entry in saved):
+        # nothing to regroup: no entries (the plain optimizer's state of one chained optimizer
+        # has neither "optimizer" nor integer keys), equal counts, or another format
+        if not saved or len(saved) == count or not all("optimizer" in e for e in saved):
             return original(self, state_dict)
         groups = [g for entry in saved for g in entry["optimizer"]["param_groups"]]
         groups += [{**g, "is_expert_parallel": not g.get("is_expert_parallel")} for g in groups]
