@@ -14,6 +14,7 @@ converter on its model description.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -42,22 +43,32 @@ class StableLatentMoETransformerConfig(TransformerConfig):
     """Megatron's field, re-defaulted: every norm of the model is an RMSNorm (SPEC §1); the
     only value allowed."""
 
+    gated_linear_unit: bool = True
+    """Megatron's field, re-defaulted: SiTU-GLU and SwiGLU (``hidden_act``) are both gated; the
+    only value allowed."""
+
+    activation_func: Callable = F.silu
+    """Megatron's field, re-defaulted to SwiGLU's; ``hidden_act`` chooses the activation (SiTU-GLU
+    comes from the spec's activation module), so no other value is allowed."""
+
     latent_moe_use_norm: bool | None = None
     """The ``latent_moe_use_norm`` row, defaulting as its flag ``--moe-latent-norm`` does: None
     (not given) = on iff ``moe_latent_size`` is set, so that leaving the latent size out gives
     Megatron's MoELayer; True without a latent size is refused."""
 
-    _layer_freq_from_first_k: bool = dataclasses.field(default=False, repr=False)
-    """Internal: ``moe_layer_freq`` was derived from ``first_k_dense_replace`` (not given), so a
-    ``dataclasses.replace`` of this config derives it again from the new values."""
+    _layer_freq_derived: list[int] | None = dataclasses.field(default=None, repr=False)
+    """Internal: the ``moe_layer_freq`` derived from ``first_k_dense_replace`` (None: it was
+    given), so that a ``dataclasses.replace`` that keeps it derives it again from the new values
+    (and one that gives another ``moe_layer_freq`` keeps that)."""
 
     _latent_norm_derived: bool | None = dataclasses.field(default=None, repr=False)
     """Internal: the ``latent_moe_use_norm`` derived from ``moe_latent_size`` (None: it was
     given), so that a ``dataclasses.replace`` that keeps it derives it again."""
 
     def __post_init__(self):
-        if self._layer_freq_from_first_k:  # a copy (dataclasses.replace): derive it again
-            self.moe_layer_freq, self._layer_freq_from_first_k = 1, False
+        if self.moe_layer_freq == self._layer_freq_derived:  # a copy that kept it: derive again
+            self.moe_layer_freq = 1
+        self._layer_freq_derived = None
         if self.latent_moe_use_norm == self._latent_norm_derived:  # a copy that kept it
             self.latent_moe_use_norm = None
         self._latent_norm_derived = None
@@ -72,19 +83,16 @@ class StableLatentMoETransformerConfig(TransformerConfig):
         if self.hidden_act == "situ":
             # Megatron's MLP / experts call the spec's activation module on the packed
             # [gate, up] fc1 output when use_te_activation_func is set (specs.py provides SiTUGLU).
-            self.gated_linear_unit = True
             self.use_te_activation_func = True
             self.bias_activation_fusion = False
         elif self.hidden_act == "swiglu":
-            self.gated_linear_unit = True
-            self.activation_func = F.silu
             self.use_te_activation_func = False
         if self.uses_quantile_balancing and self.moe_router_dtype is None:
             self.moe_router_dtype = "fp32"  # router logits, scores and mixing weights in fp32
         if self.num_moe_experts and self.first_k_dense_replace and self.moe_layer_freq == 1:
             k = self.first_k_dense_replace
             self.moe_layer_freq = [0] * k + [1] * (self.num_layers - k)
-            self._layer_freq_from_first_k = True
+            self._layer_freq_derived = list(self.moe_layer_freq)
 
     @property
     def uses_quantile_balancing(self) -> bool:

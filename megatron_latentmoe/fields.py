@@ -416,6 +416,17 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         )
     if get("normalization") != "RMSNorm":
         raise ConfigError("normalization", get("normalization"), "'RMSNorm' (SPEC §1)")
+    if get("gated_linear_unit") is False:
+        raise ConfigError(
+            "gated_linear_unit", False, "True (SiTU-GLU and SwiGLU, hidden_act, are gated)"
+        )
+    act = get("activation_func")
+    if act is not None and getattr(act, "__name__", None) != "silu":
+        raise ConfigError(
+            "activation_func",
+            getattr(act, "__name__", act),
+            "F.silu, the default: hidden_act chooses the activation ('situ' or 'swiglu')",
+        )
     if get("layernorm_zero_centered_gamma"):
         raise ConfigError(
             "layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)"

@@ -49,6 +49,10 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
     assert dataclasses.replace(explicit, hidden_size=128).moe_layer_freq == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="first_k_dense_replace=1 is not allowed"):
         dataclasses.replace(explicit, first_k_dense_replace=1)
+    # a replace that gives its own pattern keeps it (not the one derived from first_k)
+    mine = dataclasses.replace(cfg, first_k_dense_replace=0, moe_layer_freq=[0, 1, 0, 1])
+    assert mine.moe_layer_freq == [0, 1, 0, 1]
+    assert dataclasses.replace(cfg, first_k_dense_replace=0, moe_layer_freq=2).moe_layer_freq == 2
     full = k3_full_scale_config()
     assert full.moe_layer_freq == [0] + [1] * 92
     assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
@@ -89,6 +93,14 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
         ),
         (dict(moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01", "0 with quantile_histogram"),
         (dict(moe_qb_absorb_coeff=-0.1), "moe_qb_absorb_coeff=-0.1", "a finite number >= 0"),
+        # Megatron's activation fields would be overwritten by hidden_act's: refused instead
+        (dict(gated_linear_unit=False), "gated_linear_unit=False", "are gated"),
+        (dict(activation_func=F.gelu), "activation_func='gelu'", "hidden_act chooses"),
+        (
+            dict(hidden_act="swiglu", activation_func=F.relu),
+            "activation_func='relu'",
+            "hidden_act chooses",
+        ),
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_absorb_coeff=0.3),
             "moe_qb_absorb_coeff=0.3",
