@@ -18,6 +18,7 @@ pretrain_gpt).
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -206,6 +207,33 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         getattr(args, "rerun_mode", "disabled") != "disabled"
     )
     return output_tensor, partial(loss_func, loss_mask, training=training, check_nan=check_nan)
+
+
+TRAIN_STEP_ARGS = (
+    "forward_step_func",
+    "data_iterator",
+    "model",
+    "config",
+    "forward_backward_func",
+    "iteration",
+)
+"""What a wrapped ``train_step`` must take by these names (megatron.training's ``train_step``
+does): the rescoring pass and the calibration read them from each call."""
+
+
+def train_step_signature(train_step, wrapper: str) -> inspect.Signature:
+    """``train_step``'s signature, refused at wrap time (not after a step) without
+    :data:`TRAIN_STEP_ARGS`."""
+    signature = inspect.signature(train_step)
+    missing = [name for name in TRAIN_STEP_ARGS if name not in signature.parameters]
+    if missing:
+        name = getattr(train_step, "__qualname__", repr(train_step))
+        raise TypeError(
+            f"{wrapper}: {name}{signature} is not allowed: a train step taking megatron.training "
+            f"train_step's arguments by name ({', '.join(TRAIN_STEP_ARGS)}); missing "
+            f"{', '.join(missing)}"
+        )
+    return signature
 
 
 def forward_only_pass(call: dict, data_iterator, num_microbatches: int, schedule: dict) -> None:

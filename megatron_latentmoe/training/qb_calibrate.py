@@ -28,7 +28,6 @@ scores (N x local tokens x experts x 4 bytes).
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,7 +150,9 @@ class QBCalibration:
     def wrap_train_step(self, train_step: Callable) -> Callable:
         """``megatron.training.training.train_step`` that calibrates first, once, if the run
         starts at iteration 0."""
-        signature = inspect.signature(train_step)
+        from megatron_latentmoe.training.forward_step import train_step_signature
+
+        signature = train_step_signature(train_step, "QBCalibration.wrap_train_step")
 
         @functools.wraps(train_step)
         def train_step_after_qb_calibration(*args, **kwargs):

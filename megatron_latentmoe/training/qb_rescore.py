@@ -49,7 +49,6 @@ load then runs without the armed correction, and :meth:`QBRescore.wrap_train_ste
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -146,7 +145,9 @@ class QBRescore:
     def wrap_train_step(self, train_step: Callable) -> Callable:
         """``megatron.training.training.train_step`` with the rescoring pass and the step end
         after it, for iterations 1..``iters`` (Megatron's 0-based ``iteration`` < ``iters``)."""
-        signature = inspect.signature(train_step)
+        from megatron_latentmoe.training.forward_step import train_step_signature
+
+        signature = train_step_signature(train_step, "QBRescore.wrap_train_step")
 
         @functools.wraps(train_step)
         def train_step_with_qb_rescore(*args, **kwargs):

@@ -65,7 +65,9 @@ def test_padding_is_not_counted():
 
 
 def test_only_a_run_that_starts_at_iteration_0_calibrates_once():
-    def train_step(forward_step_func, data_iterator, model, iteration=None):
+    def train_step(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration=None
+    ):
         return iteration
 
     def calls(start: int) -> list[int]:
@@ -80,7 +82,7 @@ def test_only_a_run_that_starts_at_iteration_0_calibrates_once():
         seen = []
         cal.calibrate = lambda call: seen.append(call["iteration"])
         step = cal.wrap_train_step(train_step)
-        assert [step(None, None, None, iteration=i) for i in (start, start + 1)] == [
+        assert [step(None, None, None, None, None, iteration=i) for i in (start, start + 1)] == [
             start,
             start + 1,
         ]
@@ -88,3 +90,38 @@ def test_only_a_run_that_starts_at_iteration_0_calibrates_once():
 
     assert calls(0) == [0]  # a fresh run (or --finetune): once, before its first step
     assert calls(5) == []  # resumed: the checkpoint's bias
+
+
+def test_wrappers_refuse_a_train_step_without_megatrons_argument_names():
+    """Both train-step wrappers read Megatron's argument names from each call: a step taking
+    other names is refused when wrapped (it used to fail with KeyError after its first step)."""
+    import pytest
+
+    from megatron_latentmoe.training.qb_rescore import QBRescore
+
+    def natural(model, optimizer, data_iterator, iteration):
+        return None
+
+    def megatron_like(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        scheduler,
+        config,
+        forward_backward_func,
+        iteration=0,
+    ):
+        return None
+
+    shape = dict(seq_length=8, micro_batch_size=1)
+    wrappers = {
+        "QBRescore": QBRescore(2, lambda *a, **k: None, **shape).wrap_train_step,
+        "QBCalibration": QBCalibration(
+            2, train_iters=10, global_batch_size=2, log=lambda line: None, **shape
+        ).wrap_train_step,
+    }
+    for who, wrap in wrappers.items():
+        with pytest.raises(TypeError, match=f"{who}.wrap_train_step: .*missing forward_step_func"):
+            wrap(natural)
+        assert callable(wrap(megatron_like))
