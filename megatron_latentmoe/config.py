@@ -74,6 +74,8 @@ class StableLatentMoETransformerConfig(TransformerConfig):
         self._latent_norm_derived = None
         if self.latent_moe_use_norm is None:
             self.latent_moe_use_norm = self._latent_norm_derived = self.moe_latent_size is not None
+        if self.moe_shared_expert_intermediate_size == 0:  # the table's "0 = none" (Megatron: None)
+            self.moe_shared_expert_intermediate_size = None
         check_stable_latentmoe(lambda name: getattr(self, name))
         self._apply_stable_latentmoe_defaults()
         super().__post_init__()

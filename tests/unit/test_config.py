@@ -37,6 +37,14 @@ def test_first_k_dense_replace_sets_the_layer_pattern():
     )
 
 
+def test_zero_shared_expert_width_means_none():
+    """The table's "0 = none" holds in Python too (Megatron itself refuses 0 and wants None)."""
+    assert (
+        tiny_config(moe_shared_expert_intermediate_size=0).moe_shared_expert_intermediate_size
+        is None
+    )
+
+
 def test_a_replaced_config_derives_the_layer_pattern_again():
     import dataclasses
 
