@@ -99,15 +99,6 @@ class VerifyReport:
 # ------------------------------------------------------------------------------ Megatron side
 
 
-def megatron_device() -> torch.device:
-    """Where the Megatron model runs: the current CUDA device if there is one, else the CPU."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
 def _ensure_single_process_world() -> None:
     """A 1-process world (NCCL with CUDA, else gloo) + Megatron's parallel state (TP = EP = PP = 1)
     if none exists."""
@@ -161,12 +152,16 @@ def load_megatron_model(
         raise ConversionError(
             f"Megatron model load: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    from megatron_latentmoe.moe.router import megatron_device
+
     return model.to(megatron_device())
 
 
 @torch.no_grad()
 def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 logits [b, s, vocab] on the CPU, whatever device the model runs on."""
+    from megatron_latentmoe.moe.router import megatron_device
+
     b, s = tokens.shape
     device = megatron_device()
     position_ids = torch.arange(s, dtype=torch.long, device=device)[None].expand(b, s)

@@ -36,7 +36,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram, cutoff_route
 
 
-def _buffer_device() -> torch.device:
+def megatron_device() -> torch.device:
+    """Where Megatron's model and buffers live: the current CUDA device if there is one, else
+    the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -51,7 +53,7 @@ class BalanceCountingRouter(TopKRouter):
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
-        device = _buffer_device()
+        device = megatron_device()
         n = config.num_moe_experts
         self.register_buffer(
             "step_loads_E", torch.zeros(n, dtype=torch.int64, device=device), persistent=False
@@ -110,7 +112,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         n = config.num_moe_experts
-        device = _buffer_device()
+        device = megatron_device()
         # TopKRouter leaves ``expert_bias = None`` when Megatron's sign-update bias is off.
         del self.expert_bias
         self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32, device=device))

@@ -95,12 +95,6 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 # ------------------------------------------------------------------------------------ batch
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def get_batch(batch, *, pre_process: bool, config=None):
     """This rank's micro-batch (the loader's dict) on its device, plus the router padding mask
     (True = padding)."""
@@ -108,7 +102,9 @@ def get_batch(batch, *, pre_process: bool, config=None):
 
     # Decided on the loader's (host) tensor: no device sync. None == an all-False mask.
     has_padding = bool((batch["loss_mask"] == 0).any())
-    device = _device()
+    from megatron_latentmoe.moe.router import megatron_device
+
+    device = megatron_device()
     tokens = batch["tokens"].to(device, non_blocking=True).long()
     labels = batch["labels"].to(device, non_blocking=True).long()
     loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()

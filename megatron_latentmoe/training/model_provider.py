@@ -108,17 +108,14 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
             vp_stage=vp_stage,
             pg_collection=pg_collection,
         )
-        if use_legacy_names_of(model, _resume_checkpoint_keys()) and _rank() == 0:
-            print(
+        if use_legacy_names_of(model, _resume_checkpoint_keys()):
+            from megatron.training.utils import print_rank_0
+
+            print_rank_0(
                 "[model_provider] the checkpoint to load names the latent norm "
-                f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name",
-                flush=True,
+                f"'{LEGACY_NORM_NAME}' (before the rename): loading and saving under that name"
             )
         return model
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def _resume_checkpoint_keys() -> list[str]:

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 
 def test_verify_runs_megatron_on_cuda(megatron_world, tmp_path):
     from megatron_latentmoe.convert import export_checkpoint
-    from megatron_latentmoe.convert.verify import megatron_device, verify_export
+    from megatron_latentmoe.convert.verify import verify_export
+    from megatron_latentmoe.moe.router import megatron_device
     from tests.convert import _workers
 
     arch = _workers.arch()
