@@ -47,24 +47,12 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
         default=DEFAULT_ATOL,
         help=f"max |delta logits| allowed (fp32 both sides; default {DEFAULT_ATOL:g})",
     )
-    p.add_argument(
-        "--verify-tokens",
-        type=int,
-        default=DEFAULT_VERIFY_TOKENS,
-        help=f"greedy tokens to generate (default {DEFAULT_VERIFY_TOKENS})",
-    )
-    p.add_argument(
-        "--verify-seq-len",
-        type=int,
-        default=DEFAULT_VERIFY_SEQ_LEN,
-        help=f"prompt length in tokens (default {DEFAULT_VERIFY_SEQ_LEN})",
-    )
-    p.add_argument(
-        "--verify-batch",
-        type=int,
-        default=DEFAULT_VERIFY_BATCH,
-        help=f"prompts (default {DEFAULT_VERIFY_BATCH})",
-    )
+    for flag, default, what in (
+        ("--verify-tokens", DEFAULT_VERIFY_TOKENS, "greedy tokens to generate"),
+        ("--verify-seq-len", DEFAULT_VERIFY_SEQ_LEN, "prompt length in tokens"),
+        ("--verify-batch", DEFAULT_VERIFY_BATCH, "prompts"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
 
 

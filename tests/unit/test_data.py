@@ -369,40 +369,13 @@ def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*")} == before
 
 
-def test_killed_run_leaves_no_dataset(tmp_path):
-    """SIGKILL while tokenizing: no <prefix>.bin/.idx appear (only *.tmp<pid> files may stay)."""
-    src = tmp_path / "big.jsonl"
-    texts = list(iter_corpus_texts())
-    _write_jsonl(src, [{"text": t} for t in texts])
-    prefix = tmp_path / "killed"
-    p = subprocess.Popen(
-        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=OFFLINE_ENV,
-    )
-    try:
-        deadline = time.time() + 120
-        while not list(tmp_path.glob("killed.bin.tmp*")):
-            assert p.poll() is None, "finished before it could be killed"
-            assert time.time() < deadline
-            time.sleep(0.01)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
-
-
-def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
-    """SIGTERM (what timeout and Slurm send) while tokenizing: no dataset and no temporary file
-    stays, and the exit status is 128 + 15, as the converter's."""
+def _signal_while_tokenizing(tmp_path, name: str, sig: int) -> tuple[int, str]:
+    """Run the CLI on the whole corpus, send ``sig`` once its temporary .bin exists; returns
+    the exit status and stderr."""
     src = tmp_path / "big.jsonl"
     _write_jsonl(src, [{"text": t} for t in iter_corpus_texts()])
-    prefix = tmp_path / "termed"
     p = subprocess.Popen(
-        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(prefix)],
+        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(tmp_path / name)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -410,16 +383,29 @@ def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
     )
     try:
         deadline = time.time() + 120
-        while not list(tmp_path.glob("termed.bin.tmp*")):
-            assert p.poll() is None, "finished before it could be stopped"
+        while not list(tmp_path.glob(f"{name}.bin.tmp*")):
+            assert p.poll() is None, "finished before the signal"
             assert time.time() < deadline
             time.sleep(0.01)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 143, err
+    return p.returncode, err
+
+
+def test_killed_run_leaves_no_dataset(tmp_path):
+    """SIGKILL while tokenizing: no <prefix>.bin/.idx appear (only *.tmp<pid> files may stay)."""
+    _signal_while_tokenizing(tmp_path, "killed", signal.SIGKILL)
+    assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
+
+
+def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
+    """SIGTERM (what timeout and Slurm send) while tokenizing: no dataset and no temporary file
+    stays, and the exit status is 128 + 15, as the converter's."""
+    code, err = _signal_while_tokenizing(tmp_path, "termed", signal.SIGTERM)
+    assert code == 143, err
     assert "interrupted: nothing written" in err and "Traceback" not in err, err
     assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
 
