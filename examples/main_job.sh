@@ -50,10 +50,11 @@ PYTHON="$python" NPROC="${NPROC:-2}" bash "$repo/examples/run_torchrun.sh" "$rep
     --log-interval 10 "${resume_flags[@]}" \
   >> "$out/train.log" 2>&1 &
 train_pid=$!
-# Show the lines that matter while it runs: our per-iteration [balance] lines, checkpoints, errors.
+# Show the lines that matter while it runs: our per-iteration [balance] lines, checkpoints, errors
+# (not the end-of-run summary: step 3 prints it).
 tail -c "+$log_start" -f "$out/train.log" --pid "$train_pid" 2>/dev/null \
   | grep --line-buffered -E '\[balance\]|\[pretrain_stable_latentmoe\]|saving checkpoint|successfully saved|loaded checkpoint|Error|error:|Traceback' \
-  | grep --line-buffered -v -E '^  [a-z_0-9]+ \.+ '
+  | grep --line-buffered -v -E '^  [a-z_0-9]+ \.+ |\] summary: '
 wait "$train_pid"
 status=$?
 set -e
