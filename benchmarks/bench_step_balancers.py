@@ -48,7 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-    from bench_training_balance import add_model_and_method_args
+    from bench_training_balance import (
+        add_model_and_method_args,
+        check_model_and_method_args,
+        results_dir,
+    )
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_method_args(p)
@@ -56,10 +60,20 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed first rounds")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
-        "--out", default=os.path.join(REPO, "benchmarks", "results", "bench_step_balancers.json")
+        "--out",
+        help="JSON to write (default: bench_step_balancers.json in benchmarks/results for "
+        "k3_sparse_tiny.sh, in benchmarks/results/<args file's name> for any other)",
     )
     a = p.parse_args(argv)
-    a.args_file = os.path.abspath(a.args_file)
+    check_model_and_method_args(p, a)
+    for flag, value, least in (
+        ("--steps", a.steps, 1),
+        ("--warmup", a.warmup, 0),
+        ("--nproc", a.nproc, 1),
+    ):
+        if value < least:
+            p.error(f"{flag} {value}: an integer >= {least}")
+    a.out = a.out or os.path.join(results_dir(a.args_file), "bench_step_balancers.json")
     if "none" not in a.methods:
         p.error("--methods must include 'none' (the ratios are to it)")
     return a

@@ -10,6 +10,7 @@ over 2 processes) once per method through the project's entry point
 run's balance JSONL (global-batch loads per layer, padding excluded; ``--balance-log-file``) and
 writes ``benchmarks/results/training_balance.json`` and ``training_balance.png`` (MaxVio per
 iteration, log scale, one line per method; loss per iteration; the table), then prints the table.
+Another ``--args-file`` writes them to ``benchmarks/results/<its name>/`` unless ``--out`` says.
 
 Per method: mean MaxVio (mean over layers) over iterations 1-50 and 51-end, the worst single
 iteration (overall, and after iteration 50: past the LR warm-up's collapse), iterations with a
@@ -452,11 +453,13 @@ def race_workdir(args_file):
     return os.path.join(REPO, "runs", "training_balance", stem)
 
 
+DEFAULT_ARGS_FILE = os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
 def add_model_and_method_args(p):
     """``--args-file`` and ``--methods``, shared with ``bench_step_balancers.py``."""
-    p.add_argument(
-        "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
-    )
+    p.add_argument("--args-file", default=DEFAULT_ARGS_FILE)
     p.add_argument(
         "--methods",
         nargs="*",
@@ -465,6 +468,24 @@ def add_model_and_method_args(p):
         metavar="M",
         help=f"default: all but {ON_REQUEST} (on request)",
     )
+
+
+def check_model_and_method_args(p, args) -> None:
+    """Refuse (one line, exit 2) what :func:`add_model_and_method_args` parsed but cannot run;
+    ``args.args_file`` becomes absolute."""
+    if not os.path.isfile(args.args_file):
+        p.error(f"--args-file {args.args_file}: no such file (an examples/args/*.sh file)")
+    args.args_file = os.path.abspath(args.args_file)
+    if not args.methods:
+        p.error(f"--methods: give at least one of {list(METHODS)}")
+
+
+def results_dir(args_file: str) -> str:
+    """Where a benchmark writes by default: benchmarks/results for the race's model, a folder
+    named after any other args file (so that its results never replace the race's)."""
+    if os.path.abspath(args_file) == DEFAULT_ARGS_FILE:
+        return RESULTS
+    return os.path.join(RESULTS, os.path.splitext(os.path.basename(args_file))[0])
 
 
 def main(argv=None):
@@ -476,7 +497,11 @@ def main(argv=None):
         help="runs and their JSONL, reused when complete (default: "
         "runs/training_balance/<args file's name>: one model's runs never stand in for another's)",
     )
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument(
+        "--out",
+        help="folder of training_balance.json / .png (default: benchmarks/results for "
+        "k3_sparse_tiny.sh, benchmarks/results/<args file's name> for any other)",
+    )
     p.add_argument(
         "--seeds",
         nargs="+",
@@ -494,12 +519,16 @@ def main(argv=None):
     )
     p.add_argument("--fresh", action="store_true", help="re-run methods that already finished")
     args = p.parse_args(argv)
+    check_model_and_method_args(p, args)
+    if args.side_by_side_steps < 0:
+        p.error(f"--side-by-side-steps {args.side_by_side_steps}: an integer >= 0 (0: skip)")
     if args.iters <= EARLY:
         p.error(
             f"--iters {args.iters}: must be > {EARLY} "
             f"(the windows are 1-{EARLY} and {EARLY + 1}-end)"
         )
     args.workdir = args.workdir or race_workdir(args.args_file)
+    args.out = args.out or results_dir(args.args_file)
     os.makedirs(args.workdir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
 

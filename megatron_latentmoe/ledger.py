@@ -73,9 +73,9 @@ class LatentMoEShape:
         for name in ("latent_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise not_allowed(name, getattr(self, name), "True or False")
-        if self.topk > self.num_experts:
+        if self.topk >= self.num_experts:  # QB's top-(k+1) cutoff needs k + 1 experts
             raise not_allowed(
-                "topk", self.topk, f"an integer in [1, num_experts={self.num_experts}]"
+                "topk", self.topk, f"an integer in [1, num_experts={self.num_experts})"
             )
         if self.first_k_dense_replace > self.num_layers:
             raise not_allowed(

@@ -74,3 +74,26 @@ def test_loss_panel_shows_every_final_loss():
             r["curve_loss"] = [8.3] + r["curve_loss"][1:]  # the first iteration near ln(vocab)
         top = race.loss_axis_top(runs)
         assert max(r["final_loss"] for r in runs) < top < 8.3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods"], "--methods: give at least one"),
+        (["--args-file", "/nonexistent/args.sh"], "--args-file /nonexistent/args.sh: no such file"),
+        (["--side-by-side-steps", "-1"], "--side-by-side-steps -1: an integer >= 0"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_written(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        race.main([*argv, "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no run, no result (the headline JSON was wiped)
+
+
+def test_other_args_files_write_beside_the_races_results():
+    """The race of another model never replaces the headline training_balance.json."""
+    assert race.results_dir(race.DEFAULT_ARGS_FILE) == race.RESULTS
+    wide = str(REPO / "examples" / "args" / "k3_sparse_wide.sh")
+    assert race.results_dir(wide) == str(Path(race.RESULTS) / "k3_sparse_wide")

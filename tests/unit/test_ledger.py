@@ -356,6 +356,7 @@ def test_from_real_transformer_config():
         ("num_experts", 0),
         ("topk", 0),
         ("topk", 897),
+        ("topk", 896),  # QB's top-(k+1) needs k < num_experts, as the model's config says
         ("shared_ffn_hidden_size", -1),
         ("num_layers", 0),
         ("first_k_dense_replace", 94),
