@@ -309,6 +309,14 @@ def main(argv=None):
     p.add_argument("--out", default=RESULTS, help="output folder for JSON + PNG")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    least = dict(experts=2, topk=1, steps=1, micro_batches=1, micro_batch=1, clusters=1)
+    least.update(hidden=1, err_every=1, stationary_iters=0, control_steps=0, threads=1)
+    least.update(stationary_micro_batch=1)
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: an integer >= {low}")
+    if args.topk >= args.experts or min(args.bins) < 2:
+        p.error("--topk must be < --experts (QB's top-(k+1)) and every --bins >= 2")
     torch.set_num_threads(args.threads)
     t_start = time.time()
 

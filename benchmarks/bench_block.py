@@ -60,7 +60,13 @@ def parse_args():
     p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_block.json"))
-    return p.parse_args()
+    a = p.parse_args()
+    for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
+    if a.topk >= a.experts or a.warmup < 0 or a.shared_ffn < 0:
+        p.error("--topk must be < --experts, --warmup and --shared-ffn >= 0")
+    return a
 
 
 def init_single_process():

@@ -163,6 +163,13 @@ def main():
         ),
     )
     a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; allowed: cpu")
+    for flag, value in (("--tokens", a.tokens), ("--ffn", a.ffn), ("--reps", a.reps)):
+        if value < 1:
+            p.error(f"{flag} {value}: an integer >= 1")
+    if a.threads and min(a.threads) < 1:
+        p.error(f"--threads {min(a.threads)}: integers >= 1")
     device = torch.device(a.device)
     default_threads = torch.get_num_threads()
     thread_counts = (
