@@ -312,7 +312,7 @@ PLAIN_MOE = dict(
     moe_router_load_balancing_type="quantile_histogram",
     add_bias_linear=False,
 )
-"""A Megatron MoE with QB and no moe_latent_size (README: QB is a drop-in for any Megatron MoE)."""
+"""A Megatron MoE with QB and no moe_latent_size (README: QB is a drop-in for a Megatron MoE)."""
 
 
 def test_a_plain_moe_config_needs_no_latent_norm_flag():
