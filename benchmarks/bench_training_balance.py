@@ -24,8 +24,10 @@ the same method's without rescoring).
 and reports the mean over the seeds, the worst iteration of all runs and the final loss's spread,
 so a gap between methods can be read against the noise of one run (the plotted curves: means too).
 
-A method whose JSONL already holds every iteration is not re-run (``--fresh`` re-runs all), so a
-killed race resumes where it stopped. Timing is the benchmark's output, never a test assertion.
+A run whose JSONL already holds every iteration, trained with the same flags (the args file's
+written out, the method's, iterations, seed: ``<run>.cmd.json`` beside it), is not re-run
+(``--fresh`` re-runs all), so a killed race resumes where it stopped. Timing is the benchmark's
+output, never a test assertion.
 """
 
 from __future__ import annotations
@@ -162,12 +164,9 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
-def run_method(name, flags, args, jsonl, seed=None):
-    """Train once with ``flags``; returns the wall time (s). Raises with the log tail on failure."""
-    log = jsonl[: -len(".jsonl")] + ".log"
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
-    cmd = [
+def race_command(flags, args, jsonl, seed=None):
+    """The entry point's command line for one run of the race."""
+    return [
         "bash",
         os.path.join(REPO, "examples", "run_torchrun.sh"),
         args.args_file,
@@ -184,6 +183,42 @@ def run_method(name, flags, args, jsonl, seed=None):
         *flags,
         *([] if seed is None else ["--seed", str(seed)]),
     ]
+
+
+def run_record(cmd) -> list[str]:
+    """What decides a run's numbers: its command with the args file's flags written out (an
+    edited args file, other flags, iterations or seed make another run), without the log path."""
+    head, tail = cmd[:3], cmd[3:]
+    return args_file_flags(head[2]) + [w for w in tail if not w.endswith(".jsonl")]
+
+
+def record_path(jsonl: str) -> str:
+    return jsonl[: -len(".jsonl")] + ".cmd.json"
+
+
+def reusable(jsonl: str, record: list[str], iters: int) -> str | None:
+    """Why the finished run at ``jsonl`` cannot stand in for this one; None when it can."""
+    if not os.path.exists(jsonl) or len(read_records(jsonl)) < iters:
+        return "not run to the end"
+    try:
+        with open(record_path(jsonl)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return "no record of the flags that trained it"
+    if saved != record:
+        return "trained with other flags"
+    return None
+
+
+def run_method(name, flags, args, jsonl, seed=None):
+    """Train once with ``flags``; returns the wall time (s). Raises with the log tail on failure.
+    On success the run's flags go to ``<run>.cmd.json`` beside its JSONL (what ``reusable``
+    compares); a failed or killed run leaves none."""
+    log = jsonl[: -len(".jsonl")] + ".log"
+    for stale in (jsonl, record_path(jsonl)):
+        if os.path.exists(stale):
+            os.remove(stale)
+    cmd = race_command(flags, args, jsonl, seed)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     start = time.time()
     with open(log, "w") as out:
@@ -193,7 +228,15 @@ def run_method(name, flags, args, jsonl, seed=None):
         with open(log) as f:
             tail = f.read()[-3000:]
         raise RuntimeError(f"{name}: exit {proc.returncode}; log {log}:\n{tail}")
+    save_record(jsonl, cmd)
     return wall
+
+
+def save_record(jsonl: str, cmd) -> None:
+    tmp = record_path(jsonl) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(run_record(cmd), f, indent=0)
+    os.replace(tmp, record_path(jsonl))
 
 
 def args_file_flags(args_file):
@@ -494,7 +537,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=300)
     p.add_argument(
         "--workdir",
-        help="runs and their JSONL, reused when complete (default: "
+        help="runs and their JSONL, reused when complete and trained with the same flags (default: "
         "runs/training_balance/<args file's name>: one model's runs never stand in for another's)",
     )
     p.add_argument(
@@ -538,13 +581,16 @@ def main(argv=None):
         for seed in args.seeds or [None]:
             run = name if seed is None else f"{name} seed {seed}"
             jsonl = os.path.join(args.workdir, _slug(run) + ".jsonl")
-            records = read_records(jsonl) if os.path.exists(jsonl) else []
-            if args.fresh or len(records) < args.iters:
-                print(f"[race] {run}: training {args.iters} iterations ...", flush=True)
+            record = run_record(race_command(METHODS[name], args, jsonl, seed))
+            why = "--fresh" if args.fresh else reusable(jsonl, record, args.iters)
+            if why is None:
+                print(f"[race] {run}: reusing {jsonl}", flush=True)
+            else:
+                print(f"[race] {run}: training {args.iters} iterations ({why}) ...", flush=True)
                 walls[run] = run_method(run, METHODS[name], args, jsonl, seed)
-                records = read_records(jsonl)
                 print(f"[race] {run}: {walls[run]:.0f} s", flush=True)
-            runs.append(summarize(name, records[: args.iters]))
+            records = read_records(jsonl)
+            runs.append(summarize(name, records))
         results.append(combine(runs))
     # relative to `none`'s runs: None (JSON null) when `none` did not run or a figure is missing
     base = next((r["tokens_per_s"] for r in results if r["method"] == "none"), None)

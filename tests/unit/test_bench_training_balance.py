@@ -97,3 +97,53 @@ def test_other_args_files_write_beside_the_races_results():
     assert race.results_dir(race.DEFAULT_ARGS_FILE) == race.RESULTS
     wide = str(REPO / "examples" / "args" / "k3_sparse_wide.sh")
     assert race.results_dir(wide) == str(Path(race.RESULTS) / "k3_sparse_wide")
+
+
+def test_a_finished_run_is_reused_only_with_the_flags_that_trained_it(
+    tmp_path, monkeypatch, capsys
+):
+    """The race reused any JSONL with enough iterations: after a method's flags, the args file,
+    --iters or the seed changed, it reported the old run as the new one."""
+    args_file = tmp_path / "model.sh"
+    args_file.write_text(
+        'source "%s"\nARGS+=(--lr 1e-3)\n' % (REPO / "examples" / "args" / "k3_sparse_tiny.sh")
+    )
+    trained = []
+
+    def fake_run(name, flags, args, jsonl, seed=None):  # a run that trains instantly
+        trained.append(name)
+        with open(jsonl, "w") as f:
+            for r in _records([1.0] * args.iters):
+                f.write(json.dumps(r) + "\n")
+        race.save_record(jsonl, race.race_command(flags, args, jsonl, seed))
+        return 0.0
+
+    monkeypatch.setattr(race, "run_method", fake_run)
+    monkeypatch.setattr(
+        race,
+        "token_floor",
+        lambda *a: dict(experts_over_topk=32, mean=0.0, max=0.0, most_frequent_token=0),
+    )
+    monkeypatch.setattr(race, "plot", lambda *a: None)
+    base = ["--args-file", str(args_file), "--methods", "none", "--side-by-side-steps", "0"]
+    base += ["--iters", "60", "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+
+    def race_with(*extra):
+        trained.clear()
+        race.main([*base, *extra])
+        return list(trained)
+
+    assert race_with() == ["none"]
+    assert race_with() == []  # the same flags: reused
+    assert race_with("--seeds", "7") == ["none seed 7"]
+    assert race_with("--seeds", "7") == []
+    monkeypatch.setitem(race.METHODS, "none", race.METHODS["none"] + ["--moe-router-topk", "2"])
+    assert race_with() == ["none"]  # the method's flags changed
+    args_file.write_text(args_file.read_text().replace("1e-3", "2e-3"))
+    assert race_with() == ["none"]  # the args file changed
+    base[base.index("--iters") + 1] = "70"
+    assert race_with() == ["none"]  # other iterations: another LR schedule
+    assert "trained with other flags" in capsys.readouterr().out
+    (tmp_path / "runs" / "none.cmd.json").unlink()
+    assert race_with() == ["none"]  # a run without its record is not trusted
+    assert "no record of the flags" in capsys.readouterr().out
