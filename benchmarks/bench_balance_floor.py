@@ -214,14 +214,13 @@ class Floors:
     def __init__(self, a, config, model, batches):
         import torch.distributed as dist
 
-        from megatron_latentmoe.moe.balance_step import token_parallel_group
         from megatron_latentmoe.moe.router import QuantileBalancingRouter
 
         self.a, self.config, self.model, self.batches = a, config, model, batches
         self.topk = config.moe_router_topk
-        self.group = token_parallel_group(config)
-        self.world = dist.get_world_size(self.group)
         self.routers = [m for m in model.modules() if isinstance(m, QuantileBalancingRouter)]
+        self.group = self.routers[0].token_group
+        self.world = dist.get_world_size(self.group)
         self.policy = None
         for layer, router in enumerate(self.routers):
             router.routing = self._wrap(layer, router, router.routing)

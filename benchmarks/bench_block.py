@@ -185,7 +185,7 @@ def time_variants(variants, x, grad, iters, warmup):
         inp = x.detach().requires_grad_()
         out, _ = layer(inp)
         out.backward(grad)
-        update_balance([layer], None)  # the step end: QB solve, load metrics (no-op: Megatron's)
+        update_balance([layer])  # the step end: QB solve, load metrics (no-op: Megatron's)
         layer.zero_grad(set_to_none=True)
 
     from megatron_latentmoe.ops import situ

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.utils import get_model_config
 
 from megatron_latentmoe.moe.router import BalanceCountingRouter, QuantileBalancingRouter
 
@@ -87,11 +85,15 @@ def balance_routers(model_chunks: Iterable[torch.nn.Module]) -> list[BalanceCoun
     return out
 
 
-def token_parallel_group(config) -> dist.ProcessGroup | None:
-    """The ranks that route different tokens: DP×CP, and TP too when SP splits the sequence."""
-    if config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+def _token_group(routers: list[BalanceCountingRouter]) -> dist.ProcessGroup | None:
+    """The one group the routers' counts are summed over (each router's ``token_group``)."""
+    groups = {id(r.token_group): r.token_group for r in routers}
+    if len(groups) > 1:
+        raise ValueError(
+            f"the MoE layers' routers hold {len(groups)} different token-parallel groups "
+            "(pg_collection.dp_cp / tp_dp_cp); the step-end balance update needs one"
+        )
+    return next(iter(groups.values()))
 
 
 # The mean router input travels in the integer all-reduce as fixed point: each rank adds its
@@ -111,12 +113,11 @@ def _from_fixed(words: torch.Tensor, ranks: int) -> torch.Tensor:
 
 @torch.no_grad()
 def update_balance(
-    model_chunks: Iterable[torch.nn.Module],
-    group: dist.ProcessGroup | None,
-    drift_correction: bool = True,
+    model_chunks: Iterable[torch.nn.Module], drift_correction: bool = True
 ) -> list[BalanceMetrics]:
     """ONE integer all-reduce for all counting routers of this stage: QB histograms, routed loads
-    and token counts; then every QB router solves its new bias (SPEC §4); metrics; reset.
+    and token counts, over the routers' ``token_group``; then every QB router solves its new
+    bias (SPEC §4); metrics; reset.
     ``drift_correction=False``: the histograms were observed under the weights the next batch is
     routed with (a rescoring pass, training/qb_rescore.py), so no drift correction follows (the
     global mean router input is kept: ``router.qb_mean_input``)."""
@@ -134,7 +135,7 @@ def update_balance(
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
         packed.append(torch.cat(parts))
     stats = []
-    for router, part in zip(routers, _sum_over_ranks(packed, group), strict=True):
+    for router, part in zip(routers, _sum_over_ranks(packed, _token_group(routers)), strict=True):
         n = router.config.num_moe_experts
         router.last_loads_E = part[-n - 1 : -1].to(torch.int64)
         stats.append(BalanceMetrics.stats(router.last_loads_E, part[-1]))
@@ -179,7 +180,7 @@ def _solve_from(router: QuantileBalancingRouter, words: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module], group) -> None:
+def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module]) -> None:
     """An extra QB solve inside a rescored step (``--moe-qb-rescore-solves S > 1``,
     training/qb_rescore.py): ONE integer all-reduce of the QB routers' histograms only, each
     router's new bias, histograms reset. Loads, token counts and mean router inputs stay for the
@@ -188,7 +189,7 @@ def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module], group) -> None:
     if not routers:
         return
     packed = [r.qb_histogram.pack() for r in routers]
-    for router, words in zip(routers, _sum_over_ranks(packed, group), strict=True):
+    for router, words in zip(routers, _sum_over_ranks(packed, _token_group(routers)), strict=True):
         _solve_from(router, words)
         router.qb_histogram.reset()
 
@@ -200,4 +201,4 @@ def finalize_model_grads_with_quantile_balancing(
     finalize_model_grads(
         model, num_tokens=num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
     )
-    update_balance(model, token_parallel_group(get_model_config(model[0])))
+    update_balance(model)

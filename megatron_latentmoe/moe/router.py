@@ -29,6 +29,7 @@ exactly once. No host sync in the forward.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
@@ -44,15 +45,31 @@ def megatron_device() -> torch.device:
     return torch.device("cpu")
 
 
+def token_parallel_group(config, pg_collection):
+    """The ranks that route different tokens, over which the step end sums a router's counts:
+    DP×CP, and TP too when SP splits the sequence (without SP the TP ranks route the same
+    tokens). From the layer's ``pg_collection`` (a model built with its own process groups);
+    Megatron's MoE default collection has no ``dp_cp``, which then comes from parallel_state."""
+    tp = pg_collection.tp
+    if config.sequence_parallel and tp is not None and tp.size() > 1:
+        return pg_collection.tp_dp_cp
+    dp_cp = getattr(pg_collection, "dp_cp", None)
+    if dp_cp is not None:
+        return dp_cp
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 class BalanceCountingRouter(TopKRouter):
     """Megatron's ``TopKRouter`` plus a per-step count of the tokens routed to each expert.
 
     ``step_loads_E`` [n] int64 (routed copies per expert) and ``step_tokens`` (tokens routed)
-    are per-step scratch, out of checkpoints; the step end all-reduces and resets them.
+    are per-step scratch, out of checkpoints; the step end all-reduces them over
+    ``token_group`` (:func:`token_parallel_group`) and resets them.
     """
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.token_group = token_parallel_group(config, pg_collection)
         device = megatron_device()
         n = config.num_moe_experts
         self.register_buffer(

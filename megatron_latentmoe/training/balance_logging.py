@@ -35,13 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.utils import get_model_config
 
-from megatron_latentmoe.moe.balance_step import (
-    balance_routers,
-    token_parallel_group,
-    update_balance,
-)
+from megatron_latentmoe.moe.balance_step import balance_routers, update_balance
 
 # One layer row of the gathered tensor: a "present" flag, these metrics (``router.last_balance``
 # fields, and the keys of the layer's record) and then the optional per-expert loads.
@@ -284,7 +279,7 @@ def _device_of(model_chunks) -> torch.device:
 
 def balance_step_end(model, balance_logger: BalanceLogger | None, drift_correction: bool = True):
     """The step-end balance update (one integer all-reduce, QB solve) and its log line."""
-    update_balance(model, token_parallel_group(get_model_config(model[0])), drift_correction)
+    update_balance(model, drift_correction)
     if balance_logger is not None:
         balance_logger.on_step_end(model)
 

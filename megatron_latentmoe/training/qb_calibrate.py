@@ -193,7 +193,7 @@ class QBCalibration:
         """Calibrate every QB router of the model (``call``: ``train_step``'s arguments by name)."""
         from megatron.core import parallel_state, tensor_parallel
 
-        from megatron_latentmoe.moe.balance_step import balance_routers, token_parallel_group
+        from megatron_latentmoe.moe.balance_step import balance_routers
         from megatron_latentmoe.moe.router import QuantileBalancingRouter
         from megatron_latentmoe.training.forward_step import forward_only_pass
 
@@ -209,7 +209,7 @@ class QBCalibration:
             numbers = [x for part in gathered for x in part]
         num_microbatches = self.num_microbatches()
         batches = self.pool_micro_batches(num_microbatches)
-        group = token_parallel_group(call["config"])
+        group = routers[0].token_group if routers else None
         tracker = tensor_parallel.get_cuda_rng_tracker()
         tracker_states = tracker.get_states()
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

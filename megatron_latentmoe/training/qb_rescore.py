@@ -176,11 +176,9 @@ class QBRescore:
 
     @staticmethod
     def _solve(model) -> None:
-        from megatron.core.utils import get_model_config
+        from megatron_latentmoe.moe.balance_step import solve_quantile_bias
 
-        from megatron_latentmoe.moe.balance_step import solve_quantile_bias, token_parallel_group
-
-        solve_quantile_bias(model, token_parallel_group(get_model_config(model[0])))
+        solve_quantile_bias(model)
 
     def _rescore(self, call: dict) -> None:
         """The forward-only pass of the recorded micro-batches; ``call``: ``train_step``'s

@@ -52,7 +52,7 @@ def _run(rank, world_size, layout, state=None, **extra):
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_latentmoe.moe.balance_step import balance_routers, token_parallel_group
+    from megatron_latentmoe.moe.balance_step import balance_routers
     from megatron_latentmoe.training.qb_calibrate import QBCalibration, calibrate_bias
 
     models, ddps, _ = build("alltoall", layers=LAYERS, **layout, **extra)
@@ -119,9 +119,7 @@ def _run(rank, world_size, layout, state=None, **extra):
         scores, router.qb_calibration_scores = router.qb_calibration_scores, None
         hist = type(router.qb_histogram)(8, 2, num_bins=router.qb_histogram.num_bins)
         zero = torch.zeros_like(router.expert_bias)
-        resolved[router.layer_number] = calibrate_bias(
-            hist, zero, scores, token_parallel_group(models[0].config)
-        )[0]
+        resolved[router.layer_number] = calibrate_bias(hist, zero, scores, router.token_group)[0]
     return dict(
         bias={r.layer_number: r.expert_bias.clone() for r in routers},
         resolved=resolved,

@@ -12,7 +12,9 @@ process that observed the whole global batch:
 * every rank ends with the same bias, bit for bit, equal to the single-process solve;
 * exactly one all-reduce per step for all layers, of L·(n·B + header + d + n + 1) integers
   (histogram, mean router input in fixed point, loads, tokens), whatever the number of tokens;
-* the same with QB as a drop-in router in Megatron's own ``MoELayer`` (no latent projections).
+* the same with QB as a drop-in router in Megatron's own ``MoELayer`` (no latent projections);
+* a model built with its own process groups (``pg_collection``) reduces over its ``dp_cp``
+  group, not over parallel_state's.
 * the second step bins with the new bias (the range moves) and still agrees.
 """
 
@@ -32,6 +34,7 @@ LAYOUTS = {
         "EP2": dict(ep=2),
         "EP2-centered": dict(ep=2, binning="centered"),
         "EP2-megatron-moe": dict(ep=2, latent=False),
+        "DP2-own-groups": dict(own_groups=True),
     },
     4: {
         "DP2xEP2": dict(ep=2),
@@ -94,10 +97,11 @@ def _token_share(sequence_parallel):
 def _run_layout(rank, world_size, layout, tokens):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_latentmoe.compat import initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
-    from megatron_latentmoe.moe.balance_step import token_parallel_group, update_balance
+    from megatron_latentmoe.moe.balance_step import update_balance
     from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
 
     tp, ep, cp = layout.get("tp", 1), layout.get("ep", 1), layout.get("cp", 1)
@@ -120,13 +124,24 @@ def _run_layout(rank, world_size, layout, tokens):
             else dict(moe_latent_size=None, latent_moe_use_norm=False)
         ),
     )
+    pg_collection = None
+    if layout.get("own_groups"):  # the model's groups: the same ranks, not parallel_state's
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        pg_collection.dp_cp = dist.new_group(ranks=list(range(world_size)))
     layers = torch.nn.ModuleList(
-        [get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=i + 1) for i in range(LAYERS)]
+        [
+            get_stable_latentmoe_mlp_spec(cfg)(
+                config=cfg, layer_number=i + 1, pg_collection=pg_collection
+            )
+            for i in range(LAYERS)
+        ]
     )
     layers.train()
     expected_type = "StableLatentMoELayer" if layout.get("latent", True) else "MoELayer"
     assert type(layers[0]).__name__ == expected_type
-    group = token_parallel_group(cfg)
+    group = layers[0].router.token_group
+    if pg_collection is not None:
+        assert group is pg_collection.dp_cp, "QB does not reduce over the model's dp_cp group"
     index, share = _token_share(cfg.sequence_parallel)
     group_size = dist.get_world_size(group) if group is not None else 1
     assert group_size == share, f"QB reduces over {group_size} ranks; {share} hold different tokens"
@@ -136,6 +151,7 @@ def _run_layout(rank, world_size, layout, tokens):
     original_all_reduce = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):
+        assert kwargs.get("group") is group, "the step end reduced over another group"
         result = original_all_reduce(tensor, *args, **kwargs)
         reduced.append(tensor.clone())
         return result
@@ -149,7 +165,7 @@ def _run_layout(rank, world_size, layout, tokens):
         reduced.clear()
         dist.all_reduce = recording_all_reduce
         try:
-            update_balance([layers], group)
+            update_balance([layers])
         finally:
             dist.all_reduce = original_all_reduce
         n_bins = EXPERTS * BINS

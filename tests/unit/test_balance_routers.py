@@ -72,7 +72,7 @@ def _run(rank, world_size):
             sign_loads = None
             if layer.router.enable_expert_bias:
                 sign_loads = layer.router.local_tokens_per_expert.clone()
-            update_balance([layer], None)
+            update_balance([layer])
             tracker = get_moe_metrics_tracker()
             aux = {k: e.values.clone() for k, e in tracker.metrics.items() if e.values.any()}
             tracker.clear()

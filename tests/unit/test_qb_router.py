@@ -92,7 +92,7 @@ def _run(rank, world_size):
     bad[0, 0, :] = float("nan")
     layer(bad.requires_grad_())
     try:
-        update_balance([layer], None)
+        update_balance([layer])
         out["nan_error"] = None
     except ValueError as err:
         out["nan_error"] = str(err)
@@ -114,7 +114,7 @@ def _run(rank, world_size):
     layer.router.step_input_sum_D.zero_()
     y, _ = layer(x.clone().requires_grad_(), padding_mask=padding)
     y.sum().backward()
-    update_balance([layer], None)
+    update_balance([layer])
     solved = layer.router.expert_bias.clone()
     mean_input = x.transpose(0, 1)[~padding].mean(dim=0)  # padding excluded
     w_old = layer.router.weight.detach().clone()
