@@ -156,6 +156,9 @@ def main() -> None:
     )
     ap.add_argument("--_make", nargs=2, metavar=("PATH", "LAYERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    small = [n for n in args.layers if n < 2]
+    if small:
+        ap.error(f"--layers {small[0]}: each an integer >= 2 (the dense first layer + >= 1 MoE)")
     if args._make:
         print(json.dumps(make_checkpoint(args._make[0], int(args._make[1]))))
         return

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("bench_situ.py", ["--reps", "0"], "--reps 0: an integer >= 1"),
         ("bench_block.py", ["--iters", "0"], "--iters 0: an integer >= 1"),
         ("bench_step_balancers.py", ["--methods", "none", "--steps", "0"], "--steps 0"),
+        ("bench_convert.py", ["--layers", "2", "0"], "--layers 0: each an integer >= 2"),
     ],
 )
 def test_bad_option_is_one_line_exit_2(script, argv, message, tmp_path):
