@@ -51,6 +51,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchmarks.results_io import json_path, write_json  # noqa: E402
+
 VARIANTS = {
     "none": "no bias (iteration 1 of every method)",
     "own": "the batch's own balancing bias (forbidden)",
@@ -98,9 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # one torchrun per seed
     p.add_argument("--part", help=argparse.SUPPRESS)
     p.add_argument(
-        "--out", default=os.path.join(REPO, "benchmarks", "results", "balance_floor.json")
+        "--out", help="JSON file or folder (default: benchmarks/results/balance_floor.json)"
     )
     a = p.parse_args(argv)
+    a.out = json_path(a.out, "balance_floor.json")
     for name in ("batches", "pool", "solver_iters"):
         if getattr(a, name) < 2:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 2")
@@ -374,10 +377,7 @@ def run_rank(a):
         if dist.get_rank() == 0:
             print(f"[floor] seed {a.seed}: {name} done ({time.time() - start:.0f} s)", flush=True)
     if dist.get_rank() == 0:
-        tmp = a.part + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, a.part)
+        write_json(a.part, result)
 
 
 def summarize(per_seed, variants):
@@ -412,7 +412,7 @@ def main(argv=None):
         return 0
     from bench_step_balancers import torchrun
 
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     per_seed = {}
     argv = sys.argv[1:] if argv is None else list(argv)
     for seed in a.seeds:
@@ -444,10 +444,7 @@ def main(argv=None):
         )
     checks = {s: r.get("matches_race_iteration_1") for s, r in per_seed.items()}
     print(f"batch 1 under no bias == the race's iteration-1 loads (none run): {checks}")
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(args=vars(a), results=rows, per_seed=per_seed), f, indent=1)
-    os.replace(tmp, a.out)
+    write_json(a.out, dict(args=vars(a), results=rows, per_seed=per_seed), indent=1)
     print(f"wrote {a.out}")
     return 0
 

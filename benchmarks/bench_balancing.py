@@ -30,7 +30,6 @@ third (control) repeats the drift run with one cluster, where all micro-batches 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.results_io import RESULTS, folder_refusal, write_json, write_png  # noqa: E402
 from megatron_latentmoe.balancing import (  # noqa: E402
     HEADER_FIELDS,
     CenteredQuantileHistogram,
@@ -52,8 +52,6 @@ from megatron_latentmoe.balancing_reference import (  # noqa: E402
     sign_update_bias,
     topk_loads,
 )
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def load_megatron_qb():
@@ -306,7 +304,7 @@ def main(argv=None):
         help="steps of the homogeneous control (1 cluster: every micro-batch alike; 0: skip)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", default=RESULTS, help="output folder for JSON + PNG")
+    p.add_argument("--out", default=RESULTS, help="output folder of bench_balancing.json and .png")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     least = dict(experts=2, topk=1, steps=1, micro_batches=1, micro_batch=1, clusters=1)
@@ -315,6 +313,9 @@ def main(argv=None):
     for name, low in least.items():
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: an integer >= {low}")
+    refusal = folder_refusal(args.out, "bench_balancing.json and .png")
+    if refusal:
+        p.error(refusal)
     if args.topk >= args.experts or min(args.bins) < 2:
         p.error("--topk must be < --experts (QB's top-(k+1)) and every --bins >= 2")
     torch.set_num_threads(args.threads)
@@ -435,12 +436,8 @@ def main(argv=None):
     for line in notes:
         print("note:", line)
 
-    os.makedirs(args.out, exist_ok=True)
     result["wall_seconds"] = round(time.time() - t_start, 1)
-    json_path = os.path.join(args.out, "bench_balancing.json")
-    with open(json_path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(json_path + ".tmp", json_path)
+    write_json(os.path.join(args.out, "bench_balancing.json"), result, indent=1)
     plot(result, os.path.join(args.out, "bench_balancing.png"))
     print(f"wrote {args.out}/bench_balancing.json and .png in {result['wall_seconds']} s")
 
@@ -493,9 +490,7 @@ def plot(result, path):
     axes[1].set_title(f"fixed batch of {c['stationary_tokens']} tokens: estimator resolution")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    with open(path + ".tmp", "wb") as f:
-        fig.savefig(f, dpi=90, format="png")
-    os.replace(path + ".tmp", path)
+    write_png(fig, path)
     plt.close(fig)
 
 

@@ -32,7 +32,6 @@ Prints a table of tokens/s and the ratio to ``megatron_moe``; writes JSON (defau
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,6 +43,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 
 def parse_args():
@@ -59,8 +60,11 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_block.json"))
+    p.add_argument(
+        "--out", help="JSON file or folder (default: benchmarks/results/bench_block.json)"
+    )
     a = p.parse_args()
+    a.out = json_path(a.out, "bench_block.json")
     for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
@@ -265,30 +269,25 @@ def main():
         f"Quantile Balancing's share of the block's fwd+bwd+step end (1 - t(stable_router_none) "
         f"/ t(stable)): median {100 * qb_share:.1f} %, min {100 * qb_share_min:.1f} %"
     )
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(
-        json.dumps(
-            dict(
-                args=vars(a),
-                device=device.type,
-                torch=torch.__version__,
-                situ_share=situ_share,
-                situ_share_eager=eager_share,
-                situ_share_min=share("seconds_min", "stable"),
-                situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
-                batched_activation_speedup_min=batched,
-                bare_gemm_speedup=bare,
-                qb_share=qb_share,
-                qb_share_min=qb_share_min,
-                results=rows,
-            ),
-            indent=2,
-        )
+    write_json(
+        a.out,
+        dict(
+            args=vars(a),
+            device=device.type,
+            torch=torch.__version__,
+            situ_share=situ_share,
+            situ_share_eager=eager_share,
+            situ_share_min=share("seconds_min", "stable"),
+            situ_share_eager_min=share("seconds_min", "stable_eager_situ"),
+            batched_activation_speedup_min=batched,
+            bare_gemm_speedup=bare,
+            qb_share=qb_share,
+            qb_share_min=qb_share_min,
+            results=rows,
+        ),
+        indent=2,
     )
-    tmp.replace(out)
-    print(f"wrote {out}")
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

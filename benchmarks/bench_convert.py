@@ -12,7 +12,7 @@ included), the process's peak RSS, its RSS before converting (imports only) and 
 during the conversion. Streaming means the growth stays bounded (about one read batch for
 export, one tensor for import) while the checkpoint grows.
 
-    python benchmarks/bench_convert.py [--layers 2 5 9] [--workdir DIR] [--keep]
+    python benchmarks/bench_convert.py [--layers 2 5 9] [--workdir DIR] [--keep] [--out FILE/DIR]
 
 Writes benchmarks/results/bench_convert.json and prints a table.
 """
@@ -31,6 +31,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 # hidden 1024, GQA 16 heads / 4 groups, 64 experts top-4 of width 512 on latent 512, 2 shared
 # experts, vocab 32000: ~57 M parameters per MoE layer, 15 M for the dense first layer,
@@ -132,11 +134,7 @@ def machine(load_before) -> dict:
 
 
 def write_result(path: str, result: dict) -> None:
-    """Write the result JSON (temp name, then rename: never half-written)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_json(path, result, indent=2)
     print(f"wrote {path}")
 
 
@@ -152,10 +150,14 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument(
-        "--output", default=os.path.join(REPO, "benchmarks", "results", "bench_convert.json")
+        "--out",
+        "--output",
+        dest="out",
+        help="JSON file or folder (default: benchmarks/results/bench_convert.json)",
     )
     ap.add_argument("--_make", nargs=2, metavar=("PATH", "LAYERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.out = json_path(args.out, "bench_convert.json")
     small = [n for n in args.layers if n < 2]
     if small:
         ap.error(f"--layers {small[0]}: each an integer >= 2 (the dense first layer + >= 1 MoE)")
@@ -268,7 +270,7 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    write_result(args.output, result)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

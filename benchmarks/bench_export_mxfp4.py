@@ -10,7 +10,7 @@ Reported: routed-expert bytes of each export and their ratio (16 / 4.25 = 3.76 e
 HF bytes, seconds, checkpoint MB read per second and parameters per second of the tensor loop,
 and the RSS growth during the loop (streaming: bounded by a read batch, not the model size).
 
-    python benchmarks/bench_export_mxfp4.py [--layers 3] [--workdir DIR]
+    python benchmarks/bench_export_mxfp4.py [--layers 3] [--workdir DIR] [--out FILE/DIR]
 
 Writes benchmarks/results/bench_export_mxfp4.json and prints a table.
 """
@@ -37,6 +37,8 @@ from bench_convert import (  # noqa: E402 (needs sys.path above)
     write_result,
 )
 
+from benchmarks.results_io import json_path  # noqa: E402
+
 VARIANTS = {
     "bf16": ["--dtype", "bf16"],
     "bf16 + mxfp4 experts": ["--dtype", "bf16", "--expert-dtype", "mxfp4"],
@@ -47,8 +49,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=3, help="1 dense + (layers - 1) MoE layers")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--output", default=os.path.join(HERE, "results", "bench_export_mxfp4.json"))
+    ap.add_argument(
+        "--out",
+        "--output",
+        dest="out",
+        help="JSON file or folder (default: benchmarks/results/bench_export_mxfp4.json)",
+    )
     args = ap.parse_args()
+    if args.layers < 2:
+        ap.error(f"--layers {args.layers}: an integer >= 2 (the dense first layer + >= 1 MoE)")
+    args.out = json_path(args.out, "bench_export_mxfp4.json")
     load_before = os.getloadavg()
     work = args.workdir or tempfile.mkdtemp(prefix="bench_mxfp4_")
     ck = os.path.join(work, "ck")
@@ -144,7 +154,7 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    write_result(args.output, result)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -48,8 +49,12 @@ def parse_args(argv=None):
         action="store_true",
         help="sequential TE experts (where cuBLASLt grouped GEMM is unavailable)",
     )
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_gpu_block.json"))
-    return p.parse_args(argv)
+    p.add_argument(
+        "--out", help="JSON file or folder (default: benchmarks/results/bench_gpu_block.json)"
+    )
+    a = p.parse_args(argv)
+    a.out = json_path(a.out, "bench_gpu_block.json")
+    return a
 
 
 def skip_reason() -> str | None:
@@ -137,8 +142,6 @@ def time_side_by_side(variants, x, grad, iters, warmup):
 
 def main(argv=None):
     a = parse_args(argv)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     reason = skip_reason()
     if reason:
         print(f"bench_gpu_block: skipped: {reason}")
@@ -217,10 +220,8 @@ def main(argv=None):
             print(f"{name:<26}{r['ms']:>9.2f}{r['bf16_ms']:>12.2f}{r['speedup_vs_bf16']:>19.3f}x")
         for name, why in skipped.items():
             print(f"{name:<26} skipped: {why}")
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
-    print(f"wrote {out}")
+    write_json(a.out, result, indent=2)
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

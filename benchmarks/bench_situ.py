@@ -15,7 +15,6 @@ write) measured in the same run (an H200 copies at ~4.3 TB/s).
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_reference
 from megatron_latentmoe.ops import situ as situ_mod
 
@@ -157,12 +157,10 @@ def main():
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
     )
     p.add_argument(
-        "--out",
-        default=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results", "bench_situ.json"
-        ),
+        "--out", help="JSON file or folder (default: benchmarks/results/bench_situ.json)"
     )
     a = p.parse_args()
+    a.out = json_path(a.out, "bench_situ.json")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; allowed: cpu")
     for flag, value in (("--tokens", a.tokens), ("--ffn", a.ffn), ("--reps", a.reps)):
@@ -233,7 +231,6 @@ def main():
         )
     table = "\n".join(lines)
     print(table)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     meta = dict(
         torch=torch.__version__,
         thread_counts=thread_counts,
@@ -251,10 +248,7 @@ def main():
             "* element size"
         ),
     )
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, table=table), f, indent=2)
-    os.replace(tmp, a.out)
+    write_json(a.out, dict(meta=meta, rows=rows, table=table), indent=2)
     print(f"wrote {a.out}")
 
 

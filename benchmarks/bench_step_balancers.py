@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import statistics
 import subprocess
@@ -45,6 +44,8 @@ from functools import partial
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
         "--out",
-        help="JSON to write (default: bench_step_balancers.json in benchmarks/results for "
+        help="JSON file or folder (default: bench_step_balancers.json in benchmarks/results for "
         "k3_sparse_tiny.sh, in benchmarks/results/<args file's name> for any other)",
     )
     a = p.parse_args(argv)
@@ -73,7 +74,7 @@ def parse_args(argv=None):
     ):
         if value < least:
             p.error(f"{flag} {value}: an integer >= {least}")
-    a.out = a.out or os.path.join(results_dir(a.args_file), "bench_step_balancers.json")
+    a.out = json_path(a.out or results_dir(a.args_file) + os.sep, "bench_step_balancers.json")
     if "none" not in a.methods:
         p.error("--methods must include 'none' (the ratios are to it)")
     return a
@@ -346,23 +347,19 @@ def run_rank(a):
             f"{1e3 * r['router_s_median']:>11.1f}"
             f"{r['router_s_median'] / r['step_s_median']:>9.1%}"
         )
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(
-            dict(
-                args={k: v for k, v in vars(a).items()},
-                torch=torch.__version__,
-                world_size=world,
-                tokens_per_step=global_tokens,
-                step_times_s=times,
-                router_times_s=router_times,
-                results=rows,
-            ),
-            f,
-            indent=1,
-        )
-    os.replace(tmp, a.out)
+    write_json(
+        a.out,
+        dict(
+            args=vars(a),
+            torch=torch.__version__,
+            world_size=world,
+            tokens_per_step=global_tokens,
+            step_times_s=times,
+            router_times_s=router_times,
+            results=rows,
+        ),
+        indent=1,
+    )
     print(f"wrote {a.out}")
 
 

@@ -44,6 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.results_io import RESULTS, folder_refusal, write_json, write_png  # noqa: E402
 from megatron_latentmoe.training.balance_summary import read_records  # noqa: E402
 
 # (name, flags). Every method routes with sigmoid scores; the aux-loss variants use Megatron's
@@ -233,10 +234,7 @@ def run_method(name, flags, args, jsonl, seed=None):
 
 
 def save_record(jsonl: str, cmd) -> None:
-    tmp = record_path(jsonl) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(run_record(cmd), f, indent=0)
-    os.replace(tmp, record_path(jsonl))
+    write_json(record_path(jsonl), run_record(cmd), indent=0)
 
 
 def args_file_flags(args_file):
@@ -452,9 +450,7 @@ def plot(result, path):
         va="top",
     )
     ax_tab.set_title(result["title"], loc="left", fontsize=10)
-    with open(path + ".tmp", "wb") as f:
-        fig.savefig(f, dpi=90, format="png")
-    os.replace(path + ".tmp", path)
+    write_png(fig, path)
     plt.close(fig)
 
 
@@ -497,7 +493,6 @@ def race_workdir(args_file):
 
 
 DEFAULT_ARGS_FILE = os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
-RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 
 def add_model_and_method_args(p):
@@ -570,6 +565,9 @@ def main(argv=None):
             f"--iters {args.iters}: must be > {EARLY} "
             f"(the windows are 1-{EARLY} and {EARLY + 1}-end)"
         )
+    refusal = args.out and folder_refusal(args.out, "training_balance.json and .png")
+    if refusal:
+        p.error(refusal)
     args.workdir = args.workdir or race_workdir(args.args_file)
     args.out = args.out or results_dir(args.args_file)
     os.makedirs(args.workdir, exist_ok=True)
@@ -631,10 +629,8 @@ def main(argv=None):
         "methods": results,
     }
     json_path = os.path.join(args.out, "training_balance.json")
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, allow_nan=False)  # strict JSON: a missing figure is null
-    os.replace(tmp, json_path)
+    # strict JSON: a missing figure is null
+    write_json(json_path, result, indent=1, allow_nan=False)
     try:
         plot(result, os.path.join(args.out, "training_balance.png"))
     except ImportError:

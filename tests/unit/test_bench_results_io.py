@@ -1,0 +1,61 @@
+"""benchmarks/results_io.py: where a benchmark writes (``--out`` a file or a folder) and that a
+result is never half-written; the two folder benchmarks refuse a file name for ``--out``."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.results_io import RESULTS, folder_refusal, json_path, write_json  # noqa: E402
+
+
+def test_out_is_a_file_or_a_folder(tmp_path):
+    assert json_path(None, "b.json") == str(Path(RESULTS) / "b.json")
+    assert json_path(str(tmp_path / "x.json"), "b.json") == str(tmp_path / "x.json")
+    assert json_path(str(tmp_path), "b.json") == str(tmp_path / "b.json")  # an existing folder
+    assert json_path(str(tmp_path / "new") + "/", "b.json") == str(tmp_path / "new" / "b.json")
+    assert folder_refusal(str(tmp_path / "x.json"), "b.json") is not None
+    assert folder_refusal(str(tmp_path / "new"), "b.json") is None
+
+
+def test_write_json_replaces_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_json(str(path), {"a": 1}, indent=1)
+    assert json.loads(path.read_text()) == {"a": 1}
+    with pytest.raises(TypeError):
+        write_json(str(path), {"a": object()})  # fails mid-dump
+    assert json.loads(path.read_text()) == {"a": 1}  # the old result, intact
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]  # no temporary left
+
+
+def _run(script, *argv):
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def test_a_folder_benchmark_refuses_a_file_for_out(tmp_path):
+    proc = _run("bench_balancing.py", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--out" in proc.stderr and "a folder is needed" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+def test_a_one_json_benchmark_writes_into_a_folder(tmp_path):
+    """A folder given to --out failed with IsADirectoryError after the whole run."""
+    proc = _run(
+        "bench_situ.py", "--tokens", "8", "--ffn", "8", "--reps", "1", "--dtypes", "fp32",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_situ.json"]
+    assert json.loads((tmp_path / "bench_situ.json").read_text())["rows"]
