@@ -17,7 +17,9 @@ feeds this micro-batch's scores into the layer's ``QuantileHistogram`` (SPEC §4
 bias itself changes only at the step end (``balance_step.py``), so a batch is never routed with
 a bias computed from itself.
 
-Counted / observed: the non-padding tokens (``padding_mask`` True = padding) of training
+Counted: the copies the experts keep (after Megatron's capacity dropping, without its fill up to
+capacity, which has probability 0). Counted / observed: the non-padding tokens (``padding_mask``
+True = padding) of training
 forwards with autograd on; observed only: a QB rescoring pass (``qb_rescoring``,
 ``training/qb_rescore.py``); only kept aside: the scores of a QB calibration pass
 (``qb_calibration_scores``, ``training/qb_calibrate.py``). Not counted: eval / inference
@@ -89,7 +91,11 @@ class BalanceCountingRouter(TopKRouter):
                 "from --eod-mask-loss or pad tokens); use quantile_histogram"
             )
         probs_ME, routing_map_TE = super().routing(logits, padding_mask=padding_mask)
-        self._count(routing_map_TE, padding_mask)
+        if self.config.moe_pad_expert_input_to_capacity:
+            # the fill up to each expert's capacity (probability 0) is not a load
+            self._count(routing_map_TE & (probs_ME != 0), padding_mask)
+        else:
+            self._count(routing_map_TE, padding_mask)
         return probs_ME, routing_map_TE
 
     def _apply_expert_bias(

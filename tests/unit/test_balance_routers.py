@@ -1,6 +1,7 @@
 """Every Megatron balancer with our MoE layers (latent and Megatron's own): the balance metrics
-of a step equal a recount from the routing map the router returned (padding excluded), and
-Megatron's sign update counts the same loads (its [T, n] & [T] padding crash is fixed).
+of a step equal a recount from the routing map the router returned (padding excluded; with a
+capacity factor the tokens the experts keep, without the fill up to capacity), and Megatron's
+sign update counts the same loads (its [T, n] & [T] padding crash is fixed).
 """
 
 import pytest
@@ -19,6 +20,18 @@ BALANCERS = {
     "sign_update": dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True),
     "none": dict(moe_router_load_balancing_type="none"),
     "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
+    # token dropping: loads are the kept copies; padded to capacity, the fill is not a load
+    "aux_loss_capacity": dict(
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_expert_capacity_factor=1.0,
+    ),
+    "aux_loss_capacity_padded": dict(
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+    ),
     "qb_uniform": dict(moe_qb_binning="uniform"),
     "qb_centered": dict(moe_qb_binning="centered"),
     "qb_seq_aux_loss": dict(  # QB with Megatron's seq aux loss beside it
@@ -49,8 +62,8 @@ def _run(rank, world_size):
             if name == "qb_seq_aux_loss":  # a bias that changes QB's selection
                 layer.router.expert_bias.copy_(torch.linspace(-0.5, 0.5, cfg.num_moe_experts))
             seen = []
-            layer.router.register_forward_hook(
-                lambda m, i, o, *, seen=seen: seen.append(o[1].detach().clone())
+            layer.router.register_forward_hook(  # the selections that carry a weight
+                lambda m, i, o, *, seen=seen: seen.append((o[1] & (o[0] != 0)).detach().clone())
             )
             padding = None
             if name != "megatron_qb":
@@ -103,7 +116,10 @@ def test_metrics_equal_recount_from_routing_map(result, latent, name):
     assert torch.equal(r["loads"], r["recount"])
     assert r["metrics"] == r["expected"]
     assert r["metrics"].num_tokens == r["tokens"]
-    assert int(r["loads"].sum()) == r["tokens"] * 2  # top-2, nothing dropped
+    if "capacity" in name:  # capacity 1.0: some copies dropped, none above the capacity
+        assert r["tokens"] < int(r["loads"].sum()) < r["tokens"] * 2
+    else:
+        assert int(r["loads"].sum()) == r["tokens"] * 2  # top-2, nothing dropped
 
 
 @pytest.mark.parametrize("latent", [True, False], ids=["latent", "megatron_moe"])
