@@ -150,6 +150,29 @@ class StableLatentMoEConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        self._validate_rope()
+
+    def _validate_rope(self) -> None:
+        """The model applies plain RoPE with ``rope_theta``; refuse any RoPE scaling or a
+        different theta given the transformers 5 way (``rope_parameters``, or the legacy
+        ``rope_scaling`` that transformers converts into it), which would be silently ignored."""
+        params = getattr(self, "rope_parameters", None) or {}
+        if not isinstance(params, dict):
+            raise _bad("rope_parameters", params, "a dict or None")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise _bad(
+                "rope_parameters",
+                params,
+                "no RoPE scaling (rope_type 'default'): the model applies plain RoPE",
+            )
+        theta = params.get("rope_theta")
+        if theta is not None and float(theta) != float(self.rope_theta):
+            raise _bad(
+                "rope_parameters",
+                params,
+                f"rope_theta equal to the config's rope_theta={self.rope_theta} (the one used)",
+            )
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:

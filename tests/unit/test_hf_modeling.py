@@ -578,3 +578,24 @@ def test_config_validation_errors(key, value, allowed):
         tiny_config(**{key: value})
     msg = str(err.value)
     assert key in msg and repr(value) in msg and allowed in msg
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    ],
+)
+def test_config_refuses_rope_settings_the_model_would_ignore(overrides):
+    """transformers 5 keeps RoPE settings in ``rope_parameters`` (``rope_scaling`` is converted
+    into it); the model uses plain RoPE with ``rope_theta``, so anything else must be an error,
+    not a silently different model."""
+    with pytest.raises(ValueError, match="rope_parameters"):
+        tiny_config(**overrides)
+
+
+def test_config_accepts_default_rope_parameters():
+    c = tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert c.rope_theta == 10000.0
