@@ -234,6 +234,10 @@ class StableLatentMoEConfig(PretrainedConfig):
             value = getattr(self, key)
             if not (_is_int(value) and value >= 0):
                 raise _bad(key, value, "an integer >= 0")
+        dropout = self.attention_dropout
+        is_number = isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
+        if not (is_number and 0 <= dropout < 1):
+            raise _bad("attention_dropout", dropout, "a number in [0, 1)")
         for key in ("latent_moe_use_norm", "moe_renormalize"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool")

@@ -571,6 +571,8 @@ def test_config_defaults_are_the_k3_values():
         ("routed_scaling_factor", -1.0, "positive"),
         ("num_shared_experts", -1, ">= 0"),
         ("latent_moe_use_norm", "yes", "bool"),
+        ("attention_dropout", 1.5, "[0, 1)"),
+        ("attention_dropout", -0.1, "[0, 1)"),
     ],
 )
 def test_config_validation_errors(key, value, allowed):
