@@ -412,7 +412,6 @@ def main(argv=None):
         return 0
     from bench_step_balancers import torchrun
 
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     per_seed = {}
     argv = sys.argv[1:] if argv is None else list(argv)
     for seed in a.seeds:

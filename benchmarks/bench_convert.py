@@ -14,7 +14,8 @@ export, one tensor for import) while the checkpoint grows.
 
     python benchmarks/bench_convert.py [--layers 2 5 9] [--workdir DIR] [--keep] [--out FILE/DIR]
 
-Writes benchmarks/results/bench_convert.json and prints a table.
+Writes benchmarks/results/bench_convert.json (or ``--out``: a file, or a folder to write it in)
+and prints a table.
 """
 
 from __future__ import annotations
@@ -131,11 +132,6 @@ def machine(load_before) -> dict:
         loadavg_before=load_before,
         loadavg_after=os.getloadavg(),
     )
-
-
-def write_result(path: str, result: dict) -> None:
-    write_json(path, result, indent=2)
-    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -270,7 +266,8 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    write_result(args.out, result)
+    write_json(args.out, result, indent=2)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

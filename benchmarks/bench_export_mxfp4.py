@@ -12,7 +12,8 @@ and the RSS growth during the loop (streaming: bounded by a read batch, not the 
 
     python benchmarks/bench_export_mxfp4.py [--layers 3] [--workdir DIR] [--out FILE/DIR]
 
-Writes benchmarks/results/bench_export_mxfp4.json and prints a table.
+Writes benchmarks/results/bench_export_mxfp4.json (or ``--out``: a file, or a folder to write it
+in) and prints a table.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from bench_convert import (  # noqa: E402 (needs sys.path above)
     dir_bytes,
     machine,
     run_cli,
-    write_result,
 )
 
-from benchmarks.results_io import json_path  # noqa: E402
+from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 VARIANTS = {
     "bf16": ["--dtype", "bf16"],
@@ -154,7 +154,8 @@ def main() -> None:
         rows=rows,
         table=table,
     )
-    write_result(args.out, result)
+    write_json(args.out, result, indent=2)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

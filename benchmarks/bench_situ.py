@@ -2,7 +2,8 @@
 torch.compile'd on CPU) vs its eager math, vs the plain-autograd reference (the HF modeling
 function) and vs SwiGLU (plain, and fused where TE / Megatron provide one); fwd+bwd time,
 activation bytes kept for backward, and on CUDA the achieved bytes/s against a device copy.
-Prints a table and writes benchmarks/results/bench_situ.json.
+Prints a table and writes benchmarks/results/bench_situ.json (or ``--out``: a file, or a folder
+to write it in).
 
     python benchmarks/bench_situ.py [--tokens 4096] [--ffn 3072] [--dtypes bf16 fp32] [--reps 5]
 
