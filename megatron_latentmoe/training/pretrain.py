@@ -304,6 +304,13 @@ def _main(check_only: bool = False) -> int:
         return 0
     if cpu_notes:
         _print0(f"[{PROG}] no CUDA: gloo, local spec; off on CPU: {', '.join(cpu_notes)}")
+    if args.disable_jit_fuser:
+        from megatron_latentmoe.ops.situ import set_cpu_compile
+
+        set_cpu_compile(False)
+        _print0(
+            f"[{PROG}] --disable-jit-fuser: no torch.compile for SiTU-GLU on CPU (its eager math)"
+        )
 
     if default_data_dir is not None:
         prefix = prepare_default_dataset(default_data_dir, DEFAULT_DATASET_NAME)

@@ -464,3 +464,19 @@ def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
     rtol, atol = (2e-6, 2e-5) if dtype == torch.float32 else (2**-7, 1e-2)
     for a, b in zip(results["compiled"], results["eager"], strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
+
+
+def test_compiling_turned_off_runs_the_eager_math(monkeypatch):
+    """``set_cpu_compile(False)`` (the entry point's ``--disable-jit-fuser``) keeps tensors above
+    COMPILE_MIN_ELEMS on the eager math, and on again compiles them."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    monkeypatch.setattr(situ_mod, "_compile_enabled", True)
+    x = torch.randn(8, 2 * 4)
+    big = situ_mod.COMPILE_MIN_ELEMS
+    assert situ_mod._path(x, big) == "compiled"
+    situ_mod.set_cpu_compile(False)
+    assert situ_mod._path(x, big) == "eager"
+    assert situ_mod._path(x.double(), big) == "eager"
+    situ_mod.set_cpu_compile(True)
+    assert situ_mod._path(x, big) == "compiled"
