@@ -4,7 +4,9 @@ Each shim module of ``compat`` applies its patches with :func:`apply_group`: the
 megatron-core is checked against the tested version first (:func:`check_megatron_core_version`),
 then every ``patch(owner, name, value)`` is recorded under the group's name, so that
 :func:`revert` can restore the originals (tests) and :func:`is_applied` makes applying idempotent.
-Nothing outside ``compat`` rebinds a Megatron attribute.
+Nothing outside ``compat`` rebinds a Megatron attribute. One change is made at import time
+instead, and not recorded: :func:`import_megatron_core` (the version check's import) leaves
+megatron-core's import-time ``torch.compile`` wrappers out where CUDA is not available.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ def check_megatron_core_version() -> str:
     suffix is ignored: ``megatron.core.package_info`` appends ``+<git hash>`` of whatever git
     checkout the installed package sits in (unless ``NO_VCS_VERSION=1``).
     """
-    import megatron.core
-
-    version = megatron.core.__version__.split("+")[0]
+    megatron_core = import_megatron_core()
+    version = megatron_core.__version__.split("+")[0]
     if version != TESTED_MEGATRON_CORE_VERSION:
         msg = (
             f"megatron_latentmoe's compat shims were written for megatron-core "
@@ -42,6 +43,45 @@ def check_megatron_core_version() -> str:
             raise RuntimeError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return version
+
+
+def _compile_nothing(model=None, **_options):
+    """``torch.compile``'s call forms, compiling nothing: ``@torch.compile``,
+    ``torch.compile(fn, ...)`` and ``torch.compile(...)(fn)`` all give ``fn`` back."""
+    return (lambda fn: fn) if model is None else model
+
+
+def import_megatron_core():
+    """``import megatron.core`` (once per process); where CUDA is not available, with
+    ``torch.compile`` compiling nothing while it imports.
+
+    megatron-core binds ``megatron.core.jit.jit_fuser = torch.compile`` at import and decorates
+    ~40 CUDA fusions with it there (its ``--disable-jit-fuser`` rebinds the name later, too late
+    for them). Creating those wrappers imports dynamo and inductor: measured on a 2-core EPYC,
+    ``import megatron.core`` takes 4.9 s with them and 2.3 s without, in every process (each
+    rank, each test worker). On CPU the fusions are off (``compat/training.py``) or would each
+    compile C++ on their first call; here they stay the plain functions, as under Megatron's own
+    ``noop_decorator``, and ``jit_fuser`` stays that no-op for modules imported later. A later
+    ``torch.compile`` of this package (SiTU-GLU's CPU path) is untouched. On a CUDA machine the
+    import is plain.
+    """
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return sys.modules["megatron.core"]
+    import torch
+
+    if torch.cuda.is_available():
+        import megatron.core
+
+        return megatron.core
+    compile_ = torch.compile
+    torch.compile = _compile_nothing
+    try:
+        import megatron.core
+    finally:
+        torch.compile = compile_
+    return megatron.core
 
 
 def patch(group: str, owner: object, name: str, value: object) -> None:
