@@ -99,7 +99,14 @@ if "${inst[@]}" >> "$log" 2>&1; then R[install]="ok (${inst[*]})"
 else R[install]="failed (${inst[*]}), see gpu_checks.log"; fail "${R[install]}"; fi
 say "install: ${R[install]}"
 
+# the CPU dry run asks once (the probes would each start Python to skip, ~4 s apiece)
+no_cuda=
+if [ "$mode" = check ] \
+  && ! "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" >> "$log" 2>&1; then
+  no_cuda=1
+fi
 probe() {  # probe NAME -> sets R[probe_NAME] = ok | failed | skipped
+  if [ -n "$no_cuda" ]; then R[probe_$1]=skipped; say "probe $1: skipped (no CUDA)"; return; fi
   "$py" tools/te_probe.py "$1" >> "$log" 2>&1
   case $? in 0) R[probe_$1]=ok ;; 3) R[probe_$1]=skipped ;; *) R[probe_$1]=failed ;; esac
   say "probe $1: ${R[probe_$1]}"
