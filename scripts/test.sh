@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the virtualenv and run the whole test suite: the README's test command.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`).
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`; `-n 0`: one process).
+# Two pytest-xdist workers: the tests run with one torch thread each (bit-reproducible), and the
+# single-process ones otherwise leave a core idle (tests/conftest.py groups the files).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vpy="$(bash "$repo/scripts/setup_env.sh" | tail -n 1)"
@@ -18,4 +20,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:
 # Lint and format first (a second each): the style is part of the test.
 "$vpy" -m ruff check -q .
 "$vpy" -m ruff format --check -q .
-exec "$vpy" -m pytest -q -p no:cacheprovider "${@:-tests}"
+exec "$vpy" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder "${@:-tests}"
