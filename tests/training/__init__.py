@@ -30,15 +30,8 @@ PYTHON = sys.executable
 # Smaller global batch than the main job (2 ranks x micro-batch 4): the tests need speed, not
 # quality. --disable-jit-fuser: no torch.compile of SiTU-GLU's dense layer, ~5 s a run that a few
 # iterations never win back (ops/situ.py); the Slurm test and the main job keep the compiled path.
-TEST_OVERRIDES = [
-    "--global-batch-size",
-    "8",
-    "--micro-batch-size",
-    "4",
-    "--log-interval",
-    "1",
-    "--disable-jit-fuser",
-]
+TEST_BATCH = ["--global-batch-size", "8", "--micro-batch-size", "4", "--log-interval", "1"]
+TEST_OVERRIDES = [*TEST_BATCH, "--disable-jit-fuser"]
 REF_ITERS = 40
 REF_SAVE_INTERVAL = 10
 

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from . import PYTHON, REPO, data_cache, environment, scratch_dir
+from . import PYTHON, REPO, TEST_BATCH, data_cache, environment, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -77,12 +77,7 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
     proc, srun_ran = _sbatch(
         "--train-iters",
         "3",
-        "--global-batch-size",
-        "8",
-        "--micro-batch-size",
-        "4",
-        "--log-interval",
-        "1",
+        *TEST_BATCH,
         "--data-cache-path",
         data_cache(),
     )
