@@ -20,4 +20,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:
 # Lint and format first (a second each): the style is part of the test.
 "$vpy" -m ruff check -q .
 "$vpy" -m ruff format --check -q .
-exec "$vpy" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder "${@:-tests}"
+exec "$vpy" -m pytest -q -p no:cacheprovider -n 2 "${@:-tests}"
