@@ -102,9 +102,7 @@ def _upcast_block(xb: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_math(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
-    """SiTU-GLU in the compute dtype of g / u (upcasts once; returns a new compute-dtype tensor)."""
-    cd = _compute_dtype(g.dtype)
-    g, u = g.to(cd), u.to(cd)
+    """SiTU-GLU of g / u, already in the compute dtype (:func:`_upcast_block`); a new tensor."""
     out = torch.div(g, b1).tanh_().mul_(b1).mul_(torch.sigmoid(g))
     return out.mul_(torch.div(u, b2).tanh_().mul_(b2))
 
@@ -112,15 +110,15 @@ def _forward_math(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> tor
 def _backward_math(
     g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, b1: float, b2: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Closed-form input gradients, returned in the compute dtype.
+    """Closed-form input gradients of g / u, already in the compute dtype (:func:`_upcast_block`),
+    returned in it.
 
     A(g) = b1 tanh(g/b1) sigmoid(g)    A'(g) = s (1 - t1^2) + A (1 - s)
     B(u) = b2 tanh(u/b2)               B'(u) = 1 - t2^2
     d/dg = grad * B * A'(g),           d/du = grad * A * B'(u)
     with t1 = tanh(g/b1), s = sigmoid(g), t2 = tanh(u/b2).
     """
-    cd = _compute_dtype(g.dtype)
-    g, u, grad = g.to(cd), u.to(cd), grad.to(cd)
+    grad = grad.to(g.dtype)
     t1 = torch.div(g, b1).tanh_()
     s = torch.sigmoid(g)
     t2 = torch.div(u, b2).tanh_()
