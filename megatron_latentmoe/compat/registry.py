@@ -52,8 +52,8 @@ def _compile_nothing(model=None, **_options):
 
 
 def import_megatron_core():
-    """``import megatron.core`` (once per process); where CUDA is not available, with
-    ``torch.compile`` compiling nothing while it imports.
+    """``import megatron.core``; where CUDA is not available, with ``torch.compile`` compiling
+    nothing while it imports (the first import in a process; later ones find it imported).
 
     megatron-core binds ``megatron.core.jit.jit_fuser = torch.compile`` at import and decorates
     ~40 CUDA fusions with it there (its ``--disable-jit-fuser`` rebinds the name later, too late
@@ -65,18 +65,11 @@ def import_megatron_core():
     ``torch.compile`` of this package (SiTU-GLU's CPU path) is untouched. On a CUDA machine the
     import is plain.
     """
-    import sys
-
-    if "megatron.core" in sys.modules:
-        return sys.modules["megatron.core"]
     import torch
 
-    if torch.cuda.is_available():
-        import megatron.core
-
-        return megatron.core
     compile_ = torch.compile
-    torch.compile = _compile_nothing
+    if not torch.cuda.is_available():
+        torch.compile = _compile_nothing
     try:
         import megatron.core
     finally:
