@@ -212,3 +212,59 @@ def test_recomputed_forward_is_observed_exactly_once(result):
     tokens, counts, _ = result["recompute"]
     assert tokens == SEQ * BATCH
     assert torch.equal(counts, result["expected_counts"])
+
+
+def _run_half_precision(rank, world_size):
+    """The QB router inside a half-precision model: Megatron's ``Float16Module`` casts the whole
+    module with ``.bfloat16()`` / ``.half()``, buffers included."""
+    from megatron_latentmoe.balancing import QuantileHistogram
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.moe.balance_step import update_balance
+
+    initialize_parallel_cpu()
+    out = {}
+    for name, dtype, flag in (("bf16", torch.bfloat16, "bf16"), ("fp16", torch.float16, "fp16")):
+        torch.manual_seed(5)
+        layer, cfg = _layer(params_dtype=dtype, **{flag: True})
+        bias = 0.3 * torch.randn(cfg.num_moe_experts)  # not representable in bf16 / fp16
+        with torch.no_grad():
+            layer.router.expert_bias.copy_(bias)
+        layer = layer.to(dtype)  # what Float16Module does
+        router = layer.router
+        res = {"buffers": {k: v.dtype for k, v in router.named_buffers()}}
+        res["bias_kept"] = torch.equal(router.expert_bias, bias)
+        x = torch.randn(SEQ, BATCH, 64).to(dtype)
+        layer.train()
+        y, _ = layer(x.clone().requires_grad_())
+        y.float().sum().backward()
+        scores = torch.sigmoid(x.float().reshape(-1, 64) @ router.weight.detach().float().T)
+        expected = QuantileHistogram(cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_qb_num_bins)
+        expected.observe(scores, bias)
+        res["expected_bias"] = expected.solve(bias)
+        update_balance([layer])  # step end (drift correction armed)
+        res["solved_bias"] = router.expert_bias.clone()
+        res["mean_input"] = router.qb_mean_input.clone()
+        layer(x.clone().requires_grad_())  # the next step's forward applies the correction
+        res["buffers_after"] = {k: v.dtype for k, v in router.named_buffers()}
+        out[name] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def half_precision_result():
+    (r,) = run_distributed(_run_half_precision, 1)
+    return r
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_router_buffers_stay_fp32_in_a_half_precision_model(half_precision_result, name):
+    """SPEC §4 under bf16/fp16 training: the bias, the summed router input and the mean router
+    input stay fp32 through the model's half-precision cast, and the step end runs (it used to
+    fail in the drift correction: an fp32 weight times a bf16 mean input)."""
+    res = half_precision_result[name]
+    fp32 = {"expert_bias", "step_input_sum_D", "qb_mean_input"}
+    for key in ("buffers", "buffers_after"):
+        assert {k for k, v in res[key].items() if v == torch.float32} == fp32, res[key]
+    assert res["bias_kept"]  # not rounded to half precision by the cast
+    torch.testing.assert_close(res["solved_bias"], res["expected_bias"], rtol=0, atol=1e-6)
+    assert torch.isfinite(res["mean_input"]).all()
