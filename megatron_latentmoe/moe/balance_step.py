@@ -98,7 +98,9 @@ def _token_group(routers: list[BalanceCountingRouter]) -> dist.ProcessGroup | No
 
 # The mean router input travels in the integer all-reduce as fixed point: each rank adds its
 # local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
-# up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4.
+# up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4. One more word counts the
+# ranks that routed tokens: the sum is divided by it, so a rank whose micro-batches were all
+# padding (local mean undefined, sent as 0) does not pull the global mean towards 0.
 _FIXED_SCALE = 2.0**12
 _FIXED_CLAMP = 2.0**4 - 1
 
@@ -107,8 +109,10 @@ def _to_fixed(x: torch.Tensor) -> torch.Tensor:
     return (x.clamp(-_FIXED_CLAMP, _FIXED_CLAMP) * _FIXED_SCALE).round().to(torch.int32)
 
 
-def _from_fixed(words: torch.Tensor, ranks: int) -> torch.Tensor:
-    return words.to(torch.float32) / (_FIXED_SCALE * max(ranks, 1))
+def _from_fixed(words: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Mean of the ranks' fixed-point means; ``ranks``: the (0-d) number of ranks that routed
+    tokens (0: no token this step, the mean reads 0). No host read."""
+    return words.to(torch.float32) / (_FIXED_SCALE * ranks.clamp(min=1).to(torch.float32))
 
 
 @torch.no_grad()
@@ -129,7 +133,8 @@ def update_balance(
         parts = []
         if isinstance(r, QuantileBalancingRouter):
             mean_D = r.step_input_sum_D / r.step_tokens.clamp(min=1)
-            parts = [r.qb_histogram.pack(), _to_fixed(mean_D)]
+            has_tokens = (r.step_tokens > 0).to(torch.int32).view(1)
+            parts = [r.qb_histogram.pack(), _to_fixed(mean_D), has_tokens]
         # int32 words: a layer's routed copies per expert and its tokens are <= the global
         # tokens per step, bounded by the histogram's int32 check (balancing.py)
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
@@ -143,10 +148,10 @@ def update_balance(
         router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
             d = router.step_input_sum_D.numel()
-            hist_words = part.numel() - n - 1 - d
+            hist_words = part.numel() - n - 1 - d - 1
             _solve_from(router, part[:hist_words])
-            ranks = router.qb_histogram._reduced["ranks"]
-            router.qb_mean_input.copy_(_from_fixed(part[hist_words : hist_words + d], ranks))
+            mean_words, ranks_with_tokens = part[hist_words : hist_words + d], part[hist_words + d]
+            router.qb_mean_input.copy_(_from_fixed(mean_words, ranks_with_tokens))
             if drift_correction:
                 router.set_drift_reference()
             router.qb_histogram.reset()

@@ -10,8 +10,9 @@ process that observed the whole global batch:
 * the all-reduced counts equal the single-process counts, as integers, for every layer, and so
   do the all-reduced routed loads per expert (what MaxVio is computed from);
 * every rank ends with the same bias, bit for bit, equal to the single-process solve;
-* exactly one all-reduce per step for all layers, of L·(n·B + header + d + n + 1) integers
-  (histogram, mean router input in fixed point, loads, tokens), whatever the number of tokens;
+* exactly one all-reduce per step for all layers, of L·(n·B + header + d + 1 + n + 1) integers
+  (histogram, mean router input in fixed point and the ranks that routed tokens, loads, tokens),
+  whatever the number of tokens;
 * the same with QB as a drop-in router in Megatron's own ``MoELayer`` (no latent projections);
 * a model built with its own process groups (``pg_collection``) reduces over its ``dp_cp``
   group, not over parallel_state's.
@@ -238,4 +239,34 @@ def test_all_reduce_size_is_independent_of_the_batch():
     runs = run_distributed(_run_layouts, 2, [({"ep": 2}, 16), ({"ep": 2}, 96)])
     sizes = {s["numel"] for rank_runs in runs for steps in rank_runs for s in steps}
     hidden = 64  # tiny_config's hidden size: the mean router input rides along in fixed point
-    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + hidden + EXPERTS + 1)}
+    # (+ 1: the number of ranks that routed tokens, its denominator)
+    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + hidden + 1 + EXPERTS + 1)}
+
+
+def _run_mean_input(rank, world_size):
+    """Rank 0 routes 40 tokens; rank 1 a micro-batch of padding only (e.g. the tail of the data)."""
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe.balance_step import update_balance
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+    layer.train()
+    x = torch.randn(10, 4, 64, generator=torch.Generator().manual_seed(rank)) + 1.0
+    padding = torch.full((4, 10), rank == 1)  # [batch, seq], True = padding
+    y, _ = layer(x.clone().requires_grad_(), padding_mask=padding)
+    y.sum().backward()
+    update_balance([layer])
+    return layer.router.qb_mean_input.clone(), x.transpose(0, 1)[~padding].mean(dim=0)
+
+
+def test_mean_router_input_leaves_out_ranks_without_tokens():
+    """The drift correction's global mean router input (``router.qb_mean_input``) is the mean
+    over the tokens routed this step: a rank whose micro-batches were all padding adds nothing
+    to it (it used to count as a rank with mean 0: the mean came out halved here)."""
+    (mean0, true0), (mean1, _) = run_distributed(_run_mean_input, 2)
+    assert torch.equal(mean0, mean1)  # every rank reads the same
+    torch.testing.assert_close(mean0, true0, rtol=0, atol=2.5e-4)  # fixed point: 2**-12
