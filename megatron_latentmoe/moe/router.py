@@ -83,6 +83,37 @@ class BalanceCountingRouter(TopKRouter):
         self.last_balance = None  # BalanceMetrics of the last step (set by balance_step)
         self.last_loads_E = None  # global routed tokens per expert of the last step
 
+    # Megatron's fp32 routing buffers (sign update, global aux loss, its own QB); subclasses add.
+    _FP32_BUFFERS = (
+        "expert_bias",
+        "local_tokens_per_expert",
+        "global_tokens_per_expert",
+        "ga_steps",
+        "qb_beta",
+        "qb_beta_accum",
+    )
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep the fp32 buffers fp32 under a half-precision cast of the model (Megatron's
+        ``Float16Module`` calls ``.bfloat16()`` / ``.half()``, which casts buffers too): each is
+        restored from its fp32 original (a bf16 round trip would lose bits), moved to wherever
+        ``fn`` put the converted copy. In bf16 the sign update's token counter stopped being
+        exact above 256, and the QB router's step end multiplied the fp32 router weight by a
+        bf16 mean input (a dtype error at the first step end)."""
+        before = {name: self._buffers.get(name) for name in self._FP32_BUFFERS}
+        out = super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if (
+                old is not None
+                and new is not None
+                and old.dtype == torch.float32
+                and new.dtype in (torch.float16, torch.bfloat16)
+            ):
+                src = new if "meta" in (old.device.type, new.device.type) else old
+                self._buffers[name] = src.to(device=new.device, dtype=torch.float32)
+        return out
+
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None and self.routing_type == "quantile_balancing":
             raise ValueError(
@@ -170,28 +201,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         # every micro-batch's fp32 scores and valid-token mask are appended to it.
         self.qb_calibration_scores = None
 
-    _FP32_BUFFERS = ("expert_bias", "step_input_sum_D", "qb_mean_input")
-
-    def _apply(self, fn, recurse: bool = True):
-        """Keep the fp32 buffers fp32 under a half-precision cast of the model (Megatron's
-        ``Float16Module`` calls ``.bfloat16()`` / ``.half()``, which casts buffers too): each is
-        restored from its fp32 original (a bf16 round trip would lose bits), moved to wherever
-        ``fn`` put the converted copy. Without it the step end's drift correction multiplied the
-        fp32 router weight by a bf16 mean input (a dtype error at the first step end) and the
-        summed router input accumulated in bf16."""
-        before = {name: self._buffers.get(name) for name in self._FP32_BUFFERS}
-        out = super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers.get(name)
-            if (
-                old is not None
-                and new is not None
-                and old.dtype == torch.float32
-                and new.dtype in (torch.float16, torch.bfloat16)
-            ):
-                src = new if "meta" in (old.device.type, new.device.type) else old
-                self._buffers[name] = src.to(device=new.device, dtype=torch.float32)
-        return out
+    _FP32_BUFFERS = BalanceCountingRouter._FP32_BUFFERS + ("step_input_sum_D", "qb_mean_input")
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Megatron's router forward, after applying a pending drift correction, and summing the

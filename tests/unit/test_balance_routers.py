@@ -140,3 +140,32 @@ def test_aux_loss_beside_qb_equals_megatrons(result, latent):
         rtol=1e-6,
     )
     assert result[(latent, "qb_centered")]["aux"] == {}  # QB alone: no aux loss
+
+
+def _run_sign_update_bf16(rank, world_size):
+    """Megatron's sign update in a bf16 model (``Float16Module`` casts buffers with the model)."""
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    torch.manual_seed(0)
+    cfg = tiny_config(
+        **BALANCERS["sign_update"], bf16=True, params_dtype=torch.bfloat16, hidden_size=HIDDEN
+    )
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1).bfloat16()
+    layer.train()
+    for _ in range(8):  # 8 x 512 tokens x top-2: per-expert counts far above 256
+        y, _ = layer(torch.randn(64, 8, HIDDEN).bfloat16().requires_grad_())
+        y.float().sum().backward()
+    router = layer.router
+    return {name: (buf.dtype, buf.clone()) for name, buf in router.named_buffers()}
+
+
+def test_sign_update_counts_stay_exact_in_a_bf16_model():
+    """The sign update's token counter stays fp32 through the model's bf16 cast, so it counts
+    exactly what the routers' int64 loads count (in bf16 it stopped being exact above 256)."""
+    (bufs,) = run_distributed(_run_sign_update_bf16, 1)
+    for name in ("expert_bias", "local_tokens_per_expert"):
+        assert bufs[name][0] == torch.float32, (name, bufs[name][0])
+    assert torch.equal(bufs["local_tokens_per_expert"][1].to(torch.int64), bufs["step_loads_E"][1])
