@@ -4,6 +4,7 @@
   MaxVio down; per-layer global loads add up to tokens x top-k; a torch_dist checkpoint is
   written with a non-zero, mean-free QB bias; it loads and the next iteration's loss is
   bit-identical to the uninterrupted run's.
+* ``--bf16``: the step end runs with fp32 router buffers; loads and bias as in fp32.
 * PP2, and PP2 with 2 virtual stages per rank (interleaved 1F1B; Megatron's default overlapped
   p2p): the balance metrics of every stage and chunk reach the logging rank (last stage).
 """
@@ -14,6 +15,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from megatron_latentmoe.training.balance_summary import summarize, summary_lines
 
@@ -124,6 +126,33 @@ def test_ep2_checkpoint_loads_and_training_continues():
     assert records[31]["loss"] == ref.records[31]["loss"]  # same state, same batch: bit-identical
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "31"
     assert (iter_dir(ckpt, 31) / "metadata.json").is_file()
+
+
+def test_bf16_run_balances_with_fp32_router_buffers():
+    """``--bf16``, the full-scale example's precision: Megatron's ``Float16Module`` casts the
+    whole model, buffers included, and QB's router buffers stay fp32, so the step end runs (a
+    bf16 run failed at its first step end: the fp32 router weight times a bf16 mean input).
+    Every iteration's loads count every token, iteration 1 (the reference run's weights and
+    batch) has the fp32 run's loss within bf16's rounding, and the checkpoint holds an fp32,
+    non-zero, mean-free bias."""
+    ref = reference_run()
+    ckpt, jsonl = scratch_dir() / "bf16_ckpt", scratch_dir() / "bf16.jsonl"
+    run_entry(
+        ["--bf16", "--train-iters", "3", "--save", str(ckpt), "--save-interval", "3"]
+        + ["--balance-log-file", str(jsonl)]
+    ).check()
+    records = read_jsonl(jsonl)
+    assert sorted(records) == [1, 2, 3], sorted(records)
+    for record in records.values():
+        assert math.isfinite(record["loss"])
+        assert all(sum(entry["loads"]) == TOKENS_PER_STEP * TOPK for entry in record["layers"])
+    print(f"iteration 1 loss: bf16 {records[1]['loss']:.4f}, fp32 {ref.records[1]['loss']:.4f}")
+    assert abs(records[1]["loss"] - ref.records[1]["loss"]) < 0.02
+    biases = checkpoint_tensors(iter_dir(ckpt, 3), "router.expert_bias")
+    assert len(biases) == len(MOE_LAYERS), sorted(biases)
+    for name, bias in biases.items():
+        assert bias.dtype == torch.float32, (name, bias.dtype)
+        assert bias.abs().max() > 0 and abs(float(bias.mean())) < 1e-5, (name, bias)
 
 
 @functools.cache
