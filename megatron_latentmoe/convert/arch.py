@@ -220,7 +220,8 @@ class ModelArch:
     def from_megatron(cls, raw, get, source: str) -> ModelArch:
         """From Megatron values: ``raw(field)`` reads a Megatron field, ``get(row)`` a row's value
         (both None when absent). The fields the HF model cannot express are refused; so is a
-        dense/MoE layer pattern other than the first ``first_k_dense_replace`` layers dense."""
+        dense/MoE layer pattern other than the first ``first_k_dense_replace`` layers dense
+        (``moe_layer_freq`` ``[0] * k + [1] * rest`` alone means ``first_k_dense_replace=k``)."""
         for key, (want, allowed) in MEGATRON_FIXED.items():
             value = raw(key)
             if value is not None and value != want:
@@ -252,15 +253,22 @@ class ModelArch:
                 if isinstance(freq, int)
                 else list(freq)
             )
-            want = [0] * k + [1] * (n - k)
-            if pattern != want:
+            # Megatron's own way to make the first layers dense ([0] * k + [1] * rest, what
+            # first_k_dense_replace=k builds): the model of first_k_dense_replace=k
+            dense = next((i for i, p in enumerate(pattern) if p), len(pattern))
+            if pattern != [0] * (k or dense) + [1] * (n - (k or dense)):
+                allowed = (
+                    f"1 or {[0] * k + [1] * (n - k)} (first_k_dense_replace={k})"
+                    if k
+                    else f"1 or [0] * k + [1] * ({n} - k) (num_layers={n})"
+                )
                 raise not_allowed(
                     f"{source}: moe_layer_freq",
                     freq,
-                    f"1 or {want} (only the first first_k_dense_replace={k} layers "
-                    "may be dense, as in the HF model)",
+                    f"{allowed}: only the first layers may be dense, as in the HF model",
                     ConversionError,
                 )
+            values["first_k_dense_replace"] = dense
         try:
             return cls(**values)
         except ConversionError as e:

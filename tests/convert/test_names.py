@@ -201,6 +201,28 @@ def test_megatron_args_without_our_fields_are_refused():
         ModelArch.from_megatron_args(ns)
 
 
+def test_dense_first_layers_given_by_moe_layer_freq(tmp_path):
+    """Megatron's own way to make the first k layers dense, ``--moe-layer-freq
+    "([0]*k+[1]*rest)"`` (first_k_dense_replace left at 0), builds the same model as
+    ``first_k_dense_replace=k``: the converter reads it as that model, from the training args and
+    from a config file. Patterns the HF model cannot express stay refused."""
+    a = _workers.arch()  # layer 0 dense, layers 1-3 MoE
+    ns = a.megatron_args_namespace()
+    ns.first_k_dense_replace, ns.moe_layer_freq = 0, [0, 1, 1, 1]
+    assert ModelArch.from_megatron_args(ns) == a
+    cfg = {k: v for k, v in _workers.MEGATRON_CFG.items() if k != "first_k_dense_replace"}
+    (tmp_path / "c.json").write_text(json.dumps(dict(cfg, moe_layer_freq=[0, 1, 1, 1])))
+    assert arch_from_config_file(tmp_path / "c.json") == a
+    ns.moe_layer_freq = [0, 0, 1, 1]
+    assert ModelArch.from_megatron_args(ns) == ModelArch(
+        **dict(_workers.TEST_ARCH, first_k_dense_replace=2)
+    )
+    for freq, k in (([1, 0, 1, 1], 0), ([0, 1, 0, 1], 0), (2, 0), ([0, 0, 1, 1], 1)):
+        ns.moe_layer_freq, ns.first_k_dense_replace = freq, k
+        with pytest.raises(ConversionError, match=r"moe_layer_freq=.* is not allowed"):
+            ModelArch.from_megatron_args(ns)
+
+
 def test_megatron_config_file(tmp_path):
     a = _workers.arch()
     cfg = _workers.MEGATRON_CFG
