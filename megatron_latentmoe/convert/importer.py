@@ -84,6 +84,30 @@ from .summary import (
 _ST_DTYPES = {name: dt for dt, name in ST_DTYPE_NAMES.items() if dt.is_floating_point}
 
 
+def _header_entry(path: Path, name: str, info) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """(shape, data offsets) of a safetensors header entry; ConversionError if it is malformed."""
+
+    def ints(value) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        )
+
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("dtype"), str)
+        or not ints(info.get("shape"))
+        or not ints(info.get("data_offsets"))
+        or len(info["data_offsets"]) != 2
+        or info["data_offsets"][0] > info["data_offsets"][1]
+    ):
+        raise ConversionError(
+            f"{str(path)!r}: tensor {name!r} has a malformed header entry {info!r}: allowed: "
+            '{"dtype": ..., "shape": [sizes >= 0], "data_offsets": [begin, end]} with '
+            "0 <= begin <= end (corrupt file)"
+        )
+    return tuple(info["shape"]), tuple(info["data_offsets"])
+
+
 class SafetensorsFile:
     """Reads row ranges of the tensors of one .safetensors file with ``pread`` (no mmap: the
     resident memory stays the rows asked for, not the pages of the whole file)."""
@@ -97,15 +121,16 @@ class SafetensorsFile:
             if n > size - 8:
                 raise ValueError("header longer than the file")
             header = json.loads(os.pread(self.fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
         except (OSError, ValueError, struct.error) as e:
             raise ConversionError(f"safetensors file {str(path)!r} cannot be read: {e}") from None
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries = {}
         for name, info in header.items():
+            shape, (begin, end) = _header_entry(path, name, info)
             dt = _ST_DTYPES.get(info.get("dtype"))
-            begin, end = info["data_offsets"]
-            shape = tuple(info["shape"])
             if info.get("dtype") == "U8" and name.endswith((mxfp4.PACKED, mxfp4.SCALE)):
                 dt = torch.uint8  # MXFP4 routed experts (checked against config.json by the reader)
             if dt is None:
@@ -155,7 +180,11 @@ class HFCheckpointReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items()
+                ):
+                    raise ValueError("'weight_map' is not a mapping of tensor name -> file name")
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ConversionError(
                     f"{str(index)!r} is not a valid safetensors index: {e}"
                 ) from None

@@ -207,6 +207,44 @@ def test_import_bad_hf_input(workspace, tmp_path):
     _import_fails(tmp_path / "nothing", out, r"HF model directory '.*nothing' does not exist")
 
 
+def test_import_corrupt_safetensors_structure_is_a_clear_error(tmp_path):
+    """A safetensors header or index that parses as JSON but has the wrong structure (a
+    corrupt or hand-edited file) is one ConversionError naming the file, not a traceback."""
+    import struct
+
+    a = _workers.arch()
+    hf, out = tmp_path / "hf", tmp_path / "mg"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps(dict(model_type="stable_latentmoe", **a.to_hf_config_kwargs()))
+    )
+
+    def shard(header) -> None:
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(64))
+
+    good = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    for header in (
+        [1, 2, 3],
+        "text",
+        {"x": 5},
+        {"x": {"dtype": "F32", "shape": [2, 2]}},
+        {"x": {"dtype": "F32", "shape": "2x2", "data_offsets": [0, 16]}},
+        {"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16]}},
+        {"x": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}},
+        {"x": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}},
+        {"x": {"dtype": ["F32"], "shape": [2, 2], "data_offsets": [0, 16]}},
+    ):
+        shard(header)
+        _import_fails(hf, out, r"model.safetensors'.*(cannot be read|malformed header entry)")
+    shard({"x": good})
+    index = hf / "model.safetensors.index.json"
+    for text in ("[1]", '{"weight_map": 5}', '{"weight_map": {"x": 5}}', '"x"'):
+        index.write_text(text)
+        _import_fails(hf, out, r"index.json' is not a valid safetensors index")
+
+
 def test_an_output_that_would_replace_an_input_is_refused(workspace, tmp_path):
     """``--overwrite`` never deletes an input: an output that is the checkpoint or HF directory,
     or contains it (the save root of the exported iteration), is refused before any work."""
