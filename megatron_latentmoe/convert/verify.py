@@ -361,6 +361,24 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> None:
         )
 
 
+def check_same_vocabulary(arch: ModelArch, hf_dir: str | os.PathLike, checkpoint) -> None:
+    """Raise :class:`ConversionError` unless the HF config is a Stable LatentMoE config of the
+    checkpoint's ``vocab_size``: logits over two vocabularies cannot be compared (any other
+    difference between the two models shows in the logits)."""
+    from .arch import arch_from_config_file
+
+    config = os.path.join(hf_dir, "config.json")
+    hf_vocab = arch_from_config_file(config).vocab_size
+    if hf_vocab != arch.vocab_size:
+        raise not_allowed(
+            f"{config}: vocab_size",
+            hf_vocab,
+            f"{arch.vocab_size}, the vocab_size of the checkpoint {str(checkpoint)!r} (the HF "
+            "directory is not its export: logits over two vocabularies cannot be compared)",
+            ConversionError,
+        )
+
+
 def verify_export(
     checkpoint: str | os.PathLike,
     hf_dir: str | os.PathLike,
@@ -377,6 +395,7 @@ def verify_export(
     check_hf_dir(hf_dir)
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
+    check_same_vocabulary(arch, hf_dir, reader.path)
     torch.manual_seed(0)
     qat = hf_expert_weight_qat(hf_dir)
     mg = load_megatron_model(reader.path, arch, qat)

@@ -385,6 +385,28 @@ def test_verify_needs_an_hf_directory(workspace, tmp_path, capsys):
     assert code == cli.EXIT_BAD_INPUT and "has no config.json" in capsys.readouterr().err
 
 
+def test_verify_against_a_model_of_another_vocabulary_is_bad_input(workspace, tmp_path, capsys):
+    """``verify`` of a checkpoint against the HF export of a model with another vocab_size (a
+    padded vocabulary, another tokenizer) cannot compare logits: one error naming both sizes,
+    before either model is built, not a broadcasting traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_latentmoe.convert import cli
+
+    hf = _hf_copy(workspace, tmp_path)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, vocab_size=4224)))
+    weight_map = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors = load_file(str(hf / weight_map[name]))
+        tensors[name] = torch.cat([tensors[name], torch.zeros(128, tensors[name].shape[1])])
+        save_file(tensors, str(hf / weight_map[name]), metadata={"format": "pt"})
+    code = cli.main(["verify", "--checkpoint", workspace.path("ck_single"), "--hf", str(hf)])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_BAD_INPUT, err
+    assert "vocab_size=4224 is not allowed: 4096" in err and "Traceback" not in err
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module
