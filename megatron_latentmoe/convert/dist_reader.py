@@ -148,7 +148,10 @@ class DistCheckpointReader:
         cfg = self.path / "metadata.json"
         if cfg.is_file():
             try:
-                backend = json.loads(cfg.read_text()).get("sharded_backend")
+                meta = json.loads(cfg.read_text())
+                if not isinstance(meta, dict):
+                    raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+                backend = meta.get("sharded_backend")
             except (OSError, ValueError) as e:
                 raise ConversionError(f"checkpoint {str(cfg)!r} cannot be parsed: {e}") from None
             if backend not in (None, "torch_dist"):

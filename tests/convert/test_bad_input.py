@@ -54,6 +54,17 @@ def test_missing_or_not_a_checkpoint(tmp_path):
     export_fails(tmp_path / "root", tmp_path / "out", r"the tracker names 'iter_0000100'")
 
 
+def test_metadata_json_that_is_not_an_object(tmp_path):
+    """Megatron's ``metadata.json`` that parses but is not a JSON object (a corrupt or
+    hand-edited file) is one error naming it, not an AttributeError traceback."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(b"")
+    for text in ("[1]", '"torch_dist"', "3"):
+        (ck / "metadata.json").write_text(text)
+        export_fails(ck, tmp_path / "out", r"metadata.json' cannot be parsed: .*not an object")
+
+
 def test_corrupt_metadata(workspace, tmp_path):
     ck = copy_ckpt(workspace, tmp_path)
     (ck / ".metadata").write_bytes(b"\x80\x04garbage")
