@@ -101,7 +101,7 @@ def parse_size(text: str | int) -> int:
         if s.endswith(unit):
             try:
                 return int(float(s[: -len(unit)]) * mult)
-            except ValueError:
+            except (ValueError, OverflowError):  # not a number; inf
                 break
     try:
         return int(s)

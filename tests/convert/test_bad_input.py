@@ -65,6 +65,18 @@ def test_metadata_json_that_is_not_an_object(tmp_path):
         export_fails(ck, tmp_path / "out", r"metadata.json' cannot be parsed: .*not an object")
 
 
+@pytest.mark.parametrize("size", ["infGB", "1e400MB", "nanGB", "lots"])
+def test_unreadable_max_shard_size(tmp_path, size):
+    """``--max-shard-size`` that is no finite number of bytes: one error naming the value, before
+    the checkpoint is opened (``inf``: an OverflowError traceback before)."""
+    export_fails(
+        tmp_path / "nope",
+        tmp_path / "out",
+        rf"size '{size}' is not understood",
+        max_shard_size=size,
+    )
+
+
 def test_corrupt_metadata(workspace, tmp_path):
     ck = copy_ckpt(workspace, tmp_path)
     (ck / ".metadata").write_bytes(b"\x80\x04garbage")
