@@ -433,8 +433,13 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         )
     if get("hidden_act") == "situ":
         # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
-        # the experts would silently run SwiGLU or fail deep inside TE.
-        for name in ("use_transformer_engine_op_fuser", "activation_func_fp8_input_store"):
+        # the experts would silently run SwiGLU or fail deep inside TE (the grouped-GEMM shared
+        # expert, FusedSharedExpertMLP, always builds TE's ScaledSwiGLU).
+        for name in (
+            "use_transformer_engine_op_fuser",
+            "activation_func_fp8_input_store",
+            "use_grouped_gemm_for_shared_expert",
+        ):
             if get(name):
                 raise ConfigError(
                     name,

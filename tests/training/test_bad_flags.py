@@ -134,6 +134,10 @@ CASES = {
         ["--moe-qb-binning", "centered", "--moe-qb-num-bins", "2"],
         ["--moe-qb-num-bins 2", ">= 64", "--moe-qb-binning centered"],
     ),
+    "grouped_gemm_shared_expert_with_situ": (  # its fused kernel is SwiGLU, not SiTU-GLU
+        ["--use-grouped-gemm-for-shared-expert"],
+        ["--use-grouped-gemm-for-shared-expert is not allowed", "--hidden-act situ"],
+    ),
     "latent_size_zero": (
         ["--moe-latent-size", "0"],
         ["--moe-latent-size 0", "a positive integer"],

@@ -177,6 +177,12 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "activation_func_fp8_input_store=True",
             "hidden_act='situ'",
         ),
+        (  # Megatron's FusedSharedExpertMLP hard-codes TE's ScaledSwiGLU: shared experts
+            # would silently run SwiGLU instead of SiTU-GLU (SPEC §2: shared experts use it too)
+            dict(use_grouped_gemm_for_shared_expert=True),
+            "use_grouped_gemm_for_shared_expert=True",
+            "hidden_act='situ'",
+        ),
         (
             dict(moe_apply_probs_on_input=True, moe_router_topk=1),
             "moe_apply_probs_on_input=True",
