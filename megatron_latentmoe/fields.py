@@ -447,6 +447,21 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     "False with {hidden_act} (Megatron fuses SwiGLU only)",
                     hidden_act="situ",
                 )
+        # Megatron applies these in its own GLU only (never to the activation module SiTU-GLU
+        # is): they would be silently ignored. SiTU-GLU's bound is its softcaps' (SPEC §2).
+        for name, off, allowed in (
+            ("activation_func_clamp_value", None, "unset (None)"),
+            ("glu_linear_offset", 0.0, "0.0"),
+        ):
+            value = get(name)
+            if value is not None and value != off:
+                raise ConfigError(
+                    name,
+                    value,
+                    f"{allowed} with {{hidden_act}} (Megatron's GLU option; SiTU-GLU is bounded by "
+                    "its softcaps, activation_situ_beta / activation_situ_linear_beta)",
+                    hidden_act="situ",
+                )
     groups = get("moe_router_num_groups")
     if groups not in (None, 1):
         raise ConfigError(

@@ -138,6 +138,10 @@ CASES = {
         ["--use-grouped-gemm-for-shared-expert"],
         ["--use-grouped-gemm-for-shared-expert is not allowed", "--hidden-act situ"],
     ),
+    "glu_clamp_with_situ": (  # Megatron's GLU clamp: SiTU-GLU would silently ignore it
+        ["--activation-func-clamp-value", "7"],
+        ["--activation-func-clamp-value 7.0 is not allowed", "--hidden-act situ"],
+    ),
     "latent_size_zero": (
         ["--moe-latent-size", "0"],
         ["--moe-latent-size 0", "a positive integer"],

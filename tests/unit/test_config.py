@@ -177,6 +177,13 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "activation_func_fp8_input_store=True",
             "hidden_act='situ'",
         ),
+        (  # Megatron applies its GLU clamp / linear offset in its own GLU only: SiTU-GLU would
+            # silently ignore them (its bound is the softcaps', SPEC §2)
+            dict(activation_func_clamp_value=7.0),
+            "activation_func_clamp_value=7.0",
+            "hidden_act='situ'",
+        ),
+        (dict(glu_linear_offset=1.0), "glu_linear_offset=1.0", "hidden_act='situ'"),
         (  # Megatron's FusedSharedExpertMLP hard-codes TE's ScaledSwiGLU: shared experts
             # would silently run SwiGLU instead of SiTU-GLU (SPEC §2: shared experts use it too)
             dict(use_grouped_gemm_for_shared_expert=True),
@@ -200,6 +207,12 @@ def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
     with pytest.raises(ValueError) as err:
         tiny_config(**overrides)
     assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_swiglu_keeps_megatrons_glu_clamp_and_offset():
+    """Megatron's own GLU (hidden_act=swiglu) honours them: allowed there."""
+    cfg = tiny_config(hidden_act="swiglu", activation_func_clamp_value=7.0, glu_linear_offset=1.0)
+    assert (cfg.activation_func_clamp_value, cfg.glu_linear_offset) == (7.0, 1.0)
 
 
 def test_qb_is_selected_by_the_load_balancing_type():
