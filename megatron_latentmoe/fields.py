@@ -462,6 +462,7 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     "its softcaps, activation_situ_beta / activation_situ_linear_beta)",
                     hidden_act="situ",
                 )
+    _check_tensor_parallel_widths(get)
     groups = get("moe_router_num_groups")
     if groups not in (None, 1):
         raise ConfigError(
@@ -567,6 +568,39 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         )
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
+
+
+def _check_tensor_parallel_widths(get: Callable[[str], Any]) -> None:
+    """Every gated MLP's intermediate is split over its tensor-parallel ranks: the dense MLPs' and
+    the shared experts' over TP, the routed experts' over expert TP (default: TP). A width they do
+    not divide would fail as Megatron's bare "N is not divisible by M" while the model is built.
+    A width still None (the command line before Megatron's validate_args) is checked later, by
+    the config built from the args."""
+    tp = get("tensor_model_parallel_size") or 1
+    etp_name = "expert_tensor_parallel_size"
+    if get(etp_name) is None:
+        etp_name = "tensor_model_parallel_size"  # Megatron's default for the expert TP size
+    etp = get(etp_name) or 1
+    n, k_dense, freq = get("num_moe_experts"), get("first_k_dense_replace"), get("moe_layer_freq")
+    pattern = freq if isinstance(freq, (list, tuple)) else []
+    has_dense = not n or bool(k_dense) or 0 in pattern or (_is_int(freq) and freq not in (None, 1))
+    ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size")
+    if moe_ffn is None:
+        moe_ffn = ffn  # Megatron's default expert width
+    widths = [("ffn_hidden_size", ffn, "tensor_model_parallel_size", tp)] if has_dense else []
+    if n:
+        widths += [
+            ("moe_ffn_hidden_size", moe_ffn, etp_name, etp),
+            (
+                "moe_shared_expert_intermediate_size",
+                get("moe_shared_expert_intermediate_size"),
+                "tensor_model_parallel_size",
+                tp,
+            ),
+        ]
+    for name, width, by_name, by in widths:
+        if _is_int(width) and width > 0 and width % by:
+            raise ConfigError(name, width, f"a multiple of {{{by_name}}}", **{by_name: by})
 
 
 def _check_expert_weight_qat(get: Callable[[str], Any]) -> None:

@@ -142,6 +142,35 @@ CASES = {
         ["--activation-func-clamp-value", "7"],
         ["--activation-func-clamp-value 7.0 is not allowed", "--hidden-act situ"],
     ),
+    "expert_width_not_a_multiple_of_expert_tp": (  # else Megatron's bare divide assert
+        [
+            "--moe-ffn-hidden-size",
+            "63",
+            "--expert-tensor-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "1",
+        ],
+        [
+            "--moe-ffn-hidden-size 63 is not allowed",
+            "a multiple of --expert-tensor-parallel-size 2",
+        ],
+    ),
+    "shared_width_not_a_multiple_of_tp": (
+        [
+            "--moe-shared-expert-intermediate-size",
+            "63",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "1",
+        ],
+        [
+            "--moe-shared-expert-intermediate-size 63 is not allowed",
+            "a multiple of --tensor-model-parallel-size 2",
+        ],
+    ),
     "latent_size_zero": (
         ["--moe-latent-size", "0"],
         ["--moe-latent-size 0", "a positive integer"],

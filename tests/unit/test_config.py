@@ -196,6 +196,39 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "p * E(z)",
         ),
         (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True", "replay"),
+        # widths a (expert) tensor-parallel rank would split unevenly: refused here, not as
+        # Megatron's "63 is not divisible by 2" assert while the model is built
+        (
+            dict(moe_ffn_hidden_size=47, expert_tensor_parallel_size=2),
+            "moe_ffn_hidden_size=47",
+            "multiple of expert_tensor_parallel_size=2",
+        ),
+        (
+            dict(moe_ffn_hidden_size=47, tensor_model_parallel_size=2, sequence_parallel=True),
+            "moe_ffn_hidden_size=47",
+            "multiple of tensor_model_parallel_size=2",
+        ),
+        (
+            dict(
+                moe_shared_expert_intermediate_size=95,
+                tensor_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+                sequence_parallel=True,
+            ),
+            "moe_shared_expert_intermediate_size=95",
+            "multiple of tensor_model_parallel_size=2",
+        ),
+        (
+            dict(
+                ffn_hidden_size=127,
+                num_layers=3,
+                first_k_dense_replace=1,
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+            ),
+            "ffn_hidden_size=127",
+            "multiple of tensor_model_parallel_size=2",
+        ),
         (
             dict(moe_qb_binning="centered", moe_qb_num_bins=999),
             "moe_qb_num_bins=999",
@@ -207,6 +240,22 @@ def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
     with pytest.raises(ValueError) as err:
         tiny_config(**overrides)
     assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_widths_that_tensor_parallelism_splits_evenly_are_accepted():
+    cfg = tiny_config(
+        num_layers=3,
+        first_k_dense_replace=1,
+        ffn_hidden_size=126,
+        moe_ffn_hidden_size=47,  # split by ETP 1 only
+        moe_shared_expert_intermediate_size=94,
+        tensor_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=True,
+    )
+    assert cfg.expert_tensor_parallel_size == 1
+    # no dense layer: the dense width is never split
+    tiny_config(ffn_hidden_size=127, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 def test_swiglu_keeps_megatrons_glu_clamp_and_offset():
