@@ -462,6 +462,14 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     "its softcaps, activation_situ_beta / activation_situ_linear_beta)",
                     hidden_act="situ",
                 )
+    heads, query_groups = get("num_attention_heads"), get("num_query_groups")
+    if _is_int(heads) and _is_int(query_groups) and query_groups > 0 and heads % query_groups:
+        raise ConfigError(  # else a shape error in the first forward of the attention
+            "num_query_groups",
+            query_groups,
+            "a divisor of {num_attention_heads}",
+            num_attention_heads=heads,
+        )
     _check_tensor_parallel_widths(get)
     groups = get("moe_router_num_groups")
     if groups not in (None, 1):

@@ -302,8 +302,14 @@ def validate_stable_latentmoe_args(
     qb = QUANTILE_HISTOGRAM in balancers
     if args.moe_router_score_function is None:
         args.moe_router_score_function = "sigmoid" if qb else "softmax"
+
+    def arg(field):
+        if field == "num_query_groups" and not args.group_query_attention:
+            return None  # Megatron ignores --num-query-groups without --group-query-attention
+        return getattr(args, _ARG_DEST.get(field, field), None)
+
     try:
-        check_stable_latentmoe(lambda field: getattr(args, _ARG_DEST.get(field, field), None))
+        check_stable_latentmoe(arg)
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
     if "quantile_balancing" in balancers and args.eod_mask_loss:

@@ -171,6 +171,10 @@ CASES = {
             "a multiple of --tensor-model-parallel-size 2",
         ],
     ),
+    "query_groups_not_dividing_heads": (  # else a RuntimeError in the first forward
+        ["--num-query-groups", "3"],
+        ["--num-query-groups 3 is not allowed", "a divisor of --num-attention-heads 4"],
+    ),
     "latent_size_zero": (
         ["--moe-latent-size", "0"],
         ["--moe-latent-size 0", "a positive integer"],

@@ -196,6 +196,11 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "p * E(z)",
         ),
         (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True", "replay"),
+        (  # else a RuntimeError (a view of the QKV output) in the first forward
+            dict(num_attention_heads=4, num_query_groups=3),
+            "num_query_groups=3",
+            "a divisor of num_attention_heads=4",
+        ),
         # widths a (expert) tensor-parallel rank would split unevenly: refused here, not as
         # Megatron's "63 is not divisible by 2" assert while the model is built
         (
