@@ -486,6 +486,13 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             latent,
             "a positive integer, or unset (None) for a plain Megatron MoE",
         )
+    moe_ffn = get("moe_ffn_hidden_size")
+    if moe_ffn is not None and not (_is_int(moe_ffn) and moe_ffn > 0):
+        raise ConfigError(  # 0: experts of width 0, a routed branch of zeros, trained silently
+            "moe_ffn_hidden_size",
+            moe_ffn,
+            "a positive integer, or unset (None) for ffn_hidden_size",
+        )
     if get("latent_moe_use_norm") and not latent:
         raise ConfigError(
             "latent_moe_use_norm",

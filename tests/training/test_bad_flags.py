@@ -175,6 +175,10 @@ CASES = {
         ["--num-query-groups", "3"],
         ["--num-query-groups 3 is not allowed", "a divisor of --num-attention-heads 4"],
     ),
+    "expert_width_zero": (  # else trains experts of width 0: a routed branch of zeros
+        ["--moe-ffn-hidden-size", "0"],
+        ["--moe-ffn-hidden-size 0 is not allowed", "a positive integer"],
+    ),
     "latent_size_zero": (
         ["--moe-latent-size", "0"],
         ["--moe-latent-size 0", "a positive integer"],

@@ -196,6 +196,9 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "p * E(z)",
         ),
         (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True", "replay"),
+        # zero-width experts: the routed branch would silently be RMSNorm(0) = 0
+        (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0", "a positive integer"),
+        (dict(moe_ffn_hidden_size=-4), "moe_ffn_hidden_size=-4", "a positive integer"),
         (  # else a RuntimeError (a view of the QKV output) in the first forward
             dict(num_attention_heads=4, num_query_groups=3),
             "num_query_groups=3",
