@@ -545,6 +545,26 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                 True,
                 "False with moe_latent_size (shared experts see the full-width input)",
             )
+        shared, expert = (
+            get("moe_shared_expert_intermediate_size"),
+            moe_ffn or get("ffn_hidden_size"),
+        )
+        if _is_int(shared) and _is_int(expert) and shared % expert:
+            raise ConfigError(  # else it trains, and its export fails
+                "moe_shared_expert_intermediate_size",
+                shared,
+                "a multiple of {moe_ffn_hidden_size} (the HF model stores num_shared_experts = "
+                "shared width / moe_intermediate_size)",
+                moe_ffn_hidden_size=expert,
+            )
+        for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"):
+            if get(name) is not None:
+                raise ConfigError(  # else the export splits fc1 into gate / up wrongly
+                    name,
+                    get(name),
+                    "None with moe_latent_size (gate and up stay two halves of fc1, as the HF "
+                    "export and SiTU-GLU read them)",
+                )
     lb = get("moe_router_load_balancing_type")  # None: not set (Megatron's default)
     balancers = [] if lb is None else balancer_list(lb)
     ok = set(AUX_LOSSES) | {QUANTILE_HISTOGRAM} if len(balancers) > 1 else set(BALANCERS)

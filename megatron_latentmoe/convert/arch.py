@@ -109,23 +109,8 @@ class ModelArch:
             raise ConversionError(
                 f"{source}: " + err.render(lambda key, value: f"{names.get(key, key)}={value!r}")
             ) from None
-        if self.num_attention_heads % self.num_query_groups:
-            raise fail(
-                "num_query_groups",
-                self.num_query_groups,
-                "a divisor of {num_attention_heads}",
-                num_attention_heads=self.num_attention_heads,
-            )
         if self.kv_channels % 2:
             raise fail("kv_channels", self.kv_channels, "an even head dim (RoPE)")
-        if self.moe_shared_expert_intermediate_size % self.moe_ffn_hidden_size:
-            raise fail(
-                "moe_shared_expert_intermediate_size",
-                self.moe_shared_expert_intermediate_size,
-                "a multiple of {moe_ffn_hidden_size} (HF stores num_shared_experts = "
-                "shared width / moe_intermediate_size)",
-                moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            )
 
     # ------------------------------------------------------------------ derived
     @property

@@ -171,6 +171,13 @@ CASES = {
             "a multiple of --tensor-model-parallel-size 2",
         ],
     ),
+    "shared_width_not_a_multiple_of_the_expert_width": (  # else it trains, then cannot export
+        ["--moe-shared-expert-intermediate-size", "96"],
+        [
+            "--moe-shared-expert-intermediate-size 96 is not allowed",
+            "a multiple of --moe-ffn-hidden-size 64",
+        ],
+    ),
     "query_groups_not_dividing_heads": (  # else a RuntimeError in the first forward
         ["--num-query-groups", "3"],
         ["--num-query-groups 3 is not allowed", "a divisor of --num-attention-heads 4"],

@@ -237,6 +237,18 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "ffn_hidden_size=127",
             "multiple of tensor_model_parallel_size=2",
         ),
+        (  # it would train, and then its HF export would fail
+            dict(moe_shared_expert_intermediate_size=72),
+            "moe_shared_expert_intermediate_size=72",
+            "a multiple of moe_ffn_hidden_size=48",
+        ),
+        # an interleaved fc1 would be split into gate / up wrongly by SiTU-GLU and the export
+        (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size=32", "None with"),
+        (
+            dict(moe_shared_expert_glu_interleave_size=32),
+            "moe_shared_expert_glu_interleave_size=32",
+            "None with",
+        ),
         (
             dict(moe_qb_binning="centered", moe_qb_num_bins=999),
             "moe_qb_num_bins=999",
