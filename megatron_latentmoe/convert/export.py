@@ -234,6 +234,24 @@ class ShardedSafetensorsWriter:
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _cast(name: str, tensor: torch.Tensor, to: torch.dtype, option: str) -> torch.Tensor:
+    """``tensor`` in ``to``; a ConversionError naming ``--dtype``'s value ``option`` where fp16's
+    range (65504) would turn a finite value into inf (bf16 shares fp32's range)."""
+    out = tensor.to(to)
+    if to == torch.float16 and not bool(torch.isfinite(out).all()):
+        finite = tensor[torch.isfinite(tensor)].abs()
+        top = torch.finfo(torch.float16).max
+        if finite.numel() and finite.max().item() > top:
+            raise not_allowed(
+                "dtype",
+                option,
+                f"bf16 or fp32 for this checkpoint: {name!r} holds |values| up to "
+                f"{finite.max().item():.4g}, above fp16's largest, {top:.0f}",
+                ConversionError,
+            )
+    return out
+
+
 # ----------------------------------------------------------------------------------- checking
 
 
@@ -554,7 +572,9 @@ def export_checkpoint(
                             except ValueError as e:
                                 raise ConversionError(f"--expert-dtype mxfp4: {e}") from None
                         else:
-                            out = {hf_name: hf_t.to(hf_dtype_for(tm, model_dtype))}
+                            out = {
+                                hf_name: _cast(hf_name, hf_t, hf_dtype_for(tm, model_dtype), dtype)
+                            }
                         for out_name, out_t in out.items():
                             n = writer.write(out_name, out_t)
                             bar.update(n)

@@ -230,6 +230,25 @@ def test_import_bad_hf_input(workspace, tmp_path):
     _import_fails(tmp_path / "nothing", out, r"HF model directory '.*nothing' does not exist")
 
 
+def test_fp16_export_of_values_beyond_its_range_is_refused(workspace, tmp_path):
+    """``--dtype fp16`` where a weight exceeds fp16's 65504: one error naming the option, the
+    tensor and its largest value, and no output (it was written as inf)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_copy(workspace, tmp_path)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors = load_file(str(hf / index["weight_map"][name]))
+    tensors[name][0, 0] = -1.0e5
+    save_file(tensors, str(hf / index["weight_map"][name]), metadata={"format": "pt"})
+    mg = tmp_path / "mg"
+    import_checkpoint(hf, mg, progress=False)
+    message = export_fails(mg, tmp_path / "out", r"dtype='fp16' is not allowed", dtype="fp16")
+    assert "'model.layers.0.mlp.up_proj.weight' holds |values| up to 1e+05" in message, message
+    assert "bf16 or fp32" in message
+    export_checkpoint(mg, tmp_path / "out_bf16", dtype="bf16", progress=False)  # fine in bf16
+
+
 def test_import_corrupt_safetensors_structure_is_a_clear_error(tmp_path):
     """A safetensors header or index that parses as JSON but has the wrong structure (a
     corrupt or hand-edited file) is one ConversionError naming the file, not a traceback."""
