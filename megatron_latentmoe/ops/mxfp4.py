@@ -21,7 +21,11 @@ error naming the tensor. ``fake_quantize_mxfp4`` is the training path: the same 
 (``dequantize(quantize(w))`` bit for bit, in ``w``'s dtype, exact in bf16 and fp32), with a
 straight-through gradient, no host synchronisation (a non-finite block comes out NaN and the
 step's NaN check catches it). Pure torch; bit-exact against torchao's ``to_mx(...,
-ScaleCalculationMode.FLOOR)`` (``tests/unit/test_mxfp4.py``).
+ScaleCalculationMode.FLOOR)`` (``tests/unit/test_mxfp4.py``) for every block whose max is at
+least ``2**-124``. Below that both store scale byte 0, but torchao rounds the elements against
+``2**-126`` (its bytes then decode to about half the value: ``2e-38`` comes back as
+``8.8e-39``); here they are rounded against the ``2**-127`` the byte stores (``2e-38`` -> 3.0 x
+``2**-127`` = ``1.8e-38``, as OCP's rule gives).
 """
 
 from __future__ import annotations
