@@ -414,7 +414,9 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
     no lost information) but are finest where the answer lies once balancing has settled, near
     the current ``b_j`` (width ``~ 2 sigma U / B``, about 10-20x finer than the uniform bins),
     and coarser far away (a few x, only during the first steps from a bad start). ``b_j`` is a bin
-    edge, so the atom of tokens whose (k+1)-th choice is j (``r_ij = b_j`` exactly) starts a bin.
+    edge, so the atom of tokens whose (k+1)-th choice is j (``r_ij = b_j`` in exact arithmetic;
+    ``fl(fl(s + b) - s)`` may miss ``b_j`` by an ulp and put some of them one bin lower, within
+    a bin of the answer) starts a bin.
     Every rank derives the bins from the bias alone. See benchmarks/bench_balancing.py for the
     side-by-side accuracy (|bias - exact|) and MaxVio against the uniform bins.
     """

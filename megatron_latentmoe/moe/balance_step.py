@@ -100,7 +100,10 @@ def _token_group(routers: list[BalanceCountingRouter]) -> dist.ProcessGroup | No
 # local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
 # up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4. One more word counts the
 # ranks that routed tokens: the sum is divided by it, so a rank whose micro-batches were all
-# padding (local mean undefined, sent as 0) does not pull the global mean towards 0.
+# padding (local mean undefined, sent as 0) does not pull the global mean towards 0. The result
+# is the ranks' means averaged, not weighted by their token counts (it would take a wider sum
+# per feature): the drift correction's reference point, where ranks that routed tokens differ
+# only by their loss-masked tokens.
 _FIXED_SCALE = 2.0**12
 _FIXED_CLAMP = 2.0**4 - 1
 
