@@ -86,6 +86,10 @@ def _shim_distributed_optimizer_torch_adam_step() -> None:
       fresh optimizer first (``sharded_state_dict(is_loading=True)`` builds its template from
       it): no state, no step, AssertionError. A fresh optimizer now shows one step-0 entry,
       which Megatron reads as the template's step and drops; the checkpoint brings the real one.
+      "Fresh" means no parameter has a step yet, not an empty state: saving reads each
+      parameter's state through ``optimizer.state[param]``, a defaultdict that leaves an empty
+      entry behind, so an ``--fp16`` run whose steps were all skipped by the loss scaler
+      (2**32 at start, halved per overflow) failed its SECOND save with KeyError ``'step'``.
     * ``load_state_dict`` then puts ONE step tensor into every parameter's state; torch's Adam
       increments it in place once per parameter, so after a resume the step (and the bias
       correction) ran ahead by the number of parameters per iteration. Each parameter now gets
@@ -111,7 +115,7 @@ def _shim_distributed_optimizer_torch_adam_step() -> None:
 
     def fresh_state_dict(self):
         inner = self.optimizer
-        if distrib_optimizer.HAVE_APEX_OR_TE or len(inner.state) > 0:
+        if distrib_optimizer.HAVE_APEX_OR_TE or any("step" in s for s in inner.state.values()):
             return state_dict(self)
         fresh = type(inner).state_dict(inner)
         inner.state_dict = lambda: {**fresh, "state": {0: {"step": torch.tensor(0.0)}}}

@@ -328,6 +328,31 @@ def test_torch_norm_refuses_sequence_parallel_without_shim(no_compat):
         )
 
 
+def test_distributed_optimizer_saves_twice_before_its_first_step(compat):
+    """An ``--fp16`` run whose steps were all skipped by the loss scaler (it starts at 2**32,
+    halved per overflow) saves a distributed optimizer whose torch Adam never stepped. Saving
+    reads each parameter's state through ``optimizer.state[param]``, a defaultdict that leaves
+    an empty entry behind, so the second such save met entries without a step: KeyError
+    ``'step'`` (the entry point with ``--fp16 --use-distributed-optimizer --save-interval 2``
+    died at iteration 4's save). Each save gives the fresh optimizer's step-0 param groups."""
+    import types
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))]
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)  # only what state_dict reads
+    opt.optimizer = torch.optim.Adam(params, lr=1e-3)
+    opt.grad_scaler = None
+    opt.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    opt.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+    for _ in range(2):  # one save: the non-tensor state, then every parameter's tensors
+        state = opt.state_dict()
+        assert [g["step"] for g in state["optimizer"]["param_groups"]] == [0.0]
+        for p in params:
+            assert set(opt._get_main_param_and_optimizer_states(p)) == {"param"}
+    assert len(opt.optimizer.state) == 2  # the empty entries the reads left behind
+
+
 def test_dataset_helpers_need_no_make(compat):
     import megatron.core.datasets.utils as dutils
 
