@@ -89,8 +89,10 @@ class StableLatentMoETransformerConfig(TransformerConfig):
             self.bias_activation_fusion = False
         elif self.hidden_act == "swiglu":
             self.use_te_activation_func = False
-        if self.uses_quantile_balancing and self.moe_router_dtype is None:
-            self.moe_router_dtype = "fp32"  # router logits, scores and mixing weights in fp32
+        if (self.uses_quantile_balancing or self.moe_latent_size) and self.moe_router_dtype is None:
+            # router logits, scores and mixing weights in fp32, whatever the balancer, on the
+            # Stable LatentMoE block (a plain Megatron MoE keeps Megatron's default unless QB)
+            self.moe_router_dtype = "fp32"
         if self.num_moe_experts and self.first_k_dense_replace and self.moe_layer_freq == 1:
             k = self.first_k_dense_replace
             self.moe_layer_freq = [0] * k + [1] * (self.num_layers - k)

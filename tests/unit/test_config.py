@@ -291,6 +291,9 @@ def test_qb_is_selected_by_the_load_balancing_type():
     assert tiny_config().moe_router_load_balancing_type == QUANTILE_HISTOGRAM
     plain = tiny_config(moe_router_load_balancing_type="none")
     assert not plain.uses_quantile_balancing
+    assert plain.moe_router_dtype == "fp32"  # every balancer's router in fp32 on the block
+    megatron_moe = tiny_config(moe_router_load_balancing_type="aux_loss", moe_latent_size=None)
+    assert megatron_moe.moe_router_dtype is None  # Megatron's own MoE: Megatron's default
     with_aux = tiny_config(
         moe_router_load_balancing_type=["seq_aux_loss", "quantile_histogram"],
         moe_aux_loss_coeff=[0.3, 0.0],
