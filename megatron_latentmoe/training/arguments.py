@@ -391,6 +391,13 @@ def validate_stable_latentmoe_args(
             raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")
     if args.seq_length is None:
         raise FlagError("--seq-length is required")
+    if tp > 1 and args.seq_length % tp:
+        # else an assert of Megatron's reduce-scatter in the first forward, on every rank
+        raise FlagError(
+            f"--seq-length {args.seq_length} is not allowed with --tensor-model-parallel-size "
+            f"{tp} --sequence-parallel: a multiple of {tp} (sequence parallelism splits every "
+            "sequence over the tensor-parallel ranks)"
+        )
     if args.balance_log_loads_interval < 1:
         raise FlagError(
             f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "

@@ -205,6 +205,18 @@ CASES = {
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
     ),
+    "seq_length_not_divisible_by_tp_under_sp": (  # else a reduce-scatter assert per rank
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "1",
+            "--seq-length",
+            "127",
+        ],
+        ["--seq-length 127 is not allowed", "--tensor-model-parallel-size 2", "a multiple of 2"],
+    ),
     "default_split_leaves_a_part_without_data": (  # Megatron would hang building it
         [
             "--data-path",
