@@ -366,6 +366,16 @@ def validate_stable_latentmoe_args(
             "--overlap-moe-expert-parallel-comm is not supported by this entry point (Megatron's "
             "combined 1F1B schedule plan); allowed: off"
         )
+    recompute = getattr(args, "recompute_modules", None) or []
+    if args.recompute_granularity == "selective" and "layernorm" in recompute and not have_te:
+        # megatron-core 0.19.2's CheckpointWithoutOutput sets fp8 = (fp8 is not None), True
+        # for its default fp8=False, and then reads TE's FP8GlobalStateManager: a NameError
+        # in the first forward without TE
+        raise FlagError(
+            "--recompute-modules layernorm needs Transformer Engine (megatron-core 0.19.2's "
+            "layernorm recompute reads TE's FP8 state), which is not installed; allowed "
+            "without TE: core_attn, mlp, moe, shared_experts, or --recompute-granularity full"
+        )
     if args.moe_token_dispatcher_type == "flex" and not has_cuda:
         raise FlagError("--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall")
     tp = args.tensor_model_parallel_size

@@ -217,6 +217,10 @@ CASES = {
         ],
         ["--seq-length 127 is not allowed", "--tensor-model-parallel-size 2", "a multiple of 2"],
     ),
+    "layernorm_recompute_without_te": (  # else a NameError (TE's FP8 state) in the forward
+        ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"],
+        ["--recompute-modules layernorm needs Transformer Engine", "core_attn, mlp, moe"],
+    ),
     "default_split_leaves_a_part_without_data": (  # Megatron would hang building it
         [
             "--data-path",
