@@ -5,6 +5,8 @@ pretrain_gpt).
   per-split paths; ``--mock-data``) on every rank (``is_distributed``): each rank reads its own
   micro-batches, so every pipeline stage -- not only the first -- gets the loss mask it needs
   for the padding mask below, and no tensor-parallel broadcast is needed.
+* :func:`get_batch` gives each context-parallel rank its share of every sequence, as
+  Megatron-LM's pretrain_gpt does.
 * :func:`forward_step` runs the model with ``padding_mask = (loss_mask == 0)``: tokens whose
   loss is masked (padding, and EOD with ``--eod-mask-loss``) are not observed by Quantile
   Balancing and not counted in the expert loads (the router's convention: True = padding). A
@@ -100,6 +102,7 @@ def get_batch(batch, *, pre_process: bool, config=None):
     (True = padding)."""
     from megatron.core import parallel_state
 
+    batch = _on_this_cp_rank(batch)
     # Decided on the loader's (host) tensor: no device sync. None == an all-False mask.
     has_padding = bool((batch["loss_mask"] == 0).any())
     from megatron_latentmoe.moe.router import megatron_device
@@ -129,6 +132,27 @@ def get_batch(batch, *, pre_process: bool, config=None):
         rank = parallel_state.get_tensor_model_parallel_rank()
         padding_mask = padding_mask[:, rank * chunk : (rank + 1) * chunk].contiguous()
     return tokens, labels, loss_mask, attention_mask, position_ids, padding_mask
+
+
+CP_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def _on_this_cp_rank(batch):
+    """This context-parallel rank's share of every sequence of the micro-batch (Megatron's
+    zigzag split, ``get_batch_on_this_cp_rank``, as Megatron-LM's pretrain_gpt takes it): the
+    attention, the router and the loss of a CP rank see its own tokens only. A new dict (the
+    loader's, which QB rescoring records, stays whole); with CP 1, the batch itself."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(
+        {key: batch.get(key) for key in CP_BATCH_KEYS},
+        is_hybrid_cp=False,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
 
 
 # ------------------------------------------------------------------------------------ loss
