@@ -366,6 +366,14 @@ def validate_stable_latentmoe_args(
             "--overlap-moe-expert-parallel-comm is not supported by this entry point (Megatron's "
             "combined 1F1B schedule plan); allowed: off"
         )
+    cp = args.context_parallel_size
+    if cp > 1 and impl != "transformer_engine":
+        # else an assert of Megatron's DotProductAttention while the model is built, every rank
+        raise FlagError(
+            f"--context-parallel-size {cp} needs --transformer-impl transformer_engine "
+            "(Megatron's local attention has no context parallelism); allowed with "
+            f"--transformer-impl {impl}: 1"
+        )
     recompute = getattr(args, "recompute_modules", None) or []
     if args.recompute_granularity == "selective" and "layernorm" in recompute and not have_te:
         # megatron-core 0.19.2's CheckpointWithoutOutput sets fp8 = (fp8 is not None), True

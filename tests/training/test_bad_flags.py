@@ -221,6 +221,10 @@ CASES = {
         ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"],
         ["--recompute-modules layernorm needs Transformer Engine", "core_attn, mlp, moe"],
     ),
+    "context_parallel_with_local_attention": (  # else an assert while the model is built
+        ["--context-parallel-size", "2", "--expert-model-parallel-size", "1"],
+        ["--context-parallel-size 2 needs --transformer-impl transformer_engine", "local: 1"],
+    ),
     "default_split_leaves_a_part_without_data": (  # Megatron would hang building it
         [
             "--data-path",
