@@ -692,6 +692,12 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             "False with quantile_histogram: the QB router owns expert_bias and "
             "Megatron's sign update would fight it",
         )
+    if get("moe_router_pre_softmax"):
+        raise ConfigError(  # else silently ignored: sigmoid scores have no softmax to move
+            "moe_router_pre_softmax",
+            True,
+            f"False with {qb}: sigmoid scores, renormalised over the k chosen experts (SPEC §3)",
+        )
     coeff = get("moe_aux_loss_coeff")
     coeffs = balancer_list(coeff)  # Megatron takes one coefficient or one per balancing type
     if len(balancers) == 1 and any(coeffs):  # None: not set

@@ -178,6 +178,10 @@ CASES = {
             "a multiple of --moe-ffn-hidden-size 64",
         ],
     ),
+    "pre_softmax_with_qb": (  # else silently ignored by the sigmoid router
+        ["--moe-router-pre-softmax"],
+        ["--moe-router-pre-softmax is not allowed", "False with quantile_histogram"],
+    ),
     "query_groups_not_dividing_heads": (  # else a RuntimeError in the first forward
         ["--num-query-groups", "3"],
         ["--num-query-groups 3 is not allowed", "a divisor of --num-attention-heads 4"],

@@ -114,6 +114,7 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "moe_qb_absorb_coeff=0.3",
             "quantile_histogram",
         ),
+        (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True", "False with quantile"),
         (dict(moe_qb_rescore_iters=-1), "moe_qb_rescore_iters=-1", "an integer >= 0"),
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_rescore_iters=50),
