@@ -161,6 +161,13 @@ def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> l
             raise PreprocessError(
                 f"{name}:{lineno}: JSON key {k!r} holds {type(obj[k]).__name__}, expected a string"
             )
+        try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: no text to tokenize
+            obj[k].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PreprocessError(
+                f"{name}:{lineno}: JSON key {k!r} holds a lone surrogate "
+                f"{obj[k][e.start]!r} at character {e.start}, expected valid Unicode text"
+            ) from None
         out.append(obj[k])
     return out
 

@@ -313,6 +313,12 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
         ),
         (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds int"),
         (['["a list"]'], r"in\.jsonl:1: expected a JSON object"),
+        # valid JSON, but a lone UTF-16 surrogate is no Unicode text (cut emoji in scraped data):
+        # the tokenizer raised TypeError, a traceback
+        (
+            ['{"text": "ok"}', '{"text": "cut \\ud83d emoji"}'],
+            r"in\.jsonl:2: JSON key 'text' holds a lone surrogate '\\ud83d' at character 4",
+        ),
         (['{"text": ""}', "   "], r"no non-empty documents"),
     ],
 )
