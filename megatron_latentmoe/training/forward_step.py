@@ -21,6 +21,7 @@ pretrain_gpt).
 from __future__ import annotations
 
 import inspect
+import json
 from functools import partial
 
 import torch
@@ -50,13 +51,27 @@ def gpt_dataset_config_from_args(args, tokenizer):
     from megatron.training.utils import get_blend_and_blend_per_split
 
     blend, blend_per_split = get_blend_and_blend_per_split(args)
-    optional = (
-        "num_dataset_builder_threads",
-        "mmap_bin_files",
-        "mid_level_dataset_surplus",
-        "allow_ambiguous_pad_tokens",
-        "object_storage_cache_path",
+    # config field <- args attribute, as Megatron-LM's pretrain_gpt passes them
+    optional = {
+        name: name
+        for name in (
+            "multiple_validation_sets",
+            "full_validation",
+            "num_dataset_builder_threads",
+            "mmap_bin_files",
+            "mid_level_dataset_surplus",
+            "allow_ambiguous_pad_tokens",
+            "object_storage_cache_path",
+        )
+    }
+    optional.update(
+        fast_cache_load="dataloader_fast_cache_load",
+        defer_npy_index_mmap="dataloader_defer_npy_index_mmap",
     )
+    sequences_per_dataset = None
+    if getattr(args, "per_dataset_sequences_path", None) is not None:
+        with open(args.per_dataset_sequences_path) as f:
+            sequences_per_dataset = json.load(f)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -69,7 +84,8 @@ def gpt_dataset_config_from_args(args, tokenizer):
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        **{name: getattr(args, name) for name in optional if hasattr(args, name)},
+        sequences_per_dataset=sequences_per_dataset,
+        **{field: getattr(args, name) for field, name in optional.items() if hasattr(args, name)},
     )
 
 

@@ -55,3 +55,41 @@ def test_without_context_parallelism_the_batch_is_whole(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     tokens, *_, padding = get_batch(_batch(), pre_process=True)
     assert torch.equal(tokens, _batch()["tokens"]) and padding[1, -1] and padding.sum() == 1
+
+
+def test_dataset_config_carries_megatrons_validation_and_loader_flags(tmp_path, monkeypatch):
+    """The GPT dataset config gets the data flags that Megatron-LM's pretrain_gpt passes on.
+    ``--multiple-validation-sets`` was dropped: with ``--full-validation`` the validation
+    prefixes were blended into one set and evaluated as one ("validation-0" only)."""
+    import json
+    import sys
+    import types
+    import warnings
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import parse_args
+
+    from megatron_latentmoe.training.forward_step import gpt_dataset_config_from_args
+
+    counts = tmp_path / "sequences.json"
+    counts.write_text(json.dumps({"/d/a": [10, 10], "/d/b": [20, 20], "/d/t": [5, 5]}))
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    flags += ["--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"]
+    flags += ["--train-data-path", "/d/t", "--valid-data-path", "/d/a", "/d/b"]
+    flags += ["--multiple-validation-sets", "--full-validation", "--dataloader-fast-cache-load"]
+    flags += ["--dataloader-defer-npy-index-mmap", "--per-dataset-sequences-path", str(counts)]
+    flags += ["--data-cache-path", str(tmp_path / "cache")]
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags])
+    args = parse_args()
+    tokenizer = types.SimpleNamespace(vocab_size=4096)
+    config = gpt_dataset_config_from_args(args, tokenizer)
+    assert config.blend_per_split[1] == (["/d/a", "/d/b"], None)
+    assert config.multiple_validation_sets is True
+    assert config.full_validation is True
+    assert config.fast_cache_load is True
+    assert config.defer_npy_index_mmap is True
+    assert config.sequences_per_dataset == {"/d/a": [10, 10], "/d/b": [20, 20], "/d/t": [5, 5]}
