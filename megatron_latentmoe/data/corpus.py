@@ -67,6 +67,12 @@ def iter_corpus_texts(path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text")
                 yield json.loads(line)[key]
 
 
+def default_corpus_sequences() -> int:
+    """Sequences in the shipped corpus's dataset: one per document with text, as
+    :func:`prepare_default_dataset` writes it (counted without tokenizing)."""
+    return sum(1 for text in iter_corpus_texts() if text.strip())
+
+
 def _fingerprint(corpus: Path, tokenizer_dir: Path) -> dict:
     h = hashlib.sha256()
     for p in [corpus] + sorted(q for q in tokenizer_dir.iterdir() if q.is_file()):

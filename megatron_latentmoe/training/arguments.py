@@ -206,11 +206,12 @@ def _sequence_count(prefix: str) -> int:
     return struct.unpack("<Q", header[18:26])[0]
 
 
-def _check_split(args) -> None:
+def _check_split(args, datasets: list[tuple[str, int]] | None = None) -> None:
     """Every non-zero part of ``--split`` must get at least one sequence of every ``--data-path``
     dataset: megatron-core 0.19.2 builds a part with none by asking an epoch of 0 tokens for 1
     token, forever (``GPTDataset._get_num_epochs``), a hang without a message. Megatron's own
-    default split, 969,30,1, gives the test part 0.1 %: no sequence in a dataset of under 500."""
+    default split, 969,30,1, gives the test part 0.1 %: no sequence in a dataset of under 500.
+    ``datasets``: (name, sequences) pairs to check instead of ``--data-path``'s."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -235,13 +236,16 @@ def _check_split(args) -> None:
         else f"--split, not given, is Megatron's default {MEGATRON_DEFAULT_SPLIT.replace(' ', '')},"
         " which"
     )
-    for prefix in _data_prefixes(args.data_path):
-        n = _sequence_count(prefix)
+    if datasets is None:
+        datasets = [
+            (f"--data-path {p}", _sequence_count(p)) for p in _data_prefixes(args.data_path)
+        ]
+    for name, n in datasets:
         for part, bounds in zip(("train", "validation", "test"), matrix, strict=True):
             if bounds is not None and round(bounds[1] * n) <= round(bounds[0] * n):
                 raise FlagError(
-                    f"{given} gives the {part} part none of the {n} sequences of --data-path "
-                    f"{prefix} (Megatron would hang building it); allowed: a --split whose every "
+                    f"{given} gives the {part} part none of the {n} sequences of "
+                    f"{name} (Megatron would hang building it); allowed: a --split whose every "
                     "non-zero part gets at least one sequence, e.g. 98,2,0 (0 for a part you do "
                     "not need)"
                 )
@@ -400,6 +404,10 @@ def validate_stable_latentmoe_args(
             raise FlagError(
                 "--data-path is required with --no-default-data (a Megatron .bin/.idx prefix)"
             )
+        if args.split is not None:  # counted from the corpus: nothing is tokenized yet
+            from megatron_latentmoe.data.corpus import default_corpus_sequences
+
+            _check_split(args, [("the shipped corpus", default_corpus_sequences())])
     else:
         _check_data_paths(args)
         if args.data_path:

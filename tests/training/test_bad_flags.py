@@ -240,6 +240,11 @@ CASES = {
         ],
         ["Megatron's default 969,30,1", "test part none of the 50 sequences", "98,2,0"],
     ),
+    # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
+    "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
+        ["--split", "9999,1,0"],
+        ["--split 9999,1,0 gives the validation part none of the 1404 sequences of the shipped"],
+    ),
 }
 
 HEAVY_MARKERS = (
