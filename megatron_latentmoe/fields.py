@@ -545,18 +545,6 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                 True,
                 "False with moe_latent_size (shared experts see the full-width input)",
             )
-        shared, expert = (
-            get("moe_shared_expert_intermediate_size"),
-            moe_ffn or get("ffn_hidden_size"),
-        )
-        if _is_int(shared) and _is_int(expert) and shared % expert:
-            raise ConfigError(  # else it trains, and its export fails
-                "moe_shared_expert_intermediate_size",
-                shared,
-                "a multiple of {moe_ffn_hidden_size} (the HF model stores num_shared_experts = "
-                "shared width / moe_intermediate_size)",
-                moe_ffn_hidden_size=expert,
-            )
         for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"):
             if get(name) is not None:
                 raise ConfigError(  # else the export splits fc1 into gate / up wrongly
@@ -603,6 +591,21 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         )
     if get("moe_expert_weight_qat") not in (None, "none"):
         _check_expert_weight_qat(get)
+
+
+def check_hf_exportable(get: Callable[[str], Any]) -> None:
+    """What the HF model (K3 naming) cannot express in a config that trains: raises
+    :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
+    shared = get("moe_shared_expert_intermediate_size")
+    expert = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    if _is_int(shared) and _is_int(expert) and expert > 0 and shared % expert:
+        raise ConfigError(
+            "moe_shared_expert_intermediate_size",
+            shared,
+            "a multiple of {moe_ffn_hidden_size} (the HF model stores num_shared_experts = "
+            "shared width / moe_intermediate_size)",
+            moe_ffn_hidden_size=expert,
+        )
 
 
 def _check_tensor_parallel_widths(get: Callable[[str], Any]) -> None:

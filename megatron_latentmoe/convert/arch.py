@@ -42,6 +42,7 @@ from megatron_latentmoe.fields import (
     ConfigError,
     ModelField,
     balancer_list,
+    check_hf_exportable,
     check_stable_latentmoe,
     megatron_values,
     not_allowed,
@@ -104,6 +105,7 @@ class ModelArch:
         megatron.update(self.megatron_config_kwargs(), moe_layer_freq=self.moe_layer_freq)
         try:
             check_stable_latentmoe(megatron.get)
+            check_hf_exportable(megatron.get)
         except ConfigError as err:  # named as this description names them
             names = {f.megatron: f.name for f in FIELDS if f.megatron}
             raise ConversionError(

@@ -42,6 +42,7 @@ from megatron_latentmoe.fields import (
     QUANTILE_HISTOGRAM,
     ConfigError,
     balancer_list,
+    check_hf_exportable,
     check_stable_latentmoe,
 )
 
@@ -316,6 +317,15 @@ def validate_stable_latentmoe_args(
         check_stable_latentmoe(arg)
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
+    try:
+        check_hf_exportable(arg)
+    except ConfigError as err:
+        if args.moe_latent_size and os.environ.get("RANK", "0") == "0":
+            print(
+                "[pretrain_stable_latentmoe] warning: this model trains, but the HF converter "
+                f"will refuse its checkpoints: {flag_message(err)}",
+                flush=True,
+            )
     if "quantile_balancing" in balancers and args.eod_mask_loss:
         raise FlagError(
             "--moe-router-load-balancing-type quantile_balancing with --eod-mask-loss is not "

@@ -238,11 +238,6 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "ffn_hidden_size=127",
             "multiple of tensor_model_parallel_size=2",
         ),
-        (  # it would train, and then its HF export would fail
-            dict(moe_shared_expert_intermediate_size=72),
-            "moe_shared_expert_intermediate_size=72",
-            "a multiple of moe_ffn_hidden_size=48",
-        ),
         # an interleaved fc1 would be split into gate / up wrongly by SiTU-GLU and the export
         (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size=32", "None with"),
         (
@@ -277,6 +272,17 @@ def test_widths_that_tensor_parallelism_splits_evenly_are_accepted():
     assert cfg.expert_tensor_parallel_size == 1
     # no dense layer: the dense width is never split
     tiny_config(ffn_hidden_size=127, tensor_model_parallel_size=2, sequence_parallel=True)
+
+
+def test_a_shared_width_the_hf_model_cannot_express_trains():
+    """Megatron trains any shared-expert width; the HF model (num_shared_experts experts of the
+    routed width) only multiples of the expert width: the converter's rule, not the config's."""
+    from megatron_latentmoe.fields import ConfigError, check_hf_exportable
+
+    cfg = tiny_config(moe_shared_expert_intermediate_size=72)  # moe_ffn_hidden_size 48
+    with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=48"):
+        check_hf_exportable(lambda name: getattr(cfg, name))
+    check_hf_exportable(lambda name: getattr(tiny_config(), name))  # 96 = 2 x 48
 
 
 def test_swiglu_keeps_megatrons_glu_clamp_and_offset():
