@@ -422,6 +422,19 @@ def validate_stable_latentmoe_args(
         _check_data_paths(args)
         if args.data_path:
             _check_split(args)
+    full, multiple = args.full_validation, args.multiple_validation_sets
+    if bool(full) != bool(multiple):
+        # megatron-core 0.19.2: --multiple-validation-sets alone raises NotImplementedError at
+        # the first evaluation; --full-validation alone indexes an int (TypeError) there
+        given, missing = (
+            ("--full-validation", "--multiple-validation-sets")
+            if full
+            else ("--multiple-validation-sets", "--full-validation")
+        )
+        raise FlagError(
+            f"{given} needs {missing} (megatron-core 0.19.2 evaluates one of them without the "
+            "other only by failing at the first evaluation); allowed: both, or neither"
+        )
     if args.tokenizer_model is not None and args.tokenizer_type in (None, "HuggingFaceTokenizer"):
         if not os.path.exists(args.tokenizer_model):
             raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")

@@ -171,6 +171,14 @@ CASES = {
             "a multiple of --tensor-model-parallel-size 2",
         ],
     ),
+    "full_validation_alone": (  # megatron-core 0.19.2: a TypeError at the first evaluation
+        ["--full-validation"],
+        ["--full-validation needs --multiple-validation-sets", "both, or neither"],
+    ),
+    "multiple_validation_sets_alone": (  # megatron-core 0.19.2: NotImplementedError there
+        ["--multiple-validation-sets"],
+        ["--multiple-validation-sets needs --full-validation", "both, or neither"],
+    ),
     "pre_softmax_with_qb": (  # else silently ignored by the sigmoid router
         ["--moe-router-pre-softmax"],
         ["--moe-router-pre-softmax is not allowed", "False with quantile_histogram"],
