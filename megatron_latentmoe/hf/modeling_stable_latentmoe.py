@@ -328,10 +328,16 @@ class StableLatentMoEGate(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=config.initializer_range)
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, n] logits ``x W^T`` computed in fp32 (fp64 for fp64)."""
+        """[T, n] logits ``x W^T`` computed in fp32 (fp64 for fp64), also under ``torch.autocast``
+        (mixed-precision fine-tuning), which would otherwise run this linear in bf16 / fp16."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         cd = compute_dtype(x.dtype)
-        return F.linear(x.to(cd), self.weight.to(cd))
+        try:
+            no_autocast = torch.autocast(device_type=x.device.type, enabled=False)
+        except RuntimeError:  # a device type without autocast (e.g. meta): nothing to turn off
+            return F.linear(x.to(cd), self.weight.to(cd))
+        with no_autocast:
+            return F.linear(x.to(cd), self.weight.to(cd))
 
     def forward(self, hidden_states: torch.Tensor) -> MoERouting:
         return noaux_tc_routing(
