@@ -593,11 +593,17 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         _check_expert_weight_qat(get)
 
 
+def _expert_width(get: Callable[[str], Any]) -> Any:
+    """The routed experts' width: ``moe_ffn_hidden_size``, Megatron's default when unset being
+    ``ffn_hidden_size``."""
+    width = get("moe_ffn_hidden_size")
+    return get("ffn_hidden_size") if width is None else width
+
+
 def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
-    shared = get("moe_shared_expert_intermediate_size")
-    expert = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    shared, expert = get("moe_shared_expert_intermediate_size"), _expert_width(get)
     if _is_int(shared) and _is_int(expert) and expert > 0 and shared % expert:
         raise ConfigError(
             "moe_shared_expert_intermediate_size",
@@ -622,13 +628,11 @@ def _check_tensor_parallel_widths(get: Callable[[str], Any]) -> None:
     n, k_dense, freq = get("num_moe_experts"), get("first_k_dense_replace"), get("moe_layer_freq")
     pattern = freq if isinstance(freq, (list, tuple)) else []
     has_dense = not n or bool(k_dense) or 0 in pattern or (_is_int(freq) and freq not in (None, 1))
-    ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size")
-    if moe_ffn is None:
-        moe_ffn = ffn  # Megatron's default expert width
+    ffn = get("ffn_hidden_size")
     widths = [("ffn_hidden_size", ffn, "tensor_model_parallel_size", tp)] if has_dense else []
     if n:
         widths += [
-            ("moe_ffn_hidden_size", moe_ffn, etp_name, etp),
+            ("moe_ffn_hidden_size", _expert_width(get), etp_name, etp),
             (
                 "moe_shared_expert_intermediate_size",
                 get("moe_shared_expert_intermediate_size"),
