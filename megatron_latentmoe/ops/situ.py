@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from megatron_latentmoe.fields import not_allowed
+from megatron_latentmoe.fields import BY_NAME, not_allowed
 
-DEFAULT_SITU_BETA = 4.0  # b1, config key `activation_situ_beta`
-DEFAULT_SITU_LINEAR_BETA = 25.0  # b2, config key `activation_situ_linear_beta`
+DEFAULT_SITU_BETA: float = BY_NAME["activation_situ_beta"].default  # b1 (SPEC §2)
+DEFAULT_SITU_LINEAR_BETA: float = BY_NAME["activation_situ_linear_beta"].default  # b2
 
 
 def validate_situ_beta(name: str, value: Any) -> float:
@@ -329,7 +329,7 @@ class SiTUGLU(torch.nn.Module):
 
     b1 / b2 come from, in order: the keyword arguments, ``config.activation_situ_beta`` /
     ``config.activation_situ_linear_beta`` (if the config has them and they are not None), and
-    the SPEC defaults 4.0 / 25.0.
+    the fields' defaults (``DEFAULT_SITU_BETA`` / ``DEFAULT_SITU_LINEAR_BETA``, SPEC §2).
     """
 
     def __init__(
