@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from megatron_latentmoe.fields import BY_NAME
+
 __all__ = [
     "INT32_MAX",
     "HEADER_FIELDS",
@@ -54,6 +56,7 @@ HEADER_FIELDS = (
     "bias_changes",  # observe() calls whose bias differed from the window's
 )
 _TOKEN_SPLIT = 1 << 16
+_DEFAULT_NUM_BINS: int = BY_NAME["moe_qb_num_bins"].default  # B, the config's default
 MAX_RANKS = 32767  # keeps every header word of the summed buffer inside int32 (tokens_lo < 2**16)
 
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -130,7 +133,7 @@ class _QuantileHistogramBase:
     step-end solve made identical on all of them, so no cross-rank bias check is needed.
     """
 
-    def __init__(self, num_experts: int, topk: int, num_bins: int = 1000, device=None):
+    def __init__(self, num_experts: int, topk: int, num_bins: int = _DEFAULT_NUM_BINS, device=None):
         for name, v, low in (("num_experts", num_experts, 2), ("num_bins", num_bins, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name}={v!r}; allowed: int >= {low}")
@@ -425,7 +428,7 @@ class CenteredQuantileHistogram(_QuantileHistogramBase):
         self,
         num_experts: int,
         topk: int,
-        num_bins: int = 1000,
+        num_bins: int = _DEFAULT_NUM_BINS,
         device=None,
         *,
         sigma: float = 0.005,
