@@ -2,9 +2,10 @@
 one run: vs Megatron-Core's own ``moe_latent_size`` MoELayer (TE, SwiGLU, no norm), and bf16 vs
 every FP8 recipe the GPU runs. Writes JSON (with the GPU's name) and prints a table of ratios.
 
-K3 widths (SPEC §5): d 7168, l 3584, m_e 3072, N_s = 2 shared experts of 3072. K3's n = 896,
-k = 16 do not fit one GPU; n and k are divided by 8 (n 112, k 2), which keeps K3's tokens per
-expert T*k/n = 146 at T = 8192 tokens per rank, so each expert GEMM has K3's shape.
+K3 widths (SPEC §5; the defaults are ``fields``' K3 values): d, l, m_e and the N_s shared experts
+of m_e each. K3's n = 896, k = 16 do not fit one GPU; n and k are divided by 8 (n 112, k 2), which
+keeps K3's tokens per expert T*k/n = 146 at T = 8192 tokens per rank, so each expert GEMM has
+K3's shape.
 
     python benchmarks/bench_gpu_block.py [--tokens 8192] [--experts 112] [--topk 2] [--out ...]
 
@@ -28,18 +29,33 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_io import json_path, write_json  # noqa: E402
+from megatron_latentmoe.fields import hf_defaults, read_hf  # noqa: E402
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+K3 = read_hf(
+    hf_defaults(),
+    [
+        "hidden_size",
+        "moe_latent_size",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+        "num_experts",
+        "moe_router_topk",
+    ],
+)
+"""SPEC §5's sizes (the HF config class's defaults), in Megatron units."""
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=7168, help="d")
-    p.add_argument("--latent", type=int, default=3584, help="l")
-    p.add_argument("--expert-ffn", type=int, default=3072, help="m_e")
-    p.add_argument("--experts", type=int, default=112, help="n (K3: 896)")
-    p.add_argument("--topk", type=int, default=2, help="k (K3: 16)")
-    p.add_argument("--shared-ffn", type=int, default=2 * 3072, help="N_s * m_e")
+    p.add_argument("--hidden", type=int, default=K3["hidden_size"], help="d")
+    p.add_argument("--latent", type=int, default=K3["moe_latent_size"], help="l")
+    p.add_argument("--expert-ffn", type=int, default=K3["moe_ffn_hidden_size"], help="m_e")
+    n, k = K3["num_experts"], K3["moe_router_topk"]
+    p.add_argument("--experts", type=int, default=n // 8, help=f"n (K3: {n})")
+    p.add_argument("--topk", type=int, default=k // 8, help=f"k (K3: {k})")
+    shared = K3["moe_shared_expert_intermediate_size"]
+    p.add_argument("--shared-ffn", type=int, default=shared, help="N_s * m_e")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

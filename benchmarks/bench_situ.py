@@ -5,10 +5,10 @@ activation bytes kept for backward, and on CUDA the achieved bytes/s against a d
 Prints a table and writes benchmarks/results/bench_situ.json (or ``--out``: a file, or a folder
 to write it in).
 
-    python benchmarks/bench_situ.py [--tokens 4096] [--ffn 3072] [--dtypes bf16 fp32] [--reps 5]
+    python benchmarks/bench_situ.py [--tokens 4096] [--ffn F] [--dtypes bf16 fp32] [--reps 5]
 
 Defaults: 4096 rows (one 4k-token micro-batch's worth of rows through one expert group) at the
-K3 expert intermediate size m_e = 3072. Bytes moved by one fwd+bwd of a packed [R, 2F] input:
+K3 expert intermediate size m_e (SPEC §5). Bytes moved by one fwd+bwd of a packed [R, 2F] input:
 forward reads 2F and writes F per row, backward reads 2F + F (the gradient) and writes 2F, so
 8 R F elements in all; ``copy_fraction`` = achieved bytes/s over ``x.clone()``'s bytes/s (read +
 write) measured in the same run (an H200 copies at ~4.3 TB/s).
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.results_io import json_path, write_json  # noqa: E402
+from megatron_latentmoe.fields import BY_NAME
 from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu as situ_reference
 from megatron_latentmoe.ops import situ as situ_mod
 
@@ -144,7 +145,12 @@ def copy_bytes_per_s(x, reps):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=3072, help="F: per-expert intermediate size (m_e)")
+    p.add_argument(
+        "--ffn",
+        type=int,
+        default=BY_NAME["moe_ffn_hidden_size"].hf_default,  # K3's m_e (SPEC §5)
+        help="F: per-expert intermediate size (m_e)",
+    )
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
