@@ -127,10 +127,6 @@ class ModelArch:
         return layer >= self.first_k_dense_replace
 
     @property
-    def num_shared_experts(self) -> int:
-        return self.moe_shared_expert_intermediate_size // self.moe_ffn_hidden_size
-
-    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
