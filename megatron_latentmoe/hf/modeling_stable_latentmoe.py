@@ -408,7 +408,7 @@ class StableLatentMoEBlock(nn.Module):
             else None
         )
         self.routed_expert_up_proj = nn.Linear(lat, d, bias=False)
-        shared = config.num_shared_experts * m_e
+        shared = config.get_shared_expert_intermediate_size()
         self.shared_experts = StableLatentMoEMLP(config, d, shared) if shared > 0 else None
         self.record_routing = False
         self.last_routing: MoERouting | None = None
