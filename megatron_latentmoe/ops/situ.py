@@ -306,7 +306,8 @@ def situ_glu_packed(
     """SiTU-GLU on a packed [..., 2F] tensor: first half gate, second half up -> [..., F].
 
     This is the layout of Megatron's gated fc1 output on each tensor-parallel rank (and of the
-    HF ``SituAndMul`` input). Backward saves only ``x``.
+    input of Kimi's ``SituAndMul``, quoted in seed 000; this package's HF model applies
+    ``situ_glu`` to separate gate / up projections instead). Backward saves only ``x``.
     """
     b1 = validate_situ_beta("beta", beta)
     b2 = validate_situ_beta("linear_beta", linear_beta)
