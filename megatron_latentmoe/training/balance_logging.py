@@ -17,9 +17,11 @@ float64 tensor (row ``layer_number - 1``; the last row holds the loss, filled by
 and one SUM all-reduce over the pipeline group brings all of them to every stage, so the logging
 rank (Megatron's: the last rank, which owns the TensorBoard writer) sees every layer.
 
-Outputs on the logging rank: a ``[balance]`` line on stdout every ``log_interval`` steps,
-TensorBoard scalars under ``balance/`` and ``throughput/`` every ``tensorboard_log_interval``
-steps (when a writer exists), and one JSONL record per step (``tools/plot_balance.py`` reads it).
+Outputs on the logging rank: a ``[balance]`` line on stdout every ``log_interval`` steps (and
+at the first step of the process, as Megatron's iteration line), scalars under ``balance/`` and
+``throughput/`` every ``tensorboard_log_interval`` steps to TensorBoard (``--tensorboard-dir``) and
+W&B (``--wandb-project``), under the same names with the iteration as step, as Megatron mirrors
+its own MoE metrics, and one JSONL record per step (``tools/plot_balance.py`` reads it).
 A resumed run appends; records of iterations re-run after a restart appear twice (readers keep
 the last).
 """
@@ -69,7 +71,8 @@ class BalanceLogger:
         loads_interval: per-expert loads go into the JSONL every this many steps.
         jsonl_path: the JSONL file (None: no file).
         writer_fn: returns the TensorBoard writer or None (Megatron creates it on the last rank).
-        per_layer_tensorboard: also write per-layer MaxVio to TensorBoard.
+        wandb_writer_fn: returns Megatron's W&B writer (the ``wandb`` module) or None.
+        per_layer_tensorboard: also write per-layer MaxVio (``--moe-per-layer-logging``).
         is_logging_rank: defaults to "global rank == world size - 1" (Megatron's logging rank).
         dp_group / pp_group: callables returning the data-parallel (with CP) and pipeline groups.
         is_last_stage: callable, True on the last pipeline stage.
@@ -87,6 +90,7 @@ class BalanceLogger:
         loads_interval: int = 1,
         jsonl_path: str | None = None,
         writer_fn: Callable[[], object] = lambda: None,
+        wandb_writer_fn: Callable[[], object] = lambda: None,
         per_layer_tensorboard: bool = False,
         is_logging_rank: bool | None = None,
         dp_group: Callable[[], dist.ProcessGroup | None] = lambda: None,
@@ -102,6 +106,7 @@ class BalanceLogger:
         self.loads_interval = max(1, int(loads_interval))
         self.jsonl_path = jsonl_path
         self.writer_fn = writer_fn
+        self.wandb_writer_fn = wandb_writer_fn
         self.per_layer_tensorboard = per_layer_tensorboard
         if is_logging_rank is None:
             is_logging_rank = (
@@ -233,22 +238,33 @@ class BalanceLogger:
         if iteration % self.log_interval == 0 or not self._printed_first:
             self._printed_first = True
             print(format_record(record), flush=True)
-        writer = self.writer_fn()
-        if writer is not None and iteration % self.tensorboard_log_interval == 0:
-            for key in _TB_KEYS:
-                value = record[key]
-                if value is not None and not (isinstance(value, float) and math.isnan(value)):
-                    writer.add_scalar(f"balance/{key}", value, iteration)
-            if not math.isnan(record["tokens_per_s"]):
-                writer.add_scalar("throughput/tokens_per_s", record["tokens_per_s"], iteration)
-            if self.per_layer_tensorboard:
-                for entry in record["layers"]:
-                    writer.add_scalar(
-                        f"balance/maxvio_layer_{entry['layer']}", entry["max_vio"], iteration
-                    )
+        if iteration % self.tensorboard_log_interval == 0:
+            writer, wandb_writer = self.writer_fn(), self.wandb_writer_fn()
+            scalars = _scalars(record, self.per_layer_tensorboard)
+            if writer is not None:
+                for name, value in scalars.items():
+                    writer.add_scalar(name, value, iteration)
+            if wandb_writer is not None:
+                wandb_writer.log(scalars, iteration)
         if self.jsonl_path:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+def _scalars(record: dict, per_layer: bool) -> dict[str, float]:
+    """The TensorBoard / W&B scalars of a step record (NaN and missing values left out)."""
+    scalars = {
+        f"balance/{key}": record[key]
+        for key in _TB_KEYS
+        if record[key] is not None
+        and not (isinstance(record[key], float) and math.isnan(record[key]))
+    }
+    if not math.isnan(record["tokens_per_s"]):
+        scalars["throughput/tokens_per_s"] = record["tokens_per_s"]
+    if per_layer:
+        for entry in record["layers"]:
+            scalars[f"balance/maxvio_layer_{entry['layer']}"] = entry["max_vio"]
+    return scalars
 
 
 def format_record(record: dict) -> str:

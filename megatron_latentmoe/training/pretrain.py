@@ -419,7 +419,7 @@ def _main(check_only: bool = False) -> int:
 
 def _make_balance_logger(args, jsonl_path):
     from megatron.core import parallel_state
-    from megatron.training import get_args, get_tensorboard_writer
+    from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
     from megatron_latentmoe.training.balance_logging import BalanceLogger
 
@@ -435,6 +435,7 @@ def _make_balance_logger(args, jsonl_path):
         loads_interval=args.balance_log_loads_interval,
         jsonl_path=jsonl_path,
         writer_fn=get_tensorboard_writer,
+        wandb_writer_fn=get_wandb_writer,
         per_layer_tensorboard=args.moe_per_layer_logging,
         dp_group=lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
         pp_group=parallel_state.get_pipeline_model_parallel_group,
