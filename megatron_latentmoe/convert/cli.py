@@ -152,7 +152,12 @@ def _dtype(p: argparse.ArgumentParser, what: str, default: str) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (default: one on stderr when it is a terminal and "
+        "HF_HUB_DISABLE_PROGRESS_BARS is not set)",
+    )
     p.add_argument(
         "--summary-json", default=None, help="also write the summary (and verify report) as JSON"
     )
@@ -230,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_shard_size=args.max_shard_size,
                 tokenizer_dir=None if args.tokenizer == "none" else args.tokenizer,
                 overwrite=args.overwrite,
-                progress=not args.no_progress,
+                progress=False if args.no_progress else None,
                 read_batch_bytes=args.read_batch_mb << 20,
                 expert_dtype=args.expert_dtype,
             )
@@ -251,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype=args.dtype,
                 iteration=args.iteration,
                 overwrite=args.overwrite,
-                progress=not args.no_progress,
+                progress=False if args.no_progress else None,
             )
             dirs = (args.output, args.hf, None)
         else:

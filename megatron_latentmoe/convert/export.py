@@ -496,7 +496,7 @@ def export_checkpoint(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     tokenizer_dir: str | None = "default",
     overwrite: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
     read_batch_bytes: int = DEFAULT_READ_BATCH_MB << 20,
     expert_dtype: str = "auto",
 ) -> ConversionSummary:
@@ -505,7 +505,8 @@ def export_checkpoint(
     ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp32`` or ``fp16``;
     ``e_score_correction_bias`` is always fp32. ``expert_dtype``: ``auto`` or ``mxfp4`` (routed
     experts MXFP4-packed, see the module docstring). ``tokenizer_dir``: ``"default"`` = the training
-    run's (see the module docstring), a directory, or None = none. Raises :class:`ConversionError`
+    run's (see the module docstring), a directory, or None = none. ``progress``: a byte bar on
+    stderr, None = on a terminal only (``summary.Progress``). Raises :class:`ConversionError`
     on bad input; never leaves a partial
     output directory.
     """

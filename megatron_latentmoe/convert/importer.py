@@ -355,13 +355,14 @@ def import_checkpoint(
     dtype: str = "auto",
     iteration: int | None = None,
     overwrite: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> ConversionSummary:
     """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save
     root.
 
     ``dtype``: ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32.
-    ``iteration``: None writes a ``release`` checkpoint.
+    ``iteration``: None writes a ``release`` checkpoint. ``progress``: a byte bar on stderr,
+    None = on a terminal only (``summary.Progress``).
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -385,7 +386,7 @@ def _import(
     out_dtype,
     iteration,
     overwrite: bool,
-    progress: bool,
+    progress: bool | None,
 ) -> ConversionSummary:
     arch = hf.arch
     n_maps = hf.check(arch)

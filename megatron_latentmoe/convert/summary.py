@@ -89,11 +89,16 @@ class ConversionSummary:
 
 
 class Progress:
-    """A tqdm bar over bytes (silent when ``enabled`` is False) that also tracks RSS growth."""
+    """A tqdm bar over bytes on stderr that also tracks RSS growth. ``enabled``: None draws it
+    on a terminal only, True always, False never; ``HF_HUB_DISABLE_PROGRESS_BARS=1`` turns it
+    off (Hugging Face's rule: :func:`megatron_latentmoe.progress.tqdm_disable`)."""
 
-    def __init__(self, total_bytes: int, desc: str, enabled: bool = True):
+    def __init__(self, total_bytes: int, desc: str, enabled: bool | None = None):
+        from megatron_latentmoe.progress import tqdm_disable
+
         self.bar = None
-        if enabled:
+        disable = tqdm_disable(enabled)
+        if disable is not True:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
@@ -104,6 +109,7 @@ class Progress:
                 unit_divisor=1024,
                 dynamic_ncols=True,
                 file=sys.stderr,
+                disable=disable,
             )
         self.rss0 = current_rss_bytes()
         self.max_growth = 0

@@ -293,7 +293,8 @@ def preprocess_jsonl(
         json_keys: keys whose string values are tokenized; one dataset per key.
         append_eod: append the tokenizer's EOS id to every document (Megatron's EOD).
         workers: processes that parse and tokenize (1 = in this process).
-        progress: tqdm progress bar; ``None`` shows it only on a terminal.
+        progress: tqdm progress bar on stderr; ``None`` shows it only on a terminal;
+        ``HF_HUB_DISABLE_PROGRESS_BARS=1`` turns it off (:mod:`megatron_latentmoe.progress`).
 
     Raises:
         PreprocessError: missing input, malformed JSON (with line number), missing key, no
@@ -357,8 +358,10 @@ def preprocess_jsonl(
 
         from tqdm.auto import tqdm
 
+        from megatron_latentmoe.progress import tqdm_disable
+
         size = input_path.stat().st_size
-        disable = None if progress is None else not progress
+        disable = tqdm_disable(progress)
         with (
             open(input_path, "rb") as raw,
             tqdm(
