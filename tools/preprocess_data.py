@@ -72,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="show a progress bar (default: only on a terminal)",
+        help="show a progress bar on stderr (default: only on a terminal, and not when "
+        "HF_HUB_DISABLE_PROGRESS_BARS is set)",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="without a progress bar, print Megatron's 'Processed N documents (D docs/s, M MB/s).' "
+        "to stderr every N documents (default: 1000; 0: never)",
     )
     return p
 
@@ -103,6 +111,7 @@ def main(argv=None) -> int:
             append_eod=args.append_eod,
             workers=args.workers,
             progress=args.progress,
+            log_interval=args.log_interval,
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -147,6 +147,7 @@ def prepare_default_dataset(
             append_eod=True,
             workers=workers,
             progress=progress,
+            log_interval=0,  # no "Processed N documents" lines in a training run's log
         )
         record = dict(
             want,

@@ -28,6 +28,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -282,6 +283,7 @@ def preprocess_jsonl(
     append_eod: bool = True,
     workers: int = 1,
     progress: bool | None = None,
+    log_interval: int = 1000,
 ) -> PreprocessSummary:
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
@@ -295,6 +297,10 @@ def preprocess_jsonl(
         workers: processes that parse and tokenize (1 = in this process).
         progress: tqdm progress bar on stderr; ``None`` shows it only on a terminal;
         ``HF_HUB_DISABLE_PROGRESS_BARS=1`` turns it off (:mod:`megatron_latentmoe.progress`).
+        log_interval: where no bar is drawn (a log file, a pipe), Megatron's
+        ``tools/preprocess_data.py`` line ``Processed N documents (D docs/s, M MB/s).`` goes to
+        stderr each time another ``log_interval`` documents are read (counted in batches of
+        256 lines; MB/s of the input file); 0: never.
 
     Raises:
         PreprocessError: missing input, malformed JSON (with line number), missing key, no
@@ -313,6 +319,8 @@ def preprocess_jsonl(
         raise PreprocessError(f"json_keys must be distinct and not empty: {keys}")
     if workers < 1:
         raise PreprocessError(f"workers must be >= 1, got {workers}")
+    if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
+        raise PreprocessError(f"log_interval must be an integer >= 0, got {log_interval!r}")
 
     tok = load_tokenizer(tokenizer)
     if append_eod:
@@ -373,6 +381,8 @@ def preprocess_jsonl(
             ) as bar,
         ):
             done = 0
+            log_every = log_interval if bar.disable else 0
+            next_log, t_read = log_every, time.time()
             for result in encode(_batches(raw, input_path.suffix == ".gz", str(input_path))):
                 if result[0] == "error":
                     raise PreprocessError(result[1])
@@ -388,6 +398,15 @@ def preprocess_jsonl(
                 pos = raw.tell()
                 bar.update(pos - done)
                 done = pos
+                if log_every and n_docs >= next_log:
+                    elapsed = max(time.time() - t_read, 1e-9)
+                    print(
+                        f"Processed {n_docs} documents ({n_docs / elapsed:.1f} docs/s, "
+                        f"{pos / elapsed / 2**20:.2f} MB/s).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    next_log = (n_docs // log_every + 1) * log_every
         if pool is not None:
             pool.close()
             pool.join()

@@ -86,3 +86,34 @@ def test_preprocess_bar_follows_the_rule(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stderr", terminal)
     preprocess_jsonl(docs, tmp_path / "b")
     assert "tokenizing" not in terminal.getvalue()
+
+
+def _preprocess_stderr(monkeypatch, tmp_path, stream, argv=()):
+    import re
+
+    from tools import preprocess_data
+
+    docs = tmp_path / "many.jsonl"
+    docs.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(3000)))
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_POSITION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "stderr", stream)
+    code = preprocess_data.main(["--input", str(docs), "--output-prefix", str(tmp_path / "o")])
+    code = code or preprocess_data.main(
+        ["--input", str(docs), "--output-prefix", str(tmp_path / "o"), *argv]
+    )
+    assert code == 0, stream.getvalue()
+    line = re.compile(r"Processed (\d+) documents \(\d+\.\d docs/s, \d+\.\d\d MB/s\)\.")
+    return [int(m.group(1)) for m in line.finditer(stream.getvalue())], stream.getvalue()
+
+
+def test_preprocess_prints_megatrons_progress_lines_without_a_bar(monkeypatch, tmp_path):
+    """Megatron's ``tools/preprocess_data.py`` prints ``Processed N documents (D docs/s, M MB/s).``
+    to stderr every ``--log-interval`` (1000) documents, which is what a log file of a long job
+    shows; ours does where it draws no bar (documents counted in batches of 256 lines)."""
+    counts, _ = _preprocess_stderr(monkeypatch, tmp_path, io.StringIO(), ["--log-interval", "1000"])
+    assert counts == [1024, 2048, 3000] * 2  # default 1000, then the explicit flag
+    counts, _ = _preprocess_stderr(monkeypatch, tmp_path, io.StringIO(), ["--log-interval", "0"])
+    assert counts == [1024, 2048, 3000]  # the first run only
+    counts, text = _preprocess_stderr(monkeypatch, tmp_path, Terminal())
+    assert counts == [] and "tokenizing many.jsonl" in text  # the bar instead
