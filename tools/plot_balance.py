@@ -42,6 +42,8 @@ from megatron_latentmoe.training.balance_summary import (  # noqa: E402  (plain 
     summary_lines,
 )
 
+_MAX_LAYER_TICKS = 24  # layer labels on a heatmap's axis (more overlap at the picture's size)
+
 
 def _load_matrix(records: list[dict]):
     """[layers x experts] mean of load / mean-load over ``records`` that carry loads, and the
@@ -138,8 +140,9 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
         im = ax.imshow(
             matrix, aspect="auto", cmap=cmap, vmin=0.0, vmax=2.0, interpolation="nearest"
         )
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([str(row) for row in rows])
+        step = -(-len(rows) // _MAX_LAYER_TICKS)  # every layer up to 24, then every step-th
+        ax.set_yticks(range(0, len(rows), step))
+        ax.set_yticklabels([str(row) for row in rows[::step]])
         ax.set_ylabel("layer")
         ax.set_xlabel("expert")
         ax.set_title(f"expert load / mean load — {label}")

@@ -122,3 +122,33 @@ def test_failed_picture_write_leaves_the_previous_picture(tmp_path, monkeypatch)
     assert plot_balance.plot(records, str(out), window=2) == str(out)
     assert out.stat().st_size > 10_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["balance.jsonl", "p.png"]
+
+
+def test_heatmap_layer_labels_stay_readable_with_many_layers(tmp_path, monkeypatch):
+    """A K3-deep model (60 MoE layers, layer 1 dense) gets at most 24 layer labels per heatmap,
+    the first MoE layer's among them (one label per layer overlapped into a black bar)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def record(it):
+        base = _record(it, 0.5, 0)
+        base["layers"] = [dict(base["layers"][0], layer=n) for n in range(2, 62)]
+        return base
+
+    labels = []
+    save = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        labels.extend(
+            [t.get_text() for t in ax.get_yticklabels()]
+            for ax in fig.axes
+            if ax.get_ylabel() == "layer"
+        )
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    plot_balance.plot([record(1), record(2)], str(tmp_path / "many.png"), window=1)
+    assert len(labels) == 2, labels  # both heatmaps
+    for axis in labels:
+        assert 10 <= len(axis) <= 24 and axis[0] == "2", axis
+        assert all(label.isdigit() and 2 <= int(label) <= 61 for label in axis), axis
