@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         default=SUMMARY_WINDOW,
         help=f"iterations in the last window, an integer >= 1 (default {SUMMARY_WINDOW})",
     )
-    p.add_argument("--title", default=None)
+    p.add_argument(
+        "--title", default=None, help="the picture's title (default: the JSONL's path, the run)"
+    )
     p.add_argument("--summary", action="store_true", help="print the first-vs-last-window summary")
     args = p.parse_args(argv)
     if args.window < 1:
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         print("\n".join(summary_lines(summarize(records, args.window))))
     if args.out:
-        written = plot(records, args.out, args.window, args.title)
+        written = plot(records, args.out, args.window, args.title or args.jsonl)
         print(f"expert-load picture: {written}")
     if not args.summary and not args.out:
         print("nothing to do: give --out PNG and/or --summary", file=sys.stderr)

@@ -152,3 +152,15 @@ def test_heatmap_layer_labels_stay_readable_with_many_layers(tmp_path, monkeypat
     for axis in labels:
         assert 10 <= len(axis) <= 24 and axis[0] == "2", axis
         assert all(label.isdigit() and 2 <= int(label) <= 61 for label in axis), axis
+
+
+def test_picture_names_its_run_without_title(tmp_path, monkeypatch):
+    """Without ``--title`` the picture's title is the JSONL's path (which run it shows)."""
+    path = tmp_path / "run7" / "balance.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(_record(1, 0.5, 0)) + "\n")
+    seen = []
+    monkeypatch.setattr(plot_balance, "plot", lambda r, out, w, title: seen.append(title) or out)
+    assert plot_balance.main([str(path), "--out", str(tmp_path / "p.png")]) == 0
+    assert plot_balance.main([str(path), "--out", str(tmp_path / "p.png"), "--title", "T"]) == 0
+    assert seen == [str(path), "T"]
