@@ -302,55 +302,46 @@ class _QuantileHistogramBase:
         ).to(torch.int32)
         return torch.cat([self.counts.view(-1), header])
 
-    def unpack_(self, buffer: torch.Tensor) -> None:
-        """Load an all-reduced ``pack()`` buffer: counts and token total become global (two host
-        reads at step end: the header, then the row check). Raises on overflow, corruption (rows
-        must sum to the token total), or flagged bad input."""
+    def _check_buffer(self, buffer: torch.Tensor) -> None:
         _check_tensor("buffer", buffer, 1, (torch.int32,))
         if buffer.numel() != self.packed_numel:
             raise ValueError(
                 f"buffer.numel()={buffer.numel()}; allowed: packed_numel={self.packed_numel}"
             )
         self._check_device(buffer.device, "buffer")
+
+    def unpack_(self, buffer: torch.Tensor) -> None:
+        """Load an all-reduced ``pack()`` buffer: counts and token total become global (two host
+        reads: the header, then the row check; the training step end uses :meth:`solve_packed`,
+        which reads nothing). Raises on overflow, corruption (rows must sum to the token total),
+        or flagged bad input."""
+        self._check_buffer(buffer)
         nb_cells = self.num_experts * self.num_bins
         head = dict(zip(HEADER_FIELDS, buffer[nb_cells:].tolist(), strict=True))
-        if not 1 <= head["ranks"] <= MAX_RANKS:
-            raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}")
-        tokens = head["tokens_hi"] * _TOKEN_SPLIT + head["tokens_lo"]
-        if tokens > INT32_MAX:
-            raise OverflowError(
-                f"global tokens this step = {tokens}; allowed: <= 2**31-1 (int32 counts wrapped); "
-                "use fewer tokens per step"
-            )
-        if head["bad_inputs"] or head["bias_changes"]:
-            raise ValueError(
-                f"{head['bad_inputs']} observe() calls had NaN/inf or scores outside [0, 1], "
-                f"{head['bias_changes']} used a bias other than the window's (deferred checks)"
-            )
+        tokens = _checked_header(head)
         counts = buffer[:nb_cells].view(self.num_experts, self.num_bins)
-        rows_ok = bool((counts.sum(dim=1, dtype=torch.int64) == tokens).all())
-        if not rows_ok:
-            raise ValueError(
-                "every counts row must sum to the token total; buffer is corrupt or misaligned"
-            )
+        if not bool((counts.sum(dim=1, dtype=torch.int64) == tokens).all()):
+            raise ValueError(_ROWS_ERROR)
         self.counts.copy_(counts)
         self._num_tokens.fill_(tokens)
         self._reduced = head
 
     # ------------------------------------------------------------------ solve
-    def _check_solve_bias(self, bias_E: torch.Tensor) -> torch.Tensor:
+    def _solve_bias32(self, bias_E: torch.Tensor) -> torch.Tensor:
+        """``bias_E`` (shape, dtype and device checked: no host read) as fp32."""
         _check_tensor("bias_E", bias_E, 1, _BIAS_DTYPES)
         if bias_E.shape[0] != self.num_experts:
             raise ValueError(f"bias_E.shape={tuple(bias_E.shape)}; allowed: ({self.num_experts},)")
         if bias_E.device != self._device:
             raise ValueError(f"bias_E.device={bias_E.device}; allowed: {self._device}")
-        b32 = bias_E.detach().float()
+        return bias_E.detach().float()
+
+    def _check_solve_bias(self, bias_E: torch.Tensor) -> torch.Tensor:
+        b32 = self._solve_bias32(bias_E)
         if not bool(torch.isfinite(b32).all()):
-            raise ValueError("bias_E contains NaN or inf; allowed: finite values")
+            raise ValueError(_NONFINITE_BIAS_ERROR)
         if self._bias_E is not None and not torch.equal(b32, self._bias_E):
-            raise ValueError(
-                "bias_E differs from the bias of the accumulation window; allowed: the same bias"
-            )
+            raise ValueError(_CHANGED_BIAS_ERROR)
         if self._reduced is None and int(self._flags.sum()) > 0:
             f = self._flags.tolist()
             raise ValueError(
@@ -361,34 +352,105 @@ class _QuantileHistogramBase:
     def raw_quantiles(self, bias_E: torch.Tensor) -> torch.Tensor:
         """Per-expert histogram estimate of the Q-th smallest r (fp32, NOT mean-centred)."""
         b32 = self._check_solve_bias(bias_E)
-        m = int(self._num_tokens)
-        if m == 0:
-            return b32.clone()
+        return self._quantiles(self.counts, self._num_tokens, b32)
+
+    def _quantiles(self, counts_EB, tokens, b32):
+        """The raw quantiles from ``counts_EB`` [n, B] int32 and the 0-d int64 token total ``m``
+        (``b32`` itself where m = 0). Tensor ops only: no host read."""
         if self._range is None:  # a rank that only unpacked: the range follows from the bias
             self._range = self._make_range(b32)
-        big_q = -(-m * self.topk // self.num_experts)  # ceil(q), exact
+        big_q = (tokens * self.topk + self.num_experts - 1) // self.num_experts  # ceil(q), exact
         # int32 is exact: a row sums to m <= 2**31-1 (observe / unpack_ check it). No int64 copy
         # of the counts and no [n, B] mask (on one CPU thread at n=128, B=1000: 0.2-0.35 ms a
         # solve instead of 0.25-1.4, the same bias bit for bit).
-        cum_EB = self.counts.cumsum(dim=1, dtype=torch.int32)
-        big_q_E1 = torch.full((self.num_experts, 1), big_q, dtype=torch.int32, device=self._device)
+        cum_EB = counts_EB.cumsum(dim=1, dtype=torch.int32)
+        big_q_E1 = big_q.to(torch.int32).expand(self.num_experts, 1).contiguous()
         c_E = torch.searchsorted(cum_EB, big_q_E1).squeeze(1)  # first bin with cum >= Q
         c_E.clamp_(max=self.num_bins - 1)
-        in_bin_E = self.counts.gather(1, c_E[:, None]).squeeze(1).to(torch.int64)
+        in_bin_E = counts_EB.gather(1, c_E[:, None]).squeeze(1).to(torch.int64)
         before_E = cum_EB.gather(1, c_E[:, None]).squeeze(1).to(torch.int64) - in_bin_E
         frac_E = (
             ((big_q - before_E).double() / in_bin_E.clamp(min=1).double()).clamp_(0.0, 1.0).float()
         )
         edge_E, width_E = self._bounds(c_E)
-        return edge_E + frac_E * width_E
+        return torch.where(tokens == 0, b32, edge_E + frac_E * width_E)
+
+    @staticmethod
+    def _centred(q_E, tokens):
+        """The new bias: ``q_E`` minus its mean; an empty histogram leaves the bias unchanged."""
+        return torch.where(tokens == 0, q_E, q_E - q_E.mean())
 
     def solve(self, bias_E: torch.Tensor) -> torch.Tensor:
         """New bias (SPEC §4 steps 2-3): histogram quantile per expert, minus the mean; fp32 [n].
         Empty histogram -> ``bias_E`` unchanged. Call ``reset()`` afterwards."""
-        q_E = self.raw_quantiles(bias_E)
-        if int(self._num_tokens) == 0:
-            return q_E
-        return q_E - q_E.mean()
+        return self._centred(self.raw_quantiles(bias_E), self._num_tokens)
+
+    # ------------------------------------------------------------------ step end, deferred checks
+    def solve_packed(
+        self, buffer: torch.Tensor, bias_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``unpack_(buffer)`` then ``solve(bias_E)`` without a host read: the new bias (fp32
+        [n]) and the checks (int64 [``len(HEADER_FIELDS) + 3``]: the header words, then counts
+        rows not summing to the token total, a non-finite bias, a bias other than the window's)
+        that ``unpack_`` and ``solve`` make eagerly. The caller reads the checks (with whatever
+        else it reads at the step end) and passes them to :meth:`check_packed` before using the
+        bias. The histogram itself is left as it was (``reset()`` it afterwards)."""
+        if self._reduced is not None:
+            raise ValueError("solve_packed() after unpack_(); allowed: reset() first")
+        self._check_buffer(buffer)
+        b32 = self._solve_bias32(bias_E)
+        nb_cells = self.num_experts * self.num_bins
+        head = buffer[nb_cells:].to(torch.int64)
+        tokens = head[HEADER_FIELDS.index("tokens_hi")] * _TOKEN_SPLIT
+        tokens = tokens + head[HEADER_FIELDS.index("tokens_lo")]
+        counts_EB = buffer[:nb_cells].view(self.num_experts, self.num_bins)
+        rows_bad = (counts_EB.sum(dim=1, dtype=torch.int64) != tokens).any()
+        nonfinite = ~torch.isfinite(b32).all()
+        changed = (
+            (b32 != self._bias_E).any() if self._bias_E is not None else rows_bad.new_zeros(())
+        )
+        checks = torch.cat([head, torch.stack([rows_bad, nonfinite, changed]).to(torch.int64)])
+        return self._centred(self._quantiles(counts_EB, tokens, b32), tokens), checks
+
+    @staticmethod
+    def check_packed(checks: list[int]) -> None:
+        """Raise what ``unpack_`` and ``solve`` would have raised, from the host values of
+        :meth:`solve_packed`'s checks."""
+        n_head = len(HEADER_FIELDS)
+        _checked_header(dict(zip(HEADER_FIELDS, checks[:n_head], strict=True)))
+        rows_bad, nonfinite, changed = checks[n_head:]
+        if rows_bad:
+            raise ValueError(_ROWS_ERROR)
+        if nonfinite:
+            raise ValueError(_NONFINITE_BIAS_ERROR)
+        if changed:
+            raise ValueError(_CHANGED_BIAS_ERROR)
+
+
+_ROWS_ERROR = "every counts row must sum to the token total; buffer is corrupt or misaligned"
+_NONFINITE_BIAS_ERROR = "bias_E contains NaN or inf; allowed: finite values"
+_CHANGED_BIAS_ERROR = (
+    "bias_E differs from the bias of the accumulation window; allowed: the same bias"
+)
+
+
+def _checked_header(head: dict) -> int:
+    """The global token total of an all-reduced header (host values); raises on a bad rank
+    count, an int32 overflow or flagged bad input."""
+    if not 1 <= head["ranks"] <= MAX_RANKS:
+        raise ValueError(f"buffer header {head}; allowed: 1 <= ranks <= {MAX_RANKS}")
+    tokens = head["tokens_hi"] * _TOKEN_SPLIT + head["tokens_lo"]
+    if tokens > INT32_MAX:
+        raise OverflowError(
+            f"global tokens this step = {tokens}; allowed: <= 2**31-1 (int32 counts wrapped); "
+            "use fewer tokens per step"
+        )
+    if head["bad_inputs"] or head["bias_changes"]:
+        raise ValueError(
+            f"{head['bad_inputs']} observe() calls had NaN/inf or scores outside [0, 1], "
+            f"{head['bias_changes']} used a bias other than the window's (deferred checks)"
+        )
+    return tokens
 
 
 class QuantileHistogram(_QuantileHistogramBase):

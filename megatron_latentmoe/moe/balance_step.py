@@ -12,6 +12,9 @@ pipeline stage at once (``moe/router.py``: every balancing type):
    parallelism splits the tokens;
 2. every rank solves the same new QB bias from the same global histogram (bit-identical);
 3. records the balance metrics of the step that was just routed, and resets the scratch.
+
+The host reads the device once for all layers: the metrics and the QB solves' deferred checks
+(``QuantileHistogram.solve_packed``) in one copy; a bias is used once its checks have passed.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def update_balance(
         # tokens per step, bounded by the histogram's int32 check (balancing.py)
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
         packed.append(torch.cat(parts))
-    stats = []
+    stats, solved = [], []
     for router, part in zip(routers, _sum_over_ranks(packed, _token_group(routers)), strict=True):
         n = router.config.num_moe_experts
         router.last_loads_E = part[-n - 1 : -1].to(torch.int64)
@@ -152,15 +155,17 @@ def update_balance(
         if isinstance(router, QuantileBalancingRouter):
             d = router.step_input_sum_D.numel()
             hist_words = part.numel() - n - 1 - d - 1
-            _solve_from(router, part[:hist_words])
+            solved.append(_solve_deferred(router, part[:hist_words]))
             mean_words, ranks_with_tokens = part[hist_words : hist_words + d], part[hist_words + d]
             router.qb_mean_input.copy_(_from_fixed(mean_words, ranks_with_tokens))
             if drift_correction:
                 router.set_drift_reference()
             router.qb_histogram.reset()
             router.step_input_sum_D.zero_()
+    stats_values, checks = _read_once(torch.stack(stats), solved)  # the one host read
+    _apply_solved(solved, checks)
     metrics = []
-    for router, values in zip(routers, torch.stack(stats).tolist(), strict=True):  # 1 host read
+    for router, values in zip(routers, stats_values, strict=True):
         balance = BalanceMetrics.from_stats(values, router.last_loads_E.numel())
         router.last_balance = balance if balance.num_tokens else None
         if router.last_balance is None:
@@ -178,28 +183,62 @@ def _sum_over_ranks(packed: list[torch.Tensor], group) -> tuple[torch.Tensor, ..
     return buffer.split([p.numel() for p in packed])
 
 
-def _solve_from(router: QuantileBalancingRouter, words: torch.Tensor) -> None:
-    """The router's new bias from its all-reduced histogram words (SPEC §4 steps 2-3)."""
+def _solve_deferred(router: QuantileBalancingRouter, words: torch.Tensor):
+    """The router's new bias from its all-reduced histogram words (SPEC §4 steps 2-3) and the
+    checks to read before using it: ``(router, bias, checks)``, no host read."""
     try:
-        router.qb_histogram.unpack_(words)
+        bias, checks = router.qb_histogram.solve_packed(words, router.expert_bias)
     except (ValueError, OverflowError) as err:
         raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
-    router.expert_bias.copy_(router.qb_histogram.solve(router.expert_bias))
+    return router, bias, checks
+
+
+def _read_once(stats: torch.Tensor | None, solved) -> tuple[list, list[list[int]]]:
+    """``stats`` (float64 rows) and every solved router's checks (int64, exact in float64: a
+    token total stays far below 2**53) read to the host together: ONE device-to-host copy."""
+    parts = [] if stats is None else [stats.flatten()]
+    parts += [checks.to(torch.float64) for _, _, checks in solved]
+    if not parts:
+        return [], []
+    values = torch.cat(parts).tolist()
+    rows = []
+    if stats is not None:
+        width = stats.shape[1]
+        rows = [values[i * width : (i + 1) * width] for i in range(stats.shape[0])]
+        values = values[stats.numel() :]
+    checks, start = [], 0
+    for _, _, words in solved:
+        checks.append([int(v) for v in values[start : start + words.numel()]])
+        start += words.numel()
+    return rows, checks
+
+
+def _apply_solved(solved, checks: list[list[int]]) -> None:
+    """Each router's new bias, once its checks (host values) pass; raises as ``unpack_`` and
+    ``solve`` would, naming the layer."""
+    for (router, bias, _), values in zip(solved, checks, strict=True):
+        try:
+            router.qb_histogram.check_packed(values)
+        except (ValueError, OverflowError) as err:
+            raise type(err)(f"QB router of layer {router.layer_number}: {err}") from None
+        router.expert_bias.copy_(bias)
 
 
 @torch.no_grad()
 def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module]) -> None:
     """An extra QB solve inside a rescored step (``--moe-qb-rescore-solves S > 1``,
     training/qb_rescore.py): ONE integer all-reduce of the QB routers' histograms only, each
-    router's new bias, histograms reset. Loads, token counts and mean router inputs stay for the
-    step end (:func:`update_balance`)."""
+    router's new bias (one host read for all), histograms reset. Loads, token counts and mean
+    router inputs stay for the step end (:func:`update_balance`)."""
     routers = [r for r in balance_routers(model_chunks) if isinstance(r, QuantileBalancingRouter)]
     if not routers:
         return
     packed = [r.qb_histogram.pack() for r in routers]
+    solved = []
     for router, words in zip(routers, _sum_over_ranks(packed, _token_group(routers)), strict=True):
-        _solve_from(router, words)
+        solved.append(_solve_deferred(router, words))
         router.qb_histogram.reset()
+    _apply_solved(solved, _read_once(None, solved)[1])  # one host read
 
 
 def finalize_model_grads_with_quantile_balancing(

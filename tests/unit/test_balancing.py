@@ -394,6 +394,54 @@ def test_overflow_and_corruption_detected():
         QuantileHistogram(n, k, 10).unpack_(bad)
 
 
+def _corruptions(n):
+    """(name, change to the summed buffer or the bias) pairs, each an error of unpack_ / solve."""
+    head = -len(HEADER_FIELDS)
+    return {
+        "ranks": lambda buf, bias: buf.__setitem__(head + HEADER_FIELDS.index("ranks"), 0),
+        "overflow": lambda buf, bias: buf.__setitem__(
+            head + HEADER_FIELDS.index("tokens_hi"), 40000
+        ),
+        "bad_inputs": lambda buf, bias: buf.__setitem__(
+            head + HEADER_FIELDS.index("bad_inputs"), 1
+        ),
+        "rows": lambda buf, bias: buf.__setitem__(0, buf[0] + 1),
+        "nonfinite_bias": lambda buf, bias: bias.__setitem__(0, float("nan")),
+        "changed_bias": lambda buf, bias: bias.__setitem__(n - 1, bias[n - 1] + 1e-3),
+        "none": lambda buf, bias: None,
+    }
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+@pytest.mark.parametrize("case", list(_corruptions(16)))
+def test_solve_packed_equals_unpack_and_solve_and_raises_the_same(cls, case):
+    """The step end's sync-free ``solve_packed`` gives ``unpack_`` + ``solve``'s bias bit for
+    bit, and its deferred checks raise what they raise, with the same message."""
+    n, k = 16, 2
+    bias = 0.1 * torch.randn(n, generator=gen(7))
+    eager, packed = cls(n, k, 32), cls(n, k, 32)
+    for h in (eager, packed):
+        h.observe(router_scores(40, n, 8), bias)
+    buf = eager.pack()
+    assert torch.equal(buf, packed.pack())
+    solve_bias = bias.clone()
+    _corruptions(n)[case](buf, solve_bias)
+    new, checks = packed.solve_packed(buf.clone(), solve_bias)
+    assert checks.dtype == torch.int64 and checks.numel() == len(HEADER_FIELDS) + 3
+    try:
+        eager.unpack_(buf.clone())
+        expected = eager.solve(solve_bias)
+    except (ValueError, OverflowError) as err:
+        with pytest.raises(type(err)) as got:
+            packed.check_packed(checks.tolist())
+        assert str(got.value) == str(err)
+        assert case != "none"
+        return
+    assert case == "none"
+    packed.check_packed(checks.tolist())
+    assert torch.equal(new, expected) and new.dtype == torch.float32
+
+
 # ----------------------------------------------------------------------------- masking, errors
 @pytest.mark.parametrize("cls", HIST_CLASSES)
 def test_valid_mask_excludes_padding(cls):

@@ -5,9 +5,9 @@ The training forward of the router (every balancer the README lists), of the Sta
 block (local path, both dispatchers), of the QB histogram's per-micro-batch accumulation and of
 ``training.forward_step`` issues no operation that makes a CUDA device wait for the host from our
 code (``host_sync.py`` records them, with the frame that issued each one). megatron-core's own
-(its dispatchers' split sizes) are Megatron's: listed, printed, not ours to remove. In a bf16
-block the router's logits, scores and buffers stay fp32. The Python lines our code runs do not
-grow with the tokens.
+(its dispatchers' split sizes) are Megatron's: listed, printed, not ours to remove. The step end
+(after the backward) reads the host once for all layers. In a bf16 block the router's logits,
+scores and buffers stay fp32. The Python lines our code runs do not grow with the tokens.
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def _layer(overrides, **extra):
 
 
 def _blocks(rank, world_size):
-    """Per balancer and dispatcher: the syncs of the router's and the block's training forward
-    and of the backward."""
+    """Per balancer and dispatcher: the syncs of the router's and the block's training forward,
+    of the backward, and of the step end."""
     from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.moe.balance_step import update_balance
     from megatron_latentmoe.ops.situ import set_cpu_compile
     from tests.unit.host_sync import SyncRecorder, as_on_cuda
 
@@ -115,6 +116,9 @@ def _blocks(rank, world_size):
                     part: (rec.ours(), _megatron(rec))
                     for part, rec in (("router", router), ("block", block), ("backward", backward))
                 }
+                with SyncRecorder() as step_end:
+                    update_balance([layer])
+                out[(dispatcher, name)]["step_end"] = (step_end.ours_all(), _megatron(step_end))
     return out
 
 
@@ -135,6 +139,24 @@ def test_training_forward_of_router_and_block_issues_no_host_sync_of_ours(blocks
     ours, megatron = result["backward"]
     print(f"{name} {dispatcher} backward: Megatron's syncs: {megatron}")
     assert ours == [], f"backward: {ours}"
+
+
+def _one_step_end_read(step_end) -> bool:
+    """The step end's syncs: ONE host read (``balance_step._read_once``), none of Megatron's."""
+    ours, megatron = step_end
+    return (
+        len(ours) == 1
+        and ours[0].startswith("ours: tolist at megatron_latentmoe/moe/balance_step.py:")
+        and ours[0].endswith("(_read_once)")
+        and megatron == []
+    )
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("name", list(BALANCERS))
+def test_step_end_reads_the_host_once(blocks, dispatcher, name):
+    """``update_balance`` after the backward: one host read (metrics and QB's checks together)."""
+    assert _one_step_end_read(blocks[(dispatcher, name)]["step_end"]), blocks[(dispatcher, name)]
 
 
 def test_qb_histogram_accumulates_micro_batches_without_a_host_sync():
@@ -179,6 +201,7 @@ def _forward_steps(rank, world_size):
     from megatron_latentmoe.compat import apply_python311_compat, initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.model import build_gpt_model
+    from megatron_latentmoe.moe.balance_step import update_balance
     from megatron_latentmoe.ops.situ import set_cpu_compile
     from megatron_latentmoe.training import forward_step as fs
     from megatron_latentmoe.training.balance_logging import BalanceLogger
@@ -232,9 +255,13 @@ def _forward_steps(rank, world_size):
                     loss, num_tokens, report = loss_func(output)
                 with SyncRecorder() as backward:
                     loss.backward()
+                with SyncRecorder() as step_end:
+                    metrics = update_balance([model])
                 out[(dispatcher, name, masked)] = dict(
                     forward=(rec.ours(), _megatron(rec)),
                     backward=(backward.ours(), _megatron(backward)),
+                    step_end=(step_end.ours_all(), _megatron(step_end)),
+                    layers=len(metrics),
                     num_tokens=int(num_tokens),
                 )
             fs.set_balance_logger(None)
@@ -251,6 +278,9 @@ def test_forward_step_reads_only_the_loaders_host_batch():
         print(f"forward_step {name} {dispatcher} masked={masked}: Megatron's {r['forward'][1]}")
         assert r["forward"][0] == [], (dispatcher, name, masked, r["forward"][0])
         assert r["backward"][0] == [], (dispatcher, name, masked, r["backward"][0])
+        # the step end after it: one host read for both MoE layers, whatever the balancer
+        assert r["layers"] == 2
+        assert _one_step_end_read(r["step_end"]), r["step_end"]
 
 
 FP32_CASES = ("qb_uniform", "qb_centered", "qb_seq_aux_loss", "aux_loss", "sign_update")
