@@ -422,9 +422,10 @@ class StableLatentMoEBlock(nn.Module):
         Tokens are grouped by expert with one stable sort; each expert runs once on its token
         group (a loop over experts, never over tokens) and the weighted outputs are scattered
         back with ``index_add_``. The sum is accumulated in fp32 (fp64 for fp64) and cast to
-        ``z.dtype``. The group sizes come to the host (one sync per MoE layer), so under
-        ``torch.compile`` this method runs eagerly (one graph break) instead of being traced
-        and recompiled for every new routing.
+        ``z.dtype``. The group bounds come to the host (one sync per MoE layer: they are found
+        in the sorted expert ids, where ``torch.bincount`` on CUDA would read the ids' min and
+        max on the host first), so under ``torch.compile`` this method runs eagerly (one graph
+        break) instead of being traced and recompiled for every new routing.
         """
         num_tokens, k = topk_indices.shape
         acc_dtype = compute_dtype(z.dtype)
@@ -435,13 +436,12 @@ class StableLatentMoEBlock(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         token_ids = order // k
         probs = topk_probs.reshape(-1)[order].to(acc_dtype)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        start = 0
-        for expert_id, count in enumerate(counts):
-            if count == 0:
+        experts = torch.arange(self.num_experts + 1, device=flat_experts.device)
+        bounds = torch.searchsorted(flat_experts[order], experts).tolist()
+        for expert_id in range(self.num_experts):
+            if bounds[expert_id] == bounds[expert_id + 1]:
                 continue
-            rows = slice(start, start + count)
-            start += count
+            rows = slice(bounds[expert_id], bounds[expert_id + 1])
             tok = token_ids[rows]
             expert_out = self.experts[expert_id](z[tok])
             out.index_add_(0, tok, expert_out.to(acc_dtype) * probs[rows, None])

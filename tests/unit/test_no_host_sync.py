@@ -402,3 +402,24 @@ def test_no_python_loop_over_tokens():
     for key, (small, large) in result.items():
         assert sum(small.values()) > 100, (key, small)
         assert small == large, (key, small, large)
+
+
+def test_hf_moe_forward_reads_the_host_once_per_moe_layer():
+    """The HF remote code's MoE block loops over the experts hit, as HF MoE code does: one host
+    read of the group bounds per MoE layer (``torch.bincount`` there read the expert ids' min and
+    max on the host too, on CUDA)."""
+    from megatron_latentmoe.hf.modeling_stable_latentmoe import StableLatentMoEForCausalLM
+    from tests.unit.host_sync import SyncRecorder
+    from tests.unit.test_hf_modeling import tiny_config
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = StableLatentMoEForCausalLM(cfg).eval()
+    moe_layers = len(model.model.moe_blocks())
+    assert moe_layers >= 2
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    with SyncRecorder() as rec, torch.no_grad():
+        model(ids)
+    reads = rec.ours_all()
+    assert len(reads) == moe_layers, reads
+    assert all("modeling_stable_latentmoe.py" in r and r.endswith("(moe_infer)") for r in reads)
