@@ -141,6 +141,134 @@ def test_hf_names_follow_spec_section_6():
     assert "lm_head.weight" not in hf_tensor_names(small_arch(tie_embeddings=True))
 
 
+# SPEC §6: the K3 names and shapes of one MoE layer (prefix ``model.layers.{i}.block_sparse_moe.``)
+# and of a dense layer's MLP, in the sizes d, l, m_e, n, s = N_s * m_e and f (dense width). The
+# K3 peers read these same names under the released multimodal checkpoint's ``language_model.``
+# prefix: Megatron-Bridge's KimiK3Bridge.mapping_registry and torchtitan's Kimi K3 state-dict
+# adapters (PR 4025 / 4281), MXFP4 experts as ``<name>_packed`` / ``<name>_scale``.
+K3_MOE_TENSORS = {
+    "gate.weight": ("n", "d"),
+    "gate.e_score_correction_bias": ("n",),
+    "routed_expert_down_proj.weight": ("l", "d"),
+    "routed_expert_norm.weight": ("l",),
+    "routed_expert_up_proj.weight": ("d", "l"),
+    "experts.{j}.w1.weight": ("m_e", "l"),
+    "experts.{j}.w3.weight": ("m_e", "l"),
+    "experts.{j}.w2.weight": ("l", "m_e"),
+    "shared_experts.gate_proj.weight": ("s", "d"),
+    "shared_experts.up_proj.weight": ("s", "d"),
+    "shared_experts.down_proj.weight": ("d", "s"),
+}
+K3_DENSE_MLP_TENSORS = {
+    "mlp.gate_proj.weight": ("f", "d"),
+    "mlp.up_proj.weight": ("f", "d"),
+    "mlp.down_proj.weight": ("d", "f"),
+}
+K3_CONFIG_KEYS = (
+    "hidden_act",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "routed_expert_hidden_size",
+    "latent_moe_use_norm",
+    "moe_router_activation_func",
+    "moe_renormalize",
+    "routed_scaling_factor",
+    "topk_method",
+    "num_expert_group",
+    "num_experts",
+    "num_experts_per_token",
+    "moe_intermediate_size",
+    "num_shared_experts",
+    "first_k_dense_replace",
+    "intermediate_size",
+    "rms_norm_eps",
+)
+"""SPEC §6's config keys, plus the two every K3 reader also takes from the text config
+(``intermediate_size``: the dense layers' width; ``rms_norm_eps``: every RMSNorm's, the latent
+one included)."""
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(latent_moe_use_norm=False), dict(moe_shared_expert_intermediate_size=0)],
+    ids=["main", "no-latent-norm", "no-shared"],
+)
+def test_export_is_exactly_the_k3_table_and_the_hf_models_state(kw):
+    """The converter's HF tensors of every MoE / dense layer are exactly the K3 table's (no key
+    missing, none extra, the table's shapes), the HF remote code holds exactly the tensors the
+    converter writes (names, shapes; the bias fp32), and its config.json carries SPEC §6's keys
+    with the values the Megatron description gives them."""
+    from megatron_latentmoe.hf import StableLatentMoEConfig, StableLatentMoEForCausalLM
+
+    a = small_arch(**kw)
+    n, s = a.num_experts, a.moe_shared_expert_intermediate_size
+    size = dict(d=a.hidden_size, l=a.moe_latent_size, m_e=a.moe_ffn_hidden_size, n=n, s=s)
+    size["f"] = a.ffn_hidden_size
+    exported = {name: shape for tm in iter_tensor_maps(a) for name, shape in tm.hf}
+    for i in range(a.num_layers):
+        moe_layer = i >= a.first_k_dense_replace
+        prefix = f"model.layers.{i}." + ("block_sparse_moe." if moe_layer else "")
+        table = K3_MOE_TENSORS if moe_layer else K3_DENSE_MLP_TENSORS
+        want = {}
+        for name, dims in table.items():
+            if ("routed_expert_norm" in name and not a.latent_moe_use_norm) or (
+                "shared_experts" in name and not s
+            ):
+                continue
+            for j in range(n) if "{j}" in name else [None]:
+                want[prefix + name.format(j=j)] = tuple(size[x] for x in dims)
+        got = {k: v for k, v in exported.items() if k.startswith(prefix)}
+        if moe_layer:
+            assert got == want, i
+        else:
+            assert {k: got.get(k) for k in want} == want, i
+            assert not any("block_sparse_moe" in k for k in got), i
+
+    cfg = StableLatentMoEConfig(**a.to_hf_config_kwargs())
+    state = StableLatentMoEForCausalLM(cfg).bfloat16().state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == exported
+    fp32 = {k for k, v in state.items() if v.dtype == torch.float32}
+    assert fp32 == {k for k in exported if k.endswith("gate.e_score_correction_bias")}
+    config = cfg.to_dict()
+    assert {k: config.get(k) for k in K3_CONFIG_KEYS} == {
+        "hidden_act": "situ",
+        "activation_situ_beta": a.activation_situ_beta,
+        "activation_situ_linear_beta": a.activation_situ_linear_beta,
+        "routed_expert_hidden_size": a.moe_latent_size,
+        "latent_moe_use_norm": a.latent_moe_use_norm,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "num_expert_group": 1,
+        "num_experts": n,
+        "num_experts_per_token": a.moe_router_topk,
+        "moe_intermediate_size": a.moe_ffn_hidden_size,
+        "num_shared_experts": s // a.moe_ffn_hidden_size,
+        "first_k_dense_replace": a.first_k_dense_replace,
+        "intermediate_size": a.ffn_hidden_size,
+        "rms_norm_eps": a.layernorm_epsilon,
+    }
+
+
+def test_mxfp4_expert_names_are_the_k3_release_layout():
+    """An MXFP4 routed expert linear ``...w1.weight`` [out, in] becomes ``...w1.weight_packed``
+    uint8 [out, in / 2] and ``...w1.weight_scale`` [out, in / 32]: the names the K3 release uses
+    and Megatron-Bridge / torchtitan look up (``<dense name>_packed`` / ``_scale``)."""
+    from megatron_latentmoe.convert import mxfp4
+
+    name = "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+    assert mxfp4.packed_shapes(name, (64, 96)) == [
+        (name + "_packed", (64, 48)),
+        (name + "_scale", (64, 3)),
+    ]
+    packed = mxfp4.pack(name, torch.randn(64, 96))
+    assert {k: v.dtype for k, v in packed.items()} == {
+        name + "_packed": torch.uint8,
+        name + "_scale": torch.uint8,
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ckpt,kind", [("ck_single", "main"), ("ck_homog", "homogeneous")])
 def test_key_rules_reproduce_megatrons_keys(workspace, ckpt, kind):
