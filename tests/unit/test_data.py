@@ -283,6 +283,28 @@ def test_cli_writes_exactly_the_tokenizer_ids_plus_eod(tmp_path, hf_tok):
     assert sorted(p.name for p in prefix.parent.iterdir()) == ["mine.bin", "mine.idx"]
 
 
+def test_workers_write_the_same_bytes_as_one_process(tmp_path):
+    """--workers 3 (batches of 256 lines tokenized out of order in 3 processes) writes .bin/.idx
+    byte-identical to --workers 1, for each of two keys: 1000 corpus documents = 4 batches."""
+    texts = list(iter_corpus_texts())[:1000]
+    objs = [{"text": t, "title": t[: 7 + i % 30]} for i, t in enumerate(texts)]
+    src = _write_jsonl(tmp_path / "in.jsonl", objs)
+    files = {}
+    for workers in (1, 3):
+        s = preprocess_jsonl(
+            src,
+            tmp_path / f"w{workers}",
+            json_keys=["text", "title"],
+            workers=workers,
+            progress=False,
+        )
+        assert s.documents == 1000
+        files[workers] = [
+            Path(p + ext).read_bytes() for p in s.output_prefixes for ext in (".bin", ".idx")
+        ]
+    assert files[3] == files[1]
+
+
 def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
