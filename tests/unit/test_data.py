@@ -305,6 +305,54 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     assert files[3] == files[1]
 
 
+def _megatron_tokenizer(*flags):
+    """The tokenizer Megatron-LM's tools/preprocess_data.py builds from these flags: its parser
+    (megatron.training's tokenizer flags), its fixed values, megatron-core's build_tokenizer."""
+    import argparse
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+        from megatron.training.arguments import _add_tokenizer_args
+
+    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(list(flags))
+    args.rank, args.make_vocab_size_divisible_by = 1, 128
+    args.tensor_model_parallel_size, args.vocab_extra_ids = 1, 0
+    return build_tokenizer(args)
+
+
+@pytest.mark.parametrize("eod", [True, False])
+def test_output_is_byte_identical_to_megatron_preprocess_data(tmp_path, eod):
+    """.bin/.idx equal, byte for byte, what Megatron-LM's tools/preprocess_data.py (core_v0.19)
+    writes for the same JSONL with --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR
+    [--append-eod]: its tokenizer's tokenize(text) per document as one sequence, + its eod, in a
+    megatron-core builder of DType.optimal_dtype(its vocab_size). (Megatron's tool is not in the
+    wheel: this redoes its steps with megatron-core.) Blank texts are left out of the input:
+    Megatron writes "" as a document of no sequence and tokenizes "   ", this tool skips both."""
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    texts = [s for s in SAMPLES if s.strip()] + list(iter_corpus_texts())[:300]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    ours = preprocess_jsonl(src, tmp_path / "ours", append_eod=eod, progress=False)
+    assert ours.skipped_empty == 0 and ours.documents == len(texts)
+
+    tok = _megatron_tokenizer(
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(DEFAULT_TOKENIZER_DIR)
+    )
+    ref = str(tmp_path / "megatron_text_document")
+    builder = IndexedDatasetBuilder(ref + ".bin", dtype=DType.optimal_dtype(tok.vocab_size))
+    for t in texts:
+        ids = tok.tokenize(t) + ([tok.eod] if eod else [])
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(ref + ".idx")
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / ("ours" + ext)).read_bytes() == Path(ref + ext).read_bytes(), ext
+
+
 def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
