@@ -10,6 +10,12 @@ document. Input may be gzip-compressed (.gz). The tokenizer defaults to the one 
 package (megatron_latentmoe/data/assets/tokenizer); any Hugging Face tokenizer folder works.
 An EOD token (the tokenizer's EOS) ends every document unless --no-append-eod.
 
+Megatron-LM's tools/preprocess_data.py command lines work where they mean the same here:
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, --append-eod, --workers N,
+--partitions 1, and the flags Megatron's tool ignores in such a run (e.g. --lang, --keep-newlines
+without --split-sentences, --vocab-size), named in a note. The others (--split-sentences,
+--partitions N > 1, other tokenizer types, ...) are refused in one line naming the flag.
+
 The embedded default corpus itself is prepared with
     python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
 
@@ -30,8 +36,100 @@ if __package__ in (None, ""):  # run as a script from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# Megatron-LM's tools/preprocess_data.py (core_v0.19, with megatron.training's tokenizer flags)
+# has more flags than this tool; --tokenizer-type and --partitions are checked in megatron_refusal.
+# Each other one maps to (its argparse kwargs, None if Megatron's tool ignores it in the only run
+# this tool does - HuggingFaceTokenizer, one partition, no sentence splitting - else why it is
+# refused: it would change the output, or asks for a run this tool does not do). Ignored ones are
+# accepted and named in a note.
+_FLAG = {"action": "store_true"}
+_NO_SEARCH = "this tool has no worker-count search; set --workers N"
+_HF_FOLDER = "the tokenizer is the Hugging Face folder given by --tokenizer-model"
+MEGATRON_FLAGS: dict[tuple[str, ...], tuple[dict, str | None]] = {
+    ("--keep-newlines",): (_FLAG, None),  # read only with --split-sentences
+    ("--lang",): ({}, None),  # read only with --split-sentences
+    ("--keep-sequential-samples",): (_FLAG, None),  # read only with --partitions > 1
+    ("--vocab-size",): ({"type": int}, None),  # read only for TikTokenizer / NullTokenizer
+    ("--padded-vocab-size",): ({"type": int}, None),  # the model's embedding size
+    ("--no-pad-vocab-size", "--disable-pad-vocab-size"): (_FLAG, None),
+    ("--vocab-extra-ids",): ({"type": int}, None),  # Megatron's tool sets it to 0
+    ("--chat-template",): ({}, None),  # documents are tokenized as plain text
+    ("--tiktoken-pattern",): ({}, None),  # TikTokenizer's
+    ("--tiktoken-num-special-tokens",): ({"type": int}, None),
+    ("--tokenizer-sentencepiece-legacy",): (_FLAG, None),  # SentencePiece's
+    (
+        "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+    ): (_FLAG, None),
+    ("--null-tokenizer-eod-id",): ({"type": int}, None),  # NullTokenizer's
+    ("--null-tokenizer-pad-id",): ({"type": int}, None),
+    ("--split-sentences",): (
+        _FLAG,
+        "this tool does not split documents into sentences (NLTK); without the flag each JSON "
+        "document is written as one sequence",
+    ),
+    ("--find-optimal-num-workers",): (_FLAG, _NO_SEARCH),
+    ("--workers-to-check",): ({"nargs": "+", "type": int}, _NO_SEARCH),
+    ("--max-documents",): ({"type": int}, _NO_SEARCH),
+    ("--vocab-file",): ({}, _HF_FOLDER),
+    ("--merge-file",): ({}, _HF_FOLDER),
+    ("--tokenizer-metadata",): ({}, _HF_FOLDER),
+    ("--tokenizer-special-tokens",): (
+        {"nargs": "+"},
+        "it adds tokens to the vocabulary; add them to the tokenizer folder instead "
+        "(add_special_tokens, save_pretrained)",
+    ),
+    ("--tokenizer-hf-no-use-fast",): (_FLAG, "this tool uses the tokenizer's fast version"),
+    ("--tokenizer-hf-no-include-special-tokens",): (
+        _FLAG,
+        "this tool writes tokenizer(text).input_ids, special tokens included",
+    ),
+    ("--trust-remote-code",): (_FLAG, "this tool loads tokenizers without remote code"),
+}
+HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    return "megatron_" + flags[0].lstrip("-").replace("-", "_")
+
+
+def _shown(flag: str, value) -> str:
+    if value is True:
+        return flag
+    return " ".join([flag, *map(str, value if isinstance(value, list) else [value])])
+
+
+def megatron_refusal(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(the one-line refusal of a Megatron flag this tool cannot honour, or None; the Megatron
+    flags given that Megatron's own tool ignores in this run, as typed)."""
+    tokenizer_type = getattr(args, "tokenizer_type", None)
+    if tokenizer_type not in (None, HF_TOKENIZER_TYPE):
+        return (
+            f"--tokenizer-type {tokenizer_type}: not supported; this tool tokenizes with a "
+            f"Hugging Face tokenizer: --tokenizer-type {HF_TOKENIZER_TYPE} --tokenizer-model DIR",
+            [],
+        )
+    partitions = getattr(args, "partitions", None)
+    if partitions not in (None, 1):
+        return (
+            f"--partitions {partitions}: not supported; this tool reads the input in one pass "
+            "(tokenizing in parallel with --workers N): use --partitions 1 or drop the flag",
+            [],
+        )
+    ignored = [] if partitions is None else ["--partitions 1"]
+    for flags, (_, why) in MEGATRON_FLAGS.items():
+        value = getattr(args, _dest(flags), None)
+        if value is None:
+            continue
+        if why is not None:
+            return f"{_shown(flags[0], value)}: not supported; {why}", []
+        ignored.append(_shown(flags[0], value))
+    return None, ignored
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_latentmoe.data.corpus import default_tokenizer_dir
+    from megatron_latentmoe.training.arguments import _one_line_errors
 
     p = argparse.ArgumentParser(
         prog="preprocess_data.py",
@@ -62,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face tokenizer folder (default: the shipped tokenizer)",
     )
     p.add_argument(
+        "--tokenizer-type",
+        default=None,
+        help=f"Megatron's tokenizer flag; only {HF_TOKENIZER_TYPE} (the default) is supported",
+    )
+    p.add_argument("--partitions", type=int, default=None, help=argparse.SUPPRESS)
+    for flags, (kwargs, _) in MEGATRON_FLAGS.items():
+        p.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kwargs)
+    p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -82,11 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="without a progress bar, print Megatron's 'Processed N documents (D docs/s, M MB/s).' "
         "to stderr every N documents (default: 1000; 0: never)",
     )
+    _one_line_errors(p)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refusal, ignored = megatron_refusal(args)
+    if refusal is not None:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
+    if ignored:
+        print(
+            f"note: ignored, as Megatron-LM's preprocess_data.py ignores them with "
+            f"{HF_TOKENIZER_TYPE}, one partition and no sentence splitting: {', '.join(ignored)}",
+            file=sys.stderr,
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if args.workers == 1 else "false")
     import warnings
 

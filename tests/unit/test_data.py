@@ -305,9 +305,8 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     assert files[3] == files[1]
 
 
-def _megatron_tokenizer(*flags):
-    """The tokenizer Megatron-LM's tools/preprocess_data.py builds from these flags: its parser
-    (megatron.training's tokenizer flags), its fixed values, megatron-core's build_tokenizer."""
+def _megatron_tokenizer_parser():
+    """megatron.training's tokenizer flags, as Megatron-LM's tools/preprocess_data.py adds them."""
     import argparse
 
     from megatron_latentmoe.compat import apply_python311_compat
@@ -315,10 +314,17 @@ def _megatron_tokenizer(*flags):
     apply_python311_compat()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
         from megatron.training.arguments import _add_tokenizer_args
 
-    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(list(flags))
+    return _add_tokenizer_args(argparse.ArgumentParser())
+
+
+def _megatron_tokenizer(*flags):
+    """The tokenizer Megatron-LM's tools/preprocess_data.py builds from these flags: its parser,
+    its fixed values, megatron-core's build_tokenizer."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    args = _megatron_tokenizer_parser().parse_args(list(flags))
     args.rank, args.make_vocab_size_divisible_by = 1, 128
     args.tensor_model_parallel_size, args.vocab_extra_ids = 1, 0
     return build_tokenizer(args)
@@ -429,6 +435,102 @@ def test_cli_error_exit_and_message(tmp_path, capsys):
         == 1
     )
     assert "error: input file not found" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+# Megatron-LM core_v0.19 tools/preprocess_data.py's own flags (its tokenizer flags are
+# megatron.training's, read from the installed wheel below).
+MEGATRON_PREPROCESS_FLAGS = (
+    "--input --json-keys --split-sentences --keep-newlines --append-eod --lang --output-prefix "
+    "--workers --find-optimal-num-workers --workers-to-check --max-documents --partitions "
+    "--log-interval --keep-sequential-samples"
+).split()
+
+
+def test_cli_knows_every_flag_of_megatron_preprocess_data():
+    """Each flag of Megatron's tool is one of ours: honoured, accepted as ignored, or refused by
+    name (none is argparse's "unrecognized arguments")."""
+    tokenizer_flags = {f for a in _megatron_tokenizer_parser()._actions for f in a.option_strings}
+    ours = {
+        f for a in _load_tool("preprocess_data").build_parser()._actions for f in a.option_strings
+    }
+    assert "--tokenizer-type" in tokenizer_flags and "--trust-remote-code" in tokenizer_flags
+    assert (tokenizer_flags | set(MEGATRON_PREPROCESS_FLAGS)) - ours == set()
+
+
+def test_cli_runs_a_megatron_command_line(tmp_path, capsys):
+    """Megatron's flags that mean the same here are honoured, and those Megatron's tool ignores in
+    such a run (HuggingFaceTokenizer, one partition, no sentence splitting) are accepted and named
+    in one note: the output is byte-identical to the plain command's."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": s} for s in SAMPLES])
+    cli = _load_tool("preprocess_data")
+    plain = ["--input", str(src), "--output-prefix", str(tmp_path / "plain")]
+    assert cli.main(plain) == 0
+    assert "note:" not in capsys.readouterr().err
+    megatron = [
+        *("--input", str(src), "--output-prefix", str(tmp_path / "meg"), "--json-keys", "text"),
+        *("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"),
+        *(str(DEFAULT_TOKENIZER_DIR), "--append-eod", "--workers", "1", "--partitions", "1"),
+        *("--log-interval", "100", "--lang", "english", "--keep-newlines"),
+        *("--keep-sequential-samples", "--vocab-size", "4096", "--vocab-extra-ids", "0"),
+    ]
+    assert cli.main(megatron) == 0
+    err = capsys.readouterr().err
+    assert (
+        "note: ignored, as Megatron-LM's preprocess_data.py ignores them with "
+        "HuggingFaceTokenizer, one partition and no sentence splitting: --partitions 1, "
+        "--keep-newlines, --lang english, --keep-sequential-samples, --vocab-size 4096, "
+        "--vocab-extra-ids 0\n"
+    ) in err
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / ("meg" + ext)).read_bytes() == (tmp_path / ("plain" + ext)).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--split-sentences", "--keep-newlines"],
+            "--split-sentences: not supported; this tool does not split documents into sentences "
+            "(NLTK); without the flag each JSON document is written as one sequence",
+        ),
+        (
+            ["--partitions", "4", "--keep-sequential-samples"],
+            "--partitions 4: not supported; this tool reads the input in one pass (tokenizing in "
+            "parallel with --workers N): use --partitions 1 or drop the flag",
+        ),
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
+            "--tokenizer-type GPT2BPETokenizer: not supported; this tool tokenizes with a Hugging "
+            "Face tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR",
+        ),
+        (
+            ["--find-optimal-num-workers", "--workers-to-check", "2", "4"],
+            "--find-optimal-num-workers: not supported; this tool has no worker-count search; "
+            "set --workers N",
+        ),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--merge-file", "merges.txt"],
+            "--merge-file merges.txt: not supported; the tokenizer is the Hugging Face folder "
+            "given by --tokenizer-model",
+        ),
+        (
+            ["--tokenizer-special-tokens", "<a>", "<b>"],
+            "--tokenizer-special-tokens <a> <b>: not supported; it adds tokens to the vocabulary; "
+            "add them to the tokenizer folder instead (add_special_tokens, save_pretrained)",
+        ),
+        (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3 (all flags: --help)"),
+    ],
+)
+def test_cli_refuses_a_megatron_flag_in_one_line(tmp_path, capsys, flags, message):
+    """A Megatron flag whose meaning this tool cannot honour: exit 2 and one line naming the flag,
+    its value and what to do instead (no usage text, no traceback); nothing written."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    cli = _load_tool("preprocess_data")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"), *flags])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"preprocess_data.py: error: {message}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
