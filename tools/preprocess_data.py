@@ -11,10 +11,11 @@ package (megatron_latentmoe/data/assets/tokenizer); any Hugging Face tokenizer f
 An EOD token (the tokenizer's EOS) ends every document unless --no-append-eod.
 
 Megatron-LM's tools/preprocess_data.py command lines work where they mean the same here:
---tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, --append-eod, --workers N,
---partitions 1, and the flags Megatron's tool ignores in such a run (e.g. --lang, --keep-newlines
-without --split-sentences, --vocab-size), named in a note. The others (--split-sentences,
---partitions N > 1, other tokenizer types, ...) are refused in one line naming the flag.
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--trust-remote-code], --append-eod,
+--workers N, --partitions 1, and the flags Megatron's tool ignores in such a run (e.g. --lang,
+--keep-newlines without --split-sentences, --vocab-size), named in a note. The others
+(--split-sentences, --partitions N > 1, other tokenizer types, ...) are refused in one line naming
+the flag.
 
 The embedded default corpus itself is prepared with
     python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
@@ -84,7 +85,6 @@ MEGATRON_FLAGS: dict[tuple[str, ...], tuple[dict, str | None]] = {
         _FLAG,
         "this tool writes tokenizer(text).input_ids, special tokens included",
     ),
-    ("--trust-remote-code",): (_FLAG, "this tool loads tokenizers without remote code"),
 }
 HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
 
@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"Megatron's tokenizer flag; only {HF_TOKENIZER_TYPE} (the default) is supported",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a tokenizer whose tokenizer_config.json names its own Python code (auto_map) "
+        "run it (as Megatron's flag; default: such a tokenizer is refused)",
+    )
     p.add_argument("--partitions", type=int, default=None, help=argparse.SUPPRESS)
     for flags, (kwargs, _) in MEGATRON_FLAGS.items():
         p.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS, **kwargs)
@@ -229,6 +235,7 @@ def main(argv=None) -> int:
             workers=args.workers,
             progress=args.progress,
             log_interval=args.log_interval,
+            trust_remote_code=args.trust_remote_code,
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -237,7 +244,11 @@ def main(argv=None) -> int:
         print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
         return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
     print(summary)
-    print(f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.tokenizer}")
+    remote = " --trust-remote-code" if args.trust_remote_code else ""
+    print(
+        f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.tokenizer}"
+        + remote
+    )
     return 0
 
 

@@ -75,8 +75,12 @@ class PreprocessSummary:
 # --------------------------------------------------------------------------------------- Tokenizer
 
 
-def load_tokenizer(tokenizer: PathLike | Any | None = None):
-    """A Hugging Face tokenizer from a folder (the shipped one when ``None``) or an object as is."""
+def load_tokenizer(tokenizer: PathLike | Any | None = None, trust_remote_code: bool = False):
+    """A Hugging Face tokenizer from a folder (the shipped one when ``None``) or an object as is.
+
+    ``trust_remote_code``: let a tokenizer whose ``tokenizer_config.json`` names its own Python
+    class (``auto_map``) run that code, as Megatron's ``--trust-remote-code``; without it such a
+    tokenizer is refused (never the interactive prompt of ``transformers``)."""
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     if tokenizer is None:
@@ -91,20 +95,32 @@ def load_tokenizer(tokenizer: PathLike | Any | None = None):
     if not os.path.isdir(path):
         # A hub name works only if it is already in the local HF cache: nothing is downloaded here.
         try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=trust_remote_code
+            )
         except Exception as e:
+            _refuse_remote_code(path, e, trust_remote_code)
             raise PreprocessError(
                 f"tokenizer not found: {path!r} is not a folder (nor a cached HF name): {e}"
             ) from e
     else:
         try:
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except Exception as e:
+            _refuse_remote_code(path, e, trust_remote_code)
             raise PreprocessError(f"cannot load the tokenizer in {path}: {e}") from e
     # Documents are longer than any model context; silence "sequence length is longer than"
     # warnings.
     tok.model_max_length = 1 << 62
     return tok
+
+
+def _refuse_remote_code(path: str, error: Exception, trust_remote_code: bool) -> None:
+    if not trust_remote_code and "trust_remote_code" in str(error):
+        raise PreprocessError(
+            f"the tokenizer {path!r} runs its own Python code (auto_map in its "
+            "tokenizer_config.json): allow it with --trust-remote-code (trust_remote_code=True)"
+        ) from None
 
 
 def _eod_id(tok) -> int:
@@ -121,10 +137,12 @@ def _eod_id(tok) -> int:
 _W: dict = {}
 
 
-def _worker_init(tokenizer, json_keys, append_eod, input_name, subprocess_worker=False) -> None:
+def _worker_init(
+    tokenizer, json_keys, append_eod, input_name, subprocess_worker=False, trust_remote_code=False
+) -> None:
     if subprocess_worker:  # N processes x Rust threads would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, trust_remote_code)
     _W.update(
         tok=tok,
         keys=tuple(json_keys),
@@ -284,6 +302,7 @@ def preprocess_jsonl(
     workers: int = 1,
     progress: bool | None = None,
     log_interval: int = 1000,
+    trust_remote_code: bool = False,
 ) -> PreprocessSummary:
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
@@ -301,6 +320,7 @@ def preprocess_jsonl(
         ``tools/preprocess_data.py`` line ``Processed N documents (D docs/s, M MB/s).`` goes to
         stderr each time another ``log_interval`` documents are read (counted in batches of
         256 lines; MB/s of the input file); 0: never.
+        trust_remote_code: let the tokenizer run its own code (:func:`load_tokenizer`).
 
     Raises:
         PreprocessError: missing input, malformed JSON (with line number), missing key, no
@@ -322,7 +342,7 @@ def preprocess_jsonl(
     if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
         raise PreprocessError(f"log_interval must be an integer >= 0, got {log_interval!r}")
 
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, trust_remote_code)
     if append_eod:
         _eod_id(tok)
     dtype = DType.optimal_dtype(len(tok))
@@ -360,7 +380,7 @@ def preprocess_jsonl(
             pool = ctx.Pool(
                 workers,
                 initializer=_worker_init,
-                initargs=(tok_arg, keys, append_eod, str(input_path), True),
+                initargs=(tok_arg, keys, append_eod, str(input_path), True, trust_remote_code),
             )
             encode = lambda batches: _bounded_imap(pool, batches, 2 * workers)  # noqa: E731
 

@@ -534,6 +534,54 @@ def test_cli_refuses_a_megatron_flag_in_one_line(tmp_path, capsys, flags, messag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+def test_cli_trust_remote_code_runs_the_tokenizers_own_code(tmp_path, capsys, hf_tok):
+    """A tokenizer folder naming its own class (auto_map, as Kimi's tokenizers do) is refused in
+    one line without --trust-remote-code (not transformers' interactive prompt), and with it that
+    class tokenizes, in the worker processes too: here it adds 2 to every id."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
+    (folder / "remote_tok.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class RemoteTokenizer(PreTrainedTokenizerFast):\n"
+        "    def __call__(self, *args, **kwargs):\n"
+        "        out = super().__call__(*args, **kwargs)\n"
+        "        out['input_ids'] = [[i + 2 for i in ids] for ids in out['input_ids']]\n"
+        "        return out\n"
+    )
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(
+        tokenizer_class="RemoteTokenizer",
+        auto_map={"AutoTokenizer": [None, "remote_tok.RemoteTokenizer"]},
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    texts = [s for s in SAMPLES if s.strip()] * 100  # 2 batches, one per worker
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    prefix = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(prefix), "--tokenizer-model", str(folder)]
+
+    assert _load_tool("preprocess_data").main(argv) == 1
+    assert capsys.readouterr().err == (
+        f"error: the tokenizer {str(folder)!r} runs its own Python code (auto_map in its "
+        "tokenizer_config.json): allow it with --trust-remote-code (trust_remote_code=True)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, str(CLI), *argv, "--trust-remote-code", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(OFFLINE_ENV, HF_MODULES_CACHE=str(tmp_path / "modules")),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(prefix))
+    want = [[i + 2 for i in hf_tok(t).input_ids] + [hf_tok.eos_token_id] for t in texts]
+    assert [ds[i].tolist() for i in range(len(ds))] == want
+
+
 def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", [{"text": s} for s in SAMPLES])
     prefix = tmp_path / "ds"
