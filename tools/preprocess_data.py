@@ -129,7 +129,7 @@ def megatron_refusal(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_latentmoe.data.corpus import default_tokenizer_dir
-    from megatron_latentmoe.training.arguments import _one_line_errors
+    from megatron_latentmoe.training.arguments import one_line_errors
 
     p = argparse.ArgumentParser(
         prog="preprocess_data.py",
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="without a progress bar, print Megatron's 'Processed N documents (D docs/s, M MB/s).' "
         "to stderr every N documents (default: 1000; 0: never)",
     )
-    _one_line_errors(p)
+    one_line_errors(p)
     return p
 
 

@@ -113,11 +113,11 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
         add_bias_linear=False,
     )
     _escape_unformattable_help(parser)
-    _one_line_errors(parser)
+    one_line_errors(parser)
     return parser
 
 
-def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
     """A misspelt flag or a bad value is argparse's one error line, without the usage text
     argparse prints first (Megatron's parser has ~700 flags: the usage is ~800 lines, with the
     error at the very end)."""
