@@ -568,3 +568,138 @@ def test_sign_update_loads_and_maxvio():
     assert torch.equal(torch.bincount(idx.reshape(-1), minlength=32), ld)
     biased = s + b
     assert torch.all(biased.gather(1, idx) >= alpha[:, None])  # routes beat the cutoff
+
+
+# ----------------------------------------------------------------------------- mutation-audit gaps
+def test_int32_bound_and_token_split_constants():
+    """The int32 bound is the int32 maximum, and the split token header stays inside int32 when
+    MAX_RANKS buffers are summed (each tokens_lo word is < _TOKEN_SPLIT)."""
+    from megatron_latentmoe.balancing import _TOKEN_SPLIT, MAX_RANKS
+
+    assert INT32_MAX == 2_147_483_647 == torch.iinfo(torch.int32).max
+    assert _TOKEN_SPLIT == 65_536
+    assert MAX_RANKS * (_TOKEN_SPLIT - 1) <= INT32_MAX
+    # a global total that needs the high word is recovered exactly: 70000 = 1 * 65536 + 4464
+    n, k = 8, 2
+    h = QuantileHistogram(n, k, 4)
+    h.observe(torch.full((1, n), 0.5), torch.zeros(n))
+    buf = h.pack()
+    head = buf[-len(HEADER_FIELDS) :].tolist()
+    assert head == [1, 1, 0, 0, 0]  # ranks, tokens_lo, tokens_hi, bad_inputs, bias_changes
+    big = buf.clone()
+    big[: n * 4].view(n, 4)[:, 0] += 70000 - 1  # every row still sums to the token total
+    big[-len(HEADER_FIELDS) + HEADER_FIELDS.index("tokens_lo")] = 4464
+    big[-len(HEADER_FIELDS) + HEADER_FIELDS.index("tokens_hi")] = 1
+    reader = QuantileHistogram(n, k, 4)
+    reader.unpack_(big)
+    assert int(reader.num_tokens) == 70000
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+@pytest.mark.parametrize(
+    "where", ["one_negative_score", "one_score_above_1", "one_inf_bias", "score_and_bias"]
+)
+def test_one_bad_value_is_flagged(cls, where):
+    """A single out-of-range value is enough: scores in [0, 1] (both ends checked on their own),
+    every bias entry finite (not only 'some')."""
+    n, k = 32, 4
+    s = router_scores(20, n, 61)
+    b = torch.zeros(n)
+    if where in ("one_negative_score", "score_and_bias"):
+        s[4, 7] = -0.01
+    elif where == "one_score_above_1":
+        s[4, 7] = 1.01
+    if where in ("one_inf_bias", "score_and_bias"):
+        b[3] = float("inf")
+    h = cls(n, k)
+    h.observe(s, b)
+    assert h.pack()[-len(HEADER_FIELDS) + HEADER_FIELDS.index("bad_inputs")].item() == 1
+    with pytest.raises(ValueError, match="1 observe\\(\\) calls had bad input|NaN or inf"):
+        h.solve(b)
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_bias_change_in_one_expert_or_in_place_is_flagged(cls):
+    """The window's bias is a copy, compared entry by entry: changing ONE expert's bias, or the
+    caller's bias tensor in place, between two observe() calls is a bias change."""
+    n, k = 32, 4
+    s = router_scores(50, n, 71)
+    b = 0.1 * torch.randn(n, generator=gen(71))
+    one = cls(n, k)
+    one.observe(s, b)
+    b1 = b.clone()
+    b1[5] += 1e-3
+    one.observe(s, b1)
+    assert one.pack()[-len(HEADER_FIELDS) + HEADER_FIELDS.index("bias_changes")].item() == 1
+    in_place = cls(n, k)
+    live = b.clone()
+    in_place.observe(s, live)
+    live[5] += 1e-3  # e.g. a bias buffer updated in place mid-window
+    in_place.observe(s, live)
+    with pytest.raises(ValueError, match="bias_E differs"):
+        in_place.solve(live)
+    # the empty-window answer is the bias, as a new tensor (not the caller's buffer)
+    empty = cls(n, k)
+    out = empty.solve(live)
+    assert torch.equal(out, live)
+    out += 1.0
+    assert torch.equal(live[5], b[5] + 1e-3)
+
+
+def test_local_overflow_guard_counts_only_valid_tokens():
+    """Near 2**31 local tokens the exact check adds the micro-batch's VALID tokens only."""
+    n, k = 16, 2
+    bias = torch.zeros(n)
+    scores = router_scores(10, n, 1)
+    for valid_count, raises in ((5, False), (6, True)):
+        h = QuantileHistogram(n, k, 10)
+        h.observe(router_scores(4, n, 0), bias)
+        h._num_tokens.fill_(INT32_MAX - 5)  # white box, as test_overflow_and_corruption_detected
+        h._token_bound = INT32_MAX - 5
+        valid = torch.arange(10) < valid_count
+        if raises:
+            with pytest.raises(OverflowError, match="2147483648"):
+                h.observe(scores, bias, valid)
+        else:
+            h.observe(scores, bias, valid)
+            assert int(h.num_tokens) == INT32_MAX
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_observe_with_the_routers_cutoffs_equals_its_own(cls):
+    """The router passes the cutoffs of its own top-(k+1) (``alpha_M``, 1-D fp32): the same counts
+    as observe() computing them; a 2-D alpha is refused, naming the field."""
+    n, k = 64, 4
+    scores = router_scores(300, n, 13)
+    bias = 0.2 * torch.randn(n, generator=gen(13))
+    own, given = cls(n, k), cls(n, k)
+    own.observe(scores, bias)
+    _, alpha = cutoff_route(scores, bias, k)
+    given.observe(scores, bias, alpha_M=alpha)
+    assert torch.equal(own.counts, given.counts) and int(given.num_tokens) == 300
+    with pytest.raises(ValueError, match="alpha_M.dim\\(\\)=2"):
+        cls(n, k).observe(scores, bias, alpha_M=alpha[:, None])
+
+
+def test_smallest_allowed_shapes_and_defaults():
+    """n = 2 experts and B = 1 bin (uniform) are allowed; n = 1 and B = 0 are not. The centred
+    bins default to sigma = 0.005: the two bins at the bias are sigma * sinh(2 U / B) wide."""
+    h = QuantileHistogram(2, 1, 1)
+    h.observe(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.zeros(2))
+    assert h.counts.tolist() == [[2], [2]]
+    # one bin [-1, 1]: Q = 1 of 2 tokens in it -> edge + 1/2 * width = 0 for both experts
+    assert h.raw_quantiles(torch.zeros(2)).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="num_experts=1"):
+        QuantileHistogram(1, 1, 10)
+    with pytest.raises(ValueError, match="num_bins=0"):
+        QuantileHistogram(2, 1, 0)
+    c = CenteredQuantileHistogram(4, 1)
+    assert c.sigma == 0.005 and c.num_bins == 1000
+    bias = torch.tensor([0.0, 0.1, -0.1, 0.0])
+    u_max = math.asinh((0.2 + 1.0) / 0.005)
+    _, width = c.bin_bounds(torch.full((4,), 500), bias)
+    expected = 0.005 * math.sinh(2 * u_max / 1000)
+    expected_E = torch.full((4,), expected, dtype=torch.float64)
+    assert torch.allclose(width.double(), expected_E, rtol=1e-4)
+    idx = c.bin_index(bias[None, :], bias)
+    assert idx.dtype == torch.int64 and idx.tolist() == [[500, 500, 500, 500]]
