@@ -22,3 +22,12 @@ def test_perfect_balance_and_exactly_half_the_mean():
     # a load of exactly half the mean is not "under half"
     assert BalanceMetrics.from_loads(torch.tensor([2, 6]), num_tokens=4).frac_under_half == 0.0
     assert BalanceMetrics.from_loads(torch.tensor([1, 7]), num_tokens=4).frac_under_half == 0.5
+
+
+def test_metrics_of_a_step_without_tokens_and_of_a_mean_load_of_one():
+    """No token routed (every load 0): the ratios read 0, not a division by zero; a mean load of
+    exactly 1 is a real mean (MaxVio (2 - 1) / 1)."""
+    m = BalanceMetrics.from_loads(torch.zeros(4, dtype=torch.int64), num_tokens=0)
+    assert (m.max_vio, m.frac_under_half, m.num_dead, m.num_tokens) == (0.0, 0.0, 4, 0)
+    m = BalanceMetrics.from_loads(torch.tensor([2, 0, 1, 1]), num_tokens=2)
+    assert m.max_vio == 1.0 and m.frac_under_half == 0.25 and m.num_dead == 1
