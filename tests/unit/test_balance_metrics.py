@@ -31,3 +31,27 @@ def test_metrics_of_a_step_without_tokens_and_of_a_mean_load_of_one():
     assert (m.max_vio, m.frac_under_half, m.num_dead, m.num_tokens) == (0.0, 0.0, 4, 0)
     m = BalanceMetrics.from_loads(torch.tensor([2, 0, 1, 1]), num_tokens=2)
     assert m.max_vio == 1.0 and m.frac_under_half == 0.25 and m.num_dead == 1
+
+
+def test_mean_router_input_fixed_point_words():
+    """The mean router input rides the integer all-reduce as round(clamp(x, +-15) * 2**12) per
+    rank; the sum over MAX_RANKS ranks stays inside int32, and the reader divides by the number
+    of ranks that routed tokens (never by 0)."""
+    from megatron_latentmoe.balancing import INT32_MAX, MAX_RANKS
+    from megatron_latentmoe.moe.balance_step import (
+        _FIXED_CLAMP,
+        _FIXED_SCALE,
+        _from_fixed,
+        _to_fixed,
+    )
+
+    assert (_FIXED_SCALE, _FIXED_CLAMP) == (4096.0, 15.0)
+    assert _FIXED_CLAMP * _FIXED_SCALE * MAX_RANKS <= INT32_MAX
+    words = _to_fixed(torch.tensor([1.0, -20.0, 20.0, 0.3, -0.3]))
+    assert words.dtype == torch.int32
+    assert words.tolist() == [4096, -61440, 61440, 1229, -1229]
+    # two ranks' words summed, both routed tokens: the mean of their means
+    rank_a, rank_b = _to_fixed(torch.tensor([1.0, 0.5])), _to_fixed(torch.tensor([3.0, -0.5]))
+    mean = _from_fixed(rank_a + rank_b, torch.tensor(2))
+    assert mean.dtype == torch.float32 and mean.tolist() == [2.0, 0.0]
+    assert _from_fixed(torch.zeros(2, dtype=torch.int32), torch.tensor(0)).tolist() == [0.0, 0.0]
