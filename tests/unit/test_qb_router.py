@@ -76,12 +76,14 @@ def _run(rank, world_size):
     # 3. eval and no-grad forwards are not observed
     layer.router.qb_histogram.reset()
     layer.router.step_loads_E.zero_()
+    layer.router.step_input_sum_D.zero_()
     layer.eval()
     layer(x)
     layer.train()
     with torch.no_grad():
         layer(x)
     out["eval"] = _observed(layer)
+    out["eval_input_sum"] = layer.router.step_input_sum_D.clone()
 
     # 4. NaN router input: the forward does not sync; the step-end update names layer and cause
     from megatron_latentmoe.moe.balance_step import update_balance
@@ -116,6 +118,8 @@ def _run(rank, world_size):
     y.sum().backward()
     update_balance([layer])
     solved = layer.router.expert_bias.clone()
+    # the armed correction keeps its own copy of the mean input (a later step end overwrites it)
+    layer.router.qb_mean_input.fill_(3.0)
     mean_input = x.transpose(0, 1)[~padding].mean(dim=0)  # padding excluded
     w_old = layer.router.weight.detach().clone()
     with torch.no_grad():
@@ -148,6 +152,53 @@ def _run(rank, world_size):
     centred = layer.router.expert_bias - layer.router.expert_bias.mean()
     out["absorb_grad"] = grads[coeff] - grads[0.0]
     out["absorb_expected"] = -coeff * centred[:, None] * ((s * (1 - s)).T @ kept) / len(kept)
+    # the same without a padding mask (every token counts) and with a bias whose mean is not 0
+    # (the solve's is): the loss takes the bias centred; and on a micro-batch of padding only
+    # (no valid token: no gradient, not 0 / 0)
+    grads, empty = {}, {}
+    for c in (0.0, coeff):
+        lay, _ = _layer(moe_qb_absorb_coeff=c)
+        lay.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            lay.router.expert_bias.add_(0.5)
+        lay.train()
+        y, _ = lay(x.clone())
+        y.sum().backward()
+        grads[c] = lay.router.weight.grad.clone()
+        lay.router.weight.grad = None
+        y, _ = lay(x.clone(), padding_mask=torch.ones(BATCH, SEQ, dtype=torch.bool))
+        y.sum().backward()
+        empty[c] = lay.router.weight.grad.clone()
+    every = x.reshape(-1, 64)
+    s = torch.sigmoid(every @ layer.router.weight.detach().T)
+    out["absorb_grad_unpadded"] = grads[coeff] - grads[0.0]
+    out["absorb_expected_unpadded"] = (
+        -coeff * centred[:, None] * ((s * (1 - s)).T @ every) / len(every)
+    )
+    out["absorb_grad_all_padding"] = empty[coeff] - empty[0.0]
+
+    # 8. a step whose tokens are all padding: the mean router input is 0 (not 0/0), so the
+    # drift correction leaves the bias alone; a step of ONE token: its input is the mean
+    lay, _ = _layer()
+    lay.train()
+    bias0 = lay.router.expert_bias.clone()
+    for case, pad in (("no_token", torch.ones(BATCH, SEQ, dtype=torch.bool)), ("one_token", None)):
+        if pad is None:
+            pad = torch.ones(BATCH, SEQ, dtype=torch.bool)
+            pad[2, 5] = False
+        y, _ = lay(x.clone().requires_grad_(), padding_mask=pad)
+        y.sum().backward()
+        update_balance([lay])
+        out[f"{case}_mean_input"] = lay.router.qb_mean_input.clone()
+        if case == "no_token":
+            with torch.no_grad():
+                lay.router.weight.add_(0.05 * torch.randn_like(lay.router.weight))
+            lay.eval()
+            lay(x)  # applies the armed drift correction
+            lay.train()
+            out["no_token_bias"] = (bias0, lay.router.expert_bias.clone())
+    out["one_token_input"] = x[5, 2].clone()
+
     return out
 
 
@@ -183,6 +234,8 @@ def test_padding_tokens_are_not_observed(result):
 def test_eval_and_no_grad_forwards_are_not_observed(result):
     tokens, counts, loads = result["eval"]
     assert tokens == 0 and int(counts.sum()) == 0 and int(loads.sum()) == 0
+    # nor summed into the mean router input of the drift correction
+    assert int(torch.count_nonzero(result["eval_input_sum"])) == 0
 
 
 def test_nan_scores_raise_at_the_step_end_naming_the_layer(result):
@@ -204,6 +257,23 @@ def test_absorb_loss_gradient_is_the_closed_form(result):
     assert result["absorb_expected"].abs().max() > 1e-4
     torch.testing.assert_close(
         result["absorb_grad"], result["absorb_expected"], rtol=1e-4, atol=1e-7
+    )
+
+
+def test_absorb_loss_without_a_padding_mask_averages_over_every_token(result):
+    """... with the bias centred (here its mean is 0.5); padding only: no gradient from it."""
+    torch.testing.assert_close(
+        result["absorb_grad_unpadded"], result["absorb_expected_unpadded"], rtol=1e-4, atol=1e-7
+    )
+    assert torch.equal(result["absorb_grad_all_padding"], torch.zeros(8, 64))
+
+
+def test_mean_router_input_of_a_step_with_no_token_and_with_one(result):
+    assert torch.equal(result["no_token_mean_input"], torch.zeros(64))
+    before, after = result["no_token_bias"]
+    assert torch.equal(after, before)  # mean input 0: every score 1/2 under both weights
+    torch.testing.assert_close(
+        result["one_token_mean_input"], result["one_token_input"], rtol=0, atol=2.5e-4
     )
 
 
@@ -244,6 +314,7 @@ def _run_half_precision(rank, world_size):
         update_balance([layer])  # step end (drift correction armed)
         res["solved_bias"] = router.expert_bias.clone()
         res["mean_input"] = router.qb_mean_input.clone()
+        res["true_mean_input"] = x.float().reshape(-1, 64).mean(dim=0)
         layer(x.clone().requires_grad_())  # the next step's forward applies the correction
         res["buffers_after"] = {k: v.dtype for k, v in router.named_buffers()}
         out[name] = res
@@ -268,3 +339,5 @@ def test_router_buffers_stay_fp32_in_a_half_precision_model(half_precision_resul
     assert res["bias_kept"]  # not rounded to half precision by the cast
     torch.testing.assert_close(res["solved_bias"], res["expected_bias"], rtol=0, atol=1e-6)
     assert torch.isfinite(res["mean_input"]).all()
+    # the input is summed in fp32, not in the model dtype; the mean travels in fixed point 2**-12
+    torch.testing.assert_close(res["mean_input"], res["true_mean_input"], rtol=0, atol=2.5e-4)
