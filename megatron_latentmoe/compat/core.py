@@ -151,7 +151,10 @@ def _shim_chained_optimizer_regroup() -> None:
     by its model parameter (Megatron loads those for this run's layout), so only the param groups
     need regrouping: each optimizer of this run gets all saved groups, offered with either
     ``is_expert_parallel`` (a layout fact, not a hyper-parameter); ``DistributedOptimizer``
-    picks its own by its groups' identifiers. Equal counts go to Megatron unchanged.
+    picks its own by its groups' identifiers. Equal counts go to Megatron unchanged. An
+    optimizer with no parameter on this rank (the expert one of a pipeline stage that holds only
+    dense layers, e.g. ``--decoder-first-pipeline-num-layers`` with ``--first-k-dense-replace``)
+    gets no tensor entry from the load (KeyError before): it gets the param groups alone.
     """
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -175,7 +178,7 @@ def _shim_chained_optimizer_regroup() -> None:
         if count == 1:  # this run's tensors are the dict's non-integer keys
             mine = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
             return original(self, {**common, **mine, "optimizer": common["optimizer"]})
-        return original(self, {i: {**common, **state_dict[i]} for i in range(count)})
+        return original(self, {i: {**common, **state_dict.get(i, {})} for i in range(count)})
 
     registry.patch(GROUP, ChainedOptimizer, "load_state_dict", load_state_dict)
 

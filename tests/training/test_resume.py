@@ -246,6 +246,39 @@ def test_longer_run_needs_a_schedule_decision_then_continues():
     assert all(math.isfinite(r["loss"]) for r in records.values())
 
 
+def test_ep1_distributed_optimizer_state_loads_into_pp2_ep2_with_a_dense_only_stage():
+    """The distributed optimizer's state saved by one rank (EP1: one chained optimizer) loads into
+    PP2 x EP2 whose first stage holds only the dense layer 1 (``--decoder-first-pipeline-num-layers
+    1``): that stage's expert optimizer has no parameter, so the load brings it no tensor entry
+    (compat.core's regroup failed with KeyError 1 on both ranks of the stage). Iteration 3 then
+    equals the one-rank run's (measured: equal) and routes the same tokens to the same experts."""
+    base = scratch_dir() / "ep1_to_pp2_ep2_dense_stage"
+    args = DIST_OPT + ["--expert-model-parallel-size", "1", "--train-iters", "3"]
+    whole = base / "whole"
+    run_entry(
+        args
+        + ["--save", str(whole), "--save-interval", "2"]
+        + ["--balance-log-file", str(base / "whole.jsonl")],
+        nproc=1,
+    ).check()
+    ckpt = copy_checkpoints(whole, base / "resumed", upto=2)
+    layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    run = run_entry(
+        args
+        + layout
+        + ["--decoder-first-pipeline-num-layers", "1", "--load", str(ckpt)]
+        + ["--balance-log-file", str(base / "resumed.jsonl")],
+        nproc=4,
+    ).check()
+    assert "and optimizer state at iteration 2" in run.output, run.output[-3000:]
+    ref, got = read_jsonl(base / "whole.jsonl"), read_jsonl(base / "resumed.jsonl")
+    assert sorted(got) == [3], sorted(got)
+    rel = abs(got[3]["loss"] / ref[3]["loss"] - 1)
+    print(f"loss at 3: PP2 x EP2 {got[3]['loss']!r}, one rank {ref[3]['loss']!r} ({rel:.1e})")
+    assert rel < RESHARD_RTOL
+    assert [e["loads"] for e in got[3]["layers"]] == [e["loads"] for e in ref[3]["layers"]]
+
+
 @pytest.mark.parametrize(
     "name, flags",
     [
