@@ -155,6 +155,13 @@ def _shim_chained_optimizer_regroup() -> None:
     optimizer with no parameter on this rank (the expert one of a pipeline stage that holds only
     dense layers, e.g. ``--decoder-first-pipeline-num-layers`` with ``--first-k-dense-replace``)
     gets no tensor entry from the load (KeyError before): it gets the param groups alone.
+
+    Such an optimizer also never steps, and without apex/TE it saves Adam's step as 0 (the fresh
+    optimizer's, :func:`_shim_distributed_optimizer_torch_adam_step`); the checkpoint's param
+    groups are rank 0's, so a checkpoint whose first stage holds only dense layers carried
+    steps 0 and N, and every load of it failed (``assert len(steps) == 1``, or ``steps: [0.0,
+    N]`` in ``_synchronize_steps``). Megatron keeps the chained optimizers' steps equal
+    (``_synchronize_steps`` asserts it when saving), so the saved groups all get the largest.
     """
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -169,6 +176,8 @@ def _shim_chained_optimizer_regroup() -> None:
         )
         # nothing to regroup: no entries (the plain optimizer's state of one chained optimizer
         # has neither "optimizer" nor integer keys), equal counts, or another format
+        if saved and all("optimizer" in e for e in saved):
+            _one_step([g for e in saved for g in e["optimizer"]["param_groups"]])
         if not saved or len(saved) == count or not all("optimizer" in e for e in saved):
             return original(self, state_dict)
         groups = [g for entry in saved for g in entry["optimizer"]["param_groups"]]
@@ -181,6 +190,15 @@ def _shim_chained_optimizer_regroup() -> None:
         return original(self, {i: {**common, **state_dict.get(i, {})} for i in range(count)})
 
     registry.patch(GROUP, ChainedOptimizer, "load_state_dict", load_state_dict)
+
+
+def _one_step(param_groups: list[dict]) -> None:
+    """Give saved param groups whose numeric Adam steps differ the largest (in place)."""
+    steps = {g["step"] for g in param_groups if isinstance(g.get("step"), (int, float))}
+    if len(steps) > 1:
+        for g in param_groups:
+            if isinstance(g.get("step"), (int, float)):
+                g["step"] = max(steps)
 
 
 _SHIMS = (

@@ -280,28 +280,39 @@ def test_ep1_distributed_optimizer_state_loads_into_pp2_ep2_with_a_dense_only_st
 
 
 @pytest.mark.parametrize(
-    "name, flags",
+    "name, flags, nproc",
     [
         # one chained optimizer (no expert parallelism): its saved state has no per-optimizer
         # entries to regroup (compat.core's regroup shim failed with IndexError)
-        ("plain_optimizer_ep1", ["--expert-model-parallel-size", "1"]),
+        ("plain_optimizer_ep1", ["--expert-model-parallel-size", "1"], 2),
         # Megatron's default format of the distributed optimizer, dp_reshardable: its loader
         # copied into the fp32 main params with grad enabled, and the step came back 0
-        ("dist_optimizer_dp_reshardable", ["--use-distributed-optimizer"]),
+        ("dist_optimizer_dp_reshardable", ["--use-distributed-optimizer"], 2),
+        # the fully reshardable format, PP2 x EP2 whose first stage holds only the dense layer 1:
+        # that stage's expert optimizer has no parameter and saved step 0 into the checkpoint's
+        # param groups (written by rank 0); the load met steps [0, 2]
+        (
+            "dist_optimizer_pp2_ep2_dense_only_stage",
+            DIST_OPT
+            + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+            4,
+        ),
     ],
 )
-def test_resume_in_the_same_layout_is_exact(name, flags):
+def test_resume_in_the_same_layout_is_exact(name, flags, nproc):
     """4 iterations with checkpoints at 2 and 4; a run resumed from 2 logs the same losses at
     iterations 3 and 4 and saves the same weights, QB biases and Adam state at 4."""
     base = scratch_dir() / f"same_layout_{name}"
     args = flags + ["--train-iters", "4", "--save-interval", "2", "--log-interval", "1"]
     whole = run_entry(
-        args + ["--save", str(base / "whole"), "--balance-log-file", str(base / "whole.jsonl")]
+        args + ["--save", str(base / "whole"), "--balance-log-file", str(base / "whole.jsonl")],
+        nproc=nproc,
     ).check()
     ckpt = copy_checkpoints(base / "whole", base / "resumed", upto=2)
     jsonl = base / "resumed.jsonl"
     run = run_entry(
-        args + ["--load", str(ckpt), "--save", str(ckpt), "--balance-log-file", str(jsonl)]
+        args + ["--load", str(ckpt), "--save", str(ckpt), "--balance-log-file", str(jsonl)],
+        nproc=nproc,
     ).check()
     assert "at iteration 2" in run.output, run.output[-3000:]
     ref, got = read_jsonl(base / "whole.jsonl"), read_jsonl(jsonl)
