@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import shlex
 import struct
 import traceback
 import warnings
@@ -453,6 +455,51 @@ def validate_stable_latentmoe_args(
             "an integer >= 1"
         )
     _check_qb_calibration(args)
+
+
+_PIPELINE_SPLIT = (
+    "num_layers",
+    "pipeline_model_parallel_size",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+)
+"""The ``args`` that split the layers over pipeline stages (Megatron's flags, named alike)."""
+
+
+def pipeline_split_flags(args) -> str:
+    """The pipeline split as given on the command line, e.g. ``--num-layers 6
+    --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 7``."""
+    parts = []
+    for dest in _PIPELINE_SPLIT:
+        value = getattr(args, dest, None)
+        if value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    return " ".join(parts)
+
+
+_PIPELINE_TEXT = re.compile(r"pipeline|\bPP\b|stage", re.IGNORECASE)
+
+
+def megatron_config_refusal(args, err: Exception) -> str:
+    """One line for a check of Megatron's ``TransformerConfig`` (a ``ValueError``, or a bare
+    assert): its text, and for the checks of the pipeline split (uneven stages,
+    ``--pipeline-model-parallel-layout``: a traceback before) the flags that set the split."""
+    frames = traceback.extract_tb(err.__traceback__)
+    text = str(err) or (frames[-1].line if frames else type(err).__name__)
+    in_layout = any("pipeline_parallel_layer_layout" in f.filename for f in frames)
+    if in_layout or _PIPELINE_TEXT.search(text):
+        return (
+            f"{pipeline_split_flags(args)}: Megatron's TransformerConfig refused this pipeline "
+            f"split: {text}"
+        )
+    return text
 
 
 def _check_qb_calibration(args) -> None:

@@ -37,7 +37,12 @@ from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
 from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME
 from megatron_latentmoe.moe.layer import use_legacy_names_of
-from megatron_latentmoe.training.arguments import BACKENDS, FlagError, flag_message
+from megatron_latentmoe.training.arguments import (
+    BACKENDS,
+    FlagError,
+    flag_message,
+    megatron_config_refusal,
+)
 
 _FINALIZE_HOOK = None  # set by install_finalize_hook (pretrain.main) before the model is built
 
@@ -157,8 +162,8 @@ def transformer_config_from_args(args) -> StableLatentMoETransformerConfig:
         )
     except ConfigError as err:
         raise FlagError(flag_message(err)) from None
-    except ValueError as err:  # Megatron's own TransformerConfig checks
-        raise FlagError(str(err)) from None
+    except (ValueError, AssertionError) as err:  # Megatron's own TransformerConfig checks
+        raise FlagError(megatron_config_refusal(args, err)) from None
     if not isinstance(
         config, StableLatentMoETransformerConfig
     ):  # Megatron swapped the class (MLA, ...)

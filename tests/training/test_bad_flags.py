@@ -241,6 +241,11 @@ CASES = {
         ],
         ["Megatron's default 969,30,1", "test part none of the 50 sequences", "98,2,0"],
     ),
+    "pipeline_layout_with_the_wrong_layer_count": (  # Megatron's bare assert: a traceback
+        ["--expert-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+        + ["--pipeline-model-parallel-layout", "Et|tL", "--save-interval", "1000"],
+        ["--num-layers 4", "--pipeline-model-parallel-layout 'Et|tL'", "decoder layers 2"],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
