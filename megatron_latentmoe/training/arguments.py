@@ -449,6 +449,7 @@ def validate_stable_latentmoe_args(
             f"{tp} --sequence-parallel: a multiple of {tp} (sequence parallelism splits every "
             "sequence over the tensor-parallel ranks)"
         )
+    _check_pipeline_split(args)
     if args.balance_log_loads_interval < 1:
         raise FlagError(
             f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "
@@ -482,6 +483,25 @@ def pipeline_split_flags(args) -> str:
         flag = "--" + dest.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
     return " ".join(parts)
+
+
+def _check_pipeline_split(args) -> None:
+    """First and last pipeline stages given more layers than the model has: megatron-core
+    0.19.2's ``TransformerConfig`` checks ``bool(rest) == bool(other stages)``, true for a
+    negative rest, and the first stage then builds every layer and the others none, silently
+    (``--decoder-first-pipeline-num-layers 7`` of 6 layers on PP2 trained so)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if args.pipeline_model_parallel_layout is not None or (first is None and last is None):
+        return
+    given = (first or 0) + (last or 0)
+    others = args.pipeline_model_parallel_size - (first is not None) - (last is not None)
+    if given > args.num_layers - max(others, 0):
+        raise FlagError(
+            f"{pipeline_split_flags(args)} is not allowed: the first and last pipeline stages "
+            f"would hold {given} of the {args.num_layers} layers; allowed: at most "
+            f"{args.num_layers - max(others, 0)} in those stages together (each of the other "
+            f"{max(others, 0)} stages holds at least one layer)"
+        )
 
 
 _PIPELINE_TEXT = re.compile(r"pipeline|\bPP\b|stage", re.IGNORECASE)

@@ -246,6 +246,11 @@ CASES = {
         + ["--pipeline-model-parallel-layout", "Et|tL", "--save-interval", "1000"],
         ["--num-layers 4", "--pipeline-model-parallel-layout 'Et|tL'", "decoder layers 2"],
     ),
+    "uneven_pipeline_stage_past_the_last_layer": (  # else stage 2 silently builds no layer
+        ["--expert-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+        + ["--decoder-first-pipeline-num-layers", "5", "--save-interval", "1000"],
+        ["--decoder-first-pipeline-num-layers 5 is not allowed", "5 of the 4 layers", "at most 3"],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
