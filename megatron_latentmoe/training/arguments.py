@@ -522,6 +522,41 @@ def megatron_config_refusal(args, err: Exception) -> str:
     return text
 
 
+def interleaved_schedule_refusal(args, microbatch_group: int | None) -> str | None:
+    """Megatron's interleaved 1F1B (virtual pipeline stages) runs each step's micro-batches in
+    groups of ``--microbatch-group-size-per-virtual-pipeline-stage`` (default: the pipeline size)
+    and raises, at the first step on every rank, where a group is smaller than the pipeline size
+    or larger than the step's micro-batches (training, and evaluation when it runs). None when
+    the schedule can run (or there are no virtual stages)."""
+    vpp, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
+    if not vpp or vpp == 1 or args.rampup_batch_size:
+        return None
+    group = microbatch_group or pp
+    if group < pp:
+        return (
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group} is not allowed with "
+            f"--pipeline-model-parallel-size {pp} and virtual pipeline stages: at least {pp}"
+        )
+    dp = args.data_parallel_size
+    batches = [("--global-batch-size", args.global_batch_size, args.micro_batch_size)]
+    if args.eval_iters and args.eval_iters > 0:
+        batches.append(
+            ("--eval-global-batch-size", args.eval_global_batch_size, args.eval_micro_batch_size)
+        )
+    for flag, batch, micro in batches:
+        if batch // (micro * dp) < group:
+            return (
+                f"{flag} {batch} is not allowed with {vpp} virtual pipeline stages per rank "
+                f"({pipeline_split_flags(args)}): {micro} sequences per micro-batch x {dp} "
+                f"data-parallel ranks give {batch // (micro * dp)} micro-batches per step, and "
+                "Megatron's interleaved schedule runs them in groups of "
+                f"--microbatch-group-size-per-virtual-pipeline-stage {group} (default: the "
+                f"pipeline size); allowed: a multiple of {micro * dp} of at least "
+                f"{group * micro * dp}"
+            )
+    return None
+
+
 def _check_qb_calibration(args) -> None:
     """The calibration pool is the run's last N global batches (``training/qb_calibrate.py``)."""
     n = args.moe_qb_calibrate_batches

@@ -235,6 +235,7 @@ def checked_args(has_cuda: bool):
         add_stable_latentmoe_args,
         apply_default_tokenizer,
         expert_layout_refusal,
+        interleaved_schedule_refusal,
         megatron_refusal,
         uses_default_data,
         validate_stable_latentmoe_args,
@@ -267,7 +268,11 @@ def checked_args(has_cuda: bool):
         validate_args(args, {})
     except AssertionError as err:  # megatron.training checks its flags with bare asserts
         raise FlagError(megatron_refusal(args, err)) from None
-    return args, transformer_config_from_args(args), cpu_notes, default_data_dir
+    config = transformer_config_from_args(args)
+    refusal = interleaved_schedule_refusal(args, config.microbatch_group_size_per_vp_stage)
+    if refusal:
+        raise FlagError(refusal)
+    return args, config, cpu_notes, default_data_dir
 
 
 def _main(check_only: bool = False) -> int:

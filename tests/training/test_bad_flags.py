@@ -251,6 +251,16 @@ CASES = {
         + ["--decoder-first-pipeline-num-layers", "5", "--save-interval", "1000"],
         ["--decoder-first-pipeline-num-layers 5 is not allowed", "5 of the 4 layers", "at most 3"],
     ),
+    "virtual_stages_with_fewer_micro_batches_than_stages": (  # else a ValueError at step 1
+        ["--expert-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+        + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"]
+        + ["--save-interval", "1000"],
+        [
+            "--global-batch-size 4 is not allowed with 2 virtual pipeline stages",
+            "--microbatch-group-size-per-virtual-pipeline-stage 2",
+            "at least 8",
+        ],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
