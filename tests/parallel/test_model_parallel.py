@@ -13,7 +13,9 @@ that carry fp32 round-off of the layout; typically it is identical).
 Layouts: TP2+SP, EP2, PP2, EP2 with full activation recompute (world 2); EP4, TP2+SP x EP2 with
 ETP1 and ETP2, PP2 x EP2 (world 4). With recompute the QB router must still count every token
 once: the bias after the step proves it. Virtual pipeline stages (interleaved 1F1B): PP2 x VPP2
-(world 2) and PP2 x VPP2 x EP2 (world 4), on a 4-layer model against its own single process.
+(world 2) and PP2 x VPP2 x EP2 (world 4), and uneven stages (1 dense layer | 3 MoE layers: a
+first stage without router) PP2 and PP2 x EP2, on a 4-layer model against its own single
+process.
 MXFP4 QAT of the routed experts (m_e = 64): TP2+SP (ETP2: w2's MXFP4 blocks inside each shard),
 EP2 with recompute, PP2 (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
 QB's absorption loss from a non-zero bias: TP2+SP and EP2 (world 2).
@@ -72,9 +74,17 @@ LAYOUTS_ABSORB = {
     "TP2+SP absorb": dict(tp=2, pp=1, ep=1, etp=2, **ABSORB),
     "EP2 absorb": dict(tp=1, pp=1, ep=2, etp=1, **ABSORB),
 }
+# Uneven stages (--decoder-first-pipeline-num-layers 1): the first stage holds only the dense
+# layer, no router; the second the 3 MoE layers.
 LAYOUTS_VPP = {
-    2: {"PP2-VPP2": dict(pp=2, vpp=2, layers=4, **P2P_OVERLAP)},
-    4: {"PP2-VPP2xEP2": dict(pp=2, vpp=2, ep=2, layers=4, **P2P_OVERLAP)},
+    2: {
+        "PP2-VPP2": dict(pp=2, vpp=2, layers=4, **P2P_OVERLAP),
+        "PP2-first1": dict(pp=2, layers=4, num_layers_in_first_pipeline_stage=1),
+    },
+    4: {
+        "PP2-VPP2xEP2": dict(pp=2, vpp=2, ep=2, layers=4, **P2P_OVERLAP),
+        "PP2-first1xEP2": dict(pp=2, ep=2, layers=4, num_layers_in_first_pipeline_stage=1),
+    },
 }
 
 
