@@ -162,6 +162,9 @@ def _shim_chained_optimizer_regroup() -> None:
     steps 0 and N, and every load of it failed (``assert len(steps) == 1``, or ``steps: [0.0,
     N]`` in ``_synchronize_steps``). Megatron keeps the chained optimizers' steps equal
     (``_synchronize_steps`` asserts it when saving), so the saved groups all get the largest.
+    The plain optimizer saves one ``common_step`` per optimizer, none for one without
+    parameters: the other stage's expert optimizer then loaded its moments without a step
+    (KeyError ``'step'`` in torch's Adam); it gets the other optimizers' step.
     """
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -174,10 +177,9 @@ def _shim_chained_optimizer_regroup() -> None:
             if "optimizer" in state_dict
             else [state_dict[k] for k in sorted(k for k in state_dict if isinstance(k, int))]
         )
+        _one_step(saved)
         # nothing to regroup: no entries (the plain optimizer's state of one chained optimizer
         # has neither "optimizer" nor integer keys), equal counts, or another format
-        if saved and all("optimizer" in e for e in saved):
-            _one_step([g for e in saved for g in e["optimizer"]["param_groups"]])
         if not saved or len(saved) == count or not all("optimizer" in e for e in saved):
             return original(self, state_dict)
         groups = [g for entry in saved for g in entry["optimizer"]["param_groups"]]
@@ -192,13 +194,30 @@ def _shim_chained_optimizer_regroup() -> None:
     registry.patch(GROUP, ChainedOptimizer, "load_state_dict", load_state_dict)
 
 
-def _one_step(param_groups: list[dict]) -> None:
-    """Give saved param groups whose numeric Adam steps differ the largest (in place)."""
-    steps = {g["step"] for g in param_groups if isinstance(g.get("step"), (int, float))}
+def _one_step(saved: list[dict]) -> None:
+    """One Adam step for all the saved chained optimizers' entries (in place): the distributed
+    optimizer's param groups whose numeric steps differ get the largest; the plain optimizer's
+    entries without a ``common_step`` (the one step Megatron saves for all of an optimizer's
+    parameters; none for an optimizer without parameters on rank 0, which writes the common
+    state) get the others'."""
+    groups = [
+        g
+        for e in saved
+        if isinstance(e.get("optimizer"), dict)
+        for g in e["optimizer"].get("param_groups", [])
+    ]
+    steps = {g["step"] for g in groups if isinstance(g.get("step"), (int, float))}
     if len(steps) > 1:
-        for g in param_groups:
+        for g in groups:
             if isinstance(g.get("step"), (int, float)):
                 g["step"] = max(steps)
+    # FP32Optimizer: {"state", "param_groups"}; Float16Optimizer: {"optimizer": {"state", ...}}
+    states = [e["optimizer"] if isinstance(e.get("optimizer"), dict) else e for e in saved]
+    states = [s["state"] for s in states if isinstance(s.get("state"), dict)]
+    common = [s["common_step"] for s in states if "common_step" in s]
+    if common:
+        for state in states:
+            state.setdefault("common_step", common[0])
 
 
 _SHIMS = (

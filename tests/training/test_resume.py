@@ -288,6 +288,14 @@ def test_ep1_distributed_optimizer_state_loads_into_pp2_ep2_with_a_dense_only_st
         # Megatron's default format of the distributed optimizer, dp_reshardable: its loader
         # copied into the fp32 main params with grad enabled, and the step came back 0
         ("dist_optimizer_dp_reshardable", ["--use-distributed-optimizer"], 2),
+        # PP2 x EP2 whose first stage holds only the dense layer 1: that stage's expert optimizer
+        # has no parameter, hence no Adam step, and the checkpoint's common state (rank 0's)
+        # had no step for the other stage's expert optimizer (KeyError 'step' in torch's Adam)
+        (
+            "plain_optimizer_pp2_ep2_dense_only_stage",
+            ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+            4,
+        ),
         # the fully reshardable format, PP2 x EP2 whose first stage holds only the dense layer 1:
         # that stage's expert optimizer has no parameter and saved step 0 into the checkpoint's
         # param groups (written by rank 0); the load met steps [0, 2]
