@@ -20,31 +20,15 @@ import pytest
 import torch
 
 from tests.parallel.launcher import run_distributed
+from tests.unit.test_balance_routers import BALANCERS as RECOUNTED
 
 SEQ, BATCH, HIDDEN = 12, 4, 64
-# every balancer the README lists ("Load balance"): Megatron's, Megatron's own QB, and ours
+# every balancer the README lists ("Load balance"): test_balance_routers' table (Megatron's,
+# Megatron's own QB, ours), the QB absorption loss and sinkhorn
 BALANCERS = {
-    "qb_uniform": dict(moe_qb_binning="uniform"),
-    "qb_centered": dict(moe_qb_binning="centered"),
-    "qb_seq_aux_loss": dict(
-        moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
-        moe_aux_loss_coeff=[0.0, 1e-2],
-    ),
+    **{k: v for k, v in RECOUNTED.items() if k != "aux_loss_capacity_padded"},
     "qb_absorb": dict(moe_qb_absorb_coeff=0.3),
-    "aux_loss": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
-    "seq_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2),
-    "global_aux_loss": dict(
-        moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2
-    ),
     "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn"),
-    "sign_update": dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True),
-    "none": dict(moe_router_load_balancing_type="none"),
-    "megatron_qb": dict(moe_router_load_balancing_type="quantile_balancing"),
-    "aux_loss_capacity": dict(
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        moe_expert_capacity_factor=1.0,
-    ),
 }
 DISPATCHERS = ("alltoall", "allgather")
 
