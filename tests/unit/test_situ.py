@@ -446,6 +446,24 @@ def test_fused_formula_matches_fp64_reference():
     assert out.abs().max().item() <= B1 * B2
 
 
+def test_fused_tanh_series_truncation_error():
+    """``_tanh_sech2`` in fp64, so that only the formula's own error shows: below |x| = 1/4 the
+    Taylor series up to x^9 is off by its first dropped term, 1382/155925 |x|^11, at most
+    8.5e-9 relative to tanh(x) (1.1e-9 for sech^2); above, the exp formula is exact to fp64
+    rounding. (The fp32 test above, 2e-6, cannot see a wrong x^9 coefficient: 3.3e-7.)"""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    x = torch.linspace(-0.3, 0.3, 6001, dtype=torch.float64)
+    t, sech2 = situ_mod._tanh_sech2(x)
+    ref = torch.tanh(x)
+    nonzero = x != 0
+    t_rel = ((t - ref)[nonzero] / ref[nonzero]).abs().max().item()
+    sech2_rel = ((sech2 - (1 - ref * ref)) / (1 - ref * ref)).abs().max().item()
+    assert t_rel < 1e-8, t_rel
+    assert sech2_rel < 2e-9, sech2_rel
+    assert torch.equal(t[~nonzero], ref[~nonzero])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
     """Above COMPILE_MIN_ELEMS the CPU op runs the torch.compile'd loop: same values and gradients
