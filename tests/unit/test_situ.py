@@ -464,6 +464,24 @@ def test_fused_tanh_series_truncation_error():
     assert torch.equal(t[~nonzero], ref[~nonzero])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_formula_low_precision_is_fp32_rounded_once(dtype):
+    """The fused formula (compiled CPU path, run eagerly here) on bf16 / fp16 inputs computes in
+    fp32 and rounds once: bit-equal to the fp32 call on the upcast inputs, cast back, in the
+    input's dtype (gradients too)."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    g, u = _inputs((64, 48), 4.0, dtype=dtype, seed=7)
+    grad = _inputs((64, 48), 1.0, dtype=dtype, seed=8)[0]
+    out = situ_mod._fused_forward(g, u, B1, B2)
+    dg, du = situ_mod._fused_backward(g, u, grad, B1, B2)
+    ref = situ_mod._fused_forward(g.float(), u.float(), B1, B2)
+    ref_dg, ref_du = situ_mod._fused_backward(g.float(), u.float(), grad.float(), B1, B2)
+    for got, want in ((out, ref), (dg, ref_dg), (du, ref_du)):
+        assert got.dtype == dtype
+        assert torch.equal(got, want.to(dtype)), (got.float() - want).abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cpu_path_matches_eager(monkeypatch, dtype):
     """Above COMPILE_MIN_ELEMS the CPU op runs the torch.compile'd loop: same values and gradients
