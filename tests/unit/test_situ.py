@@ -520,3 +520,44 @@ def test_compiling_turned_off_runs_the_eager_math(monkeypatch):
     assert situ_mod._path(x.double(), big) == "eager"
     situ_mod.set_cpu_compile(True)
     assert situ_mod._path(x, big) == "compiled"
+
+
+def test_only_fused_dtypes_and_non_empty_tensors_leave_the_eager_math(monkeypatch):
+    """fp64 (gradcheck, references) and empty tensors stay on the eager math even where the size
+    threshold would send them to the compiled path."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    monkeypatch.setattr(situ_mod, "_compile_enabled", True)
+    monkeypatch.setattr(situ_mod, "_compile_failed", False)
+    x = torch.randn(8, 2 * 4)
+    big = situ_mod.COMPILE_MIN_ELEMS
+    assert [situ_mod._path(x.to(dt), big) for dt in situ_mod.FUSED_DTYPES] == ["compiled"] * 3
+    assert situ_mod._path(x.double(), big) == "eager"
+    monkeypatch.setattr(situ_mod, "COMPILE_MIN_ELEMS", 0)
+    assert situ_mod._path(x, 1) == "compiled"
+    assert situ_mod._path(x, 0) == "eager"
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_math_for_good(monkeypatch):
+    """If inductor cannot compile, the op warns once, returns the eager result, and every later
+    call above the threshold takes the eager math without trying to compile again."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    calls = []
+
+    def broken(name):
+        calls.append(name)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(situ_mod, "_compiled", broken)
+    monkeypatch.setattr(situ_mod, "_compile_enabled", True)
+    monkeypatch.setattr(situ_mod, "_compile_failed", False)
+    monkeypatch.setattr(situ_mod, "COMPILE_MIN_ELEMS", 1)
+    g, u = _inputs((4, 6), 3.0)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        out = situ_glu(g, u)
+    assert calls == ["fwd"] and situ_mod._compile_failed
+    assert situ_mod._path(g, 24) == "eager"
+    torch.testing.assert_close(out.double(), formula_fp64(g, u), rtol=1e-6, atol=1e-6)
+    again = situ_glu(g, u)
+    assert calls == ["fwd"] and torch.equal(again, out)
