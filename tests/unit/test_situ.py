@@ -561,3 +561,42 @@ def test_a_compiler_failure_falls_back_to_the_eager_math_for_good(monkeypatch):
     torch.testing.assert_close(out.double(), formula_fp64(g, u), rtol=1e-6, atol=1e-6)
     again = situ_glu(g, u)
     assert calls == ["fwd"] and torch.equal(again, out)
+
+
+def test_compiled_path_plumbing_with_the_formula_run_eagerly(monkeypatch):
+    """The compiled CPU path's calls, with ``torch.compile`` replaced by the plain functions (no
+    compile cost): taken from rows x F = COMPILE_MIN_ELEMS output elements on (counted over all
+    leading dims), handed the gate / up halves, its results reshaped back; values and gradients
+    equal the eager math within fp32 rounding, on a 3-d non-contiguous input."""
+    import megatron_latentmoe.ops.situ as situ_mod
+
+    fns = {"fwd": situ_mod._fused_forward, "bwd_packed": situ_mod._fused_backward_packed}
+    calls = []
+
+    def plain(name):
+        calls.append(name)
+        return fns[name]
+
+    monkeypatch.setattr(situ_mod, "_compiled", plain)
+    monkeypatch.setattr(situ_mod, "_compile_enabled", True)
+    monkeypatch.setattr(situ_mod, "_compile_failed", False)
+    base = torch.randn(3, 2 * 8, 11, dtype=torch.float64) * 4
+    x64 = base.transpose(1, 2)  # [3, 11, 16], non-contiguous
+    grad = torch.randn(3, 11, 8, dtype=torch.float64)
+    results = {}
+    for name, threshold in (("eager", 3 * 11 * 8 + 1), ("compiled", 3 * 11 * 8)):
+        monkeypatch.setattr(situ_mod, "COMPILE_MIN_ELEMS", threshold)
+        xp = x64.float().requires_grad_(True)
+        out = situ_glu_packed(xp)
+        out.backward(grad.float())
+        results[name] = (out, xp.grad)
+    assert calls == ["fwd", "bwd_packed"]
+    gg, uu = (x64[..., s].clone().requires_grad_(True) for s in (slice(8), slice(8, 16)))
+    ref = formula_fp64(gg, uu)
+    ref.backward(grad)
+    for out, dx in results.values():
+        assert out.shape == (3, 11, 8) and dx.shape == (3, 11, 16)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(
+            dx.double(), torch.cat([gg.grad, uu.grad], -1), rtol=2e-5, atol=2e-5
+        )
