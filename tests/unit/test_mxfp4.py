@@ -206,3 +206,20 @@ def test_dequantize_rejects_bad_tensors():
         dequantize_mxfp4(packed, scales[:, :1])
     with pytest.raises(ValueError, match="NaN byte 255"):
         dequantize_mxfp4(packed, torch.full_like(scales, 255))
+
+
+def test_leading_dims_and_storage_cost():
+    """A stacked [E, N, K] weight quantizes block-wise along K exactly like each [N, K] slice, and
+    the bytes stored are BITS_PER_PARAM = 4.25 bits per value (a nibble + a byte per 32)."""
+    from megatron_latentmoe.ops import mxfp4
+
+    w = torch.randn(3, 5, 96) * torch.exp(torch.randn(3, 5, 96))
+    packed, scales = quantize_mxfp4(w)
+    assert packed.shape == (3, 5, 48) and scales.shape == (3, 5, 3)
+    for e in range(3):
+        p, s = quantize_mxfp4(w[e])
+        assert torch.equal(packed[e], p) and torch.equal(scales[e], s)
+    assert torch.equal(dequantize_mxfp4(packed, scales), mxfp4_round_trip(w))
+    assert torch.equal(mxfp4_round_trip(w)[1], mxfp4_round_trip(w[1]))
+    stored_bits = 8 * (packed.numel() + scales.numel())
+    assert mxfp4.BITS_PER_PARAM == 4.25 == stored_bits / w.numel()
