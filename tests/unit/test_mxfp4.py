@@ -183,7 +183,8 @@ def test_round_trip_is_idempotent_and_exact_in_dtype(dtype):
     assert q.dtype == dtype
     assert torch.equal(mxfp4_round_trip(q), q)
     packed, scales = quantize_mxfp4(w)
-    assert torch.equal(dequantize_mxfp4(packed, scales, dtype), q)
+    deq = dequantize_mxfp4(packed, scales, dtype)
+    assert deq.dtype == dtype and torch.equal(deq, q)
     assert torch.equal(quantize_mxfp4(q)[0], packed) and torch.equal(quantize_mxfp4(q)[1], scales)
     # a real approximation: at most half a code step of the block (relative 1/4 of 2**s * 2)
     s = 2.0 ** (torch.floor(torch.log2(w.float().reshape(8, 8, 32).abs().amax(-1))) - 2)
