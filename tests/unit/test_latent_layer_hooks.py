@@ -56,3 +56,30 @@ def test_a_state_dict_with_the_old_norm_name_loads():
     """Plain state dicts saved before mlp.latent_norm was renamed routed_expert_norm load as is."""
     (result,) = run_distributed(_old_norm_name_state_dict, 1)
     assert result == (["latent_norm.weight"], [], True)
+
+
+def _latent_projection_tags(rank, world_size):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+    tags = []
+    for name in ("fc1_latent_proj", "fc2_latent_proj"):
+        w = getattr(layer, name).weight
+        tags.append((name, w.allreduce, w.tensor_model_parallel, w.sequence_parallel))
+    return tags
+
+
+def test_latent_projections_are_tagged_as_replicated_dense_weights():
+    """What Megatron reads off a parameter to reduce its gradient: ``allreduce`` True (a dense
+    weight, reduced over the whole data-parallel group; False would make DDP treat W_down / W_up
+    as expert weights), ``tensor_model_parallel`` False (replicated, never sliced across TP), and
+    ``sequence_parallel`` as configured (here off: one process, no TP)."""
+    (tags,) = run_distributed(_latent_projection_tags, 1)
+    assert tags == [
+        ("fc1_latent_proj", True, False, False),
+        ("fc2_latent_proj", True, False, False),
+    ]
