@@ -235,3 +235,33 @@ def test_hf_model_loaded_from_mxfp4_saves_as_a_dense_model(ws, tmp_path):
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(load_hf_model(tmp_path / "dense")(tokens).logits, model(tokens).logits)
+
+
+def test_quantization_config_is_compressed_tensors_mxfp4():
+    """config.json's quantization_config as compressed-tensors parses it: 4-bit float weights,
+    symmetric (E2M1 has a sign bit, no zero point), one scale per 32 values along K, static
+    (the scales are stored, not computed at load), on the routed expert linears only. And
+    is_mxfp4 recognises exactly this layout: not a missing / empty config, not another
+    compressed-tensors format, not another target."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    config = mxfp4.quantization_config()
+    parsed = ct.QuantizationConfig.model_validate(config)
+    assert parsed.format == mxfp4.FORMAT and list(parsed.config_groups) == ["group_0"]
+    group = parsed.config_groups["group_0"]
+    w = group.weights
+    assert (w.num_bits, w.type, w.symmetric, w.group_size, w.strategy, w.dynamic) == (
+        4,
+        "float",
+        True,
+        32,
+        "group",
+        False,
+    )
+    assert group.targets == [mxfp4.TARGET] and group.input_activations is None
+    assert mxfp4.is_mxfp4(config)
+    assert not mxfp4.is_mxfp4(None) and not mxfp4.is_mxfp4({})
+    assert not mxfp4.is_mxfp4(dict(config, format="pack-quantized"))
+    other = json.loads(json.dumps(config))
+    other["config_groups"]["group_0"]["targets"] = ["Linear"]
+    assert not mxfp4.is_mxfp4(other)
+    assert not mxfp4.is_mxfp4(dict(config, quant_method="fp8"))
