@@ -54,6 +54,13 @@ def _compare(rank, world_size):
         module_calls.clear()
     qat = tiny_config(moe_expert_weight_qat="mxfp4", moe_ffn_hidden_size=64)
     qat_experts = get_stable_latentmoe_mlp_spec(qat)(config=qat, layer_number=1).experts
+    # the batched path with the linears called as modules (here the MXFP4 QAT linears)
+    x_q = torch.randn(sum(COUNTS), qat.moe_latent_size)
+    with torch.no_grad():
+        qat_out = [
+            f(x_q, counts, probs)[0]
+            for f in (qat_experts.forward, lambda *a: SequentialMLP.forward(qat_experts, *a))
+        ]
     (out_b, bias_b, dx_b, g_b), (out_s, bias_s, dx_s, g_s) = results
     return dict(
         out=_rel(out_b, out_s),
@@ -67,6 +74,8 @@ def _compare(rank, world_size):
         bare=experts._bare_gemms(),
         module_calls=calls,
         qat_bare=qat_experts._bare_gemms(),
+        qat_batched=qat_experts._batched(),
+        qat_out=_rel(*qat_out),
     )
 
 
@@ -79,3 +88,4 @@ def test_batched_activation_equals_sequential_mlp():
     # bare GEMMs: no linear module called; Megatron's forward: fc1 + fc2 of every expert
     assert r["bare"] and r["module_calls"] == [0, 2 * len(COUNTS)], r
     assert not r["qat_bare"], r  # the MXFP4 linears fake-quantize their weight: called as modules
+    assert r["qat_batched"] and r["qat_out"] < TOL, r  # ... in the batched path too
