@@ -4,7 +4,8 @@ same weights: output, input gradient and every weight gradient within 1e-6 relat
 activation is elementwise and ``F.linear`` is the same GEMM, so only the vectorised vs scalar
 tails of the kernels and the weight gradient's operand order can differ, in the last ulps). The
 counts are uneven and include an expert with no token. The bare-GEMM path must skip Megatron's
-linear modules, and must not be taken where a linear does more (MXFP4 QAT)."""
+linear modules, and must not be taken where a linear does more (MXFP4 QAT); with the probs
+applied on the input the experts run Megatron's forward."""
 
 import torch
 
@@ -61,6 +62,14 @@ def _compare(rank, world_size):
             f(x_q, counts, probs)[0]
             for f in (qat_experts.forward, lambda *a: SequentialMLP.forward(qat_experts, *a))
         ]
+    # Megatron scales the INPUT by the probs here (top-1 only): the batched path, which scales
+    # after the activation, must leave such a config to Megatron's forward
+    experts.config.moe_apply_probs_on_input, experts.config.moe_router_topk = True, 1
+    with torch.no_grad():
+        on_input = [
+            f(x, counts, probs)[0]
+            for f in (experts.forward, lambda *a: SequentialMLP.forward(experts, *a))
+        ]
     (out_b, bias_b, dx_b, g_b), (out_s, bias_s, dx_s, g_s) = results
     return dict(
         out=_rel(out_b, out_s),
@@ -76,6 +85,8 @@ def _compare(rank, world_size):
         qat_bare=qat_experts._bare_gemms(),
         qat_batched=qat_experts._batched(),
         qat_out=_rel(*qat_out),
+        on_input_batched=experts._batched(),
+        on_input_out=_rel(*on_input),
     )
 
 
@@ -89,3 +100,5 @@ def test_batched_activation_equals_sequential_mlp():
     assert r["bare"] and r["module_calls"] == [0, 2 * len(COUNTS)], r
     assert not r["qat_bare"], r  # the MXFP4 linears fake-quantize their weight: called as modules
     assert r["qat_batched"] and r["qat_out"] < TOL, r  # ... in the batched path too
+    # probs applied on the input: Megatron's forward, to the bit
+    assert not r["on_input_batched"] and r["on_input_out"] == 0.0, r
