@@ -5,7 +5,8 @@ activation is elementwise and ``F.linear`` is the same GEMM, so only the vectori
 tails of the kernels and the weight gradient's operand order can differ, in the last ulps). The
 counts are uneven and include an expert with no token. The bare-GEMM path must skip Megatron's
 linear modules, and must not be taken where a linear does more (MXFP4 QAT); with the probs
-applied on the input the experts run Megatron's forward."""
+applied on the input the experts run Megatron's forward. In bf16 (fp32 probs, as Megatron's router
+gives them) the output is bf16 and Megatron's within bf16 rounding."""
 
 import torch
 
@@ -70,6 +71,16 @@ def _compare(rank, world_size):
             f(x, counts, probs)[0]
             for f in (experts.forward, lambda *a: SequentialMLP.forward(experts, *a))
         ]
+    # bf16 experts, fp32 probs (Megatron's router output): the probs product is cast back to
+    # bf16 before fc2, as Megatron's MLP does
+    half = tiny_config(bf16=True, params_dtype=torch.bfloat16)
+    half_experts = get_stable_latentmoe_mlp_spec(half)(config=half, layer_number=1).experts
+    x_h = x.to(torch.bfloat16)
+    with torch.no_grad():
+        half_out = [
+            f(x_h, counts, probs)[0]
+            for f in (half_experts.forward, lambda *a: SequentialMLP.forward(half_experts, *a))
+        ]
     (out_b, bias_b, dx_b, g_b), (out_s, bias_s, dx_s, g_s) = results
     return dict(
         out=_rel(out_b, out_s),
@@ -87,6 +98,9 @@ def _compare(rank, world_size):
         qat_out=_rel(*qat_out),
         on_input_batched=experts._batched(),
         on_input_out=_rel(*on_input),
+        half_batched=half_experts._batched() and half_experts._bare_gemms(),
+        half_dtypes=[o.dtype for o in half_out],
+        half_out=_rel(*(o.float() for o in half_out)),
     )
 
 
@@ -102,3 +116,6 @@ def test_batched_activation_equals_sequential_mlp():
     assert r["qat_batched"] and r["qat_out"] < TOL, r  # ... in the batched path too
     # probs applied on the input: Megatron's forward, to the bit
     assert not r["on_input_batched"] and r["on_input_out"] == 0.0, r
+    # bf16: the batched path's output is bf16 and Megatron's within bf16 rounding (2^-8)
+    assert r["half_batched"] and r["half_dtypes"] == [torch.bfloat16] * 2, r
+    assert r["half_out"] < 2**-8, r
