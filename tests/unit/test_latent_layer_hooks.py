@@ -83,3 +83,40 @@ def test_latent_projections_are_tagged_as_replicated_dense_weights():
         ("fc1_latent_proj", True, False, False),
         ("fc2_latent_proj", True, False, False),
     ]
+
+
+def _sharded_norm_keys(rank, world_size):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe.layer import use_legacy_names_of
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+
+    def norm_keys():
+        sharded = layer.sharded_state_dict(prefix="decoder.layers.0.mlp.")
+        keys = sorted(v.key for v in sharded.values() if isinstance(v, ShardedTensor))
+        return [k for k in keys if "norm" in k], len(keys)
+
+    found = [norm_keys()]
+    found.append(use_legacy_names_of(layer, ["decoder.layers.3.mlp.latent_norm.weight"]))
+    found.append(norm_keys())
+    found.append(use_legacy_names_of(layer, ["decoder.layers.3.mlp.routed_expert_norm.weight"]))
+    found.append(norm_keys())
+    return found
+
+
+def test_a_torch_dist_checkpoint_with_the_old_norm_name_is_read_under_it():
+    """``use_legacy_names_of`` a checkpoint's keys: with the old ``latent_norm`` key the layer's
+    sharded state dict asks for (and saves) that key, every other key unchanged; with today's
+    keys it asks for ``routed_expert_norm`` again."""
+    (found,) = run_distributed(_sharded_norm_keys, 1)
+    new = ["decoder.layers.0.mlp.routed_expert_norm.weight"]
+    old = ["decoder.layers.0.mlp.latent_norm.weight"]
+    (new_keys, n), legacy, (old_keys, n_old), current, (again, n_again) = found
+    assert (new_keys, legacy, old_keys, current, again) == (new, True, old, False, new)
+    assert n == n_old == n_again
