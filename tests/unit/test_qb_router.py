@@ -154,8 +154,10 @@ def _run(rank, world_size):
     out["absorb_expected"] = -coeff * centred[:, None] * ((s * (1 - s)).T @ kept) / len(kept)
     # the same without a padding mask (every token counts) and with a bias whose mean is not 0
     # (the solve's is): the loss takes the bias centred; and on a micro-batch of padding only
-    # (no valid token: no gradient, not 0 / 0)
-    grads, empty = {}, {}
+    # (no valid token: no gradient, not 0 / 0) or of ONE valid token (its own gradient, whole)
+    grads, empty, single = {}, {}, {}
+    one = torch.ones(BATCH, SEQ, dtype=torch.bool)
+    one[1, 2] = False  # token x[2, 1] (x is [SEQ, BATCH, D])
     for c in (0.0, coeff):
         lay, _ = _layer(moe_qb_absorb_coeff=c)
         lay.load_state_dict(layer.state_dict())
@@ -169,6 +171,10 @@ def _run(rank, world_size):
         y, _ = lay(x.clone(), padding_mask=torch.ones(BATCH, SEQ, dtype=torch.bool))
         y.sum().backward()
         empty[c] = lay.router.weight.grad.clone()
+        lay.router.weight.grad = None
+        y, _ = lay(x.clone(), padding_mask=one)
+        y.sum().backward()
+        single[c] = lay.router.weight.grad.clone()
     every = x.reshape(-1, 64)
     s = torch.sigmoid(every @ layer.router.weight.detach().T)
     out["absorb_grad_unpadded"] = grads[coeff] - grads[0.0]
@@ -176,6 +182,10 @@ def _run(rank, world_size):
         -coeff * centred[:, None] * ((s * (1 - s)).T @ every) / len(every)
     )
     out["absorb_grad_all_padding"] = empty[coeff] - empty[0.0]
+    x_1 = x[2, 1]
+    s_1 = torch.sigmoid(layer.router.weight.detach() @ x_1)
+    out["absorb_grad_one_token"] = single[coeff] - single[0.0]
+    out["absorb_expected_one_token"] = -coeff * (centred * s_1 * (1 - s_1))[:, None] * x_1
 
     # 8. a step whose tokens are all padding: the mean router input is 0 (not 0/0), so the
     # drift correction leaves the bias alone; a step of ONE token: its input is the mean
@@ -261,11 +271,15 @@ def test_absorb_loss_gradient_is_the_closed_form(result):
 
 
 def test_absorb_loss_without_a_padding_mask_averages_over_every_token(result):
-    """... with the bias centred (here its mean is 0.5); padding only: no gradient from it."""
+    """... with the bias centred (here its mean is 0.5); padding only: no gradient from it; one
+    valid token: that token's gradient, whole (the count is clamped to 1, not more)."""
     torch.testing.assert_close(
         result["absorb_grad_unpadded"], result["absorb_expected_unpadded"], rtol=1e-4, atol=1e-7
     )
     assert torch.equal(result["absorb_grad_all_padding"], torch.zeros(8, 64))
+    torch.testing.assert_close(
+        result["absorb_grad_one_token"], result["absorb_expected_one_token"], rtol=1e-4, atol=1e-7
+    )
 
 
 def test_mean_router_input_of_a_step_with_no_token_and_with_one(result):
