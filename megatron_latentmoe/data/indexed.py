@@ -270,6 +270,26 @@ def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[tuple[int,
         yield first, batch
 
 
+def _check_output_names(output_prefix: str, keys: Sequence[str]) -> None:
+    """Refuse an output prefix that names a folder and, with several keys, a key that would put
+    a path separator into its file name ``<prefix>_<key>.bin`` (both were a FileNotFoundError
+    traceback from the builder)."""
+    if not os.path.basename(output_prefix):
+        raise PreprocessError(
+            f"output_prefix={output_prefix!r} names a folder, not a file-name prefix: give e.g. "
+            f"{os.path.join(output_prefix, 'my_corpus')!r} (writes my_corpus.bin / my_corpus.idx)"
+        )
+    if len(keys) > 1:
+        for k in keys:
+            sep = next((s for s in (os.sep, os.altsep) if s and s in k), None)
+            if sep is not None:
+                raise PreprocessError(
+                    f"json_keys: {k!r} holds {sep!r}, but with several keys each key is part of "
+                    f"a file name ({output_prefix}_<key>.bin): tokenize that key on its own "
+                    "(one key writes <output_prefix>.bin) or rename it in the JSONL"
+                )
+
+
 def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> list[str]:
     if len(keys) == 1:
         return [output_prefix]
@@ -337,6 +357,7 @@ def preprocess_jsonl(
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PreprocessError(f"json_keys must be distinct and not empty: {keys}")
+    _check_output_names(os.fspath(output_prefix), keys)
     if workers < 1:
         raise PreprocessError(f"workers must be >= 1, got {workers}")
     if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:

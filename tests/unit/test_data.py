@@ -422,6 +422,34 @@ def test_unwritable_output_prefix_is_named(tmp_path):
         preprocess_jsonl(src, blocker / "sub" / "out")
 
 
+@pytest.mark.parametrize(
+    "prefix, keys, message",
+    [
+        (
+            "out/",
+            ["text"],
+            "output_prefix='{d}/out/' names a folder, not a file-name prefix: give e.g. "
+            "'{d}/out/my_corpus' (writes my_corpus.bin / my_corpus.idx)",
+        ),
+        (
+            "out",
+            ["text", "meta/title"],
+            "json_keys: 'meta/title' holds '/', but with several keys each key is part of a file "
+            "name ({d}/out_<key>.bin): tokenize that key on its own (one key writes "
+            "<output_prefix>.bin) or rename it in the JSONL",
+        ),
+    ],
+)
+def test_output_names_that_are_no_file_names_are_refused(tmp_path, capsys, prefix, keys, message):
+    """An --output-prefix ending in a separator, or a key holding one among several --json-keys,
+    made the builder's open() a FileNotFoundError traceback: now one line, nothing written."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a b", "meta/title": "c"}])
+    argv = ["--input", str(src), "--output-prefix", f"{tmp_path}/{prefix}", "--json-keys", *keys]
+    assert _load_tool("preprocess_data").main(argv) == 1
+    assert capsys.readouterr().err == "error: " + message.format(d=tmp_path) + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def test_cli_error_exit_and_message(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
