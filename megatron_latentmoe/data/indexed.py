@@ -151,6 +151,18 @@ def _worker_init(
     )
 
 
+# JSON's names of the types json.loads returns ("null", not Python's "NoneType").
+_JSON_TYPES = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+}
+
+
 def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> list[str] | None:
     """The strings under ``keys`` of one JSONL line (None for a blank line); a bad line raises
     :class:`PreprocessError` naming ``name:lineno`` and what is wrong (UTF-8, JSON, not an
@@ -168,7 +180,9 @@ def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> l
             f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
         ) from None
     if not isinstance(obj, dict):
-        raise PreprocessError(f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        raise PreprocessError(
+            f"{name}:{lineno}: expected a JSON object, got {_JSON_TYPES[type(obj)]}"
+        )
     out = []
     for k in keys:
         if k not in obj:
@@ -178,7 +192,8 @@ def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> l
             )
         if not isinstance(obj[k], str):
             raise PreprocessError(
-                f"{name}:{lineno}: JSON key {k!r} holds {type(obj[k]).__name__}, expected a string"
+                f"{name}:{lineno}: JSON key {k!r} holds {_JSON_TYPES[type(obj[k])]}, "
+                "expected a string"
             )
         try:  # JSON's \ud800-\udfff escapes decode to lone surrogates: no text to tokenize
             obj[k].encode("utf-8")

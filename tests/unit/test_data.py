@@ -188,8 +188,8 @@ def _train_tokenizer_cli(*args):
         ),
         (['{"text": "ok"}', '{"text": "broken'], "--corpus: {corpus}:2: malformed JSON ("),
         (["not json at all"], "--corpus: {corpus}:1: malformed JSON (Expecting value at column 1)"),
-        (['{"text": 5}'], "--corpus: {corpus}:1: JSON key 'text' holds int, expected a string"),
-        (['["a list"]'], "--corpus: {corpus}:1: expected a JSON object, got list"),
+        (['{"text": 5}'], "--corpus: {corpus}:1: JSON key 'text' holds number, expected a string"),
+        (['["a list"]'], "--corpus: {corpus}:1: expected a JSON object, got array"),
         (['{"text": ""}', "   "], "--corpus: {corpus}: no non-empty documents under 'text'"),
         (
             ['{"text": "hello world"}'],
@@ -387,8 +387,13 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
             ['{"text": "ok"}', "", '{"body": "no text key"}'],
             r"in\.jsonl:3: missing JSON key 'text' \(keys present: 'body'\)",
         ),
-        (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds int"),
-        (['["a list"]'], r"in\.jsonl:1: expected a JSON object"),
+        (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds number, expected a string$"),
+        # scraped data often has "text": null: JSON's name, not Python's NoneType
+        (['{"text": null}'], r"in\.jsonl:1: JSON key 'text' holds null, expected a string$"),
+        (['{"text": ["a"]}'], r"in\.jsonl:1: JSON key 'text' holds array, expected a string$"),
+        (['{"text": true}'], r"in\.jsonl:1: JSON key 'text' holds boolean, expected a string$"),
+        (['["a list"]'], r"in\.jsonl:1: expected a JSON object, got array$"),
+        (['"a string"'], r"in\.jsonl:1: expected a JSON object, got string$"),
         # valid JSON, but a lone UTF-16 surrogate is no Unicode text (cut emoji in scraped data):
         # the tokenizer raised TypeError, a traceback
         (
