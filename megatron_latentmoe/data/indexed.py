@@ -164,13 +164,16 @@ _JSON_TYPES = {
 
 
 def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> list[str] | None:
-    """The strings under ``keys`` of one JSONL line (None for a blank line); a bad line raises
+    """The strings under ``keys`` of one JSONL line (None for a blank line; a byte-order mark
+    before the first line and CRLF line ends are read as in a plain UTF-8 file); a bad line raises
     :class:`PreprocessError` naming ``name:lineno`` and what is wrong (UTF-8, JSON, not an
     object, a missing key, a value that is not a string)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PreprocessError(f"{name}:{lineno}: not valid UTF-8 ({e})") from None
+    if lineno == 1:  # a UTF-8 byte-order mark (Windows editors write one) starts no JSON
+        line = line.removeprefix("\ufeff")
     if not line.strip():
         return None
     try:

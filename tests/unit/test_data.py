@@ -411,6 +411,24 @@ def test_bad_input_is_named_with_line_and_key(tmp_path, lines, match):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written
 
 
+@pytest.mark.parametrize("variant", ["crlf", "bom", "bom+crlf"])
+def test_crlf_and_a_bom_read_as_the_plain_file(tmp_path, variant):
+    """CRLF line ends (Windows) and a UTF-8 byte-order mark before the first line (Notepad,
+    PowerShell) give the .bin/.idx of the plain LF file, byte for byte; a BOM was "in.jsonl:1:
+    malformed JSON (Unexpected UTF-8 BOM ...)". The tokenizer trainer reads the same texts."""
+    texts = [s for s in SAMPLES if s.strip()]
+    plain = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    src = tmp_path / "in.jsonl"
+    data = plain.replace("\n", "\r\n") if "crlf" in variant else plain
+    src.write_bytes(("\ufeff" if "bom" in variant else "").encode() + data.encode())
+    ref = _write_jsonl(tmp_path / "ref.jsonl", [{"text": t} for t in texts])
+    for path, prefix in ((src, "got"), (ref, "want")):
+        assert preprocess_jsonl(path, tmp_path / prefix, progress=False).documents == len(texts)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / ("got" + ext)).read_bytes() == (tmp_path / ("want" + ext)).read_bytes()
+    assert _load_tool("train_tokenizer").read_corpus_texts(src) == texts
+
+
 def test_missing_input_and_tokenizer(tmp_path):
     with pytest.raises(PreprocessError, match="input file not found"):
         preprocess_jsonl(tmp_path / "nope.jsonl", tmp_path / "out")
