@@ -54,6 +54,7 @@ from megatron_latentmoe.data.corpus import (  # noqa: E402
     PAD_TOKEN,
 )
 from megatron_latentmoe.data.indexed import PreprocessError, iter_jsonl_texts  # noqa: E402
+from megatron_latentmoe.training.arguments import one_line_errors  # noqa: E402
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--check", action="store_true", help="retrain into a temp dir and compare with --output-dir"
     )
+    one_line_errors(p)
     args = p.parse_args(argv)
 
     if args.rebuild_corpus is not None:

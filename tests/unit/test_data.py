@@ -212,6 +212,22 @@ def test_train_tokenizer_bad_corpus_is_one_line_exit_2(tmp_path, lines, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if lines else [])
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--vocab-size", "8000"], "unrecognized arguments: --vocab-size 8000"),
+        (["--corpus"], "argument --corpus: expected one argument"),
+    ],
+)
+def test_train_tokenizer_bad_flag_is_one_line_exit_2(tmp_path, flags, message):
+    """A misspelt or incomplete flag is argparse's error line alone (it printed the usage first),
+    as in tools/preprocess_data.py; nothing written."""
+    r = _train_tokenizer_cli("--output-dir", tmp_path / "tok", *flags)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"train_tokenizer.py: error: {message} (all flags: --help)\n"
+    assert not any(tmp_path.iterdir())
+
+
 def test_train_tokenizer_check_needs_a_tokenizer_in_output_dir(tmp_path):
     missing, empty = tmp_path / "nothere", tmp_path / "empty"
     empty.mkdir()
