@@ -453,6 +453,34 @@ def test_missing_input_and_tokenizer(tmp_path):
         preprocess_jsonl(src, tmp_path / "out", tokenizer=str(tmp_path / "no_tokenizer_here"))
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(input="{d}"), "input is not a file: {d}"),
+        (dict(json_keys=[]), "json_keys must be distinct and not empty: []"),
+        (
+            dict(json_keys=["text", "text"]),
+            "json_keys must be distinct and not empty: ['text', 'text']",
+        ),
+        (dict(workers=0), "workers must be >= 1, got 0"),
+        (dict(log_interval=-1), "log_interval must be an integer >= 0, got -1"),
+        (dict(log_interval=True), "log_interval must be an integer >= 0, got True"),
+        (dict(log_interval=2.5), "log_interval must be an integer >= 0, got 2.5"),
+        (dict(tokenizer="{d}/empty"), "cannot load the tokenizer in {d}/empty: "),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, message):
+    """Each argument check of preprocess_jsonl: its own message naming the argument and the value
+    (a folder as input, or a folder holding no tokenizer, was a traceback without it)."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    (tmp_path / "empty").mkdir()
+    kwargs = {k: v.format(d=tmp_path) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(**{"input": src, "output_prefix": tmp_path / "o", **kwargs})
+    assert str(e.value).startswith(message.format(d=tmp_path)), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "in.jsonl"]
+
+
 def test_unwritable_output_prefix_is_named(tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     blocker = tmp_path / "file"
