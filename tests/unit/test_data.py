@@ -517,6 +517,19 @@ def test_output_names_that_are_no_file_names_are_refused(tmp_path, capsys, prefi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
+def test_read_only_output_folder_is_named(tmp_path, monkeypatch):
+    """A folder the process cannot write in (faked: the tests run as root, who may write
+    anywhere) is refused before any tokenizing, naming the prefix and the folder."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(src, tmp_path / "ro" / "out")
+    assert str(e.value) == f"output_prefix={str(tmp_path / 'ro' / 'out')!r}: " + (
+        f"{str(tmp_path / 'ro')!r} is not writable"
+    )
+    assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == []
+
+
 def test_cli_error_exit_and_message(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
