@@ -168,13 +168,13 @@ def test_shipped_tokenizer_is_reproducible(capsys):
     assert _load_tool("train_tokenizer").main(["--check"]) == 0, capsys.readouterr().out
 
 
-def _train_tokenizer_cli(*args):
+def _train_tokenizer_cli(*args, **env):
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "train_tokenizer.py"), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
-        env=OFFLINE_ENV,
+        env=dict(OFFLINE_ENV, **env),
     )
 
 
@@ -253,6 +253,27 @@ def test_train_tokenizer_writes_a_new_nested_output_dir(tmp_path):
         ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no temporary folder left
+
+
+def test_train_tokenizer_is_deterministic(tmp_path):
+    """The same corpus gives byte-identical tokenizer files whatever the number of threads the
+    BPE trainer runs (1 vs 2), with any tokenizers version (test_shipped_tokenizer_is_reproducible
+    runs only with the version that made the shipped files). The trainer has no seed: BPE merges
+    are chosen by count, ties by order."""
+    files = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    for threads in ("1", "2"):
+        r = _train_tokenizer_cli(
+            "--corpus",
+            DEFAULT_CORPUS_PATH,
+            "--output-dir",
+            tmp_path / threads,
+            RAYON_NUM_THREADS=threads,
+            TOKENIZERS_PARALLELISM="true",
+        )
+        assert r.returncode == 0, r.stderr
+        assert sorted(p.name for p in (tmp_path / threads).iterdir()) == files
+    for f in files:
+        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "2" / f).read_bytes(), f
 
 
 # ------------------------------------------------------------------------------------------------
