@@ -438,11 +438,18 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
             r"in\.jsonl:2: JSON key 'text' holds a lone surrogate '\\ud83d' at character 4",
         ),
         (['{"text": ""}', "   "], r"no non-empty documents"),
+        # "\udcff" is written as the byte 0xff (surrogateescape): no UTF-8
+        (
+            ['{"text": "ok"}', '{"text": "caf\udcff"}'],
+            r"in\.jsonl:2: not valid UTF-8 \('utf-8' codec can't decode byte 0xff in position 13: "
+            r"invalid start byte\)$",
+        ),
+        ([], r"in\.jsonl: no non-empty documents for key 'text' \(0 JSON objects read\)$"),
     ],
 )
 def test_bad_input_is_named_with_line_and_key(tmp_path, lines, match):
     src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_bytes("".join(line + "\n" for line in lines).encode("utf-8", "surrogateescape"))
     with pytest.raises(PreprocessError, match=match):
         preprocess_jsonl(src, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written
