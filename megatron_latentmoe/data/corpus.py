@@ -113,10 +113,14 @@ def prepare_default_dataset(
     few milliseconds). Safe to call from several processes at once (a file lock serialises them)
     and safe to kill (files are written under temporary names and renamed at the end).
     """
-    from .indexed import preprocess_jsonl  # lazy: keeps `import corpus` light (numpy, Megatron)
+    # lazy: keeps `import corpus` light (numpy, Megatron)
+    from .indexed import PreprocessError, preprocess_jsonl
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PreprocessError(f"output_dir={str(out)!r}: cannot create it ({e.strerror})") from None
     prefix = out / name
     stamp = prefix.with_name(name + ".json")
     want = _fingerprint(DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR)
@@ -175,14 +179,25 @@ def main(argv: list | None = None) -> int:
         "--force", action="store_true", help="rebuild even if an up-to-date dataset exists"
     )
     p.add_argument("--workers", type=int, default=1)
+    from megatron_latentmoe.training.arguments import one_line_errors
+
+    from .indexed import PreprocessError
+
+    one_line_errors(p)
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"argument --workers: expected an integer >= 1, got {args.workers}")
     if args.output_prefix:
         out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
     else:
         out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
-    prefix = prepare_default_dataset(
-        out_dir, name, force=args.force, progress=True, workers=args.workers
-    )
+    try:
+        prefix = prepare_default_dataset(
+            out_dir, name, force=args.force, progress=True, workers=args.workers
+        )
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     record = json.loads(Path(prefix + ".json").read_text())
     print(f"default dataset: {record['documents']} documents, {record['tokens']:,} tokens")
     print(f"  --data-path {prefix}")

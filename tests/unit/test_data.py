@@ -803,6 +803,46 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
     assert bin_path.stat().st_mtime_ns != mtime
 
 
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (
+            ["--output-prefix", "{d}/ds", "--workers", "0"],
+            2,
+            "python -m megatron_latentmoe.data.corpus: error: argument --workers: expected an "
+            "integer >= 1, got 0 (all flags: --help)",
+        ),
+        (
+            ["--bogus"],
+            2,
+            "python -m megatron_latentmoe.data.corpus: error: unrecognized arguments: --bogus "
+            "(all flags: --help)",
+        ),
+        (
+            ["--output-prefix", "{d}/afile/name"],
+            1,
+            "error: output_dir='{d}/afile': cannot create it (File exists)",
+        ),
+    ],
+)
+def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, code, message):
+    """python -m megatron_latentmoe.data.corpus: a bad flag, --workers 0 or an output folder that
+    is a file is one line (they were the usage text, a PreprocessError traceback and a
+    FileExistsError traceback); nothing written."""
+    from megatron_latentmoe.data import corpus
+
+    (tmp_path / "afile").write_text("a file where the folder should go")
+    argv = [a.format(d=tmp_path) for a in argv]
+    if code == 2:
+        with pytest.raises(SystemExit) as e:
+            corpus.main(argv)
+        assert e.value.code == 2
+    else:
+        assert corpus.main(argv) == 1
+    assert capsys.readouterr().err == message.format(d=tmp_path) + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monkeypatch):
     _mcore_quiet()
     import megatron.core.datasets.utils as mcore_data_utils
