@@ -4,6 +4,7 @@ CPU."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -471,6 +472,28 @@ def test_crlf_and_a_bom_read_as_the_plain_file(tmp_path, variant):
     for ext in (".bin", ".idx"):
         assert (tmp_path / ("got" + ext)).read_bytes() == (tmp_path / ("want" + ext)).read_bytes()
     assert _load_tool("train_tokenizer").read_corpus_texts(src) == texts
+
+
+def test_corrupt_gz_input_is_named(tmp_path):
+    """A .gz that is no gzip, or is cut short, is one error naming the file and the last line
+    read (not an OSError/EOFError traceback); nothing written."""
+    src = tmp_path / "in.jsonl.gz"
+    src.write_bytes(b'{"text": "not compressed"}\n')
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(src, tmp_path / "out", progress=False)
+    assert (
+        str(e.value) == f"{src}: cannot read the input after line 0: Not a gzipped file (b'{{\"')"
+    )
+    whole = gzip.compress(b"".join(b'{"text": "line %d"}\n' % i for i in range(2000)))
+    src.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(src, tmp_path / "out", progress=False)
+    assert re.fullmatch(
+        rf"{re.escape(str(src))}: cannot read the input after line \d+: Compressed file ended "
+        "before the end-of-stream marker was reached",
+        str(e.value),
+    ), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl.gz"]
 
 
 def test_missing_input_and_tokenizer(tmp_path):
