@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -319,6 +320,41 @@ def test_cli_writes_exactly_the_tokenizer_ids_plus_eod(tmp_path, hf_tok):
     assert ds[0].dtype == numpy.uint16
     assert ds.document_indices.tolist() == list(range(len(want) + 1))  # one document per JSON line
     assert sorted(p.name for p in prefix.parent.iterdir()) == ["mine.bin", "mine.idx"]
+
+
+def test_bin_and_idx_match_an_independent_reading(tmp_path, hf_tok):
+    """The .bin read as raw uint16 and the .idx read by hand (Megatron's MMIDIDX version 1:
+    header, int32 sequence lengths, int64 byte pointers, int64 document indices) against a
+    re-tokenisation of the JSONL: one sequence per non-blank text, exactly one EOD at the end of
+    each (plus one per "<|endoftext|>" written in the text, also at its end, as Megatron's tool
+    does), across batches of 256 lines."""
+    samples = [*SAMPLES, "ends with the EOD text <|endoftext|>"]
+    lines = [json.dumps({"text": s}) for s in samples] * 50 + ["", "  "]  # 352 lines, 2 batches
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    texts = [s for s in samples * 50 if s.strip()]
+    summary = preprocess_jsonl(src, tmp_path / "ds", progress=False)
+    want = [hf_tok(t).input_ids + [0] for t in texts]
+    idx = (tmp_path / "ds.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    version, dtype_code, n_seq, n_doc = struct.unpack_from("<QBQQ", idx, 9)
+    assert (version, dtype_code, n_seq, n_doc) == (1, 8, len(texts), len(texts) + 1)  # 8: uint16
+    lengths = numpy.frombuffer(idx, numpy.int32, n_seq, 34)
+    pointers = numpy.frombuffer(idx, numpy.int64, n_seq, 34 + 4 * n_seq)
+    documents = numpy.frombuffer(idx, numpy.int64, n_doc, 34 + 12 * n_seq)
+    assert len(idx) == 34 + 12 * n_seq + 8 * n_doc
+    assert lengths.tolist() == [len(w) for w in want]
+    assert pointers.tolist() == [2 * sum(map(len, want[:i])) for i in range(len(want))]
+    assert documents.tolist() == list(range(len(texts) + 1))
+    tokens = numpy.fromfile(tmp_path / "ds.bin", numpy.uint16)
+    assert tokens.tolist() == [i for w in want for i in w]
+    for seq, text in zip(numpy.split(tokens, numpy.cumsum(lengths)[:-1]), texts, strict=True):
+        assert seq[-1] == 0 and (seq == 0).sum() == 1 + text.count("<|endoftext|>")
+    assert (summary.documents, summary.skipped_empty, summary.tokens) == (
+        len(samples) * 50,
+        100,
+        tokens.size,
+    )
 
 
 def test_workers_write_the_same_bytes_as_one_process(tmp_path):
