@@ -69,11 +69,15 @@ SWORD_DIR_IN_DEB = f"usr/share/sword/modules/texts/ztext/{SWORD_MODULE}/"
 # ---------------------------------------------------------------------------------------------
 
 
+class InputError(Exception):
+    """Bad input: the message names the flag, the value and what is allowed (exit status 2)."""
+
+
 def _read_deb_members(deb_path: Path) -> dict[str, bytes]:
     """Return {path: bytes} of the SWORD module files inside a Debian package."""
     data = deb_path.read_bytes()
     if data[:8] != b"!<arch>\n":
-        raise SystemExit(f"{deb_path}: not a Debian package (no ar header)")
+        raise InputError(f"--rebuild-corpus: {deb_path}: not a Debian package (no ar header)")
     off, payload = 8, None
     while off + 60 <= len(data):
         name = data[off : off + 16].decode().strip().rstrip("/")
@@ -83,15 +87,16 @@ def _read_deb_members(deb_path: Path) -> dict[str, bytes]:
             break
         off += 60 + size + (size % 2)
     if payload is None:
-        raise SystemExit(f"{deb_path}: no data.tar member")
+        raise InputError(f"--rebuild-corpus: {deb_path}: no data.tar member")
     name, blob = payload
     if name.endswith(".xz"):
         blob = lzma.decompress(blob)
     elif name.endswith(".gz"):
         blob = gzip.decompress(blob)
     elif name.endswith(".zst"):
-        raise SystemExit(
-            f"{deb_path}: zstd-compressed package; unpack it with dpkg -x and pass the folder"
+        raise InputError(
+            f"--rebuild-corpus: {deb_path}: zstd-compressed package; unpack it with dpkg -x and "
+            "pass the folder"
         )
     out = {}
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
@@ -100,16 +105,20 @@ def _read_deb_members(deb_path: Path) -> dict[str, bytes]:
             if path.startswith(SWORD_DIR_IN_DEB) and m.isfile():
                 out[path[len(SWORD_DIR_IN_DEB) :]] = tar.extractfile(m).read()
     if not out:
-        raise SystemExit(f"{deb_path}: no {SWORD_DIR_IN_DEB} in this package")
+        raise InputError(f"--rebuild-corpus: {deb_path}: no {SWORD_DIR_IN_DEB} in this package")
     return out
 
 
 def _module_files(source: Path) -> dict[str, bytes]:
+    if not source.exists():
+        raise InputError(f"--rebuild-corpus: {source} not found (a .deb or a folder is expected)")
     if source.is_file():
         return _read_deb_members(source)
     hits = sorted(source.rglob("ot.bzs"))
     if not hits:
-        raise SystemExit(f"{source}: no SWORD zText module (ot.bzs) below this folder")
+        raise InputError(
+            f"--rebuild-corpus: {source}: no SWORD zText module (ot.bzs) below this folder"
+        )
     folder = hits[0].parent
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
@@ -244,10 +253,6 @@ def build_corpus(source: Path, out_path: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-class InputError(Exception):
-    """Bad input: the message names the flag, the value and what is allowed (exit status 2)."""
-
-
 def _error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -346,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.rebuild_corpus is not None:
-        n, chars = build_corpus(args.rebuild_corpus, args.corpus)
+        try:
+            n, chars = build_corpus(args.rebuild_corpus, args.corpus)
+        except InputError as e:
+            return _error(str(e))
         print(
             f"corpus: {args.corpus} ({n} documents, {chars:,} characters, "
             f"{args.corpus.stat().st_size:,} bytes)"

@@ -230,6 +230,29 @@ def test_train_tokenizer_bad_flag_is_one_line_exit_2(tmp_path, flags, message):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("missing.deb", "{s} not found (a .deb or a folder is expected)"),
+        ("notes.txt", "{s}: not a Debian package (no ar header)"),
+        ("folder", "{s}: no SWORD zText module (ot.bzs) below this folder"),
+    ],
+)
+def test_train_tokenizer_bad_rebuild_corpus_is_one_line_exit_2(tmp_path, source, message):
+    """--rebuild-corpus with no .deb or SWORD folder there: exit 2 and "error: --rebuild-corpus:
+    ..." (it was SystemExit's bare message, exit 1, against the docstring's 2 on bad input);
+    the --corpus it would rewrite is left alone."""
+    (tmp_path / "notes.txt").write_text("not a package")
+    (tmp_path / "folder").mkdir()
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "kept"}])
+    s = tmp_path / source
+    r = _train_tokenizer_cli("--rebuild-corpus", s, "--corpus", corpus, "--output-dir", s / "tok")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "error: --rebuild-corpus: " + message.format(s=s) + "\n"
+    assert corpus.read_text() == '{"text": "kept"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "folder", "notes.txt"]
+
+
 def test_train_tokenizer_check_needs_a_tokenizer_in_output_dir(tmp_path):
     missing, empty = tmp_path / "nothere", tmp_path / "empty"
     empty.mkdir()
