@@ -484,6 +484,12 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
             ['{"text": "ok"}', "", '{"body": "no text key"}'],
             r"in\.jsonl:3: missing JSON key 'text' \(keys present: 'body'\)",
         ),
+        (  # the first 10 keys of the line are named
+            [json.dumps({f"k{i}": "v" for i in range(12)})],
+            r"in\.jsonl:1: missing JSON key 'text' \(keys present: "
+            + ", ".join(f"'k{i}'" for i in range(10))
+            + r"\)$",
+        ),
         (['{"text": 5}'], r"in\.jsonl:1: JSON key 'text' holds number, expected a string$"),
         # scraped data often has "text": null: JSON's name, not Python's NoneType
         (['{"text": null}'], r"in\.jsonl:1: JSON key 'text' holds null, expected a string$"),
