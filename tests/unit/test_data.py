@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 import typing
 import warnings
 from pathlib import Path
@@ -583,6 +584,10 @@ def test_missing_input_and_tokenizer(tmp_path):
         (dict(log_interval=True), "log_interval must be an integer >= 0, got True"),
         (dict(log_interval=2.5), "log_interval must be an integer >= 0, got 2.5"),
         (dict(tokenizer="{d}/empty"), "cannot load the tokenizer in {d}/empty: "),
+        (
+            dict(tokenizer=types.SimpleNamespace(eos_token_id=None)),
+            "the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, message):
