@@ -19,7 +19,11 @@ import numpy
 import pytest
 
 from megatron_latentmoe.data import ASSETS_DIR, DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR
-from megatron_latentmoe.data.corpus import iter_corpus_texts, prepare_default_dataset
+from megatron_latentmoe.data.corpus import (
+    default_corpus_sequences,
+    iter_corpus_texts,
+    prepare_default_dataset,
+)
 from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -334,6 +338,11 @@ def test_cli_writes_exactly_the_tokenizer_ids_plus_eod(tmp_path, hf_tok):
         and "skipped empty: 2" in r.stdout
         and f"--data-path {prefix}" in r.stdout
     )
+    # the line to train with names the tokenizer folder the default wrote with
+    assert (
+        f"  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+        f"{DEFAULT_TOKENIZER_DIR}\n"
+    ) in r.stdout
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -875,11 +884,31 @@ def default_prefix(tmp_path_factory):
     return prepare_default_dataset(tmp_path_factory.mktemp("default_data"))
 
 
+def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    """Where the shipped corpus's dataset goes without a folder: $MEGATRON_LATENTMOE_CACHE/data,
+    else $XDG_CACHE_HOME/megatron_latentmoe/data, else ~/.cache/megatron_latentmoe/data."""
+    from megatron_latentmoe.data.corpus import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("MEGATRON_LATENTMOE_CACHE", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine" / "data"
+    monkeypatch.setenv("MEGATRON_LATENTMOE_CACHE", "")
+    assert default_cache_dir() == tmp_path / "xdg" / "megatron_latentmoe" / "data"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "megatron_latentmoe" / "data"
+
+
 def test_default_dataset_is_cached(default_prefix, hf_tok):
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     bin_path = Path(default_prefix + ".bin")
+    # in the folder given, as the prefix returned says: the dataset, its record, the lock file
+    assert Path(default_prefix).parent.name.startswith("default_data")
+    assert sorted(p.name for p in bin_path.parent.iterdir()) == [
+        f"default_corpus{ext}" for ext in (".bin", ".idx", ".json", ".lock")
+    ]
     mtime = bin_path.stat().st_mtime_ns
     t = time.time()
     assert prepare_default_dataset(bin_path.parent) == default_prefix
@@ -888,12 +917,20 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
     ds = IndexedDataset(default_prefix)
     texts = list(iter_corpus_texts())
     assert len(ds) == len(texts) == record["documents"]
+    assert default_corpus_sequences() == len(ds)  # counted without tokenizing, as --split checks
     assert int(ds.sequence_lengths.sum()) == record["tokens"]
     assert ds[0].tolist() == hf_tok(texts[0]).input_ids + [0]
     # a stale record makes it rebuild
     Path(default_prefix + ".json").write_text(json.dumps(dict(record, sha256="stale")))
     prepare_default_dataset(bin_path.parent)
     assert bin_path.stat().st_mtime_ns != mtime
+    # so does a dataset that lost its .idx, or whose record is not JSON
+    for broken in (Path(default_prefix + ".idx").unlink, Path(default_prefix + ".json").write_text):
+        broken(*([] if broken.__name__ == "unlink" else ["{not json"]))
+        mtime = bin_path.stat().st_mtime_ns
+        assert prepare_default_dataset(bin_path.parent) == default_prefix
+        assert bin_path.stat().st_mtime_ns != mtime
+        assert json.loads(Path(default_prefix + ".json").read_text())["sha256"] == record["sha256"]
 
 
 @pytest.mark.parametrize(
