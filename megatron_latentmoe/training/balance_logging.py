@@ -121,6 +121,7 @@ class BalanceLogger:
         self._first_forward: float | None = None
         self._excluded_s = 0.0  # time between step ends spent outside training (checkpoints, eval)
         self._printed_first = False
+        self._jsonl_opened = False
         self.history: list[dict] = []  # records of this process (logging rank), for summaries
 
     # ------------------------------------------------------------------ fed by the forward step
@@ -247,8 +248,25 @@ class BalanceLogger:
             if wandb_writer is not None:
                 wandb_writer.log(scalars, iteration)
         if self.jsonl_path:
+            line = json.dumps(record, allow_nan=True) + "\n"
+            if not self._jsonl_opened:  # a run killed mid-record left a cut last line
+                self._jsonl_opened = True
+                line = _line_break_after_cut_line(self.jsonl_path) + line
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, allow_nan=True) + "\n")
+                f.write(line)
+
+
+def _line_break_after_cut_line(path: str) -> str:
+    """A line break if ``path`` ends inside a line (a record cut by a kill: the next record starts
+    a line of its own), else the empty string."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return ""
+            f.seek(-1, os.SEEK_END)
+            return "" if f.read(1) == b"\n" else "\n"
+    except FileNotFoundError:
+        return ""
 
 
 def _scalars(record: dict, per_layer: bool) -> dict[str, float]:

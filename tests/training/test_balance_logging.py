@@ -140,3 +140,26 @@ def test_pretrain_hands_megatron_wandb_writer_to_the_logger(monkeypatch):
     )
     logger = pretrain._make_balance_logger(args, None)
     assert logger.wandb_writer_fn() is sentinel
+
+
+def test_a_resumed_run_starts_its_records_on_a_new_line(tmp_path):
+    """A run killed while writing a record leaves a cut last line; the resumed run's first record
+    goes on a line of its own (glued to the cut line it was unreadable, and the killed run's
+    record of that iteration won)."""
+    from megatron_latentmoe.training.balance_summary import read_records
+
+    path = tmp_path / "balance.jsonl"
+    path.write_text('{"iteration": 1, "loss": 9.0}\n{"iteration": 2, "loss": 8.0}\n{"itera')
+    logger = balance_logging.BalanceLogger(
+        num_layers=1,
+        num_experts=2,
+        tokens_per_step=10,
+        iteration_fn=lambda: 2,  # resumed from the checkpoint of iteration 1
+        log_interval=1000,
+        jsonl_path=str(path),
+        is_logging_rank=True,
+    )
+    logger.add_loss(torch.tensor([14.0, 4.0]))
+    logger.on_step_end([], routers=[])
+    assert [(r["iteration"], r["loss"]) for r in read_records(str(path))] == [(1, 9.0), (2, 3.5)]
+    assert path.read_text().splitlines()[2] == '{"itera'
