@@ -2,9 +2,11 @@
 with a dead expert and the worst MaxVio; the picture is written."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -164,3 +166,86 @@ def test_picture_names_its_run_without_title(tmp_path, monkeypatch):
     assert plot_balance.main([str(path), "--out", str(tmp_path / "p.png")]) == 0
     assert plot_balance.main([str(path), "--out", str(tmp_path / "p.png"), "--title", "T"]) == 0
     assert seen == [str(path), "T"]
+
+
+def _summary_row(it, loss, vio, vio_max, dead, tps):
+    row = dict(iteration=it, loss=loss, maxvio_max=vio_max, num_dead=dead)
+    if vio != "absent":
+        row["maxvio_mean"] = vio
+    if tps != "absent":
+        row["tokens_per_s"] = tps
+    return row
+
+
+# iteration, loss, MaxVio mean, MaxVio max, dead experts, tokens/s
+_SUMMARY_ROWS = [
+    (1, 8.0, 2.0, 3.0, 2, 100.0),
+    (2, 7.0, float("nan"), 2.5, 0, 200.0),  # NaN MaxVio: left out of the means
+    (3, 6.0, 1.0, 2.0, 0, "absent"),
+    (4, float("nan"), 0.3, 0.3, 0, 50.0),  # no loss (no tokens): not a row at all
+    (5, 5.0, 0.5, 1.0, None, 300.0),  # null dead count: none
+    (6, 4.0, 0.4, 0.8, 1, 400.0),
+    (7, 3.0, "absent", 0.6, 0, 500.0),
+    (8, 2.0, 0.2, 0.4, 0, 600.0),
+]
+
+
+def test_summary_windows_against_a_hand_count(tmp_path):
+    """The first / last windows of the rows with a finite loss, each mean over the finite values
+    only (NaN, null and missing fields left out), the window capped at half the rows."""
+    path = tmp_path / "balance.jsonl"
+    lines = ["{cut by a kill", "", json.dumps({"note": "no iteration"})]
+    lines += [json.dumps(_summary_row(*row)) for row in _SUMMARY_ROWS]
+    path.write_text("\n".join(lines) + "\n")
+    records = plot_balance.read_records(str(path))
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    approx = partial(pytest.approx, rel=1e-12)
+    # 7 rows (iteration 4 has no loss): windows of 2 = rows of iterations 1, 2 and 7, 8
+    s = plot_balance.summarize(records, window=2)
+    assert s == dict(
+        iterations=(1, 8),
+        window=2,
+        loss_first=7.5,
+        loss_last=2.5,
+        maxvio_first=2.0,
+        maxvio_last=approx(0.2),
+        maxvio_max_last=approx(0.5),
+        dead_iterations=2,
+        maxvio_worst=2.0,
+        tokens_per_s_last=550.0,
+    )
+    assert plot_balance.summary_lines(s) == [
+        "iterations 1-8 (windows of 2):",
+        "  lm loss   7.5000 (first 2) -> 2.5000 (last 2)  [went DOWN]",
+        "  MaxVio    mean over layers 2.000 -> 0.200  (max over layers, last 2: 0.500; worst "
+        "iteration 2.000)",
+        "  dead experts in 2 iteration(s)",
+        "  tokens/s  550 (last 2)",
+    ]
+    # the default window (20) is capped at 7 // 2 = 3: iterations 1, 2, 3 and 6, 7, 8
+    s = plot_balance.summarize(records)
+    assert (s["window"], s["loss_first"], s["loss_last"]) == (3, 7.0, 3.0)
+    assert s["maxvio_first"] == 1.5 and s["maxvio_last"] == approx(0.3)
+    assert s["maxvio_max_last"] == approx(0.6) and s["tokens_per_s_last"] == 500.0
+    # a window below 1 counts as 1
+    assert plot_balance.summarize(records, window=0)["window"] == 1
+
+
+def test_summary_of_a_long_run_uses_windows_of_20():
+    records = [dict(iteration=i, loss=float(100 - i)) for i in range(1, 46)]
+    s = plot_balance.summarize(records)
+    assert s["window"] == plot_balance.SUMMARY_WINDOW == 20
+    assert (s["loss_first"], s["loss_last"]) == (89.5, 64.5)  # 100 - 10.5, 100 - 35.5
+    assert math.isnan(s["maxvio_first"]) and math.isnan(s["tokens_per_s_last"])  # not recorded
+
+
+def test_summary_of_one_iteration_and_of_none():
+    (line,) = plot_balance.summary_lines(plot_balance.summarize([]))
+    assert line == "no iterations with a loss in the file"
+    assert plot_balance.summarize([dict(iteration=3, loss=float("nan"))]) == {}
+    s = plot_balance.summarize([dict(iteration=3, loss=4.0, maxvio_mean=0.5)])
+    assert (s["iterations"], s["window"], s["loss_first"], s["loss_last"]) == ((3, 3), 1, 4.0, 4.0)
+    assert plot_balance.summary_lines(s)[:2] == [
+        "iterations 3-3 (windows of 1):",
+        "  lm loss   4.0000 (first 1) -> 4.0000 (last 1)  [did NOT go down]",
+    ]
