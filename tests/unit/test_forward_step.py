@@ -1,11 +1,15 @@
-"""The entry point's batch (``training/forward_step.get_batch``) under context parallelism."""
+"""The entry point's batch (``training/forward_step.get_batch``) under context and sequence
+parallelism, its loss function, forward step and forward-only pass."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from megatron.core import parallel_state
 
+from megatron_latentmoe.training import forward_step as fs
 from megatron_latentmoe.training.forward_step import get_batch
 
 
@@ -93,3 +97,250 @@ def test_dataset_config_carries_megatrons_validation_and_loader_flags(tmp_path, 
     assert config.fast_cache_load is True
     assert config.defer_npy_index_mmap is True
     assert config.sequences_per_dataset == {"/d/a": [10, 10], "/d/b": [20, 20], "/d/t": [5, 5]}
+    assert config.sequence_length == 64 and config.path_to_cache == str(tmp_path / "cache")
+    args.per_dataset_sequences_path = None  # the flag's default: counted when loading
+    assert gpt_dataset_config_from_args(args, tokenizer).sequences_per_dataset is None
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize(
+    "pre_process, sequence_parallel", [(False, True), (True, True), (False, False)]
+)
+def test_a_later_pipeline_stage_splits_the_padding_mask_as_sequence_parallelism(
+    monkeypatch, tp_rank, pre_process, sequence_parallel
+):
+    """TP 2 with sequence parallelism: GPTModel scatters the padding mask with the embedding (the
+    first stage); a later stage gets this rank's half of the sequence (rank 0: positions 0-3,
+    rank 1: 4-7, the masked token's)."""
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    config = SimpleNamespace(sequence_parallel=sequence_parallel)
+    tokens, labels, loss_mask, _, position_ids, padding = get_batch(
+        _batch(), pre_process=pre_process, config=config
+    )
+    assert tokens.shape == labels.shape == loss_mask.shape == position_ids.shape == (2, 8)
+    if sequence_parallel and not pre_process:
+        want = [[False] * 4, [False] * 4 if tp_rank == 0 else [False] * 3 + [True]]
+    else:
+        want = [[False] * 8, [False] * 7 + [True]]
+    assert padding.tolist() == want
+
+
+def test_the_batch_goes_to_the_models_dtypes(monkeypatch):
+    """Token ids as int64, the loss mask as float (loaders may hand int32 ids, a bool mask)."""
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    batch = _batch()
+    batch["tokens"] = batch["tokens"].int()
+    batch["labels"] = batch["labels"].int()
+    batch["position_ids"] = batch["position_ids"].int()
+    batch["loss_mask"] = batch["loss_mask"].bool()
+    del batch["attention_mask"]  # optional: causal attention without a mask
+    tokens, labels, loss_mask, attention_mask, position_ids, padding = get_batch(
+        batch, pre_process=True
+    )
+    assert tokens.dtype == labels.dtype == position_ids.dtype == torch.int64
+    assert loss_mask.dtype == torch.float32 and loss_mask.sum() == 15
+    assert attention_mask is None and padding.sum() == 1
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_loss_func_sums_the_unmasked_token_losses_and_reports_them(monkeypatch):
+    logger = _Recorder()
+    monkeypatch.setattr(fs, "_BALANCE_LOGGER", None)  # restored after the test
+    fs.set_balance_logger(logger)
+    losses = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    loss, num_tokens, report = fs.loss_func(mask, losses)
+    assert loss.dtype == torch.float32 and loss.item() == 29.0 and loss.requires_grad
+    assert num_tokens.dtype == torch.int32 and num_tokens.item() == 4
+    (pair,) = report.values()
+    assert list(report) == ["lm loss"] and pair.tolist() == [29.0, 4.0]
+    assert pair.dtype == torch.float32 and not pair.requires_grad
+    ((name, (fed,), _),) = logger.calls
+    assert name == "add_loss" and fed.tolist() == [29.0, 4.0]
+    fs.loss_func(mask, losses, training=False)  # evaluation, rescoring: not a training loss
+    assert len(logger.calls) == 1
+
+
+def test_loss_func_checks_the_loss_for_nan_only_when_asked(monkeypatch):
+    from megatron.core import rerun_state_machine
+
+    machine = _Recorder()
+    monkeypatch.setattr(rerun_state_machine, "get_rerun_state_machine", lambda: machine)
+    mask = torch.ones(1, 2)
+    fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), training=False)
+    assert machine.calls == []
+    loss, *_ = fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), training=False, check_nan=True)
+    ((name, args, kwargs),) = machine.calls
+    assert name == "validate_result" and args == ()
+    assert kwargs == dict(
+        result=loss,
+        rejection_func=torch.isnan,
+        message="found NaN in local forward loss calculation",
+        tolerance=0.0,
+        fatal=True,
+    )
+
+
+@pytest.fixture
+def megatron_step(monkeypatch):
+    """forward_step's Megatron state: args, timers, a one-stage model config, CP and TP 1."""
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    import megatron.core.utils
+    import megatron.training
+
+    args = SimpleNamespace(check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
+    timers = _Recorder()
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    timer = lambda *a, **k: timers.calls.append(("timer", a, k)) or timers  # noqa: E731
+    monkeypatch.setattr(megatron.training, "get_timers", lambda: timer)
+    config = SimpleNamespace(sequence_parallel=False)
+    monkeypatch.setattr(megatron.core.utils, "get_model_config", lambda model: config)
+    monkeypatch.setattr(megatron.core.utils, "get_attr_wrapped_model", lambda m, name: True)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    logger, recorder = _Recorder(), _Recorder()
+    monkeypatch.setattr(fs, "_BALANCE_LOGGER", None)  # restored after the test
+    monkeypatch.setattr(fs, "_BATCH_RECORDER", None)
+    fs.set_balance_logger(logger)
+    fs.set_batch_recorder(recorder)
+    return SimpleNamespace(args=args, logger=logger, recorder=recorder, timers=timers)
+
+
+class _Model(torch.nn.Module):
+    def forward(self, tokens, position_ids, attention_mask, **kwargs):
+        self.seen = dict(tokens=tokens, position_ids=position_ids, **kwargs)
+        return tokens.float()
+
+
+def test_forward_step_runs_the_model_with_the_padding_mask(megatron_step):
+    batch = _batch()
+    data = iter([batch])
+    model = _Model()
+    output, loss_fn = fs.forward_step(data, model)
+    assert torch.equal(output, batch["tokens"].float())
+    assert torch.equal(model.seen["position_ids"], batch["position_ids"])
+    assert torch.equal(model.seen["labels"], batch["labels"])
+    assert torch.equal(model.seen["loss_mask"], batch["loss_mask"])
+    assert model.seen["padding_mask"].tolist() == (batch["loss_mask"] == 0).tolist()
+    assert loss_fn.func is fs.loss_func and torch.equal(loss_fn.args[0], batch["loss_mask"])
+    assert loss_fn.keywords == dict(training=True, check_nan=True)
+    assert [name for name, *_ in megatron_step.logger.calls] == ["mark_forward"]
+    ((name, (it, recorded), _),) = megatron_step.recorder.calls
+    assert (name, it, recorded) == ("record", data, batch)
+    assert megatron_step.timers.calls == [  # the batch's time, as Megatron-LM's pretrain_gpt
+        ("timer", ("batch-generator",), dict(log_level=2)),
+        ("start", (), {}),
+        ("timer", ("batch-generator",), {}),
+        ("stop", (), {}),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "rerun disabled"])
+def test_forward_step_outside_training_is_not_logged_nor_recorded(megatron_step, mode):
+    """Evaluation and QB's forward-only passes (training mode under no_grad) are neither timed,
+    nor recorded for rescoring, nor fed to the balance log; the NaN check follows --rerun-mode."""
+    model = _Model()
+    if mode == "eval":
+        model.eval()
+    if mode == "rerun disabled":
+        megatron_step.args.rerun_mode = "disabled"
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        _, loss_fn = fs.forward_step(iter([_batch()]), model)
+    training = mode == "rerun disabled"
+    assert loss_fn.keywords == dict(training=training, check_nan=mode != "rerun disabled")
+    assert len(megatron_step.logger.calls) == len(megatron_step.recorder.calls) == training
+
+
+def test_forward_step_refuses_megatrons_combined_schedule_plan():
+    with pytest.raises(NotImplementedError) as e:
+        fs.forward_step(iter([]), None, return_schedule_plan=True)
+    assert str(e.value) == (
+        "forward_step(return_schedule_plan=True): Megatron's combined 1F1B schedule plan is not "
+        "supported; run without --overlap-moe-expert-parallel-comm"
+    )
+
+
+def test_forward_only_pass_runs_the_schedule_untimed():
+    """Forward only, through the train step's own schedule function, model and process groups;
+    the timers are off during the pass and back after it, also after a failed one."""
+    config = SimpleNamespace(timers="timers")
+    seen = []
+
+    def schedule(**kwargs):
+        seen.append(dict(kwargs, timers=config.timers))
+        if len(seen) == 2:
+            raise RuntimeError("pass failed")
+
+    call = dict(
+        config=config,
+        forward_backward_func=schedule,
+        forward_step_func="step",
+        model=["chunk"],
+        pg_collection="groups",
+        iteration=3,
+    )
+    shape = dict(seq_length=8, micro_batch_size=2, decoder_seq_length=None)
+    fs.forward_only_pass(call, "batches", 4, shape)
+    assert seen == [
+        dict(
+            forward_step_func="step",
+            data_iterator="batches",
+            model=["chunk"],
+            num_microbatches=4,
+            forward_only=True,
+            seq_length=8,
+            micro_batch_size=2,
+            decoder_seq_length=None,
+            pg_collection="groups",
+            timers=None,
+        )
+    ]
+    assert config.timers == "timers"
+    with pytest.raises(RuntimeError, match="pass failed"):
+        fs.forward_only_pass(call, "batches", 4, shape)
+    assert config.timers == "timers"
+
+
+@pytest.mark.parametrize("mock_data", [True, False])
+def test_every_rank_builds_its_datasets(monkeypatch, mock_data):
+    """Megatron's builder, on every rank (``is_distributed``: each rank reads its own loss
+    masks), with ``--mock-data``'s dataset or the GPT dataset from ``--data-path``."""
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    import megatron.training
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder_module
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    seen = {}
+
+    class Builder:
+        def __init__(self, dataset_type, sizes, is_built_on_rank, config):
+            seen.update(type=dataset_type, sizes=sizes, on_rank=is_built_on_rank(), config=config)
+
+        def build(self):
+            return "train", "valid", "test"
+
+    monkeypatch.setattr(builder_module, "BlendedMegatronDatasetBuilder", Builder)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(mock_data=mock_data))
+    monkeypatch.setattr(megatron.training, "get_tokenizer", lambda: "tokenizer")
+    monkeypatch.setattr(megatron.training, "print_rank_0", lambda *a: None)
+    monkeypatch.setattr(fs, "gpt_dataset_config_from_args", lambda args, tok: ("config", tok))
+    assert fs.train_valid_test_datasets_provider([8, 2, 1]) == ("train", "valid", "test")
+    dataset_type = MockGPTDataset if mock_data else GPTDataset
+    assert seen == dict(
+        type=dataset_type, sizes=[8, 2, 1], on_rank=True, config=("config", "tokenizer")
+    )
+    assert fs.train_valid_test_datasets_provider.is_distributed is True
