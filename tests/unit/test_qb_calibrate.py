@@ -125,3 +125,221 @@ def test_wrappers_refuse_a_train_step_without_megatrons_argument_names():
         with pytest.raises(TypeError, match=f"{who}.wrap_train_step: .*missing forward_step_func"):
             wrap(natural)
         assert callable(wrap(megatron_like))
+
+
+class _FakeQBRouter:
+    """What QBRescore touches of a QB router: its histogram, its last mean router input (NaN:
+    unknown) and the drift reference."""
+
+    def __init__(self, events, name, mean_input_known=True):
+        self.events, self.name = events, name
+        self.qb_mean_input = torch.zeros(3) if mean_input_known else torch.full((3,), float("nan"))
+        self.qb_rescoring = False
+        self.qb_histogram = self
+
+    def reset(self):
+        self.events.append(("histogram reset", self.name, self.qb_rescoring))
+
+    def set_drift_reference(self):
+        self.events.append(("drift reference", self.name))
+
+
+def _rescore_setup(monkeypatch, iters=2, solves=1, mean_inputs_known=(True, False)):
+    from megatron_latentmoe.training import forward_step
+    from megatron_latentmoe.training.qb_rescore import QBRescore
+
+    events = []
+    routers = [_FakeQBRouter(events, n, k) for n, k in enumerate(mean_inputs_known)]
+    monkeypatch.setattr(QBRescore, "_qb_routers", staticmethod(lambda model: routers))
+    monkeypatch.setattr(QBRescore, "_solve", staticmethod(lambda model: events.append("solve")))
+
+    def forward_only_pass(call, data_iterator, num_microbatches, schedule):
+        batches = [None if d is None else list(d) for d in data_iterator]
+        rescoring = [r.qb_rescoring for r in routers]
+        events.append(("pass", batches, num_microbatches, schedule, rescoring))
+        assert not torch.is_grad_enabled()
+
+    monkeypatch.setattr(forward_step, "forward_only_pass", forward_only_pass)
+    rescore = QBRescore(
+        iters,
+        lambda model, **kwargs: events.append(("step end", model, kwargs)),
+        **({} if solves is None else dict(solves=solves)),  # None: the default
+        seq_length=8,
+        micro_batch_size=1,
+        num_microbatches=lambda: 2,
+    )
+
+    def train_step(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration
+    ):
+        events.append(("train", iteration, rescore.deferring))
+        for batch in ("a", "b"):  # the training forward's micro-batches of the first chunk
+            rescore.record(data_iterator[0], f"{batch}{iteration}")
+        if rescore.deferring:  # the finalize hook's part
+            rescore.before_optimizer_step(model)
+        return f"step {iteration}"
+
+    step = rescore.wrap_train_step(train_step)
+
+    def run(iteration):
+        data = [iter(()), None]  # virtual pipeline: a chunk without data on this stage
+        return step(None, data, "model", None, None, iteration=iteration)
+
+    return rescore, routers, events, run
+
+
+def test_a_rescored_step_ends_after_forward_passes_of_its_own_batch(monkeypatch):
+    """Iterations 1..iters (0-based < iters): the training step's step end deferred; the QB
+    routers with a known mean input armed before the optimizer step; ``solves`` forward-only
+    passes of the recorded micro-batches (histograms reset, ``qb_rescoring`` on, no grad), an
+    extra solve between two; then the step end without drift correction. Later steps: plain."""
+    rescore, routers, events, run = _rescore_setup(monkeypatch, solves=2)
+    schedule = dict(seq_length=8, micro_batch_size=1, decoder_seq_length=None)
+    passed = ("pass", [["a1", "b1"], None], 2, schedule, [True, True])
+    resets = [("histogram reset", 0, False), ("histogram reset", 1, False)]
+    assert run(1) == "step 1"
+    assert events == [
+        ("train", 1, True),
+        ("drift reference", 0),  # router 1's mean input is unknown (NaN): not armed
+        *resets,
+        passed,
+        "solve",
+        *resets,
+        passed,
+        ("step end", "model", dict(drift_correction=False)),
+    ]
+    assert not rescore.deferring and [r.qb_rescoring for r in routers] == [False, False]
+    assert rescore._batches == {}  # the step's batches are let go
+    events.clear()
+    assert run(2) == "step 2"  # past --moe-qb-rescore-iters 2
+    assert events == [("train", 2, False)]
+
+
+def test_a_run_resumed_inside_the_rescoring_window_warns_once(monkeypatch, capsys):
+    _, _, _, run = _rescore_setup(monkeypatch, iters=5)
+    run(3)
+    run(4)
+    assert capsys.readouterr().out == (
+        "WARNING: resumed at iteration 3, inside --moe-qb-rescore-iters 5, from a checkpoint "
+        "without the QB routers' mean router input (router.qb_mean_input: written without "
+        "--moe-qb-rescore-iters): the first rescored step runs without the armed drift "
+        "correction\n"
+    )
+    _, _, _, run = _rescore_setup(monkeypatch, iters=5, mean_inputs_known=(True, True))
+    run(3)
+    assert capsys.readouterr().out == ""
+    _, _, _, run = _rescore_setup(monkeypatch, iters=5)
+    run(0)  # a fresh run: no mean input before its first step end, and nothing to warn about
+    assert capsys.readouterr().out == ""
+    _, _, _, run = _rescore_setup(monkeypatch, iters=5)
+    run(1)
+    assert capsys.readouterr().out.startswith("WARNING: resumed at iteration 1, inside")
+
+
+def test_calibration_keeps_the_training_dataset_and_reports_each_layer():
+    """The pool starts at sample (train_iters - N) x global batch; the datasets provider hands
+    Megatron its datasets (and its ``is_distributed``) and keeps the training one; the report
+    names each layer's MaxVio before / after, the update kept and the tokens."""
+    from megatron_latentmoe.training.qb_calibrate import LayerCalibration
+
+    lines = []
+    cal = QBCalibration(
+        3,
+        train_iters=10,
+        global_batch_size=8,
+        seq_length=4,
+        micro_batch_size=1,
+        num_microbatches=lambda: 2,
+        log=lines.append,
+    )
+    assert cal.first_sample == 56
+
+    def provider(sizes):
+        return f"train {sizes[0]}", "valid", "test"
+
+    provider.is_distributed = True
+    wrapped = cal.wrap_datasets_provider(provider)
+    assert wrapped([5, 1, 1]) == ("train 5", "valid", "test") and cal.train_datasets == ["train 5"]
+    assert wrapped.is_distributed is True and wrapped.__name__ == "provider"
+    chunks = QBCalibration._iterators([iter(()), None], ["a", "b"])  # virtual pipeline
+    assert list(chunks[0]) == ["a", "b"] and chunks[1] is None
+    cal._report([LayerCalibration(2, 100, 1.5, 0.25, 7)], 2.04, None)
+    assert lines == [
+        "[QB calibration] layer 2: MaxVio on the pool 1.500 (bias before) -> 0.250 (update 7 of "
+        f"{QB_CALIBRATION_ITERS}), 100 local tokens",
+        "[QB calibration] 1 layers on 3 global batches (samples from 56: the run's last "
+        "iterations) in 2.0 s",
+    ]
+
+
+def test_a_layers_solve_sets_its_bias_and_counts_its_unpadded_tokens():
+    from types import SimpleNamespace
+
+    scores = _scores(1)
+    valid_M = torch.ones(TOKENS, dtype=torch.bool)
+    valid_M[:96] = False
+    pool = [(scores, valid_M), (_scores(2), None)]
+    hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    router = SimpleNamespace(layer_number=3, qb_histogram=hist, expert_bias=torch.zeros(N))
+    result = QBCalibration._solve(router, pool, None)
+    want, history = calibrate_bias(
+        CenteredQuantileHistogram(N, K, num_bins=1000), torch.zeros(N), pool
+    )
+    assert torch.equal(router.expert_bias, want)
+    assert (result.layer_number, result.tokens) == (3, 2 * TOKENS - 96)
+    assert (result.max_vio_before, result.max_vio_after) == (history[0], min(history))
+    assert result.best_iter == history.index(min(history)) > 0
+
+
+def test_rescoring_defaults_and_a_run_resumed_past_its_window(monkeypatch):
+    """One solve per rescored step by default; a run resumed past the window neither defers the
+    step end nor keeps the batches; a pipeline stage without a QB router (dense layers only)
+    rescores nothing; the micro-batch count is Megatron's."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    from megatron_latentmoe.training.qb_rescore import QBRescore
+
+    rescore, _, events, run = _rescore_setup(monkeypatch, iters=2, solves=None)
+    assert rescore.deferring is False
+    run(7)
+    assert events == [("train", 7, False)] and rescore._batches == {}
+    run(1)  # one pass, no extra solve
+    assert [e if isinstance(e, str) else e[0] for e in events[1:]] == [
+        "train",
+        "drift reference",
+        *["histogram reset"] * 2,
+        "pass",
+        "step end",
+    ]
+    rescore, routers, events, run = _rescore_setup(monkeypatch, mean_inputs_known=())
+    run(1)
+    assert [e[0] for e in events] == ["train", "pass", "step end"]
+    shape = dict(seq_length=8, micro_batch_size=1)
+    assert QBRescore(2, None, **shape).num_microbatches is get_num_microbatches
+
+
+def test_an_overshooting_update_keeps_the_start():
+    """Damping 2.5 overshoots on this pool: every update routes worse than bias 0, so the
+    iterate kept is the start."""
+    pool = [(_scores(seed), None) for seed in (1, 2)]
+    hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    bias, history = calibrate_bias(hist, torch.zeros(N), pool, iters=4, damping=2.5)
+    assert len(history) == 5 and min(history[1:]) > history[0]
+    assert torch.equal(bias, torch.zeros(N))
+
+
+def test_calibration_defaults_and_a_provider_without_is_distributed():
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    lines = []
+    shape = dict(seq_length=4, micro_batch_size=1, log=lines.append)
+    cal = QBCalibration(2, train_iters=10, global_batch_size=4, **shape)
+    assert cal.num_microbatches is get_num_microbatches
+
+    def provider(sizes):
+        return "train", None, None
+
+    wrapped = cal.wrap_datasets_provider(provider)
+    assert wrapped([1, 1, 1]) == ("train", None, None) and not hasattr(wrapped, "is_distributed")
+    cal._report([], 1.0, None)  # no QB layer: nothing to report
+    assert lines == []
