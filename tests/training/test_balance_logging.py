@@ -149,17 +149,192 @@ def test_a_resumed_run_starts_its_records_on_a_new_line(tmp_path):
     from megatron_latentmoe.training.balance_summary import read_records
 
     path = tmp_path / "balance.jsonl"
+
+    def resumed_run_step():
+        logger = balance_logging.BalanceLogger(
+            num_layers=1,
+            num_experts=2,
+            tokens_per_step=10,
+            iteration_fn=lambda: 2,  # resumed from the checkpoint of iteration 1
+            log_interval=1000,
+            jsonl_path=str(path),
+            is_logging_rank=True,
+        )
+        logger.add_loss(torch.tensor([14.0, 4.0]))
+        logger.on_step_end([], routers=[])
+
     path.write_text('{"iteration": 1, "loss": 9.0}\n{"iteration": 2, "loss": 8.0}\n{"itera')
+    resumed_run_step()
+    assert [(r["iteration"], r["loss"]) for r in read_records(str(path))] == [(1, 9.0), (2, 3.5)]
+    assert path.read_text().splitlines()[2] == '{"itera'
+    for start in ("", '{"iteration": 1, "loss": 9.0}\n'):  # an empty file; whole lines
+        path.write_text(start)
+        resumed_run_step()
+        assert len(path.read_text().splitlines()) == start.count("\n") + 1
+
+
+def test_the_record_recounts_each_layer_from_its_routing_map(monkeypatch, tmp_path, capsys):
+    """Each MoE layer's record is its router's metrics (recounted here from a top-2 routing map
+    over 4 experts), with the per-expert loads at iteration 1 and every ``loads_interval``; the
+    step's numbers over the layers; the loss as the token-weighted mean of the step's
+    micro-batches; a ``[balance]`` line at the first step and every ``log_interval``."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.moe.balance_step import BalanceMetrics
+
+    clock = FakeClock()
+    monkeypatch.setattr(balance_logging.time, "time", clock.time)
+    maps = {  # tokens x experts
+        2: [[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 0], [1, 0, 0, 1]],  # loads 4 2 1 1, mean 2
+        4: [[1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0], [0, 1, 1, 0]],  # loads 2 3 3 0
+    }
+    routers = []
+    for layer, routing_map in maps.items():
+        loads = torch.tensor(routing_map).sum(0)
+        metrics = BalanceMetrics.from_loads(loads, len(routing_map))
+        routers.append(
+            SimpleNamespace(layer_number=layer, last_balance=metrics, last_loads_E=loads)
+        )
+    routers[0].step_loads_E = routers[0].last_loads_E
+    skipped = dict(last_balance=routers[0].last_balance, last_loads_E=torch.ones(4))
+    routers.append(SimpleNamespace(layer_number=5, **skipped))  # not a layer of the model
+    routers.append(SimpleNamespace(layer_number=None, **skipped))
+    routers.append(SimpleNamespace(layer_number=1, last_balance=None, last_loads_E=None))
+    iteration = {"n": 0}
+    path = tmp_path / "balance.jsonl"
     logger = balance_logging.BalanceLogger(
-        num_layers=1,
-        num_experts=2,
-        tokens_per_step=10,
-        iteration_fn=lambda: 2,  # resumed from the checkpoint of iteration 1
-        log_interval=1000,
+        num_layers=4,
+        num_experts=4,
+        tokens_per_step=64,
+        iteration_fn=lambda: iteration["n"],
+        log_interval=2,
+        loads_interval=3,
         jsonl_path=str(path),
         is_logging_rank=True,
     )
-    logger.add_loss(torch.tensor([14.0, 4.0]))
-    logger.on_step_end([], routers=[])
-    assert [(r["iteration"], r["loss"]) for r in read_records(str(path))] == [(1, 9.0), (2, 3.5)]
-    assert path.read_text().splitlines()[2] == '{"itera'
+    for n in (1, 2, 3):
+        iteration["n"] = n
+        logger.mark_forward()
+        if n != 2:
+            logger.add_loss(torch.tensor([10.0, 4.0]))  # two micro-batches: 12 / 6 tokens
+            logger.add_loss(torch.tensor([2.0, 2.0], dtype=torch.bfloat16))
+        clock.now += 2.0
+        logger.on_step_end([], routers=routers)
+    layer_2 = dict(layer=2, max_vio=1.0, min_load=1, max_load=4, frac_under_half=0.0)
+    layer_2.update(num_dead=0, num_tokens=4, loads=[4, 2, 1, 1])
+    layer_4 = dict(layer=4, max_vio=0.5, min_load=0, max_load=3, frac_under_half=0.25)
+    layer_4.update(num_dead=1, num_tokens=4, loads=[2, 3, 3, 0])
+    want = dict(iteration=1, loss=2.0, loss_tokens=6, step_time_s=2.0, tokens_per_s=32.0)
+    want.update(maxvio_mean=0.75, maxvio_max=1.0, min_load=0, max_load=4, frac_under_half=0.125)
+    want.update(num_dead=1, num_experts=4, layers=[layer_2, layer_4])
+    first, second, third = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first == want
+    assert third == dict(want, iteration=3)
+    assert math.isnan(second.pop("loss")) and second.pop("loss_tokens") == 0  # no training loss
+    no_loads = [{k: v for k, v in e.items() if k != "loads"} for e in want["layers"]]
+    rest = {k: v for k, v in want.items() if k not in ("loss", "loss_tokens")}
+    assert second == dict(rest, iteration=2, layers=no_loads)
+    assert [r["iteration"] for r in logger.history] == [1, 2, 3]
+    assert "layers" not in logger.history[0]
+    assert capsys.readouterr().out.splitlines() == [
+        " [balance] iteration       1 | lm loss (this iteration) 2.0000 | tokens/s 32 | MaxVio "
+        "mean 0.750 max 1.000 | load min/max 0/4 | under-half 0.125 | dead 1",
+        " [balance] iteration       2 | lm loss (this iteration) n/a | tokens/s 32 | MaxVio mean "
+        "0.750 max 1.000 | load min/max 0/4 | under-half 0.125 | dead 1",
+    ]
+
+
+def test_balance_log_file_flag_resolves_to_a_path():
+    from types import SimpleNamespace
+
+    path = balance_logging.default_jsonl_path
+    assert path(SimpleNamespace(balance_log_file="/runs/b.jsonl", save="/ck")) == "/runs/b.jsonl"
+    assert path(SimpleNamespace(balance_log_file="None", save="/ck")) is None
+    assert path(SimpleNamespace(balance_log_file=None, save="/ck")) == "/ck/balance.jsonl"
+    assert path(SimpleNamespace(balance_log_file=None, save=None)) is None
+    assert path(SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize("deferring", [False, True])
+def test_grad_finalisation_is_followed_by_the_step_end(monkeypatch, deferring):
+    """Megatron's grad finalisation, then the balance update and its log; a rescored step (QB
+    rescoring deferring) arms the drift correction instead and leaves the step end for later."""
+    from types import SimpleNamespace
+
+    events = []
+    monkeypatch.setattr(
+        balance_logging, "finalize_model_grads", lambda *a, **k: events.append(("grads", a, k))
+    )
+    monkeypatch.setattr(balance_logging, "update_balance", lambda *a: events.append(("update", *a)))
+    logger = SimpleNamespace(on_step_end=lambda model: events.append(("log", model)))
+    rescore = SimpleNamespace(
+        deferring=deferring, before_optimizer_step=lambda m: events.append(("arm", m))
+    )
+    finalize = balance_logging.make_finalize_model_grads_func(logger, rescore)
+    finalize(["chunk"], num_tokens=7, pg_collection="groups", force_all_reduce=True)
+    grads = (
+        "grads",
+        (["chunk"],),
+        dict(num_tokens=7, pg_collection="groups", force_all_reduce=True),
+    )
+    if deferring:
+        assert events == [grads, ("arm", ["chunk"])]
+    else:
+        assert events == [grads, ("update", ["chunk"], True), ("log", ["chunk"])]
+    events.clear()
+    balance_logging.make_finalize_model_grads_func(None)(["chunk"])  # no logger, no rescoring
+    grads = (
+        "grads",
+        (["chunk"],),
+        dict(num_tokens=None, pg_collection=None, force_all_reduce=False),
+    )
+    assert events == [grads, ("update", ["chunk"], True)]
+
+
+def test_one_process_logs_and_other_ranks_only_gather(monkeypatch, tmp_path, capsys):
+    """In one process this rank is Megatron's logging rank; a rank that is not writes nothing.
+    The loss pairs add up in float64; a model without MoE layers logs no layer; the tokens/s
+    scalar is left out while there is no step time; per-layer scalars only when asked."""
+    import math
+
+    clock = FakeClock()
+    monkeypatch.setattr(balance_logging.time, "time", clock.time)
+    path, tb = tmp_path / "balance.jsonl", FakeWriter()
+    iteration = {"n": 1}
+    kwargs = dict(num_layers=2, num_experts=2, tokens_per_step=8, jsonl_path=str(path))
+    kwargs.update(iteration_fn=lambda: iteration["n"], writer_fn=lambda: tb)
+    kwargs.update(log_interval=0, tensorboard_log_interval=0, loads_interval=0)  # 0 counts as 1
+    quiet = balance_logging.BalanceLogger(**kwargs, is_logging_rank=False)
+    assert quiet.on_step_end([torch.nn.Linear(2, 2)]) is None and not path.exists()
+    logger = balance_logging.BalanceLogger(**kwargs)
+    assert logger.is_logging_rank is True
+    logger.add_loss(torch.tensor([1e8, 1.0]))
+    logger.add_loss(torch.tensor([1.0, 1.0]))  # float32 would drop it: 1e8 + 1 == 1e8
+    record = logger.on_step_end([torch.nn.Linear(2, 2)])  # no MoE layer; no forward marked
+    assert record["loss"] == 50000000.5 and record["loss_tokens"] == 2
+    assert record["layers"] == [] and record["num_dead"] is None and record["min_load"] is None
+    assert math.isnan(record["tokens_per_s"])
+    iteration["n"] = 2
+    clock.now += 2.0
+    logger.on_step_end([], routers=[FakeRouter(2, 0.5, [3, 5])])
+    assert tb.scalars["throughput/tokens_per_s"] == [(2, 4.0)]
+    assert tb.scalars["balance/maxvio_mean"] == [(2, 0.5)]
+    assert sorted(tb.scalars) == [f"balance/{key}" for key in sorted(balance_logging._TB_KEYS)] + [
+        "throughput/tokens_per_s"
+    ]
+    assert (
+        len(path.read_text().splitlines()) == 2 and len(capsys.readouterr().out.splitlines()) == 2
+    )
+    first = balance_logging.BalanceLogger(**dict(kwargs, jsonl_path=None))
+    for _ in range(2):  # two micro-batches: the step is timed from the first one's forward
+        first.mark_forward()
+        clock.now += 1.0
+    assert first.excluded(lambda x: x + 1)(2) == 3  # the wrapped call's result
+    assert first.on_step_end([], routers=[])["step_time_s"] == 2.0
+    defaults = balance_logging.BalanceLogger(
+        num_layers=2, num_experts=2, tokens_per_step=8, iteration_fn=lambda: 1
+    )
+    assert (defaults.log_interval, defaults.tensorboard_log_interval) == (1, 1)
+    assert (defaults.loads_interval, defaults.per_layer_tensorboard) == (1, False)
