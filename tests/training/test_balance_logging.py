@@ -333,6 +333,8 @@ def test_one_process_logs_and_other_ranks_only_gather(monkeypatch, tmp_path, cap
         clock.now += 1.0
     assert first.excluded(lambda x: x + 1)(2) == 3  # the wrapped call's result
     assert first.on_step_end([], routers=[])["step_time_s"] == 2.0
+    first.add_loss(torch.tensor([3.0, 1.0]))  # one loss token
+    assert first.on_step_end([], routers=[])["loss"] == 3.0
     defaults = balance_logging.BalanceLogger(
         num_layers=2, num_experts=2, tokens_per_step=8, iteration_fn=lambda: 1
     )
