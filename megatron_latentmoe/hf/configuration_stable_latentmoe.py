@@ -141,6 +141,9 @@ class StableLatentMoEConfig(PretrainedConfig):
         self.first_k_dense_replace = first_k_dense_replace
         self.attention_dropout = attention_dropout
         self._validate()
+        for key in ("rope_parameters", "rope_scaling"):  # transformers would call .get on them
+            if kwargs.get(key) is not None and not isinstance(kwargs[key], dict):
+                raise _bad(key, kwargs[key], "a dict or None")
         if kwargs.get("auto_map") is None:
             kwargs["auto_map"] = dict(AUTO_MAP)
         super().__init__(
@@ -156,9 +159,7 @@ class StableLatentMoEConfig(PretrainedConfig):
         """The model applies plain RoPE with ``rope_theta``; refuse any RoPE scaling or a
         different theta given the transformers 5 way (``rope_parameters``, or the legacy
         ``rope_scaling`` that transformers converts into it), which would be silently ignored."""
-        params = getattr(self, "rope_parameters", None) or {}
-        if not isinstance(params, dict):
-            raise _bad("rope_parameters", params, "a dict or None")
+        params = getattr(self, "rope_parameters", None) or {}  # a dict: checked in __init__
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
             raise _bad(

@@ -573,6 +573,8 @@ def test_config_defaults_are_the_k3_values():
         ("latent_moe_use_norm", "yes", "bool"),
         ("attention_dropout", 1.5, "[0, 1)"),
         ("attention_dropout", -0.1, "[0, 1)"),
+        ("rope_parameters", "linear", "a dict or None"),
+        ("rope_scaling", ["linear", 4.0], "a dict or None"),
     ],
 )
 def test_config_validation_errors(key, value, allowed):
