@@ -556,6 +556,8 @@ def test_config_defaults_are_the_k3_values():
     assert c.tie_word_embeddings is False and c.head_dim == 7168 // 64
     assert c.get_shared_expert_intermediate_size() == 6144
     assert c.auto_map == hf_pkg.AUTO_MAP
+    # the keys outside fields.FIELDS (test_fields.py pins the others' defaults)
+    assert (c.initializer_range, c.use_cache, c.attention_dropout) == (0.02, True, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -573,6 +575,28 @@ def test_config_defaults_are_the_k3_values():
         ("latent_moe_use_norm", "yes", "bool"),
         ("attention_dropout", 1.5, "[0, 1)"),
         ("attention_dropout", -0.1, "[0, 1)"),
+        ("vocab_size", 0, "a positive integer"),
+        ("hidden_size", 16.0, "a positive integer"),
+        ("hidden_size", "16", "a positive integer"),
+        ("intermediate_size", -40, "a positive integer"),
+        ("num_hidden_layers", 0, "a positive integer"),
+        ("num_attention_heads", 0, "a positive integer"),
+        ("num_attention_heads", "4", "a positive integer"),
+        ("num_key_value_heads", 0, "a positive integer"),
+        ("head_dim", 0, "a positive integer"),
+        ("head_dim", 7, "an even integer"),
+        ("routed_expert_hidden_size", 8.0, "a positive integer"),
+        ("num_experts", 0, "a positive integer"),
+        ("num_experts_per_token", True, "a positive integer"),
+        ("moe_intermediate_size", 0, "a positive integer"),
+        ("rope_theta", 0.0, "a positive number"),
+        ("rms_norm_eps", True, "a positive number"),
+        ("activation_situ_linear_beta", "25", "a positive number"),
+        ("first_k_dense_replace", -1, ">= 0"),
+        ("first_k_dense_replace", 1.0, ">= 0"),
+        ("moe_renormalize", 1, "a bool"),
+        ("attention_dropout", False, "[0, 1)"),
+        ("attention_dropout", "0.1", "[0, 1)"),
         ("rope_parameters", "linear", "a dict or None"),
         ("rope_scaling", ["linear", 4.0], "a dict or None"),
     ],
@@ -603,3 +627,78 @@ def test_config_refuses_rope_settings_the_model_would_ignore(overrides):
 def test_config_accepts_default_rope_parameters():
     c = tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert c.rope_theta == 10000.0
+
+
+def test_config_derived_sizes():
+    """head_dim = hidden_size // num_attention_heads unless given; GQA defaults to MHA; the one
+    shared-expert MLP is N_s * m_e wide; layers from first_k_dense_replace on are MoE."""
+    assert tiny_config().head_dim == 16 // 4
+    assert tiny_config(num_attention_heads=1, num_key_value_heads=1).head_dim == 16
+    c = tiny_config(head_dim=6)
+    assert c.head_dim == 6
+    sd = StableLatentMoEForCausalLM(c).state_dict()
+    assert tuple(sd["model.layers.0.self_attn.q_proj.weight"].shape) == (4 * 6, 16)
+    assert tuple(sd["model.layers.0.self_attn.k_proj.weight"].shape) == (2 * 6, 16)
+    assert tiny_config(num_key_value_heads=None).num_key_value_heads == 4
+    assert tiny_config(num_experts_per_token=6).num_experts_per_token == 6  # k = n is allowed
+    assert tiny_config(num_shared_experts=3).get_shared_expert_intermediate_size() == 36
+    assert tiny_config(num_shared_experts=0).get_shared_expert_intermediate_size() == 0
+    assert [tiny_config(first_k_dense_replace=2).is_moe_layer(i) for i in range(3)] == [
+        False,
+        False,
+        True,
+    ]
+
+
+def test_config_round_trip_keeps_every_field(tmp_path):
+    """to_dict -> from_dict and save_pretrained -> from_pretrained give the same config: the
+    keys listed below set off tiny_config's values, the special token ids, a caller's
+    auto_map."""
+    auto_map = {"AutoConfig": "elsewhere.Config"}
+    c = tiny_config(
+        head_dim=6,
+        max_position_embeddings=48,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.05,
+        use_cache=False,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        activation_situ_beta=3.0,
+        activation_situ_linear_beta=20.0,
+        latent_moe_use_norm=False,
+        moe_renormalize=False,
+        routed_scaling_factor=2.5,
+        num_experts_per_token=3,
+        num_shared_experts=1,
+        first_k_dense_replace=2,
+        attention_dropout=0.25,
+        auto_map=auto_map,
+    )
+    d = c.to_dict()
+    assert (d["bos_token_id"], d["eos_token_id"], d["pad_token_id"]) == (1, 2, 0)
+    assert d["auto_map"] == auto_map and d["model_type"] == "stable_latentmoe"
+    assert StableLatentMoEConfig.from_dict(d).to_dict() == d
+    c.save_pretrained(tmp_path)
+    assert StableLatentMoEConfig.from_pretrained(tmp_path).to_dict() == d
+    defaults = tiny_config().to_dict()
+    assert {k for k in d if d[k] != defaults[k]} == {
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rms_norm_eps",
+        "initializer_range",
+        "use_cache",
+        "tie_word_embeddings",
+        "hidden_act",
+        "activation_situ_beta",
+        "activation_situ_linear_beta",
+        "latent_moe_use_norm",
+        "moe_renormalize",
+        "routed_scaling_factor",
+        "num_experts_per_token",
+        "num_shared_experts",
+        "first_k_dense_replace",
+        "attention_dropout",
+        "auto_map",
+    }
