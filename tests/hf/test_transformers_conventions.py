@@ -398,6 +398,9 @@ def test_capability_flags_are_the_tested_ones():
     assert cls._can_compile_fullgraph is False
     assert cls._supports_attention_backend is False and cls._supports_context_parallel is False
     assert StableLatentMoEForCausalLM._can_set_attn_implementation() is True
+    # device_map="auto" never splits a decoder layer (its residual adds need one device)
+    assert cls._no_split_modules == [modeling.StableLatentMoEDecoderLayer.__name__]
+    assert cls._keep_in_fp32_modules_strict == ["e_score_correction_bias"]
 
 
 # ============================================================================ training
