@@ -177,6 +177,7 @@ BLOCK_CASES = [
     dict(hidden_act="silu", num_shared_experts=1),
     dict(moe_renormalize=False),
     dict(num_experts_per_token=1, latent_moe_use_norm=False, num_shared_experts=0),
+    dict(activation_situ_beta=2.0, activation_situ_linear_beta=7.0),
 ]
 
 
@@ -254,6 +255,23 @@ def test_block_record_routing_and_bf16():
     assert block16.gate.e_score_correction_bias.dtype == torch.float32
     rel = (y16.float() - y32).norm() / y32.norm()
     assert rel < 5e-2
+
+
+def test_rms_norm_formula_and_precision():
+    gen = torch.Generator().manual_seed(3)
+    x = 3.0 * torch.randn(4, 16, generator=gen, dtype=torch.float64)
+    w = 1.0 + 0.2 * torch.randn(16, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(
+        modeling.rms_norm(x, w, 1e-5), naive_norm(x, w, 1e-5), rtol=1e-14, atol=0
+    )
+    torch.testing.assert_close(
+        modeling.rms_norm(x, None, 0.5), naive_norm(x, 1.0, 0.5), rtol=1e-14, atol=0
+    )
+    # bf16 in -> fp32 math (weight applied in fp32) -> bf16 out (one rounding)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    out = modeling.rms_norm(xb, wb, 1e-5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, naive_norm(xb.float(), wb.float(), 1e-5).bfloat16())
 
 
 def test_situ_glu_formula_and_precision():
@@ -343,8 +361,13 @@ def test_checkpoint_names_and_shapes():
     assert not any("routed_expert_norm" in k or "shared_experts" in k for k in sd2)
 
 
-def test_model_matches_naive_fp64_forward():
-    cfg = tiny_config()
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"head_dim": 6, "num_key_value_heads": 1, "rms_norm_eps": 0.1}],
+    ids=["gqa", "head_dim=6,mqa,eps=0.1"],
+)
+def test_model_matches_naive_fp64_forward(overrides):
+    cfg = tiny_config(**overrides)
     torch.manual_seed(0)
     model = StableLatentMoEForCausalLM(cfg).double().eval()
     randomize_(model, std=0.25)
@@ -387,6 +410,177 @@ def test_kv_cache_forward_hidden_states_and_tuple_output():
         full.logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)
     )
     torch.testing.assert_close(labels_loss, expected_loss)
+
+
+@pytest.fixture(scope="module")
+def fp64_model():
+    """Tiny fp64 model with large random weights and a QB bias that changes the routing."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = StableLatentMoEForCausalLM(cfg).double().eval()
+    randomize_(model, std=0.3)
+    gen = torch.Generator().manual_seed(1)
+    for block in model.model.moe_blocks().values():
+        block.gate.e_score_correction_bias.copy_(0.3 * torch.randn(cfg.num_experts, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_left_padded_batch_equals_each_sequence_alone(fp64_model, impl):
+    """A left-padded batch (no position_ids, and with generate()'s position_ids from the mask)
+    gives each sequence's logits run alone (fp64, 1e-10), and so does one cached step after it."""
+    model = fp64_model
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = impl
+    try:
+        _check_left_padding(model)
+    finally:
+        model.config._attn_implementation = previous
+
+
+def _check_left_padding(model):
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=gen)
+    nxt = torch.randint(3, model.config.vocab_size, (2, 1), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    padded = ids.clone()
+    padded[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        alone = [model(ids[:1, 3:], use_cache=False).logits, model(ids[1:], use_cache=False).logits]
+        alone_next = [
+            model(torch.cat([ids[:1, 3:], nxt[:1]], 1), use_cache=False).logits[:, -1],
+            model(torch.cat([ids[1:], nxt[1:]], 1), use_cache=False).logits[:, -1],
+        ]
+        for pos in (None, positions):
+            out = model(padded, attention_mask=mask, position_ids=pos, use_cache=True)
+            torch.testing.assert_close(out.logits[:1, 3:], alone[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(out.logits[1:], alone[1], rtol=1e-10, atol=1e-10)
+            step = model(
+                nxt,
+                attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                position_ids=None if pos is None else pos[:, -1:] + 1,
+                cache=modeling._cache_of(out),
+                use_cache=True,
+            ).logits[:, -1]
+            torch.testing.assert_close(step[:1], alone_next[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(step[1:], alone_next[1], rtol=1e-10, atol=1e-10)
+
+
+def test_token_by_token_decoding_with_a_dynamic_cache_equals_the_full_forward(fp64_model):
+    model = fp64_model
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        for with_positions in (False, True):  # no mask either way: positions alone, no packing
+            cache = transformers.cache_utils.DynamicCache()
+            steps = []
+            for i in range(6):
+                pos = torch.tensor([[i]]) if with_positions else None
+                out = model(ids[:, i : i + 1], position_ids=pos, past_key_values=cache)
+                assert modeling._cache_of(out) is cache and cache.get_seq_length() == i + 1
+                steps.append(out.logits)
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
+        # the base model takes the cache as past_key_values too
+        base_full = model.model(ids, use_cache=False).last_hidden_state
+        cache = modeling._cache_of(model.model(ids[:, :4], use_cache=True))
+        rest = model.model(ids[:, 4:], past_key_values=cache).last_hidden_state
+    torch.testing.assert_close(rest, base_full[:, 4:], rtol=1e-10, atol=1e-10)
+
+
+def test_loss_is_the_shifted_cross_entropy_without_the_ignored_labels(fp64_model):
+    model = fp64_model
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (2, 8), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :3] = -100  # e.g. a prompt
+    labels[1, 5] = -100
+    with torch.no_grad():
+        out = model(ids, labels=labels, use_cache=False)
+    logp = torch.log_softmax(out.logits[:, :-1], dim=-1)  # position t predicts label t + 1
+    target = labels[:, 1:]
+    valid = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    expected = nll[valid].sum() / valid.sum()
+    assert int(valid.sum()) == 2 * 7 - 2 - 1
+    # transformers' ForCausalLMLoss computes in fp32 whatever the logits' dtype
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_logits_to_keep(fp64_model):
+    model = fp64_model
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)
+    )
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        last3 = model(ids, use_cache=False, logits_to_keep=3).logits
+        picked = model(ids, use_cache=False, logits_to_keep=torch.tensor([0, 4])).logits
+        every = model(ids, use_cache=False, logits_to_keep=0).logits
+    assert last3.shape == (2, 3, model.config.vocab_size)
+    # lm_head on fewer rows: the same numbers up to the matmul's rounding
+    torch.testing.assert_close(last3, full[:, -3:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(picked, full[:, [0, 4]], rtol=1e-12, atol=1e-12)
+    assert torch.equal(every, full)
+
+
+def test_hidden_states_are_the_layer_inputs_then_the_normed_output(fp64_model):
+    """``output_hidden_states``: the embeddings, each later layer's input, and last the final
+    norm's output, which lm_head turns into the logits."""
+    model = fp64_model
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6))
+    seen = []
+    hooks = [
+        layer.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            out = model(ids, use_cache=False, output_hidden_states=True)
+            tup = model(ids, use_cache=False, output_hidden_states=True, return_dict=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    hs = out.hidden_states
+    assert len(hs) == cfg.num_hidden_layers + 1
+    assert torch.equal(hs[0], model.model.embed_tokens(ids))
+    for i in range(1, cfg.num_hidden_layers):
+        assert torch.equal(hs[i], seen[i - 1]), i
+    assert torch.equal(hs[-1], model.model.norm(seen[cfg.num_hidden_layers - 1]))
+    assert torch.equal(model.lm_head(hs[-1]), out.logits)
+    assert torch.equal(tup[0], out.logits) and len(tup[1]) == len(hs)
+    assert all(torch.equal(a, b) for a, b in zip(tup[1], hs, strict=True))
+    with torch.no_grad():
+        base = model.model(ids, use_cache=False, return_dict=False)
+        assert isinstance(base, tuple) and torch.equal(base[0], hs[-1])
+        model.config.output_hidden_states = True  # the config's default applies when not given
+        try:
+            assert len(model(ids, use_cache=False).hidden_states) == cfg.num_hidden_layers + 1
+        finally:
+            model.config.output_hidden_states = False
+
+
+def test_inputs_embeds_and_input_errors(fp64_model):
+    model = fp64_model
+    ids = torch.randint(
+        3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(7)
+    )
+    with torch.no_grad():
+        by_ids = model(ids, use_cache=False).logits
+        by_embeds = model(inputs_embeds=model.model.embed_tokens(ids), use_cache=False).logits
+    assert torch.equal(by_embeds, by_ids)
+    one_of = "StableLatentMoEModel: pass exactly one of input_ids or inputs_embeds"
+    with pytest.raises(ValueError, match=one_of):
+        model(ids, inputs_embeds=model.model.embed_tokens(ids))
+    with pytest.raises(ValueError, match=one_of):
+        model()
+    with pytest.raises(ValueError, match="must be a transformers Cache .*; got tuple"):
+        model(ids, past_key_values=((torch.zeros(1),),))
 
 
 def test_record_routing_on_the_model():
@@ -524,6 +718,36 @@ def test_tied_word_embeddings(tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     untied = StableLatentMoEForCausalLM(tiny_config())
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_weights_missing_from_a_checkpoint_get_the_documented_init(tmp_path):
+    """``_init_weights`` on load: linears, embeddings and the router ~ N(0, initializer_range),
+    norm gains 1, QB bias 0 (fp32); the weights that are there load unchanged."""
+    cfg = tiny_config(initializer_range=0.5)
+    torch.manual_seed(0)
+    model = StableLatentMoEForCausalLM(cfg)
+    randomize_(model)
+    p = "model.layers.1.block_sparse_moe."
+    model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.fill_(0.7)
+    model.save_pretrained(tmp_path)
+    stored = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    normal = ["lm_head.weight", "model.embed_tokens.weight", p + "gate.weight"]
+    normal.append("model.layers.0.self_attn.q_proj.weight")
+    ones = ["model.norm.weight", p + "routed_expert_norm.weight"]
+    ones.append("model.layers.2.post_attention_layernorm.weight")
+    for key in [*normal, *ones, p + "gate.e_score_correction_bias"]:
+        del stored[key]
+    safetensors_torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    torch.manual_seed(1)
+    loaded = StableLatentMoEForCausalLM.from_pretrained(tmp_path).state_dict()
+    for key in normal:
+        w = loaded[key]
+        assert abs(w.mean().item()) < 0.1 and 0.4 < w.std().item() < 0.6, key
+    for key in ones:
+        assert torch.equal(loaded[key], torch.ones_like(loaded[key])), key
+    bias = loaded[p + "gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.zeros(cfg.num_experts))
+    assert all(torch.equal(loaded[k], v) for k, v in stored.items())
 
 
 # ======================================================================================== config
