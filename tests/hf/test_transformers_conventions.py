@@ -224,8 +224,11 @@ def test_set_attn_implementation_at_run_time(tmp_path, caplog):
 
     model = make_model("sdpa")
     ids = torch.randint(3, model.config.vocab_size, (2, 6))
-    with torch.no_grad():
+    logging.Logger.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING), torch.no_grad():
         sdpa_logits = model(ids).logits
+    # without output_attentions SDPA runs as SDPA: no fallback to eager
+    assert not [r for r in caplog.records if "returns no attention weights" in r.getMessage()]
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
     assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
@@ -341,6 +344,25 @@ def test_static_cache_forward_equals_full_forward():
     torch.testing.assert_close(torch.cat([first, *rest], 1), full, rtol=1e-10, atol=1e-10)
 
 
+def test_static_cache_with_left_padding_equals_each_sequence_alone():
+    """The 2D padding mask is shorter than the preallocated keys: padded to their length, the
+    prompt and one decoding step give each row's logits run alone (fp64, 1e-10)."""
+    model = make_model("sdpa")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=gen)
+    nxt = torch.randint(3, model.config.vocab_size, (2, 1), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    cache = StaticCache(config=model.config, max_cache_len=16)  # > twice the 6 + 1 tokens
+    with torch.no_grad():
+        prompt = model(ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        step = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), cache=cache)
+        for row, start in ((0, 2), (1, 0)):
+            alone = model(torch.cat([ids[row : row + 1, start:], nxt[row : row + 1]], 1)).logits
+            torch.testing.assert_close(prompt[row, start:], alone[0, :-1], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(step.logits[row, -1], alone[0, -1], rtol=1e-10, atol=1e-10)
+
+
 @contextlib.contextmanager
 def _no_torch_function_modes():
     """Run without the torch-function modes an earlier in-process Megatron test left entered
@@ -448,6 +470,38 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(use_reen
     )
     model.gradient_checkpointing_disable()
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_attention_dropout_applies_in_training_only(impl):
+    """attention_dropout=0 (the default): train mode gives the eval logits; 0.5: train mode
+    differs, eval mode gives the dropout-free logits."""
+    model = make_model(impl)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        torch.manual_seed(0)
+        trained = make_model(impl).train()(ids, use_cache=False).logits
+        torch.testing.assert_close(trained, ref, rtol=1e-12, atol=1e-12)
+        dropping = make_model(impl, attention_dropout=0.5)
+        torch.testing.assert_close(dropping(ids, use_cache=False).logits, ref, rtol=0, atol=0)
+        torch.manual_seed(0)
+        assert (dropping.train()(ids, use_cache=False).logits - ref).abs().max() > 1e-2
+
+
+def test_checkpointing_drops_the_cache_only_when_gradients_are_recorded():
+    """Training with gradient checkpointing returns no cache (recomputation cannot refill it);
+    without checkpointing, or under no_grad in train mode, or in eval mode, there is one."""
+    model = make_model("sdpa").train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 5))
+    assert modeling._cache_of(model(ids, use_cache=True)).get_seq_length() == 5
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert modeling._cache_of(model(ids, use_cache=True)) is None
+    with torch.no_grad():
+        assert modeling._cache_of(model(ids, use_cache=True)).get_seq_length() == 5
+    model.eval()
+    assert modeling._cache_of(model(ids, use_cache=True)).get_seq_length() == 5
+    model.gradient_checkpointing_disable()
 
 
 def test_fine_tuning_on_the_embedded_corpus_with_checkpointing_and_packing():
