@@ -332,6 +332,24 @@ def test_custom_4d_mask_packs_documents():
             torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_custom_4d_mask_with_fully_masked_padding_rows(impl):
+    """A left-padded causal 4D mask masks the pad queries' whole rows: they are opened (kept
+    finite) and the real tokens get the 2D-mask logits (fp64, 1e-10)."""
+    model = make_model(impl)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    pad = torch.ones_like(ids, dtype=torch.bool)
+    pad[0, :2] = False
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & pad[:, None, None, :]
+    allowed = allowed & pad[:, None, :, None]  # rows of the pad queries: nothing visible
+    with torch.no_grad():
+        want = model(ids, attention_mask=pad.long(), use_cache=False).logits
+        got = model(ids, attention_mask=allowed, use_cache=False).logits
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got[0, 2:], want[0, 2:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-10)
+
+
 # ============================================================================ static cache, compile
 def test_static_cache_forward_equals_full_forward():
     model = make_model("sdpa")
