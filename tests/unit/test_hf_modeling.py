@@ -556,6 +556,7 @@ def test_hidden_states_are_the_layer_inputs_then_the_normed_output(fp64_model):
     assert torch.equal(tup[0], out.logits) and len(tup[1]) == len(hs)
     assert all(torch.equal(a, b) for a, b in zip(tup[1], hs, strict=True))
     with torch.no_grad():
+        assert model(ids, use_cache=False).hidden_states is None  # only when asked for
         base = model.model(ids, use_cache=False, return_dict=False)
         assert isinstance(base, tuple) and torch.equal(base[0], hs[-1])
         model.config.output_hidden_states = True  # the config's default applies when not given
