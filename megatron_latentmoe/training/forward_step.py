@@ -178,26 +178,52 @@ def loss_func(
     *,
     training: bool = True,
     check_nan: bool = False,
+    check_spiky: bool = False,
 ):
-    """Sum of token losses over unmasked tokens, their count, and the report pair."""
+    """Sum of token losses over unmasked tokens, their count, and the report pair. As Megatron-LM's
+    pretrain_gpt: ``check_nan`` (``--check-for-nan-in-loss-and-grad``, on by default) stops the
+    run on a NaN or Inf local loss, ``check_spiky`` (``--check-for-spiky-loss``) warns on a loss
+    10x the largest seen, through Megatron's rerun state machine (with ``--rerun-mode disabled``,
+    the mode CPU runs get, it checks and raises / warns without rerunning)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).to(loss.dtype)])
-    if check_nan:
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-        get_rerun_state_machine().validate_result(
-            result=loss,
-            rejection_func=torch.isnan,
-            message="found NaN in local forward loss calculation",
-            tolerance=0.0,
-            fatal=True,
-        )
+    if check_nan or check_spiky:
+        _validate_loss(loss, check_nan, check_spiky)
     if training and _BALANCE_LOGGER is not None:
         _BALANCE_LOGGER.add_loss(report)
     return loss, num_tokens, {"lm loss": report}
+
+
+SPIKY_LOSS_FACTOR = 10
+"""A loss this many times the largest seen is spiky (Megatron-LM's pretrain_gpt value)."""
+
+
+def _validate_loss(loss: torch.Tensor, check_nan: bool, check_spiky: bool) -> None:
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    if check_nan:
+        for reject, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {name} in local forward loss calculation",
+                tolerance=0.0,  # forward pass calculations are deterministic
+                fatal=True,
+            )
+    if check_spiky:
+        machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
@@ -239,10 +265,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         loss_mask=loss_mask,
         padding_mask=padding_mask,
     )
-    check_nan = bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and (
-        getattr(args, "rerun_mode", "disabled") != "disabled"
+    checks = dict(
+        check_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
+        check_spiky=bool(getattr(args, "check_for_spiky_loss", False)),
     )
-    return output_tensor, partial(loss_func, loss_mask, training=training, check_nan=check_nan)
+    return output_tensor, partial(loss_func, loss_mask, training=training, **checks)
 
 
 TRAIN_STEP_ARGS = (

@@ -172,6 +172,7 @@ def test_loss_func_sums_the_unmasked_token_losses_and_reports_them(monkeypatch):
 
 
 def test_loss_func_checks_the_loss_for_nan_only_when_asked(monkeypatch):
+    """As Megatron-LM's pretrain_gpt: NaN, then Inf (fatal); the spiky-loss check (a warning)."""
     from megatron.core import rerun_state_machine
 
     machine = _Recorder()
@@ -180,14 +181,43 @@ def test_loss_func_checks_the_loss_for_nan_only_when_asked(monkeypatch):
     fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), training=False)
     assert machine.calls == []
     loss, *_ = fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), training=False, check_nan=True)
+    assert [(name, args) for name, args, _ in machine.calls] == [("validate_result", ())] * 2
+    assert [kwargs for *_, kwargs in machine.calls] == [
+        dict(
+            result=loss,
+            rejection_func=reject,
+            message=f"found {name} in local forward loss calculation",
+            tolerance=0.0,
+            fatal=True,
+        )
+        for reject, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf"))
+    ]
+    machine.calls.clear()
+    loss, *_ = fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), check_spiky=True)
     ((name, args, kwargs),) = machine.calls
-    assert name == "validate_result" and args == ()
-    assert kwargs == dict(
-        result=loss,
-        rejection_func=torch.isnan,
-        message="found NaN in local forward loss calculation",
-        tolerance=0.0,
-        fatal=True,
+    spiky = kwargs.pop("rejection_func")
+    assert (spiky.args, spiky.keywords) == ((), dict(threshold=10, context="loss"))
+    assert kwargs == dict(result=loss, message="Spiky loss", tolerance=0.0, fatal=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_loss_stops_a_cpu_run(bad):
+    """On CPU the run's --rerun-mode is 'disabled' (compat): Megatron's state machine still checks
+    the loss and raises, naming the value and the check (before, the check was skipped there)."""
+    from megatron_latentmoe.compat import apply_cpu_compat, apply_python311_compat
+
+    apply_python311_compat()
+    apply_cpu_compat()
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    assert get_rerun_state_machine().get_mode() == RerunMode.DISABLED
+    mask = torch.ones(1, 2)
+    fs.loss_func(mask, torch.tensor([[1.0, 2.0]]), check_nan=True)  # a finite loss passes
+    with pytest.raises(RuntimeError) as e:
+        fs.loss_func(mask, torch.tensor([[1.0, bad]]), check_nan=True)
+    name = "NaN" if bad != bad else "Inf"
+    assert str(e.value).endswith(
+        f"Unexpected result {bad} (message='found {name} in local forward loss calculation')"
     )
 
 
@@ -235,7 +265,7 @@ def test_forward_step_runs_the_model_with_the_padding_mask(megatron_step):
     assert torch.equal(model.seen["loss_mask"], batch["loss_mask"])
     assert model.seen["padding_mask"].tolist() == (batch["loss_mask"] == 0).tolist()
     assert loss_fn.func is fs.loss_func and torch.equal(loss_fn.args[0], batch["loss_mask"])
-    assert loss_fn.keywords == dict(training=True, check_nan=True)
+    assert loss_fn.keywords == dict(training=True, check_nan=True, check_spiky=False)
     assert [name for name, *_ in megatron_step.logger.calls] == ["mark_forward"]
     ((name, (it, recorded), _),) = megatron_step.recorder.calls
     assert (name, it, recorded) == ("record", data, batch)
@@ -247,19 +277,22 @@ def test_forward_step_runs_the_model_with_the_padding_mask(megatron_step):
     ]
 
 
-@pytest.mark.parametrize("mode", ["eval", "no_grad", "rerun disabled"])
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "no nan check, spiky check"])
 def test_forward_step_outside_training_is_not_logged_nor_recorded(megatron_step, mode):
     """Evaluation and QB's forward-only passes (training mode under no_grad) are neither timed,
-    nor recorded for rescoring, nor fed to the balance log; the NaN check follows --rerun-mode."""
+    nor recorded for rescoring, nor fed to the balance log; the loss checks follow
+    --no-check-for-nan-in-loss-and-grad and --check-for-spiky-loss (not --rerun-mode)."""
     model = _Model()
     if mode == "eval":
         model.eval()
-    if mode == "rerun disabled":
+    training = mode == "no nan check, spiky check"
+    if training:
         megatron_step.args.rerun_mode = "disabled"
+        megatron_step.args.check_for_nan_in_loss_and_grad = False
+        megatron_step.args.check_for_spiky_loss = True
     with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
         _, loss_fn = fs.forward_step(iter([_batch()]), model)
-    training = mode == "rerun disabled"
-    assert loss_fn.keywords == dict(training=training, check_nan=mode != "rerun disabled")
+    assert loss_fn.keywords == dict(training=training, check_nan=not training, check_spiky=training)
     assert len(megatron_step.logger.calls) == len(megatron_step.recorder.calls) == training
 
 
