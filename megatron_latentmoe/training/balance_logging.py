@@ -299,8 +299,8 @@ def format_record(record: dict) -> str:
         f" [balance] iteration {record['iteration']:>7d} | lm loss (this iteration) "
         f"{num(record['loss'], '.4f')} | tokens/s {num(record['tokens_per_s'], ',.0f')} | "
         f"MaxVio mean {num(record['maxvio_mean'], '.3f')} max {num(record['maxvio_max'], '.3f')} "
-        f"| load min/max {record['min_load']}/{record['max_load']} | under-half "
-        f"{num(record['frac_under_half'], '.3f')} | dead {record['num_dead']}"
+        f"| load min/max {num(record['min_load'], 'd')}/{num(record['max_load'], 'd')} | "
+        f"under-half {num(record['frac_under_half'], '.3f')} | dead {num(record['num_dead'], 'd')}"
     )
 
 

@@ -340,3 +340,29 @@ def test_one_process_logs_and_other_ranks_only_gather(monkeypatch, tmp_path, cap
     )
     assert (defaults.log_interval, defaults.tensorboard_log_interval) == (1, 1)
     assert (defaults.loads_interval, defaults.per_layer_tensorboard) == (1, False)
+
+
+def test_the_stdout_line_says_n_a_for_what_a_step_did_not_measure():
+    """A model without an MoE layer (or a step without tokens) has no load figures: each reads
+    n/a, as the loss and MaxVio do, not None."""
+    format_record = balance_logging.format_record
+    record = dict(
+        iteration=7,
+        loss=2.5,
+        tokens_per_s=1234.6,
+        maxvio_mean=0.25,
+        maxvio_max=0.5,
+        min_load=3,
+        max_load=40,
+        frac_under_half=0.125,
+        num_dead=1,
+    )
+    assert format_record(record) == (
+        " [balance] iteration       7 | lm loss (this iteration) 2.5000 | tokens/s 1,235 | "
+        "MaxVio mean 0.250 max 0.500 | load min/max 3/40 | under-half 0.125 | dead 1"
+    )
+    empty = dict(record, loss=float("nan"), **dict.fromkeys(list(record)[3:]))
+    assert format_record(empty) == (
+        " [balance] iteration       7 | lm loss (this iteration) n/a | tokens/s 1,235 | "
+        "MaxVio mean n/a max n/a | load min/max n/a/n/a | under-half n/a | dead n/a"
+    )
