@@ -8,6 +8,8 @@ workspace: the key rules reproduce exactly the keys Megatron wrote (tensor keys 
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from megatron_latentmoe.convert.arch import arch_from_config_file
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import (
     extra_state_key,
+    hf_dtype_for,
     iter_tensor_maps,
     primary_checkpoint_key,
 )
@@ -48,7 +51,7 @@ def rows_of(hf: dict[str, torch.Tensor]):
 
     def get(name, r0, r1, cols):
         t = hf[name][r0:r1]
-        return t[:, cols] if t.dim() > 1 else t
+        return t[:, cols] if t.dim() > 1 else t[cols]  # (a 1-D tensor is asked for all of it)
 
     return get
 
@@ -80,8 +83,21 @@ def test_qkv_is_deinterleaved_per_query_group():
     assert torch.equal(to_megatron(tm, hf), w)
 
 
-def test_every_map_round_trips_and_row_slices_match():
-    a = small_arch()
+# the layer layouts the mapping distinguishes: dense first layers (none, one, two), shared experts
+# or none, the latent norm or none
+LAYOUTS = {
+    "main": {},
+    "all-moe": dict(first_k_dense_replace=0),
+    "two-dense": dict(first_k_dense_replace=2),
+    "no-latent-norm": dict(latent_moe_use_norm=False),
+    "no-shared": dict(moe_shared_expert_intermediate_size=0),
+    "two-query-groups": dict(num_query_groups=2),
+}
+
+
+@pytest.mark.parametrize("kw", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_every_map_round_trips_and_row_slices_match(kw):
+    a = small_arch(**kw)
     g = torch.Generator().manual_seed(0)
     for tm in iter_tensor_maps(a):
         w = torch.randn(tm.shape, generator=g)
@@ -91,7 +107,7 @@ def test_every_map_round_trips_and_row_slices_match():
 
         rows = tm.shape[0]
         for r0, r1 in ((0, rows), (1, rows - 1), (rows // 3, rows // 3 + 5), (rows - 1, rows)):
-            cols = slice(2, 7) if len(tm.shape) > 1 else slice(None)
+            cols = slice(2, 7)  # the columns of a 2-D tensor; a 1-D one ignores them
             want = w[r0:r1][(slice(None), cols)] if len(tm.shape) > 1 else w[r0:r1]
             got = tm.megatron_rows(rows_of(hf), r0, r1, cols)
             assert torch.equal(got, want), (tm.megatron, r0, r1)
@@ -188,11 +204,7 @@ K3_CONFIG_KEYS = (
 one included)."""
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [{}, dict(latent_moe_use_norm=False), dict(moe_shared_expert_intermediate_size=0)],
-    ids=["main", "no-latent-norm", "no-shared"],
-)
+@pytest.mark.parametrize("kw", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_export_is_exactly_the_k3_table_and_the_hf_models_state(kw):
     """The converter's HF tensors of every MoE / dense layer are exactly the K3 table's (no key
     missing, none extra, the table's shapes), the HF remote code holds exactly the tensors the
@@ -283,6 +295,98 @@ def test_key_rules_reproduce_megatrons_keys(workspace, ckpt, kind):
             want_objects.add(extra_state_key(tm, a))
     assert {k: tuple(md.size) for k, md in r.tensors.items()} == want_tensors
     assert set(r.byte_objects) - {"common_state/shard_0_1"} == want_objects
+
+
+def test_megatron_names_of_each_layer_kind_both_ways():
+    """Each canonical Megatron tensor of a dense and of an MoE layer, in model order, with the HF
+    tensor(s) it is made of (the slow test above checks these names against Megatron's
+    checkpoints), for every layout: dense first layers or none, the latent norm, shared experts."""
+    for kw in LAYOUTS.values():
+        a = small_arch(**kw)
+        maps = list(iter_tensor_maps(a))
+        got = [(tm.megatron, tm.hf_names) for tm in maps]
+        want = [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+        for i in range(a.num_layers):
+            mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+            want += [
+                (mg + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+                (
+                    mg + "self_attention.linear_qkv.weight",
+                    tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"),
+                ),
+                (mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",)),
+                (mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+            ]
+            if i < a.first_k_dense_replace:
+                want += [
+                    (
+                        mg + "mlp.linear_fc1.weight",
+                        (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                    ),
+                    (mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",)),
+                ]
+                continue
+            moe = hf + "block_sparse_moe."
+            want += [
+                (mg + "mlp.router.weight", (moe + "gate.weight",)),
+                (mg + "mlp.router.expert_bias", (moe + "gate.e_score_correction_bias",)),
+            ]
+            for j in range(a.num_experts):
+                e, h = f"{mg}mlp.experts.local_experts.{j}.", f"{moe}experts.{j}."
+                want += [
+                    (e + "linear_fc1.weight", (h + "w1.weight", h + "w3.weight")),
+                    (e + "linear_fc2.weight", (h + "w2.weight",)),
+                ]
+            if a.moe_shared_expert_intermediate_size:
+                sh = moe + "shared_experts."
+                want += [
+                    (
+                        mg + "mlp.shared_experts.linear_fc1.weight",
+                        (sh + "gate_proj.weight", sh + "up_proj.weight"),
+                    ),
+                    (mg + "mlp.shared_experts.linear_fc2.weight", (sh + "down_proj.weight",)),
+                ]
+            want.append(
+                (mg + "mlp.fc1_latent_proj.weight", (moe + "routed_expert_down_proj.weight",))
+            )
+            if a.latent_moe_use_norm:
+                want.append(
+                    (mg + "mlp.routed_expert_norm.weight", (moe + "routed_expert_norm.weight",))
+                )
+            want.append(
+                (mg + "mlp.fc2_latent_proj.weight", (moe + "routed_expert_up_proj.weight",))
+            )
+        want += [
+            ("decoder.final_layernorm.weight", ("model.norm.weight",)),
+            ("output_layer.weight", ("lm_head.weight",)),
+        ]
+        assert got == want, kw
+        # and what each map carries besides its names
+        for tm in maps:
+            name = tm.megatron
+            expert = re.search(r"local_experts\.(\d+)\.", name)
+            assert tm.expert == (int(expert.group(1)) if expert else None), name
+            assert tm.kind == (
+                "qkv"
+                if name.endswith("linear_qkv.weight")
+                else "glu"
+                if name.endswith("linear_fc1.weight")
+                else "copy"
+            ), name
+            assert tm.fp32 == name.endswith("router.expert_bias"), name
+            assert hf_dtype_for(tm, torch.bfloat16) == (
+                torch.float32 if tm.fp32 else torch.bfloat16
+            ), name
+            assert not tm.zeros, name  # QB: every router has its bias
+            assert tm.numel() == sum(math.prod(shape) for _, shape in tm.hf), name
+            assert tm.extra_state == name.endswith(
+                (
+                    "linear_qkv.weight",
+                    "linear_proj.weight",
+                    "linear_fc1.weight",
+                    "linear_fc2.weight",
+                )
+            ), name
 
 
 # ------------------------------------------------------------------------------------ arch sources
