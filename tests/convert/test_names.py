@@ -18,8 +18,12 @@ from megatron_latentmoe.convert import ConversionError, ModelArch
 from megatron_latentmoe.convert.arch import arch_from_config_file
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import (
+    check_shape,
+    checkpoint_locations,
+    current_key,
     extra_state_key,
     hf_dtype_for,
+    is_model_key,
     iter_tensor_maps,
     primary_checkpoint_key,
 )
@@ -387,6 +391,138 @@ def test_megatron_names_of_each_layer_kind_both_ways():
                     "linear_fc2.weight",
                 )
             ), name
+
+
+@pytest.mark.parametrize("dense", [1, 0], ids=["per-layer-keys", "stacked-layers"])
+def test_primary_checkpoint_and_extra_state_keys(dense):
+    """The keys Megatron's local spec writes (the slow test above checks the rule on REAL
+    checkpoints): per-layer keys with a dense first layer, one key stacked on a leading layer axis
+    [L, ...] when every layer is MoE; routed experts on an expert axis [n, ...]; the fused norms
+    under the TE names; an ``_extra_state`` object named by its leading indices and their sizes."""
+    a = small_arch(first_k_dense_replace=dense)
+    maps = {tm.megatron: tm for tm in iter_tensor_maps(a)}
+
+    def keys(name):
+        tm = maps[name]
+        return (*primary_checkpoint_key(tm, a), extra_state_key(tm, a))
+
+    L = "decoder.layers."
+    fc1 = f"{L}1.mlp.experts.local_experts.2.linear_fc1.weight"
+    proj = f"{L}3.self_attention.linear_proj.weight"
+    norm = f"{L}0.pre_mlp_layernorm.weight"
+    if dense:
+        assert keys(fc1) == (
+            f"{L}1.mlp.experts.experts.linear_fc1.weight",
+            (2,),
+            (8, 64, 32),
+            f"{L}1.mlp.experts.experts.linear_fc1._extra_state/shard_2_8",
+        )
+        assert keys(proj) == (
+            proj,
+            (),
+            (48, 48),
+            f"{L}3.self_attention.linear_proj._extra_state/shard_0_1",
+        )
+        assert keys(norm) == (f"{L}0.mlp.linear_fc1.layer_norm_weight", (), (48,), None)
+    else:
+        assert keys(fc1) == (
+            f"{L}mlp.experts.experts.linear_fc1.weight",
+            (1, 2),
+            (4, 8, 64, 32),
+            f"{L}mlp.experts.experts.linear_fc1._extra_state/shard_1.2_4.8",
+        )
+        assert keys(proj) == (
+            f"{L}self_attention.linear_proj.weight",
+            (3,),
+            (4, 48, 48),
+            f"{L}self_attention.linear_proj._extra_state/shard_3_4",
+        )
+        assert keys(norm) == (f"{L}pre_mlp_layernorm.weight", (0,), (4, 48), None)  # MoE layer
+    assert keys(f"{L}2.input_layernorm.weight")[:3] == (
+        (f"{L}2.self_attention.linear_qkv.layer_norm_weight", (), (48,))
+        if dense
+        else (f"{L}self_attention.linear_qkv.layer_norm_weight", (2,), (4, 48))
+    )
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert keys(name) == (name, (), (96, 48), None)
+
+
+def test_checkpoint_locations_cover_every_layout():
+    """Where the reader looks for a tensor, in order: the per-layer key, the stacked-layers key,
+    then (routed experts) the ``singleton_local_shards`` per-expert keys, and (gated fc1) their
+    ``_w`` / ``_v`` halves."""
+    maps = {tm.megatron: tm for tm in iter_tensor_maps(small_arch())}
+
+    def locations(name):
+        return [loc.parts for loc in checkpoint_locations(maps[name])]
+
+    L, E = "decoder.layers.", "mlp.experts.experts."
+    assert locations(f"{L}1.mlp.experts.local_experts.2.linear_fc1.weight") == [
+        (((f"{L}1.{E}linear_fc1.weight"), (2,)),),
+        (((f"{L}{E}linear_fc1.weight"), (1, 2)),),
+        (((f"{L}1.{E}2.linear_fc1.weight"), ()),),
+        (((f"{L}{E}2.linear_fc1.weight"), (1,)),),
+        ((f"{L}1.{E}2.linear_fc1.weight_w", ()), (f"{L}1.{E}2.linear_fc1.weight_v", ())),
+        ((f"{L}{E}2.linear_fc1.weight_w", (1,)), (f"{L}{E}2.linear_fc1.weight_v", (1,))),
+    ]
+    assert locations(f"{L}3.mlp.experts.local_experts.7.linear_fc2.weight") == [
+        (((f"{L}3.{E}linear_fc2.weight"), (7,)),),
+        (((f"{L}{E}linear_fc2.weight"), (3, 7)),),
+        (((f"{L}3.{E}7.linear_fc2.weight"), ()),),
+        (((f"{L}{E}7.linear_fc2.weight"), (3,)),),
+    ]
+    assert locations(f"{L}0.mlp.linear_fc1.weight") == [
+        ((f"{L}0.mlp.linear_fc1.weight", ()),),
+        ((f"{L}mlp.linear_fc1.weight", (0,)),),
+        ((f"{L}0.mlp.linear_fc1.weight_w", ()), (f"{L}0.mlp.linear_fc1.weight_v", ())),
+        ((f"{L}mlp.linear_fc1.weight_w", (0,)), (f"{L}mlp.linear_fc1.weight_v", (0,))),
+    ]
+    norm = "self_attention.linear_qkv.layer_norm_weight"  # input_layernorm, under its TE name
+    assert locations(f"{L}2.input_layernorm.weight") == [
+        ((f"{L}2.{norm}", ()),),
+        ((f"{L}{norm}", (2,)),),
+    ]
+    assert locations("embedding.word_embeddings.weight") == [
+        (("embedding.word_embeddings.weight", ()),)
+    ]
+    assert checkpoint_locations(maps["output_layer.weight"])[0].keys == ("output_layer.weight",)
+
+
+def test_model_keys_old_norm_names_and_shape_errors():
+    for key in (
+        "embedding.word_embeddings.weight",
+        "decoder.layers.1.mlp.router.weight",
+        "output_layer.weight",
+        "mtp.layers.0.enorm.weight",
+    ):
+        assert is_model_key(key), key
+    for key in (
+        "optimizer.state.exp_avg.decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.linear_fc1._extra_state/shard_0_1",
+        "decoder.layers.1.mlp.linear_fc1._extra_state",
+        "decoder.layers.1.mlp.router.state/shard_0_1",  # a ShardedObject's key
+        "decoder.layers.1.mlp.router.qb_mean_input",
+        "rng_state",
+    ):
+        assert not is_model_key(key), key
+    # checkpoints written before the latent norm was renamed still read
+    assert current_key("decoder.layers.1.mlp.latent_norm.weight") == (
+        "decoder.layers.1.mlp.routed_expert_norm.weight"
+    )
+    assert current_key("decoder.layers.mlp.latent_norm.weight") == (
+        "decoder.layers.mlp.routed_expert_norm.weight"
+    )
+    assert current_key("decoder.layers.1.mlp.router.weight") == "decoder.layers.1.mlp.router.weight"
+    tm = next(iter_tensor_maps(small_arch()))
+    with pytest.raises(ConversionError) as info:
+        tm.to_hf(torch.zeros(96, 47))
+    assert str(info.value) == (
+        "tensor 'embedding.word_embeddings.weight' shape=(96, 47) is not allowed: (96, 48), what "
+        "the model config implies"
+    )
+    with pytest.raises(ConversionError, match=r"^a\.safetensors: tensor 'x' shape=\(2, 1\) is not"):
+        check_shape("x", (2, 1), (1, 2), "a.safetensors")
+    check_shape("x", [1, 2], (1, 2))  # a list is the same shape
 
 
 # ------------------------------------------------------------------------------------ arch sources
