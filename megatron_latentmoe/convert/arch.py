@@ -155,6 +155,8 @@ class ModelArch:
             return cls(**values)
         except TypeError as e:
             raise ConversionError(f"{source}: {e}") from None
+        except ConversionError as e:  # a refused value: named as this source names it
+            raise ConversionError(str(e).replace("model config", source, 1)) from None
 
     # ------------------------------------------------------------------ HF
     def to_hf_config_kwargs(self) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_latentmoe.convert import ConversionError, ModelArch
-from megatron_latentmoe.convert.arch import arch_from_config_file
+from megatron_latentmoe.convert.arch import ARCH_STATE_KEY, arch_from_config_file, resolve_arch
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import (
     check_shape,
@@ -613,6 +613,75 @@ def test_megatron_config_file(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ConversionError, match="not valid JSON"):
         arch_from_config_file(tmp_path / "broken.json")
+
+
+NO_DESCRIPTION = (
+    "ck: the checkpoint carries no model description (no 'args' saved by megatron.training, no "
+    "'stable_latentmoe_config'); pass --megatron-config FILE (JSON/YAML of Megatron config fields "
+    "+ vocab_size/max_sequence_length, or an HF config.json)"
+)
+
+
+def test_resolve_arch_first_match_wins_and_names_the_source(tmp_path):
+    """A config file, else the converter's own common-state key, else megatron.training's args;
+    nothing: one error saying what to pass. Each source's refusal names it."""
+    main, homog = _workers.arch(), _workers.arch("homogeneous")
+    both = {ARCH_STATE_KEY: homog.to_dict(), "args": main.megatron_args_namespace()}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="stable_latentmoe", **main.to_hf_config_kwargs())))
+    assert resolve_arch({ARCH_STATE_KEY: homog.to_dict()}, str(path), checkpoint="ck") == (
+        main,
+        f"config file {path}",
+    )
+    assert resolve_arch(both, checkpoint="ck") == (
+        homog,
+        "checkpoint common state (stable_latentmoe_config)",
+    )
+    assert resolve_arch({"args": main.megatron_args_namespace()}) == (
+        main,
+        "checkpoint common state (megatron.training args)",
+    )
+    for state in (None, {}, {"args": None}, {"optimizer": {}}):
+        with pytest.raises(ConversionError) as info:
+            resolve_arch(state, checkpoint="ck")
+        assert str(info.value) == NO_DESCRIPTION, state
+    with pytest.raises(ConversionError) as info:
+        resolve_arch({})
+    assert str(info.value) == "checkpoint" + NO_DESCRIPTION.removeprefix("ck")
+    # each reader names its source by default
+    with pytest.raises(ConversionError, match=r"^stable_latentmoe_config: unknown field\(s\)"):
+        ModelArch.from_dict(dict(main.to_dict(), colour="blue"))
+    hf = dict(model_type="llama", **main.to_hf_config_kwargs())
+    with pytest.raises(ConversionError, match=r"^config\.json: model_type='llama' is not allowed"):
+        ModelArch.from_hf_config(hf)
+    ns = main.megatron_args_namespace()
+    ns.qk_layernorm = True
+    with pytest.raises(
+        ConversionError, match=r"^checkpoint args: qk_layernorm=True is not allowed"
+    ):
+        ModelArch.from_megatron_args(ns)
+    refusals = (
+        (
+            {ARCH_STATE_KEY: dict(main.to_dict(), colour="blue")},
+            r"^ck: stable_latentmoe_config: unknown field\(s\) \['colour'\]; known: "
+            r"\['activation_situ_beta', ",
+        ),
+        (
+            {ARCH_STATE_KEY: {k: v for k, v in main.to_dict().items() if k != "hidden_size"}},
+            r"^ck: stable_latentmoe_config: .*missing 1 required .*'hidden_size'$",
+        ),
+        (
+            {ARCH_STATE_KEY: dict(main.to_dict(), hidden_size=0)},
+            r"^ck: stable_latentmoe_config: hidden_size=0 is not allowed: a positive integer$",
+        ),
+    )
+    for state, match in refusals:
+        with pytest.raises(ConversionError, match=match):
+            resolve_arch(state, checkpoint="ck")
+    # an old name in a stored description still reads
+    old = dict(homog.to_dict())
+    old["routed_scaling_factor"] = old.pop("moe_router_topk_scaling_factor")
+    assert resolve_arch({ARCH_STATE_KEY: old})[0] == homog
 
 
 # ------------------------------------------------------------------------------- verify verdict
