@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from megatron_latentmoe.convert import ConversionError, ModelArch
-from megatron_latentmoe.convert.arch import ARCH_STATE_KEY, arch_from_config_file, resolve_arch
+from megatron_latentmoe.convert.arch import (
+    ARCH_STATE_KEY,
+    arch_common_state,
+    arch_from_config_file,
+    resolve_arch,
+)
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import (
     check_shape,
@@ -678,10 +683,144 @@ def test_resolve_arch_first_match_wins_and_names_the_source(tmp_path):
     for state, match in refusals:
         with pytest.raises(ConversionError, match=match):
             resolve_arch(state, checkpoint="ck")
+    # what arch_common_state adds to a checkpoint is read back
+    assert resolve_arch(arch_common_state(homog)) == (
+        homog,
+        "checkpoint common state (stable_latentmoe_config)",
+    )
     # an old name in a stored description still reads
     old = dict(homog.to_dict())
     old["routed_scaling_factor"] = old.pop("moe_router_topk_scaling_factor")
     assert resolve_arch({ARCH_STATE_KEY: old})[0] == homog
+
+
+def test_config_file_refusals(tmp_path):
+    def refusal(name, text):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(ConversionError) as info:
+            arch_from_config_file(path)
+        return str(info.value).replace(str(tmp_path), "T")
+
+    assert refusal("none.json", None) == "config file 'T/none.json' does not exist or is not a file"
+    (tmp_path / "dir.json").mkdir()
+    assert refusal("dir.json", None) == "config file 'T/dir.json' does not exist or is not a file"
+    assert refusal("list.json", "[1, 2]") == (
+        "config file 'T/list.json': expected a mapping at top level, got list"
+    )
+    assert refusal("bad.yaml", "a: [1").startswith("config file 'T/bad.yaml' is not valid YAML: ")
+    assert refusal("bad.json", "{not json").startswith(
+        "config file 'T/bad.json' is not valid JSON: Expecting property name"
+    )
+    hf = dict(model_type="stable_latentmoe", **_workers.arch().to_hf_config_kwargs())
+    assert refusal("llama.json", json.dumps(dict(hf, model_type="llama"))) == (
+        "config file 'T/llama.json': model_type='llama' is not allowed: 'stable_latentmoe'"
+    )
+    assert refusal("topk.json", json.dumps(dict(hf, topk_method="greedy"))) == (
+        "config file 'T/topk.json': topk_method='greedy' is not allowed: 'noaux_tc' (the only "
+        "routing Megatron's model implements)"
+    )
+    cfg = {k: v for k, v in _workers.MEGATRON_CFG.items() if k != "max_sequence_length"}
+    assert refusal("no_len.json", json.dumps(cfg)) == (
+        "config file 'T/no_len.json': missing 'max_sequence_length' (a build_gpt_model argument)"
+    )
+    # a head_dim other than hidden_size / num_attention_heads is read; without one, that quotient
+    narrow = ModelArch(**dict(_workers.TEST_ARCH, kv_channels=8))
+    assert (
+        ModelArch.from_hf_config(
+            dict(model_type="stable_latentmoe", **narrow.to_hf_config_kwargs())
+        )
+        == narrow
+    )
+    del hf["head_dim"]
+    assert ModelArch.from_hf_config(hf) == _workers.arch()
+
+
+# Megatron settings the HF model does not implement: (field, a refused value, what is allowed)
+MEGATRON_ONLY_VALUES = (
+    ("qk_layernorm", True, "False (the HF model has no q/k norms)"),
+    ("add_bias_linear", True, "False (bias-free linears)"),
+    ("add_qkv_bias", True, "False"),
+    ("normalization", "LayerNorm", "'RMSNorm'"),
+    ("rotary_interleaved", True, "False (rotate-half RoPE)"),
+    ("rotary_percent", 0.5, "1.0"),
+    ("position_embedding_type", "learned_absolute", "'rope'"),
+    ("apply_residual_connection_post_layernorm", True, "False"),
+    ("layernorm_zero_centered_gamma", True, "False"),
+    ("moe_router_score_function", "softmax", "'sigmoid' (SPEC §3)"),
+    ("moe_router_num_groups", 2, "None or 1 (SPEC §3)"),
+    ("multi_latent_attention", True, "False (GQA attention only)"),
+)
+
+
+def test_megatron_side_refusals_and_fallbacks():
+    cfg = _workers.MEGATRON_CFG
+
+    def refusal(**change):
+        with pytest.raises(ConversionError) as info:
+            ModelArch.from_megatron_config(dict(cfg, **change), cfg)
+        return str(info.value)
+
+    for key, value, allowed in MEGATRON_ONLY_VALUES:
+        assert refusal(**{key: value}) == (
+            f"Megatron config: {key}={value!r} is not allowed: {allowed}"
+        )
+    for key in ("num_moe_experts", "moe_latent_size"):
+        assert refusal(**{key: None}) == (
+            f"Megatron config: {key}=None is not allowed: a positive integer (a Stable LatentMoE "
+            "model)"
+        )
+    assert refusal(moe_layer_freq=[0, 1, 0, 1], first_k_dense_replace=0) == (
+        "Megatron config: moe_layer_freq=[0, 1, 0, 1] is not allowed: 1 or [0] * k + [1] * "
+        "(4 - k) (num_layers=4): only the first layers may be dense, as in the HF model"
+    )
+    assert refusal(moe_layer_freq=[0, 0, 1, 1]) == (
+        "Megatron config: moe_layer_freq=[0, 0, 1, 1] is not allowed: 1 or [0, 1, 1, 1] "
+        "(first_k_dense_replace=1): only the first layers may be dense, as in the HF model"
+    )
+    assert refusal(kv_channels=15) == (
+        "Megatron config: kv_channels=15 is not allowed: an even head dim (RoPE)"
+    )
+    # QB wins a list of balancers (aux losses beside it); otherwise the first
+    a = _workers.arch()
+    ns = a.megatron_args_namespace()
+    ns.moe_router_load_balancing_type = ["aux_loss", "quantile_histogram"]
+    assert ModelArch.from_megatron_args(ns) == a
+    ns.moe_router_load_balancing_type = ["aux_loss", "seq_aux_loss"]
+    assert ModelArch.from_megatron_args(ns) == _workers.arch("no_bias")
+    # megatron.training's args: vocab_size / seq_length when the padded / position ones are absent
+    ns = a.megatron_args_namespace()
+    ns.vocab_size, ns.seq_length = ns.padded_vocab_size, ns.max_position_embeddings
+    del ns.padded_vocab_size, ns.max_position_embeddings
+    assert ModelArch.from_megatron_args(ns) == a
+    del ns.untie_embeddings_and_output_weights  # Megatron's default: tied
+    assert ModelArch.from_megatron_args(ns) == ModelArch(
+        **dict(_workers.TEST_ARCH, tie_embeddings=True)
+    )
+    ns = a.megatron_args_namespace()
+    ns.group_query_attention = False  # num_query_groups is then ignored: one group per head
+    assert ModelArch.from_megatron_args(ns).num_query_groups == a.num_attention_heads
+    # the args an import stores say the one value of each
+    ns = a.megatron_args_namespace()
+    assert {k: getattr(ns, k) for k, *_ in MEGATRON_ONLY_VALUES} == dict(
+        qk_layernorm=False,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        normalization="RMSNorm",
+        rotary_interleaved=False,
+        rotary_percent=1.0,
+        position_embedding_type="rope",
+        apply_residual_connection_post_layernorm=False,
+        layernorm_zero_centered_gamma=False,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=1,
+        multi_latent_attention=False,
+    )
+    for freq in (1, None):  # every layer MoE unless first_k_dense_replace says otherwise
+        ns = a.megatron_args_namespace()
+        ns.moe_layer_freq = freq
+        assert ModelArch.from_megatron_args(ns) == a
 
 
 # ------------------------------------------------------------------------------- verify verdict
