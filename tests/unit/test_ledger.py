@@ -189,6 +189,27 @@ def test_tiny_hand_computed():
     assert led["dense_layers"]["ffn_params"] == 3 * 8 * 10
     assert led["embedding"]["total_params"] == 2 * 11 * 8
     assert led["totals"]["counted_params"] == 2 * 756 + 240 + 176
+    # W_down d x l, W_up l x d, the latent norm's l
+    p = led["per_moe_layer"]
+    assert (p["latent_down_proj_params"], p["latent_up_proj_params"]) == (8 * 4, 4 * 8)
+    assert p["latent_norm_params"] == 4
+    assert led["not_counted"] == (
+        "attention (model-specific; K3: KDA + MLA layers), norms outside the MoE block, MTP and "
+        "vision modules are not counted"
+    )
+    t = led["totals"]
+    assert t["routed_share_of_counted"] == 2 * 360 / 1928
+    assert t["ffn_activated_per_token"] == 2 * 540 + 240  # 2 MoE layers + the dense one
+    assert t["activated_per_token"] == 2 * 540 + 240 + 176
+    assert led["bytes"]["bf16"] == {
+        "routed_experts": 2 * 720,
+        "shared_experts": 2 * 576,
+        "projections": 2 * 136,
+        "routers": 2 * 80,
+        "dense_ffn": 2 * 240,
+        "embedding_and_lm_head": 2 * 176,
+        "total": 2 * 1928,
+    }
 
 
 @pytest.mark.parametrize(
@@ -237,6 +258,9 @@ def test_format_ledger_units():
     assert "2,722,740,830,208" in text
     small = format_ledger(parameter_ledger(TINY))
     assert "756" in small and "not counted" in small
+
+
+# ---------------------------------------------------------------------------- a Megatron model
 
 
 # ---------------------------------------------------------------------------- config readers
@@ -321,6 +345,98 @@ def test_from_megatron_config_namespace():
         LatentMoEShape.from_megatron_config(_mcore_ns(gated_linear_unit=False))
 
 
+def test_config_readers_other_spellings_and_refusals():
+    """megatron.training's args names (num_experts, untie_embeddings_and_output_weights), HF's
+    tie_word_embeddings; each refusal names the field, the value and what the ledger reads."""
+    ns = _mcore_ns(num_moe_experts=None, num_experts=448, moe_router_topk=8)
+    assert LatentMoEShape.from_megatron_config(ns) == dataclasses.replace(
+        K3_FULL_SCALE, num_experts=448, topk=8
+    )
+    for tie in (True, False):
+        ns = _mcore_ns(untie_embeddings_and_output_weights=not tie)
+        assert LatentMoEShape.from_megatron_config(ns).tie_word_embeddings is tie
+        ns = _mcore_ns(tie_word_embeddings=tie)
+        assert LatentMoEShape.from_megatron_config(ns).tie_word_embeddings is tie
+    # the built layout wins; moe_layer_freq 1 leaves it to first_k_dense_replace (absent: 0)
+    ns = _mcore_ns(moe_layer_freq=1)
+    del ns.first_k_dense_replace
+    assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == 0
+    for k in (0, 1, 93):  # the list's leading zeros, up to every layer
+        ns = _mcore_ns(moe_layer_freq=[0] * k + [1] * (93 - k), first_k_dense_replace=0)
+        assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == k
+    refusals = (
+        (
+            _mcore_ns(moe_layer_freq=2),
+            "moe_layer_freq=2: the ledger needs the first-k-dense layout: moe_layer_freq 1 (with "
+            "first_k_dense_replace) or [0]*k + [1]*rest",
+        ),
+        (
+            _mcore_ns(moe_layer_freq=[0] + [1] * 91),  # 92 entries, 93 layers
+            f"moe_layer_freq={[0] + [1] * 91}: the ledger needs [0]*k + [1]*(num_layers-k) with "
+            "num_layers=93 (or moe_layer_freq 1 with first_k_dense_replace)",
+        ),
+        (
+            _mcore_ns(first_k_dense_replace=1, moe_layer_freq=[0] * 2 + [1] * 91),
+            f"first_k_dense_replace=1 disagrees with moe_layer_freq={[0] * 2 + [1] * 91} (2 dense "
+            "layers first)",
+        ),
+        (
+            _mcore_ns(hidden_size=None),
+            "Megatron config field hidden_size is required for the ledger (got None or missing)",
+        ),
+    )
+    for ns, text in refusals:
+        with pytest.raises(ValueError) as info:
+            LatentMoEShape.from_megatron_config(ns)
+        assert str(info.value) == text
+    for config, text in (
+        ([K3_HF], "HF config must be a mapping; got list"),
+        (
+            {k: v for k, v in K3_HF.items() if k != "intermediate_size"},
+            "HF config key 'intermediate_size' is required when first_k_dense_replace=1 (missing)",
+        ),
+        (
+            {k: v for k, v in K3_HF.items() if k != "hidden_size"},
+            "HF config: missing key(s) ['hidden_size']",
+        ),
+    ):
+        with pytest.raises(ValueError) as info:
+            LatentMoEShape.from_hf_config(config)
+        assert str(info.value) == text
+    # without dense layers, intermediate_size is not a dense FFN's width; it may be absent, and
+    # so may the vocabulary
+    assert LatentMoEShape.from_hf_config(dict(K3_HF, first_k_dense_replace=0)) == (
+        dataclasses.replace(K3_FULL_SCALE, first_k_dense_replace=0, dense_ffn_hidden_size=0)
+    )
+    moe_only = {k: v for k, v in K3_HF.items() if k not in ("intermediate_size", "vocab_size")}
+    shape = LatentMoEShape.from_hf_config(dict(moe_only, first_k_dense_replace=0))
+    assert (shape.dense_ffn_hidden_size, shape.vocab_size, shape.num_layers) == (0, 0, 93)
+
+
+def test_shape_defaults():
+    """Only the five MoE sizes are needed: one MoE layer, no shared experts, no dense layers, no
+    vocabulary, the latent norm, untied."""
+    shape = LatentMoEShape(
+        hidden_size=8, latent_size=4, moe_ffn_hidden_size=6, num_experts=5, topk=2
+    )
+    assert dataclasses.asdict(shape) == dict(
+        hidden_size=8,
+        latent_size=4,
+        moe_ffn_hidden_size=6,
+        num_experts=5,
+        topk=2,
+        shared_ffn_hidden_size=0,
+        num_layers=1,
+        first_k_dense_replace=0,
+        dense_ffn_hidden_size=0,
+        vocab_size=0,
+        latent_norm=True,
+        tie_word_embeddings=False,
+    )
+    dense = parameter_ledger(shape)["dense_layers"]
+    assert dense == {"ffn_params_per_layer": 0, "ffn_params": 0, "activated_per_token": 0}
+
+
 def test_from_real_transformer_config():
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -348,30 +464,48 @@ def test_from_real_transformer_config():
 
 
 @pytest.mark.parametrize(
-    "field,value",
+    "field,value,allowed",
     [
-        ("hidden_size", 0),
-        ("latent_size", -1),
-        ("moe_ffn_hidden_size", 2.5),
-        ("num_experts", 0),
-        ("topk", 0),
-        ("topk", 897),
-        ("topk", 896),  # QB's top-(k+1) needs k < num_experts, as the model's config says
-        ("shared_ffn_hidden_size", -1),
-        ("num_layers", 0),
-        ("first_k_dense_replace", 94),
-        ("first_k_dense_replace", -1),
-        ("vocab_size", -5),
-        ("dense_ffn_hidden_size", -1),
-        ("latent_norm", 1),
-        ("tie_word_embeddings", "no"),
-        ("hidden_size", True),
-        ("num_experts", "896"),
+        ("hidden_size", 0, "an integer >= 1"),
+        ("latent_size", -1, "an integer >= 1"),
+        ("moe_ffn_hidden_size", 2.5, "an integer >= 1"),
+        ("num_experts", 0, "an integer >= 1"),
+        ("topk", 0, "an integer >= 1"),
+        ("topk", 897, "an integer in [1, num_experts=896)"),
+        # QB's top-(k+1) needs k < num_experts, as the model's config says
+        ("topk", 896, "an integer in [1, num_experts=896)"),
+        ("shared_ffn_hidden_size", -1, "an integer >= 0"),
+        ("num_layers", 0, "an integer >= 1"),
+        ("first_k_dense_replace", 94, "an integer in [0, num_layers=93]"),
+        ("first_k_dense_replace", -1, "an integer >= 0"),
+        ("vocab_size", -5, "an integer >= 0"),
+        ("dense_ffn_hidden_size", -1, "an integer >= 0"),
+        ("dense_ffn_hidden_size", 0, "> 0 when first_k_dense_replace=1 layers are dense"),
+        ("latent_norm", 1, "True or False"),
+        ("tie_word_embeddings", "no", "True or False"),
+        ("hidden_size", True, "an integer >= 1"),
+        ("num_experts", "896", "an integer >= 1"),
     ],
 )
-def test_bad_fields_raise_with_field_name(field, value):
-    with pytest.raises(ValueError, match=field):
+def test_bad_fields_raise_with_field_name(field, value, allowed):
+    with pytest.raises(ValueError) as info:
         dataclasses.replace(K3_FULL_SCALE, **{field: value})
+    assert str(info.value) == f"{field}={value!r} is not allowed: {allowed}"
+
+
+def test_the_limits_themselves_are_allowed():
+    """k = n - 1, every layer dense, no shared experts, no vocabulary: a ledger, with the MoE
+    entries 0 where there is no MoE layer."""
+    assert dataclasses.replace(K3_FULL_SCALE, topk=895).topk == 895
+    dense = dataclasses.replace(
+        TINY, first_k_dense_replace=3, shared_ffn_hidden_size=0, vocab_size=0
+    )
+    led = parameter_ledger(dense)
+    assert (led["num_moe_layers"], led["num_dense_layers"]) == (0, 3)
+    assert led["all_moe_layers"]["total_params"] == 0
+    assert led["totals"]["ffn_params"] == led["totals"]["counted_params"] == 3 * 3 * 8 * 10
+    assert led["totals"]["moe_share_of_ffn"] == led["totals"]["routed_share_of_ffn"] == 0
+    assert led["totals"]["activated_per_token"] == 3 * 3 * 8 * 10
 
 
 def test_dense_layers_need_dense_ffn():
@@ -420,6 +554,46 @@ def test_cli_errors():
     assert r.returncode == 2 and "topk" in r.stderr
     r = run_cli("--hf-config", "/nonexistent/config.json")
     assert r.returncode == 2 and "config.json" in r.stderr
+
+
+def test_cli_refusals_name_the_input(tmp_path, capsys):
+    """Bad input: exit status 2 and one line naming the option, the value and what is allowed
+    (the CLI's main() in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ledger_cli", CLI)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as info:
+            cli.main(list(argv))
+        assert info.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert error("--topk", "1000").endswith(
+        "error: topk=1000 is not allowed: an integer in [1, num_experts=896)"
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert error("--hf-config", str(bad)).endswith(
+        f"error: --hf-config {bad}: Expecting property name enclosed in double quotes: line 1 "
+        "column 2 (char 1)"
+    )
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({k: v for k, v in K3_HF.items() if k != "hidden_size"}))
+    assert error("--hf-config", str(short)).endswith(
+        f"error: --hf-config {short}: HF config: missing key(s) ['hidden_size']"
+    )
+    assert cli.main(["--preset", "k3", "--json", "--no-tie-word-embeddings"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(
+        json.dumps(parameter_ledger(K3_FULL_SCALE))
+    )
+    assert cli.main(["--hidden-size", "1024", "--tie-word-embeddings", "--json"]) == 0
+    shape = json.loads(capsys.readouterr().out)["shape"]
+    assert shape == dict(
+        dataclasses.asdict(K3_FULL_SCALE), hidden_size=1024, tie_word_embeddings=True
+    )
 
 
 def test_ledger_module_does_not_import_megatron():
