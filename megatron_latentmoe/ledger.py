@@ -131,9 +131,9 @@ class LatentMoEShape:
         v = read_megatron(get, _TABLE_NAMES.values())
         num_layers = v["num_layers"]
         # moe_layer_freq is what Megatron builds: it wins; first_k_dense_replace must agree
-        freq = getattr(cfg, "moe_layer_freq", 1)
+        freq = getattr(cfg, "moe_layer_freq", None)
         k_given = getattr(cfg, "first_k_dense_replace", None)
-        if freq == 1:
+        if freq is None or freq == 1:  # unset or 1: first_k_dense_replace says (as in arch.py)
             k_dense = k_given or 0
         else:
             k_dense = _first_k_dense_from_layer_freq(freq, num_layers)

@@ -361,6 +361,7 @@ def test_config_readers_other_spellings_and_refusals():
     ns = _mcore_ns(moe_layer_freq=1)
     del ns.first_k_dense_replace
     assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == 0
+    assert LatentMoEShape.from_megatron_config(_mcore_ns(moe_layer_freq=None)) == K3_FULL_SCALE
     for k in (0, 1, 93):  # the list's leading zeros, up to every layer
         ns = _mcore_ns(moe_layer_freq=[0] * k + [1] * (93 - k), first_k_dense_replace=0)
         assert LatentMoEShape.from_megatron_config(ns).first_k_dense_replace == k
