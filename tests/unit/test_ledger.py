@@ -262,6 +262,98 @@ def test_format_ledger_units():
 
 # ---------------------------------------------------------------------------- a Megatron model
 
+MEGATRON_MODELS = {  # tiny_config overrides, tied embeddings
+    "dense-first": (dict(num_layers=3, first_k_dense_replace=1), False),
+    "all-moe-no-shared-no-norm-tied": (
+        dict(moe_shared_expert_intermediate_size=None, latent_moe_use_norm=False),
+        True,
+    ),
+}
+MEGATRON_VOCAB = 96
+
+
+def _megatron_models(rank, world_size):
+    """(the ledger's shape of the config, {state-dict key: numel}) of each MEGATRON_MODELS model,
+    as Megatron builds it (a one-rank gloo world)."""
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.model import build_gpt_model
+
+    initialize_parallel_cpu()
+    out = []
+    for overrides, tied in MEGATRON_MODELS.values():
+        config = tiny_config(**overrides)
+        model = build_gpt_model(
+            config,
+            vocab_size=MEGATRON_VOCAB,
+            max_sequence_length=16,
+            share_embeddings_and_output_weights=tied,
+        )
+        config.padded_vocab_size = MEGATRON_VOCAB  # what megatron.training's args add
+        config.share_embeddings_and_output_weights = tied
+        sizes = {k: v.numel() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        out.append((LatentMoEShape.from_megatron_config(config), sizes))
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_models():
+    pytest.importorskip("megatron.core")
+    from tests.parallel.launcher import run_distributed
+
+    (models,) = run_distributed(_megatron_models, 1, timeout=300)
+    return dict(zip(MEGATRON_MODELS, models, strict=True))
+
+
+MEGATRON_GROUPS = {  # ledger entry -> the state-dict keys it counts (by a part of their name)
+    ("all_moe_layers", "routed_expert_params"): (".mlp.experts.local_experts.",),
+    ("all_moe_layers", "shared_expert_params"): (".mlp.shared_experts.",),
+    ("all_moe_layers", "projection_params"): (
+        ".mlp.fc1_latent_proj.",
+        ".mlp.routed_expert_norm.",
+        ".mlp.fc2_latent_proj.",
+    ),
+    ("all_moe_layers", "router_params"): (".mlp.router.weight",),
+    ("all_moe_layers", "router_bias_buffer"): (".mlp.router.expert_bias",),
+    ("dense_layers", "ffn_params"): (".mlp.linear_fc1.", ".mlp.linear_fc2."),
+    ("embedding", "input_embedding_params"): ("embedding.word_embeddings.",),
+    ("embedding", "lm_head_params"): ("output_layer.",),
+}
+
+
+@pytest.mark.parametrize("kind", MEGATRON_MODELS)
+def test_ledger_is_a_hand_count_of_the_megatron_models_state_dict(megatron_models, kind):
+    """Each ledger entry == the state-dict tensors of the model Megatron builds from the config
+    (the ledger reads the config's fields); what it leaves out is attention and the norms outside
+    the MoE block."""
+    shape, sizes = megatron_models[kind]
+    led = parameter_ledger(shape)
+
+    def count(parts, layer=None):
+        prefix = "" if layer is None else f"decoder.layers.{layer}."
+        return sum(
+            n for k, n in sizes.items() if k.startswith(prefix) and any(p in k for p in parts)
+        )
+
+    for (group, entry), parts in MEGATRON_GROUPS.items():
+        assert led[group][entry] == count(parts), (group, entry)
+    counted = [
+        p for (_, e), parts in MEGATRON_GROUPS.items() if e != "router_bias_buffer" for p in parts
+    ]
+    assert led["totals"]["counted_params"] == count(counted)
+    left_out = {k for k in sizes if not any(p in k for ps in MEGATRON_GROUPS.values() for p in ps)}
+    assert all(".self_attention." in k or k.endswith("layernorm.weight") for k in left_out)
+    # one MoE layer (the last), and what one token activates there: k of its n experts
+    last = shape.num_layers - 1
+    per = led["per_moe_layer"]
+    experts = [f".local_experts.{j}." for j in range(shape.num_experts)]
+    assert per["routed_expert_params_each"] == count(experts[:1], last)
+    assert per["total_params"] == count(counted, last)
+    act = led["activated_per_token_per_moe_layer"]
+    assert act["routed_experts"] == count(experts[: shape.topk], last)
+    assert act["total"] == count(counted, last) - count(experts[shape.topk :], last)
+    assert led["num_dense_layers"] == shape.first_k_dense_replace == (kind == "dense-first")
+
 
 # ---------------------------------------------------------------------------- config readers
 
