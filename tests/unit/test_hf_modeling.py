@@ -468,11 +468,14 @@ def _check_left_padding(model):
             torch.testing.assert_close(step[1:], alone_next[1], rtol=1e-10, atol=1e-10)
 
 
+def _token_ids(vocab_size: int, shape: tuple, seed: int) -> torch.Tensor:
+    """Random ids above the special tokens (0-2), reproducible by ``seed``."""
+    return torch.randint(3, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
 def test_token_by_token_decoding_with_a_dynamic_cache_equals_the_full_forward(fp64_model):
     model = fp64_model
-    ids = torch.randint(
-        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3)
-    )
+    ids = _token_ids(model.config.vocab_size, (2, 6), seed=3)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         for with_positions in (False, True):  # no mask either way: positions alone, no packing
@@ -494,7 +497,7 @@ def test_token_by_token_decoding_with_a_dynamic_cache_equals_the_full_forward(fp
 def test_loss_is_the_shifted_cross_entropy_without_the_ignored_labels(fp64_model):
     model = fp64_model
     vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (2, 8), generator=torch.Generator().manual_seed(4))
+    ids = _token_ids(vocab, (2, 8), seed=4)
     labels = ids.clone()
     labels[0, :3] = -100  # e.g. a prompt
     labels[1, 5] = -100
@@ -513,9 +516,7 @@ def test_loss_is_the_shifted_cross_entropy_without_the_ignored_labels(fp64_model
 
 def test_logits_to_keep(fp64_model):
     model = fp64_model
-    ids = torch.randint(
-        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)
-    )
+    ids = _token_ids(model.config.vocab_size, (2, 6), seed=5)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         last3 = model(ids, use_cache=False, logits_to_keep=3).logits
@@ -533,7 +534,7 @@ def test_hidden_states_are_the_layer_inputs_then_the_normed_output(fp64_model):
     norm's output, which lm_head turns into the logits."""
     model = fp64_model
     cfg = model.config
-    ids = torch.randint(3, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6))
+    ids = _token_ids(cfg.vocab_size, (2, 5), seed=6)
     seen = []
     hooks = [
         layer.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
@@ -568,9 +569,7 @@ def test_hidden_states_are_the_layer_inputs_then_the_normed_output(fp64_model):
 
 def test_inputs_embeds_and_input_errors(fp64_model):
     model = fp64_model
-    ids = torch.randint(
-        3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(7)
-    )
+    ids = _token_ids(model.config.vocab_size, (1, 4), seed=7)
     with torch.no_grad():
         by_ids = model(ids, use_cache=False).logits
         by_embeds = model(inputs_embeds=model.model.embed_tokens(ids), use_cache=False).logits
