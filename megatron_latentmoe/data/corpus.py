@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import hashlib
 import json
 import os
@@ -59,12 +58,11 @@ def default_cache_dir() -> Path:
 
 
 def iter_corpus_texts(path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
-    """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)[key]
+    """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default), each line
+    checked as the preprocessor checks it (``indexed.iter_jsonl_texts``)."""
+    from .indexed import iter_jsonl_texts  # lazy: keeps `import corpus` light
+
+    yield from iter_jsonl_texts(path, key)
 
 
 def default_corpus_sequences() -> int:

@@ -1023,3 +1023,15 @@ def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monk
     assert cache.is_dir()
     prepare_default_dataset(Path(default_prefix).parent, force=True)
     assert not cache.exists()  # a rebuilt dataset drops the now stale sample indices
+
+
+def test_iter_corpus_texts_reads_a_corpus_as_the_preprocessor_does(tmp_path):
+    """The shipped corpus's reader checks each line as ``preprocess_jsonl`` does: a BOM is
+    skipped, a bad line is one error naming file and line (was a json traceback)."""
+    good = tmp_path / "c.jsonl"
+    good.write_bytes('\ufeff{"text": "a"}\n\n{"text": "b"}\n'.encode())
+    assert list(iter_corpus_texts(good)) == ["a", "b"]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}], '{"text": null}\n')
+    with pytest.raises(PreprocessError) as e:
+        list(iter_corpus_texts(bad))
+    assert str(e.value) == f"{bad}:2: JSON key 'text' holds null, expected a string"
