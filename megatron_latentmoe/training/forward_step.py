@@ -303,8 +303,17 @@ def forward_only_pass(call: dict, data_iterator, num_microbatches: int, schedule
     """One forward-only pass of ``data_iterator``'s micro-batches through the schedule of a
     ``train_step`` call (``call``: its arguments by name): pipeline and token dispatchers as in
     Megatron's ``evaluate()``, timers off; the caller decides ``no_grad``. ``schedule``: the
-    ``seq_length``, ``micro_batch_size`` and ``decoder_seq_length`` of the run."""
+    ``seq_length``, ``micro_batch_size`` and ``decoder_seq_length`` of the run.
+
+    As in ``evaluate()``, Megatron's rerun state machine is disabled during the pass: the pass
+    runs outside ``train_step``'s rerun loop, where ``validate_result`` (the loss checks) in
+    ``validate_results`` mode asserts; disabled, it still stops on a NaN / Inf loss."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
     config = call["config"]
+    machine = get_rerun_state_machine()
+    # ``.mode``, not set_mode(): that logs a warning, here once per rescored step
+    mode, machine.mode = machine.mode, RerunMode.DISABLED
     timers, config.timers = config.timers, None  # as Megatron's evaluate(): not timed
     try:
         call["forward_backward_func"](
@@ -318,3 +327,4 @@ def forward_only_pass(call: dict, data_iterator, num_microbatches: int, schedule
         )
     finally:
         config.timers = timers
+        machine.mode = mode

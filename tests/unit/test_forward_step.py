@@ -346,6 +346,44 @@ def test_forward_only_pass_runs_the_schedule_untimed():
     assert config.timers == "timers"
 
 
+def test_forward_only_pass_checks_the_loss_outside_the_rerun_loop():
+    """QB's rescoring / calibration passes run outside train_step's rerun loop: with Megatron's
+    default --rerun-mode validate_results the loss check would assert there, so the pass disables
+    the state machine as Megatron's evaluate() does (a NaN still stops it), and restores it."""
+    from megatron_latentmoe.compat import apply_cpu_compat, apply_python311_compat
+
+    apply_python311_compat()
+    apply_cpu_compat()
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    seen = []
+
+    def schedule(**kwargs):
+        seen.append(machine.get_mode())
+        fs.loss_func(torch.ones(1, 2), torch.tensor([[1.0, 2.0]]), training=False, check_nan=True)
+        fs.loss_func(torch.ones(1, 2), torch.tensor([[1.0, kwargs["seq_length"]]]), check_nan=True)
+
+    call = dict(
+        config=SimpleNamespace(timers=None),
+        forward_backward_func=schedule,
+        forward_step_func="step",
+        model=["chunk"],
+    )
+    shape = dict(seq_length=8, micro_batch_size=2, decoder_seq_length=None)
+    before = machine.get_mode()
+    machine.set_mode(RerunMode.VALIDATE_RESULTS)
+    try:
+        fs.forward_only_pass(call, "batches", 1, shape)
+        shape["seq_length"] = float("nan")
+        with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+            fs.forward_only_pass(call, "batches", 1, shape)
+        after = machine.get_mode()
+    finally:
+        machine.set_mode(before)
+    assert seen == [RerunMode.DISABLED] * 2 and after == RerunMode.VALIDATE_RESULTS
+
+
 @pytest.mark.parametrize("mock_data", [True, False])
 def test_every_rank_builds_its_datasets(monkeypatch, mock_data):
     """Megatron's builder, on every rank (``is_distributed``: each rank reads its own loss
