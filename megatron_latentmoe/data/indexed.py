@@ -127,7 +127,8 @@ def _eod_id(tok) -> int:
     eod = getattr(tok, "eos_token_id", None)
     if eod is None:
         raise PreprocessError(
-            "the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)"
+            "the tokenizer has no eos_token, so no EOD can be appended: turn it off with "
+            "--no-append-eod (append_eod=False)"
         )
     return int(eod)
 

@@ -595,7 +595,8 @@ def test_missing_input_and_tokenizer(tmp_path):
         (dict(tokenizer="{d}/empty"), "cannot load the tokenizer in {d}/empty: "),
         (
             dict(tokenizer=types.SimpleNamespace(eos_token_id=None)),
-            "the tokenizer has no eos_token, so no EOD can be appended (use --no-append-eod)",
+            "the tokenizer has no eos_token, so no EOD can be appended: turn it off with "
+            "--no-append-eod (append_eod=False)",
         ),
     ],
 )
