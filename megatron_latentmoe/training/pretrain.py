@@ -32,6 +32,7 @@ from megatron_latentmoe.checkpoint_layout import (
     TRACKER_FILE,
     iteration_dir_name,
     iteration_of_dir_name,
+    tracked_checkpoint_dir,
 )
 
 PROG = "pretrain_stable_latentmoe"
@@ -130,20 +131,61 @@ LAYOUT_FIELDS = (
 RESHARDABLE_OPTIM_FLAGS = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
 
 
-def saved_args(load_dir: str, ckpt_format: str = "torch_dist"):
-    """The arguments of the checkpoint a run will resume from (None: nothing to load)."""
+def saved_args(load_dir: str, ckpt_format: str = "torch_dist", *, release: bool = False):
+    """The arguments of the checkpoint a run will resume from (None: nothing to load); with
+    ``release``, those of a ``release`` checkpoint too (one a run starts from)."""
     iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    path = os.path.join(load_dir, iteration_dir_name(iteration))
     if iteration is None:
-        return None
+        try:
+            tracked = tracked_checkpoint_dir(load_dir)
+        except ValueError:  # an unreadable tracker: Megatron will report it
+            tracked = None
+        if not (release and tracked is not None and tracked.name == RELEASE):
+            return None
     from megatron.core import dist_checkpointing
 
     try:
-        common = dist_checkpointing.load_common_state_dict(
-            os.path.join(load_dir, iteration_dir_name(iteration))
-        )
+        common = dist_checkpointing.load_common_state_dict(path)
     except Exception:  # noqa: BLE001 - not a distributed checkpoint: Megatron will report it
         return None
     return common.get("args")
+
+
+def load_checkpoint_args(args) -> None:
+    """``--use-checkpoint-args``: the model flags come from the checkpoint, as in Megatron's
+    ``parse_and_validate_args`` (this entry point parses and validates on its own, so it calls
+    Megatron's ``load_args_from_checkpoint`` here, for ``--pretrained-checkpoint`` and then
+    ``--load``). The flags this package adds that the model's config holds (the ``ADDED`` rows
+    of ``fields.FIELDS`` with an HF key: ``--hidden-act``, the SiTU betas, ``--moe-latent-norm``,
+    ``--first-k-dense-replace``) are taken from the checkpoint too, always, as Megatron takes
+    ``--swiglu`` and ``--moe-latent-size``. Raises ``FlagError`` where Megatron asserts."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    from megatron_latentmoe.fields import ADDED
+    from megatron_latentmoe.training.arguments import FlagError
+
+    if args.load is None and args.pretrained_checkpoint is None:
+        raise FlagError(
+            "--use-checkpoint-args reads the model flags from a checkpoint: give it with --load "
+            "(or --pretrained-checkpoint)"
+        )
+    if args.non_persistent_ckpt_type == "local":
+        raise FlagError(
+            "--use-checkpoint-args with --non-persistent-ckpt-type local: not supported by "
+            "megatron-core 0.19.2 (all flags must be known before its local checkpoint manager "
+            "starts); give the model flags instead"
+        )
+    for load_arg in ("pretrained_checkpoint", "load"):
+        if getattr(args, load_arg) is None:
+            continue
+        load_args_from_checkpoint(args, load_arg=load_arg)
+        saved = saved_args(getattr(args, load_arg), args.ckpt_format, release=True)
+        for f in ADDED:
+            value = getattr(saved, f.name, None) if f.hf else None
+            if value is not None:
+                _print0(f"Setting {f.name} to {value} from checkpoint")
+                setattr(args, f.name, value)
 
 
 def _reshardable_optim(a) -> bool:
@@ -243,6 +285,8 @@ def checked_args(has_cuda: bool):
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
 
     args = parse_with_our_flags(add_stable_latentmoe_args)
+    if args.use_checkpoint_args:
+        load_checkpoint_args(args)
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
     default_data_dir = None
     if uses_default_data(args):

@@ -10,6 +10,9 @@
    and ``--load <imported>`` with NO extra flag (release: fresh optimizer and RNG by design),
    both rescoring (the import has no rescoring state: it loads without it).
    Same weights, same batch, same layout: the losses of iteration 1 are bit-identical.
+5. A third such run with ``--load <imported> --use-checkpoint-args`` and every model flag given
+   wrong: the model comes from the imported checkpoint's args (Megatron's flags and ours), and
+   its loss is bit-identical too.
 """
 
 from __future__ import annotations
@@ -92,18 +95,33 @@ def test_trained_checkpoint_exports_verifies_imports_and_loads_for_training():
     assert "note: --ep ignored" in proc.stderr
     assert (imported / "latest_checkpointed_iteration.txt").read_text() == "release"
 
-    # both runs rescore: the import has no router.qb_mean_input and still loads
+    # the runs rescore: the import has no router.qb_mean_input and still loads
     losses = {}
     for name, extra in (
         ("original", ["--load", str(ckpt), "--finetune"]),
         ("imported", ["--load", str(imported)]),
+        ("checkpoint_args", ["--load", str(imported), "--use-checkpoint-args", *WRONG_MODEL]),
     ):
         jsonl = base / f"{name}.jsonl"
         run = run_entry(
             ["--train-iters", "1", "--balance-log-file", str(jsonl), "--moe-qb-rescore-iters", "1"]
             + extra
         ).check()
-        if name == "imported":
+        if name != "original":
             assert "loading release" in run.output, run.output[-3000:]
         losses[name] = read_jsonl(jsonl)[1]["loss"]
     assert losses["imported"] == losses["original"], losses
+    assert losses["checkpoint_args"] == losses["original"], losses
+    for line in ("Setting num_experts to 8", "Setting hidden_act to situ", "first_k_dense_replace"):
+        assert line in run.output, run.output[-3000:]
+
+
+# The model flags of examples/args/tiny.sh that --use-checkpoint-args takes from the checkpoint
+# (Megatron forces its own, we force ours), each given a wrong value: the run would not load
+# otherwise. Flags it only fills in when not given (--num-layers, --hidden-size) stay the user's.
+WRONG_MODEL = [
+    *("--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 32 --num-query-groups 4").split(),
+    *("--moe-latent-size 32 --no-moe-latent-norm").split(),
+    *("--moe-shared-expert-intermediate-size 128 --first-k-dense-replace 0").split(),
+    *("--hidden-act swiglu --activation-situ-beta 2.0 --activation-situ-linear-beta 9.0").split(),
+]
