@@ -1,0 +1,584 @@
+"""Fast unit tests of the exporter (``convert/export.py``) and the importer (``importer.py``).
+
+No Megatron model and no spawned ranks: a tiny HF directory is written by hand, imported into a
+Megatron ``torch_dist`` checkpoint in-process, and exported back (about 6 s in all). The slow
+end-to-end tests over REAL Megatron checkpoints are in ``test_convert.py`` / ``test_bad_input.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_latentmoe.convert import ConversionError, ModelArch
+from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
+from megatron_latentmoe.convert.export import (
+    HF_CODE_DIR,
+    INDEX_FILE,
+    REMOTE_CODE_FILES,
+    ShardedSafetensorsWriter,
+    _batches,
+    _cast,
+    _expected_lead,
+    check_expert_dtype,
+    export_checkpoint,
+    parse_dtype,
+    parse_size,
+    tokenizer_files,
+)
+from megatron_latentmoe.convert.importer import import_checkpoint
+from megatron_latentmoe.convert.names import iter_tensor_maps
+
+from . import _workers
+
+TINY = dict(
+    _workers.TEST_ARCH,
+    num_layers=2,
+    hidden_size=16,
+    ffn_hidden_size=24,
+    num_attention_heads=2,
+    num_query_groups=1,
+    kv_channels=8,
+    vocab_size=96,
+    num_experts=4,
+    moe_shared_expert_intermediate_size=32,
+)
+"""One dense layer and one MoE layer (4 experts, latent 32): 38 HF tensors, 83,152 fp32 bytes."""
+N_HF_TENSORS = 38
+N_MEGATRON_TENSORS = 28
+LARGEST = 2 * 32 * 32  # elements of a routed expert's linear_fc1 (its w1 and w3)
+
+
+def no_leftovers(parent) -> bool:
+    return not [n for n in os.listdir(parent) if ".partial-" in n or ".old-" in n]
+
+
+def hf_tensors(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, f), framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def write_hf_dir(directory, arch: ModelArch, dtype=torch.float32, extra=None) -> dict:
+    """An HF directory of ``arch`` with random weights in one ``model.safetensors``."""
+    directory.mkdir()
+    (directory / "config.json").write_text(
+        json.dumps(dict(model_type="stable_latentmoe", **arch.to_hf_config_kwargs()))
+    )
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=g).to(dtype)
+        for tm in iter_tensor_maps(arch)
+        for name, shape in tm.hf
+    }
+    tensors.update(extra or {})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    arch = ModelArch(**TINY)
+    tensors = write_hf_dir(root / "hf", arch)
+    imported = import_checkpoint(root / "hf", root / "mg", progress=False)
+    exported = export_checkpoint(
+        root / "mg", root / "out", max_shard_size="20KB", tokenizer_dir=None, progress=False
+    )
+    return SimpleNamespace(
+        root=root, arch=arch, tensors=tensors, imported=imported, exported=exported
+    )
+
+
+# ------------------------------------------------------------------------------ option parsing
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("300KB", 300_000),
+        ("1.5KB", 1500),
+        ("2TB", 2 * 10**12),
+        ("2GiB", 2 << 30),
+        (" 300kib ", 300 << 10),
+        ("7MiB", 7 << 20),
+        ("3TiB", 3 << 40),
+        ("64B", 64),
+        ("123", 123),
+        (4096, 4096),
+    ],
+)
+def test_parse_size_units(text, size):
+    assert parse_size(text) == size
+
+
+def test_parse_dtype_takes_short_and_torch_names():
+    assert parse_dtype("auto") is None and parse_dtype(None) is None
+    assert [parse_dtype(n) for n in ("bf16", "fp32", "fp16")] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.float16,
+    ]
+    assert [parse_dtype(n) for n in ("bfloat16", "float32", "float16")] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.float16,
+    ]
+    with pytest.raises(ConversionError) as info:
+        parse_dtype("fp64")
+    assert str(info.value) == "dtype='fp64' is not allowed: one of auto, bf16, fp32, fp16"
+
+
+def test_check_expert_dtype():
+    arch = ModelArch(**TINY)
+    assert check_expert_dtype("auto", arch) is False
+    assert check_expert_dtype("mxfp4", arch) is True
+    with pytest.raises(ConversionError) as info:
+        check_expert_dtype("int4", arch)
+    assert str(info.value) == "expert_dtype='int4' is not allowed: one of ('auto', 'mxfp4')"
+    for field, value, tensors in (
+        ("moe_latent_size", 48, "w1/w3"),
+        ("moe_ffn_hidden_size", 16, "w2"),
+    ):
+        with pytest.raises(ConversionError) as info:
+            check_expert_dtype("mxfp4", ModelArch(**dict(TINY, **{field: value})))
+        assert str(info.value) == (
+            f"--expert-dtype mxfp4: {field}={value} (the reduction width of the routed experts' "
+            f"{tensors}) is not a multiple of the MXFP4 block size 32; MXFP4 blocks are never "
+            "padded. Export with --expert-dtype auto"
+        )
+
+
+# ------------------------------------------------------------------------- safetensors writer
+F32 = torch.float32
+
+
+def test_shards_fill_up_to_the_cap_and_are_numbered_of_the_count(tmp_path):
+    """A shard takes tensors while the total stays <= the cap (exactly full is allowed); a tensor
+    larger than the cap gets a shard of its own; files are ``model-0000i-of-0000N``."""
+    plan = [
+        ("big", (20,), F32),  # 80 bytes > the cap: alone, in the first shard
+        ("a", (2, 2), F32),  # 16
+        ("b", (4,), torch.bfloat16),  # 8 -> 24
+        ("c", (2,), F32),  # 8 -> 32: exactly the cap, same shard
+        ("d", (1,), torch.uint8),  # 1 -> 33: a new shard
+    ]
+    w = ShardedSafetensorsWriter(tmp_path, plan, 32)
+    assert w.files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert w.weight_map == {
+        "big": w.files[0],
+        "a": w.files[1],
+        "b": w.files[1],
+        "c": w.files[1],
+        "d": w.files[2],
+    }
+    assert w.total_bytes == 80 + 16 + 8 + 8 + 1
+
+
+def test_writer_output_is_valid_safetensors_with_an_exact_index(tmp_path):
+    tensors = {
+        "w": torch.arange(6, dtype=F32).reshape(2, 3),
+        "bias": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "packed": torch.tensor([[1, 2, 255]], dtype=torch.uint8),
+        "half": torch.tensor([0.5], dtype=torch.float16),
+    }
+    plan = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    w = ShardedSafetensorsWriter(tmp_path, plan, 28)  # w: 24; bias 4 -> 28; packed 3 -> new
+    assert [w.write(n, t) for n, t in tensors.items()] == [24, 4, 3, 2]
+    assert w.bytes_written == 33
+    w.close()
+    assert sorted(os.listdir(tmp_path)) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        INDEX_FILE,
+    ]
+    assert (tmp_path / INDEX_FILE).read_text() == (
+        "{\n"
+        '  "metadata": {\n'
+        '    "total_size": 33\n'
+        "  },\n"
+        '  "weight_map": {\n'
+        '    "bias": "model-00001-of-00002.safetensors",\n'
+        '    "half": "model-00002-of-00002.safetensors",\n'
+        '    "packed": "model-00002-of-00002.safetensors",\n'
+        '    "w": "model-00001-of-00002.safetensors"\n'
+        "  }\n"
+        "}\n"
+    )
+    back = hf_tensors(tmp_path)
+    assert sorted(back) == sorted(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    raw = (tmp_path / "model-00001-of-00002.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0 and len(raw) == 8 + n + 28  # the data starts 8-byte aligned
+    assert json.loads(raw[8 : 8 + n]) == {
+        "__metadata__": {"format": "pt"},
+        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "bias": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]},
+    }
+    with safe_open(str(tmp_path / "model-00002-of-00002.safetensors"), framework="pt") as h:
+        assert h.metadata() == {"format": "pt"}
+
+
+def test_writer_refuses_what_the_plan_does_not_say(tmp_path):
+    with pytest.raises(ConversionError) as info:
+        ShardedSafetensorsWriter(tmp_path, [("a", (1,), F32), ("a", (2,), F32)], 100)
+    assert str(info.value) == "tensor 'a' planned twice"
+    plan = [("a", (2,), F32), ("b", (3,), F32)]
+    w = ShardedSafetensorsWriter(tmp_path, plan, 100)
+    for name, t, message in (
+        ("b", torch.zeros(3), "tensor 'b' written out of order (expected 'a')"),
+        (
+            "a",
+            torch.zeros(3),
+            "tensor 'a': got (3,) torch.float32, planned (2,) torch.float32",
+        ),
+        (
+            "a",
+            torch.zeros(2, dtype=torch.bfloat16),
+            "tensor 'a': got (2,) torch.bfloat16, planned (2,) torch.float32",
+        ),
+    ):
+        with pytest.raises(ConversionError) as info:
+            w.write(name, t)
+        assert str(info.value) == message
+    w.write("a", torch.zeros(2))
+    with pytest.raises(ConversionError) as info:
+        w.close()
+    assert str(info.value) == "only 1 of 2 tensors were written (next expected: 'b')"
+    assert not (tmp_path / INDEX_FILE).exists()
+    w = ShardedSafetensorsWriter(tmp_path, plan, 100)
+    w.write("a", torch.zeros(2))
+    w.write("b", torch.zeros(3))
+    with pytest.raises(ConversionError) as info:
+        w.write("c", torch.zeros(1))
+    assert str(info.value) == "tensor 'c' was not planned"
+
+
+# ------------------------------------------------------------------------------ small helpers
+def test_fp16_cast_refuses_only_finite_values_beyond_its_range():
+    top = torch.tensor([-65519.0, 1.0])  # rounds to -65504: fits
+    assert torch.equal(_cast("x", top, torch.float16, "fp16"), torch.tensor([-65504.0, 1.0]).half())
+    for t in (torch.tensor([float("inf"), -1.0]), torch.tensor([float("-inf")])):
+        assert torch.equal(_cast("x", t, torch.float16, "fp16"), t.half())  # inf was there
+    assert _cast("x", torch.tensor([1e30]), torch.bfloat16, "bf16").item() == pytest.approx(
+        1e30, 0.01
+    )
+    with pytest.raises(ConversionError) as info:
+        _cast("w.weight", torch.tensor([1.0, -65520.0, float("inf")]), torch.float16, "float16")
+    assert str(info.value) == (
+        "dtype='float16' is not allowed: bf16 or fp32 for this checkpoint: 'w.weight' holds "
+        "|values| up to 6.552e+04, above fp16's largest, 65504"
+    )
+
+
+def test_expected_stacked_axes_of_checkpoint_keys():
+    arch = ModelArch(**dict(TINY, num_layers=3, num_experts=5))
+    assert _expected_lead("embedding.word_embeddings.weight", arch) == ()
+    assert _expected_lead("decoder.layers.0.self_attention.linear_qkv.weight", arch) == ()
+    assert _expected_lead("decoder.layers.self_attention.linear_qkv.weight", arch) == (3,)
+    assert _expected_lead("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", arch) == (5,)
+    assert _expected_lead("decoder.layers.mlp.experts.experts.linear_fc2.weight", arch) == (3, 5)
+    assert _expected_lead("decoder.layers.1.mlp.experts.experts.0.linear_fc1.weight", arch) == ()
+
+
+def test_read_batches_fill_up_to_the_budget():
+    def maps(*numels):
+        return [SimpleNamespace(name=i, numel=lambda n=n: n) for i, n in enumerate(numels)]
+
+    def batches(numels, budget):
+        return [[tm.name for tm in b] for b in _batches(maps(*numels), budget)]
+
+    assert batches((10, 10, 10), 80) == [[0, 1], [2]]  # 4 bytes an element: exactly full
+    assert batches((10, 10, 10), 79) == [[0], [1], [2]]
+    assert batches((100, 1, 1), 8) == [[0], [1, 2]]  # a tensor above the budget: alone
+    assert batches((), 8) == []
+
+
+def test_only_tokenizer_files_are_shipped(tmp_path):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "spm.model",
+        "cl100k.tiktoken",
+        "tokenization_mine.py",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "README.md",
+    ):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "tokenizer_dir.json").mkdir()  # a directory: not a file to copy
+    assert [p.name for p in tokenizer_files(tmp_path)] == [
+        "added_tokens.json",
+        "chat_template.jinja",
+        "cl100k.tiktoken",
+        "merges.txt",
+        "special_tokens_map.json",
+        "spm.model",
+        "tokenization_mine.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
+
+
+# ------------------------------------------------------------------------- export end to end
+def test_export_writes_exactly_the_hf_tensors_it_was_given(tiny):
+    out = tiny.root / "out"
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "configuration_stable_latentmoe.py",
+        "generation_config.json",
+        *(f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)),
+        INDEX_FILE,
+        "modeling_stable_latentmoe.py",
+    ]
+    back = hf_tensors(out)
+    assert len(back) == N_HF_TENSORS and sorted(back) == sorted(tiny.tensors)
+    for name, t in tiny.tensors.items():
+        assert back[name].dtype == F32 and torch.equal(back[name], t), name
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert index["metadata"] == {"total_size": 83_152}
+    assert sum(t.numel() * 4 for t in back.values()) == 83_152
+    for name, file in index["weight_map"].items():
+        with safe_open(str(out / file), framework="pt") as h:
+            assert name in h.keys(), (name, file)
+    for name in REMOTE_CODE_FILES:
+        assert (out / name).read_bytes() == (HF_CODE_DIR / name).read_bytes(), name
+    assert no_leftovers(tiny.root)
+
+
+def test_export_summary(tiny):
+    s = tiny.exported
+    assert (s.tensors, s.files, s.bytes_written) == (N_HF_TENSORS, 10, 83_152)
+    assert s.bytes_read == 83_152
+    assert s.largest_tensor_bytes == LARGEST * 4
+    assert s.config_source == "checkpoint common state (stable_latentmoe_config)"
+    assert {k: s.extra[k] for k in ("dtype", "shards", "expert_dtype")} == {
+        "dtype": "float32",
+        "shards": 5,
+        "expert_dtype": "auto",
+    }
+    # 2 x (32 x 32) w1/w3 and 1 x (32 x 32) w2 per expert, 4 experts, fp32
+    assert s.extra["routed_expert_bytes"] == 4 * 3 * 32 * 32 * 4
+    assert s.extra["megatron_tensors"] == N_MEGATRON_TENSORS
+
+
+def test_export_config_and_generation_config(tiny):
+    cfg = json.loads((tiny.root / "out" / "config.json").read_text())
+    cfg.pop("transformers_version")
+    assert cfg == {
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "architectures": ["StableLatentMoEForCausalLM"],
+        "attention_dropout": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_stable_latentmoe.StableLatentMoEConfig",
+            "AutoModel": "modeling_stable_latentmoe.StableLatentMoEModel",
+            "AutoModelForCausalLM": "modeling_stable_latentmoe.StableLatentMoEForCausalLM",
+        },
+        "bos_token_id": 0,
+        "dtype": "float32",
+        "eos_token_id": 0,
+        "first_k_dense_replace": 1,
+        "head_dim": 8,
+        "hidden_act": "situ",
+        "hidden_size": 16,
+        "initializer_range": 0.02,
+        "intermediate_size": 24,
+        "latent_moe_use_norm": True,
+        "max_position_embeddings": 256,
+        "model_type": "stable_latentmoe",
+        "moe_intermediate_size": 32,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "num_attention_heads": 2,
+        "num_expert_group": 1,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 1,
+        "num_shared_experts": 1,
+        "pad_token_id": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "routed_expert_hidden_size": 32,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "use_cache": True,
+        "vocab_size": 96,
+    }
+    assert ModelArch.from_hf_config(cfg) == tiny.arch
+    gen = json.loads((tiny.root / "out" / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (0, 0, 1)
+
+
+def test_fp16_export_keeps_the_expert_bias_fp32_and_one_read_batch_per_tensor(tiny, tmp_path):
+    """``--dtype float16`` (torch's name) with the smallest read batch: every tensor fp16 but
+    ``e_score_correction_bias`` (fp32, bit-exact); the default 5GB cap gives one shard."""
+    s = export_checkpoint(
+        tiny.root / "mg",
+        tmp_path / "out",
+        dtype="float16",
+        tokenizer_dir=None,
+        read_batch_bytes=1,
+        progress=False,
+    )
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    back = hf_tensors(tmp_path / "out")
+    assert sorted(back) == sorted(tiny.tensors)
+    bias = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+    assert back[bias].dtype == F32 and torch.equal(back[bias], tiny.tensors[bias])
+    for name, t in back.items():
+        if name != bias:
+            assert t.dtype == torch.float16 and torch.equal(t, tiny.tensors[name].half()), name
+    assert index["metadata"]["total_size"] == 4 * 4 + 2 * (83_152 - 4 * 4) // 4
+    assert (s.extra["dtype"], s.extra["shards"], s.bytes_written) == ("float16", 1, 41_584)
+    assert s.largest_tensor_bytes == LARGEST * 4  # the fp32 checkpoint tensor, not the fp16 one
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"
+
+
+# ------------------------------------------------------------------------------ export refusals
+def _export_fails(tiny, out, message, **kw):
+    kw = dict(dict(tokenizer_dir=None, progress=False), **kw)
+    with pytest.raises(ConversionError) as info:
+        export_checkpoint(tiny.root / "mg", out, **kw)
+    assert str(info.value) == message
+    assert not os.path.isdir(out.parent) or no_leftovers(out.parent)
+
+
+def test_export_refuses_bad_options_and_outputs_before_writing(tiny, tmp_path):
+    out = tmp_path / "out"
+    for kw, message in (
+        (dict(max_shard_size="0"), "max_shard_size='0' is not allowed: a positive size"),
+        (dict(max_shard_size="-1GB"), "max_shard_size='-1GB' is not allowed: a positive size"),
+        (dict(dtype="fp64"), "dtype='fp64' is not allowed: one of auto, bf16, fp32, fp16"),
+        (
+            dict(expert_dtype="int4"),
+            "expert_dtype='int4' is not allowed: one of ('auto', 'mxfp4')",
+        ),
+    ):
+        _export_fails(tiny, out, message, **kw)
+        assert not out.exists()
+    _export_fails(
+        tiny,
+        tmp_path / "no" / "out",
+        f"the parent directory of the output, {str(tmp_path / 'no')!r}, does not exist",
+    )
+    out.write_text("a file")
+    _export_fails(tiny, out, f"output {str(out)!r} exists and is not a directory", overwrite=True)
+    out.unlink()
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    _export_fails(
+        tiny,
+        out,
+        f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it",
+    )
+    assert os.listdir(out) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("where", ["tensors", "metadata"])
+def test_export_failing_midway_leaves_no_output_and_keeps_the_old_one(
+    tiny, tmp_path, monkeypatch, where
+):
+    """A failure while the shards stream (after some are written) or while the config is written
+    removes the temporary directory; with --overwrite the previous output stays as it was."""
+    from megatron_latentmoe.convert import export as export_module
+
+    if where == "tensors":
+        original = ShardedSafetensorsWriter.write
+
+        def write(self, name, tensor):
+            if self._pos == 30:
+                raise ConversionError("disk full")
+            return original(self, name, tensor)
+
+        monkeypatch.setattr(ShardedSafetensorsWriter, "write", write)
+    else:
+
+        def write_hf_metadata(*args):
+            raise ConversionError("disk full")
+
+        monkeypatch.setattr(export_module, "write_hf_metadata", write_hf_metadata)
+    _export_fails(tiny, tmp_path / "out", "disk full", max_shard_size="20KB")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("previous")
+    _export_fails(tiny, tmp_path / "out", "disk full", max_shard_size="20KB", overwrite=True)
+    assert os.listdir(tmp_path) == ["out"]
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def test_fp64_checkpoint_needs_an_export_dtype(tiny, tmp_path):
+    """An fp64 HF model imports as fp64 (``auto``); its export must name a dtype HF configs
+    know. With ``--dtype fp32`` the values come back exactly (they were fp32 values)."""
+    arch = ModelArch(**TINY)
+    tensors = write_hf_dir(tmp_path / "hf", arch, dtype=torch.float64)
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg", progress=False)
+    reader = DistCheckpointReader(tmp_path / "mg")
+    assert {str(reader.dtype(k)) for k in reader.model_keys() if not k.endswith("expert_bias")} == {
+        "torch.float64"
+    }
+    with pytest.raises(ConversionError) as info:
+        export_checkpoint(tmp_path / "mg", tmp_path / "out", tokenizer_dir=None, progress=False)
+    assert str(info.value) == (
+        "checkpoint dtype torch.float64 cannot be exported; pass --dtype bf16/fp32"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+    s = export_checkpoint(
+        tmp_path / "mg", tmp_path / "out", dtype="fp32", tokenizer_dir=None, progress=False
+    )
+    assert s.largest_tensor_bytes == LARGEST * 8  # the fp64 checkpoint tensor
+    back = hf_tensors(tmp_path / "out")
+    for name, t in tensors.items():
+        assert back[name].dtype == F32 and torch.equal(back[name], t.float()), name
+
+
+def test_outputs_that_would_replace_an_input_are_refused_before_anything_is_read(tiny, tmp_path):
+    """The output is checked first: an existing output is refused even when the input is bad; an
+    output that is (or holds) the input is refused with --overwrite too, and the input stays."""
+    mg, hf = tiny.root / "mg", tiny.root / "hf"
+    before = sorted(tiny.root.rglob("*"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    exists = (
+        f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it"
+    )
+    for convert in (export_checkpoint, import_checkpoint):
+        with pytest.raises(ConversionError) as info:
+            convert(tmp_path / "missing", out, progress=False)
+        assert str(info.value) == exists
+    for convert, src, output, flag, named in (
+        (export_checkpoint, mg, mg / "release", "--checkpoint", mg / "release"),  # the iteration
+        (export_checkpoint, mg / "release", mg, "--checkpoint", mg / "release"),
+        (import_checkpoint, hf, hf, "--hf", hf),
+        (import_checkpoint, hf, tiny.root, "--hf", hf),
+    ):
+        with pytest.raises(ConversionError) as info:
+            convert(src, output, overwrite=True, progress=False)
+        assert str(info.value) == (
+            f"--output {str(output)!r} would replace the input {flag} {str(named)!r} (it is that "
+            "directory or contains it); allowed: an output directory outside the input"
+        )
+    assert sorted(tiny.root.rglob("*")) == before
