@@ -53,6 +53,7 @@ TINY = dict(
 """One dense layer and one MoE layer (4 experts, latent 32): 38 HF tensors, 83,152 fp32 bytes."""
 N_HF_TENSORS = 38
 N_MEGATRON_TENSORS = 28
+N_CHECKPOINT_KEYS = 22  # the 4 experts' 8 tensors are chunks of 2 stacked keys
 LARGEST = 2 * 32 * 32  # elements of a routed expert's linear_fc1 (its w1 and w3)
 
 
@@ -554,6 +555,181 @@ def test_fp64_checkpoint_needs_an_export_dtype(tiny, tmp_path):
         assert back[name].dtype == F32 and torch.equal(back[name], t.float()), name
 
 
+# ------------------------------------------------------------------------------------- import
+def test_import_writes_a_release_save_root(tiny):
+    mg = tiny.root / "mg"
+    assert sorted(os.listdir(mg)) == ["latest_checkpointed_iteration.txt", "release"]
+    assert (mg / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert sorted(os.listdir(mg / "release")) == [".metadata", "__0_0.distcp", "metadata.json"]
+    assert json.loads((mg / "release" / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+    }
+    s = tiny.imported
+    assert (s.tensors, s.files) == (N_CHECKPOINT_KEYS, 3)
+    assert s.extra["megatron_tensors"] == N_MEGATRON_TENSORS
+    assert s.extra["checkpoint_dir"] == f"{mg}/release"
+    assert s.bytes_read == 83_152
+    assert s.largest_tensor_bytes == LARGEST * 4
+    assert s.bytes_written == sum(p.stat().st_size for p in (mg / "release").iterdir())
+    common = DistCheckpointReader(mg).common_state()
+    assert (common["iteration"], common["checkpoint_version"]) == (0, 3.0)
+    assert common["num_floating_point_operations_so_far"] == 0
+    assert common["stable_latentmoe_config"] == tiny.arch.to_dict()
+    assert common["args"].num_layers == 2 and common["args"].hidden_size == 16
+    assert common["content_metadata"] == {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+    objects = DistCheckpointReader(mg).byte_objects
+    assert len(objects) == 17  # 6 dense linears + 4 experts x 2 linears + the common state
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in objects
+    assert no_leftovers(tiny.root)
+
+
+def test_import_at_an_iteration_in_bf16(tiny, tmp_path):
+    s = import_checkpoint(
+        tiny.root / "hf", tmp_path / "mg", iteration=7, dtype="bf16", progress=False
+    )
+    assert sorted(os.listdir(tmp_path / "mg")) == [
+        "iter_0000007",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert s.extra["checkpoint_dir"] == f"{tmp_path / 'mg'}/iter_0000007"
+    reader = DistCheckpointReader(tmp_path / "mg")
+    assert reader.common_state()["iteration"] == 7
+    dtypes = {k: reader.dtype(k) for k in reader.model_keys()}
+    bias = "decoder.layers.1.mlp.router.expert_bias"
+    assert dtypes.pop(bias) == F32
+    assert set(dtypes.values()) == {torch.bfloat16}
+    assert torch.equal(
+        reader.read(bias),
+        tiny.tensors["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"],
+    )
+    assert s.largest_tensor_bytes == LARGEST * 2
+    s = export_checkpoint(
+        tmp_path / "mg", tmp_path / "out", dtype="fp32", tokenizer_dir=None, progress=False
+    )
+    assert s.largest_tensor_bytes == LARGEST * 4  # the fp32 HF tensor, not the bf16 one
+
+
+@pytest.mark.parametrize("iteration", [-1, True, 1.5, "3"])
+def test_import_refuses_an_iteration_that_is_not_an_integer_ge_0(tiny, tmp_path, iteration):
+    with pytest.raises(ConversionError) as info:
+        import_checkpoint(tiny.root / "hf", tmp_path / "mg", iteration=iteration, progress=False)
+    assert str(info.value) == f"--iteration={iteration!r} is not allowed: an integer >= 0"
+    assert os.listdir(tmp_path) == []
+
+
+def test_import_of_a_tied_model_ignores_a_stored_lm_head(tmp_path):
+    """A tied model's HF directory may hold ``lm_head.weight`` (a copy of the embedding): it is
+    ignored, not refused; the imported checkpoint has no output layer."""
+    arch = ModelArch(**dict(TINY, tie_embeddings=True))
+    write_hf_dir(tmp_path / "hf", arch, extra={"lm_head.weight": torch.zeros(96, 16)})
+    s = import_checkpoint(tmp_path / "hf", tmp_path / "mg", progress=False)
+    assert s.tensors == N_CHECKPOINT_KEYS - 1
+    assert "output_layer.weight" not in DistCheckpointReader(tmp_path / "mg").model_keys()
+
+
+# ------------------------------------------------------------------------- import refusals
+def _import_fails(src, out, message):
+    with pytest.raises(ConversionError) as info:
+        import_checkpoint(src, out, progress=False)
+    assert str(info.value) == message
+    assert not os.path.exists(out) and no_leftovers(os.path.dirname(out))
+
+
+def test_import_refuses_a_directory_without_config_or_weights(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    _import_fails(hf, tmp_path / "mg", f"HF model directory {str(hf)!r} has no config.json")
+    (hf / "config.json").write_text(
+        json.dumps(dict(model_type="stable_latentmoe", **ModelArch(**TINY).to_hf_config_kwargs()))
+    )
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"HF model directory {str(hf)!r} has neither {INDEX_FILE} nor model.safetensors",
+    )
+
+
+def _one_tensor_file(hf, header: dict, data: bytes = bytes(16)) -> None:
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def test_import_refuses_safetensors_it_cannot_read(tmp_path):
+    hf = tmp_path / "hf"
+    write_hf_dir(hf, ModelArch(**TINY))
+    f = hf / "model.safetensors"
+    name = "model.embed_tokens.weight"
+    _one_tensor_file(hf, {name: {"dtype": "I32", "shape": [2, 2], "data_offsets": [0, 16]}})
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"{str(f)!r}: tensor {name!r} has dtype I32: not a supported float type "
+        "(F32, BF16, F16, F64)",
+    )
+    _one_tensor_file(hf, {name: {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]}})
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"{str(f)!r}: tensor {name!r} has dtype U8: not a supported float type "
+        "(F32, BF16, F16, F64)",
+    )
+    for offsets, data in (([0, 12], bytes(16)), ([0, 16], bytes(15))):
+        _one_tensor_file(
+            hf, {name: {"dtype": "F32", "shape": [2, 2], "data_offsets": offsets}}, data
+        )
+        _import_fails(
+            hf,
+            tmp_path / "mg",
+            f"{str(f)!r}: tensor {name!r} has inconsistent offsets (truncated or corrupt file)",
+        )
+    f.write_bytes(struct.pack("<Q", 9) + b"{}" + bytes(6))
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"safetensors file {str(f)!r} cannot be read: header longer than the file",
+    )
+    packed = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+    _one_tensor_file(hf, {packed: {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]}})
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"{str(hf)!r}: uint8 tensor(s) [{packed!r}] but config.json has no MXFP4 "
+        "quantization_config",
+    )
+
+
+def test_import_refuses_an_index_naming_the_wrong_file(tmp_path):
+    hf = tmp_path / "hf"
+    tensors = write_hf_dir(hf, ModelArch(**TINY))
+    (hf / "model.safetensors").rename(hf / "a.safetensors")
+    save_file({"x": torch.zeros(1)}, str(hf / "b.safetensors"))
+    names = sorted(tensors)
+    weight_map = {n: "a.safetensors" for n in names}
+    weight_map[names[0]] = weight_map[names[1]] = "b.safetensors"
+    (hf / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"{str(hf / INDEX_FILE)!r} names tensor(s) not found in their files: {names[:2]!r}",
+    )
+
+
+def test_import_at_iteration_0(tiny, tmp_path):
+    import_checkpoint(tiny.root / "hf", tmp_path / "mg", iteration=0, progress=False)
+    assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert DistCheckpointReader(tmp_path / "mg").common_state()["iteration"] == 0
+    assert sorted(os.listdir(tmp_path / "mg")) == [
+        "iter_0000000",
+        "latest_checkpointed_iteration.txt",
+    ]
+
+
 def test_outputs_that_would_replace_an_input_are_refused_before_anything_is_read(tiny, tmp_path):
     """The output is checked first: an existing output is refused even when the input is bad; an
     output that is (or holds) the input is refused with --overwrite too, and the input stays."""
@@ -582,3 +758,85 @@ def test_outputs_that_would_replace_an_input_are_refused_before_anything_is_read
             "directory or contains it); allowed: an output directory outside the input"
         )
     assert sorted(tiny.root.rglob("*")) == before
+
+
+def test_import_refuses_hf_directories_that_do_not_match_their_config(tmp_path):
+    arch = ModelArch(**TINY)
+    missing = tmp_path / "nothing"
+    _import_fails(missing, tmp_path / "mg", f"HF model directory {str(missing)!r} does not exist")
+    hf = tmp_path / "hf"
+    write_hf_dir(hf, arch, extra={"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"HF checkpoint {str(hf)!r} does not match its config.json:\n  unexpected tensor(s) not "
+        "described by config.json (1): ['model.layers.9.mlp.up_proj.weight']",
+    )
+    save_file({"x": torch.zeros(1)}, str(hf / "model.safetensors"))
+    with pytest.raises(ConversionError) as info:
+        import_checkpoint(hf, tmp_path / "mg", progress=False)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 1 + 12  # the first 12 of 39 problems
+    assert lines[1:3] == [
+        "  missing tensor 'model.embed_tokens.weight'",
+        "  missing tensor 'model.layers.0.input_layernorm.weight'",
+    ]
+    (hf / INDEX_FILE).write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    _import_fails(
+        hf,
+        tmp_path / "mg",
+        f"safetensors file {str(hf / 'model-00002.safetensors')!r} (named by the index) is missing",
+    )
+
+
+def test_a_safetensors_file_truncated_while_read_is_an_error(tmp_path):
+    from megatron_latentmoe.convert.importer import SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(8.0).reshape(4, 2)}, str(path))
+    f = SafetensorsFile(path)
+    try:
+        assert torch.equal(f.read_rows("w", 1, 3), torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+        os.truncate(path, os.path.getsize(path) - 8)
+        with pytest.raises(ConversionError) as info:
+            f.read_rows("w", 2, 4)
+        assert str(info.value) == f"{str(path)!r}: unexpected end of file reading 'w'"
+    finally:
+        f.close()
+
+
+def test_mxfp4_export_reads_back_in_the_dense_dtype(tiny, tmp_path):
+    """``--expert-dtype mxfp4`` in bf16: every routed expert linear becomes a uint8
+    ``weight_packed`` [out, in/2] + ``weight_scale`` [out, in/32] pair; the import dequantizes
+    them into bf16, the dtype of the other (non-fp32) tensors."""
+    from megatron_latentmoe.convert import mxfp4
+
+    s = export_checkpoint(
+        tiny.root / "mg",
+        tmp_path / "hf",
+        dtype="bf16",
+        expert_dtype="mxfp4",
+        tokenizer_dir=None,
+        progress=False,
+    )
+    # 4 experts x 3 linears [32, 32]: 32 x 16 codes + 32 x 1 scales
+    assert (s.extra["expert_dtype"], s.extra["routed_expert_bytes"]) == ("mxfp4", 12 * 544)
+    assert s.tensors == N_HF_TENSORS + 12
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["quantization_config"] == mxfp4.quantization_config()
+    back = hf_tensors(tmp_path / "hf")
+    w1 = "model.layers.1.block_sparse_moe.experts.2.w1"
+    assert f"{w1}.weight" not in back
+    packed, scale = back[f"{w1}.weight_packed"], back[f"{w1}.weight_scale"]
+    assert (packed.dtype, packed.shape, scale.dtype, scale.shape) == (
+        torch.uint8,
+        (32, 16),
+        torch.uint8,
+        (32, 1),
+    )
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg", progress=False)
+    reader = DistCheckpointReader(tmp_path / "mg")
+    fc1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+    assert reader.dtype(fc1) == torch.bfloat16
+    dense = mxfp4.unpack(f"{w1}.weight", back, torch.bfloat16)
+    assert torch.equal(reader.read(fc1)[2, :32], dense)  # w1 is the first half of fc1
