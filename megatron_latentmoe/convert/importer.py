@@ -62,7 +62,7 @@ from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
 from .dist_reader import COMMON_STATE_KEY
 from .errors import ConversionError
-from .export import INDEX_FILE, ST_DTYPE_NAMES, parse_dtype
+from .export import INDEX_FILE, ST_DTYPE_NAMES, _cast, parse_dtype
 from .names import (
     check_shape,
     extra_state_key,
@@ -374,7 +374,7 @@ def import_checkpoint(
     out_dtype = parse_dtype(dtype)
     hf = HFCheckpointReader(hf_dir)
     try:
-        return _import(hf, output, timer, out_dtype, iteration, overwrite, progress)
+        return _import(hf, output, timer, out_dtype, dtype, iteration, overwrite, progress)
     finally:
         hf.close()
 
@@ -384,6 +384,7 @@ def _import(
     output,
     timer: Timer,
     out_dtype,
+    dtype: str,
     iteration,
     overwrite: bool,
     progress: bool | None,
@@ -418,7 +419,8 @@ def _import(
         )
 
         def resolve(tm=tm, dt=dt, sizes=sizes):
-            t = tm.megatron_rows(hf.get, 0, tm.shape[0]).to(dt).reshape(sizes).contiguous()
+            t = _cast(tm.megatron, tm.megatron_rows(hf.get, 0, tm.shape[0]), dt, dtype)
+            t = t.reshape(sizes).contiguous()
             bar.update(t.numel() * t.element_size())
             return t
 

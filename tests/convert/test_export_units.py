@@ -840,3 +840,22 @@ def test_mxfp4_export_reads_back_in_the_dense_dtype(tiny, tmp_path):
     assert reader.dtype(fc1) == torch.bfloat16
     dense = mxfp4.unpack(f"{w1}.weight", back, torch.bfloat16)
     assert torch.equal(reader.read(fc1)[2, :32], dense)  # w1 is the first half of fc1
+
+
+def test_fp16_import_of_values_beyond_its_range_is_refused(tmp_path):
+    """``import --dtype fp16`` of an HF weight beyond fp16's 65504: one error naming the option,
+    the tensor and its largest value, and no output (it was written as inf, silently); bf16
+    holds it."""
+    big = {"model.layers.0.mlp.up_proj.weight": torch.full((24, 16), -1e5)}
+    write_hf_dir(tmp_path / "hf", ModelArch(**TINY), extra=big)
+    with pytest.raises(ConversionError) as info:
+        import_checkpoint(tmp_path / "hf", tmp_path / "mg", dtype="fp16", progress=False)
+    assert str(info.value) == (
+        "dtype='fp16' is not allowed: bf16 or fp32 for this checkpoint: "
+        "'decoder.layers.0.mlp.linear_fc1.weight' holds |values| up to 1e+05, above fp16's "
+        "largest, 65504"
+    )
+    assert os.listdir(tmp_path) == ["hf"]
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg", dtype="bf16", progress=False)
+    fc1 = DistCheckpointReader(tmp_path / "mg").read("decoder.layers.0.mlp.linear_fc1.weight")
+    assert fc1.dtype == torch.bfloat16 and fc1[24:].eq(-1e5).all()  # up_proj: the second half
