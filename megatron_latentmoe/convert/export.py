@@ -234,7 +234,7 @@ class ShardedSafetensorsWriter:
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _cast(name: str, tensor: torch.Tensor, to: torch.dtype, option: str) -> torch.Tensor:
+def cast_checked(name: str, tensor: torch.Tensor, to: torch.dtype, option: str) -> torch.Tensor:
     """``tensor`` in ``to``; a ConversionError naming ``--dtype``'s value ``option`` where fp16's
     range (65504) would turn a finite value into inf (bf16 shares fp32's range)."""
     out = tensor.to(to)
@@ -574,7 +574,9 @@ def export_checkpoint(
                                 raise ConversionError(f"--expert-dtype mxfp4: {e}") from None
                         else:
                             out = {
-                                hf_name: _cast(hf_name, hf_t, hf_dtype_for(tm, model_dtype), dtype)
+                                hf_name: cast_checked(
+                                    hf_name, hf_t, hf_dtype_for(tm, model_dtype), dtype
+                                )
                             }
                         for out_name, out_t in out.items():
                             n = writer.write(out_name, out_t)

@@ -25,8 +25,8 @@ from megatron_latentmoe.convert.export import (
     REMOTE_CODE_FILES,
     ShardedSafetensorsWriter,
     _batches,
-    _cast,
     _expected_lead,
+    cast_checked,
     check_expert_dtype,
     export_checkpoint,
     parse_dtype,
@@ -270,14 +270,18 @@ def test_writer_refuses_what_the_plan_does_not_say(tmp_path):
 # ------------------------------------------------------------------------------ small helpers
 def test_fp16_cast_refuses_only_finite_values_beyond_its_range():
     top = torch.tensor([-65519.0, 1.0])  # rounds to -65504: fits
-    assert torch.equal(_cast("x", top, torch.float16, "fp16"), torch.tensor([-65504.0, 1.0]).half())
+    assert torch.equal(
+        cast_checked("x", top, torch.float16, "fp16"), torch.tensor([-65504.0, 1.0]).half()
+    )
     for t in (torch.tensor([float("inf"), -1.0]), torch.tensor([float("-inf")])):
-        assert torch.equal(_cast("x", t, torch.float16, "fp16"), t.half())  # inf was there
-    assert _cast("x", torch.tensor([1e30]), torch.bfloat16, "bf16").item() == pytest.approx(
+        assert torch.equal(cast_checked("x", t, torch.float16, "fp16"), t.half())  # inf was there
+    assert cast_checked("x", torch.tensor([1e30]), torch.bfloat16, "bf16").item() == pytest.approx(
         1e30, 0.01
     )
     with pytest.raises(ConversionError) as info:
-        _cast("w.weight", torch.tensor([1.0, -65520.0, float("inf")]), torch.float16, "float16")
+        cast_checked(
+            "w.weight", torch.tensor([1.0, -65520.0, float("inf")]), torch.float16, "float16"
+        )
     assert str(info.value) == (
         "dtype='float16' is not allowed: bf16 or fp32 for this checkpoint: 'w.weight' holds "
         "|values| up to 6.552e+04, above fp16's largest, 65504"
