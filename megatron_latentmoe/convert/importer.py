@@ -301,6 +301,7 @@ class HFCheckpointReader:
             raise ConversionError(
                 f"HF checkpoint {str(self.dir)!r} does not match its config.json:\n  "
                 + "\n  ".join(problems[:12])
+                + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
             )
         return count
 
