@@ -107,6 +107,7 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
         f' "{QUANTILE_HISTOGRAM}": Stable LatentMoE Quantile Balancing (SPEC §4): the per-expert '
         "bias is set each step from a global histogram of routing margins."
     )
+    _find_action(parser, "yaml_cfg").type = _refuse_yaml_cfg
     parser.set_defaults(
         transformer_impl=None,  # resolved in validate: TE if installed and a GPU is present
         moe_router_score_function=None,  # resolved: sigmoid under QB, Megatron's softmax else
@@ -117,6 +118,15 @@ def add_stable_latentmoe_args(parser: argparse.ArgumentParser) -> argparse.Argum
     _escape_unformattable_help(parser)
     one_line_errors(parser)
     return parser
+
+
+def _refuse_yaml_cfg(value: str):
+    """``--yaml-cfg``'s type: refused while parsing, as megatron.training 0.19.2 reads the file
+    right after parsing, before any check of ours (a missing file: a traceback)."""
+    raise argparse.ArgumentTypeError(
+        f"{value} is not allowed: this entry point takes no YAML config; allowed: the settings "
+        "as flags"
+    )
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -273,8 +283,6 @@ def validate_stable_latentmoe_args(
             "--spec is not used by this entry point: the layer spec is Stable LatentMoE's own "
             "(choose its backend with --transformer-impl local|transformer_engine)"
         )
-    if getattr(args, "yaml_cfg", None):
-        raise FlagError("--yaml-cfg is not supported by this entry point; pass flags")
     if args.multi_latent_attention:
         raise FlagError(
             "--multi-latent-attention is not supported: attention is Megatron's GQA "

@@ -206,6 +206,13 @@ CASES = {
         ],
         ["aux_loss", "sinkhorn", "distinct aux losses"],
     ),
+    "yaml_config": (  # megatron.training reads the file right after parsing: a traceback
+        ["--yaml-cfg", "/nonexistent/config.yaml"],
+        [
+            "argument --yaml-cfg: /nonexistent/config.yaml is not allowed: this entry point takes "
+            "no YAML config; allowed: the settings as flags (all flags: --help)"
+        ],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
