@@ -280,30 +280,50 @@ def validate_stable_latentmoe_args(
     # ---- things Megatron's parser accepts but this model cannot be
     if args.spec:
         raise FlagError(
-            "--spec is not used by this entry point: the layer spec is Stable LatentMoE's own "
-            "(choose its backend with --transformer-impl local|transformer_engine)"
+            f"--spec {' '.join(map(str, args.spec))} is not allowed: the layer spec is Stable "
+            "LatentMoE's own (choose its backend with --transformer-impl "
+            f"{' or '.join(BACKENDS)})"
         )
     if args.multi_latent_attention:
         raise FlagError(
             "--multi-latent-attention is not supported: attention is Megatron's GQA "
             "self-attention with RoPE (--group-query-attention --num-query-groups N)"
         )
-    if args.heterogeneous_layers_config_path or args.heterogeneous_layers_config_encoded_json:
-        raise FlagError("--heterogeneous-layers-config-path is not supported by this model")
+    for dest in ("heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json"):
+        if getattr(args, dest):
+            raise FlagError(
+                f"--{dest.replace('_', '-')} {getattr(args, dest)} is not allowed: this model's "
+                "layers are set by its flags; allowed: none"
+            )
     if args.mtp_num_layers:
-        raise FlagError("--mtp-num-layers is not supported by this entry point")
+        raise FlagError(
+            f"--mtp-num-layers {args.mtp_num_layers} is not allowed: this entry point trains no "
+            "multi-token prediction; allowed: 0"
+        )
     if args.position_embedding_type != "rope":
         raise FlagError(
             f"--position-embedding-type {args.position_embedding_type}: this model uses 'rope'"
         )
-    if args.rotary_percent != 1.0 or args.use_rope_scaling:
-        raise FlagError("--rotary-percent / --use-rope-scaling are not supported (full RoPE)")
-    if args.add_bias_linear or args.add_qkv_bias:
-        raise FlagError("--add-qkv-bias / linear biases are not supported by this model")
-    if args.squared_relu or args.quick_geglu:
+    if args.rotary_percent != 1.0:
         raise FlagError(
-            "--squared-relu / --quick-geglu: choose the activation with --hidden-act situ|swiglu"
+            f"--rotary-percent {args.rotary_percent} is not allowed: this model rotates every "
+            "head dimension; allowed: 1.0"
         )
+    if args.use_rope_scaling:
+        raise FlagError("--use-rope-scaling is not allowed: this model's RoPE is unscaled")
+    if args.add_qkv_bias:
+        raise FlagError("--add-qkv-bias is not allowed: this model has no linear biases")
+    if args.add_bias_linear:  # no flag turns it on: a checkpoint's args (--use-checkpoint-args)
+        raise FlagError(
+            "add_bias_linear=True (from the checkpoint's args) is not allowed: this model has no "
+            "linear biases; allowed: --disable-bias-linear, the default"
+        )
+    for dest in ("squared_relu", "quick_geglu"):
+        if getattr(args, dest):
+            raise FlagError(
+                f"--{dest.replace('_', '-')} is not allowed: the activation is "
+                f"--hidden-act {' or '.join(BY_NAME['hidden_act'].kind)}"
+            )
 
     # ---- the model config's rules, on the flags (resolving the "auto" defaults first)
     if args.num_experts is None:

@@ -213,6 +213,57 @@ CASES = {
             "no YAML config; allowed: the settings as flags (all flags: --help)"
         ],
     ),
+    "layer_spec_module": (
+        ["--spec", "my.specs", "layer_spec"],
+        [
+            "--spec my.specs layer_spec is not allowed: the layer spec is Stable LatentMoE's own "
+            "(choose its backend with --transformer-impl local or transformer_engine)"
+        ],
+    ),
+    "heterogeneous_layers": (
+        ["--heterogeneous-layers-config-path", "/nonexistent/layers.json"],
+        [
+            "--heterogeneous-layers-config-path /nonexistent/layers.json is not allowed: this "
+            "model's layers are set by its flags; allowed: none"
+        ],
+    ),
+    "heterogeneous_layers_as_json": (
+        ["--heterogeneous-layers-config-encoded-json", "{}"],
+        [
+            "--heterogeneous-layers-config-encoded-json {} is not allowed: this model's layers "
+            "are set by its flags; allowed: none"
+        ],
+    ),
+    "multi_token_prediction": (
+        ["--mtp-num-layers", "1"],
+        [
+            "--mtp-num-layers 1 is not allowed: this entry point trains no multi-token "
+            "prediction; allowed: 0"
+        ],
+    ),
+    "partial_rope": (
+        ["--rotary-percent", "0.5"],
+        [
+            "--rotary-percent 0.5 is not allowed: this model rotates every head dimension; "
+            "allowed: 1.0"
+        ],
+    ),
+    "rope_scaling": (
+        ["--use-rope-scaling"],
+        ["--use-rope-scaling is not allowed: this model's RoPE is unscaled"],
+    ),
+    "qkv_bias": (
+        ["--add-qkv-bias"],
+        ["--add-qkv-bias is not allowed: this model has no linear biases"],
+    ),
+    "squared_relu": (
+        ["--squared-relu"],
+        ["--squared-relu is not allowed: the activation is --hidden-act situ or swiglu"],
+    ),
+    "quick_geglu": (
+        ["--quick-geglu"],
+        ["--quick-geglu is not allowed: the activation is --hidden-act situ or swiglu"],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
@@ -443,3 +494,31 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     for split, paths, part in bad:
         with pytest.raises(FlagError, match=rf"gives the {part} part none" if part else "--split"):
             _check_split(SimpleNamespace(split=split, data_path=paths))
+
+
+def test_linear_biases_from_a_checkpoint_are_refused():
+    """No flag turns Megatron's ``add_bias_linear`` on (only ``--disable-bias-linear``, our
+    default, exists), but ``--use-checkpoint-args`` takes it from a checkpoint: the refusal
+    names the setting, not a flag that does not exist."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import FlagError, validate_stable_latentmoe_args
+
+    args = SimpleNamespace(
+        spec=None,
+        multi_latent_attention=False,
+        heterogeneous_layers_config_path=None,
+        heterogeneous_layers_config_encoded_json=None,
+        mtp_num_layers=None,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        use_rope_scaling=False,
+        add_qkv_bias=False,
+        add_bias_linear=True,
+    )
+    with pytest.raises(FlagError) as err:
+        validate_stable_latentmoe_args(args, has_cuda=False, have_te=False)
+    assert str(err.value) == (
+        "add_bias_linear=True (from the checkpoint's args) is not allowed: this model has no "
+        "linear biases; allowed: --disable-bias-linear, the default"
+    )
