@@ -264,6 +264,22 @@ CASES = {
         ["--quick-geglu"],
         ["--quick-geglu is not allowed: the activation is --hidden-act situ or swiglu"],
     ),
+    "checkpoint_args_without_a_checkpoint": (  # else silently ignored: no checkpoint to read
+        ["--use-checkpoint-args"],
+        [
+            "--use-checkpoint-args reads the model flags from a checkpoint: give it with --load "
+            "(or --pretrained-checkpoint)"
+        ],
+    ),
+    "checkpoint_args_with_local_checkpoints": (  # Megatron's bare assert: a traceback
+        ["--use-checkpoint-args", "--load", "/nonexistent/ckpt"]
+        + ["--non-persistent-ckpt-type", "local"],
+        [
+            "--use-checkpoint-args with --non-persistent-ckpt-type local: not supported by "
+            "megatron-core 0.19.2 (all flags must be known before its local checkpoint manager "
+            "starts); give the model flags instead"
+        ],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
