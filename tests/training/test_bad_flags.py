@@ -280,6 +280,62 @@ CASES = {
             "starts); give the model flags instead"
         ],
     ),
+    "multi_latent_attention": (
+        ["--multi-latent-attention"],
+        [
+            "--multi-latent-attention is not supported: attention is Megatron's GQA "
+            "self-attention with RoPE (--group-query-attention --num-query-groups N)"
+        ],
+    ),
+    "learned_position_embeddings": (
+        ["--position-embedding-type", "learned_absolute"],
+        ["--position-embedding-type learned_absolute: this model uses 'rope'"],
+    ),
+    "inference_optimized_backend": (  # one of Megatron's choices, not a spec of ours
+        ["--transformer-impl", "inference_optimized"],
+        ["--transformer-impl inference_optimized: this model supports local or transformer_engine"],
+    ),
+    "transformer_engine_not_installed": (
+        ["--transformer-impl", "transformer_engine"],
+        [
+            "--transformer-impl transformer_engine: Transformer Engine is not installed "
+            "(pip install 'megatron-latentmoe[te]' on a CUDA machine), use --transformer-impl local"
+        ],
+    ),
+    "grouped_gemm_with_local_layers": (
+        ["--moe-grouped-gemm"],
+        ["--moe-grouped-gemm needs --transformer-impl transformer_engine"],
+    ),
+    "flex_dispatcher_without_gpus": (
+        ["--moe-token-dispatcher-type", "flex"],
+        ["--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall"],
+    ),
+    "tensor_parallel_without_sequence_parallel": (
+        ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
+        ["--tensor-model-parallel-size 2 with MoE needs --sequence-parallel (Megatron)"],
+    ),
+    "missing_tokenizer_model": (
+        ["--tokenizer-model", "/nonexistent/tokenizer"],
+        ["--tokenizer-model /nonexistent/tokenizer: no such file or folder"],
+    ),
+    "missing_data_args_file": (
+        ["--data-args-path", "/nonexistent/data_args.txt"],
+        ["--data-args-path /nonexistent/data_args.txt: no such file"],
+    ),
+    "calibration_with_batch_rampup": (  # the pool is N batches of the final size
+        ["--moe-qb-calibrate-batches", "4", "--rampup-batch-size", "4", "4", "100"],
+        [
+            "--moe-qb-calibrate-batches 4 does not support --rampup-batch-size (the pool is N "
+            "batches of the final global batch size)"
+        ],
+    ),
+    "calibration_with_a_cyclic_loader": (
+        ["--moe-qb-calibrate-batches", "4", "--dataloader-type", "cyclic"],
+        [
+            "--moe-qb-calibrate-batches 4 with --dataloader-type cyclic: allowed: single (the "
+            "pool is the last N global batches of the run's sample order)"
+        ],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
