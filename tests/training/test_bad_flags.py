@@ -594,3 +594,81 @@ def test_linear_biases_from_a_checkpoint_are_refused():
         "add_bias_linear=True (from the checkpoint's args) is not allowed: this model has no "
         "linear biases; allowed: --disable-bias-linear, the default"
     )
+
+
+def test_pipeline_split_check_leaves_each_other_stage_one_layer():
+    """``--decoder-first/last-pipeline-num-layers`` may fill the model up to one layer for each
+    other stage, not more."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import FlagError, _check_pipeline_split
+
+    def split(first, last=None, pp=2):
+        return SimpleNamespace(
+            num_layers=4,
+            pipeline_model_parallel_size=pp,
+            decoder_first_pipeline_num_layers=first,
+            decoder_last_pipeline_num_layers=last,
+            pipeline_model_parallel_layout=None,
+        )
+
+    for ok in (split(3), split(None, 3), split(2, 1, pp=3), split(2, 2)):
+        _check_pipeline_split(ok)
+    with pytest.raises(FlagError) as err:
+        _check_pipeline_split(split(2, 2, pp=3))
+    assert str(err.value) == (
+        "--num-layers 4 --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 2 "
+        "--decoder-last-pipeline-num-layers 2 is not allowed: the first and last pipeline stages "
+        "would hold 4 of the 4 layers; allowed: at most 3 in those stages together (each of the "
+        "other 1 stages holds at least one layer)"
+    )
+    with pytest.raises(FlagError, match="would hold 4 of the 4 layers; allowed: at most 3 "):
+        _check_pipeline_split(split(4))
+
+
+def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
+    """Virtual pipeline stages: the micro-batch group is at least the pipeline size, and every
+    step (training, and evaluation when it runs) has at least one group of micro-batches."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import interleaved_schedule_refusal
+
+    def run(global_batch=2, eval_batch=2, eval_iters=0, vpp=2, rampup=None):
+        return SimpleNamespace(
+            num_layers=4,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=vpp,
+            rampup_batch_size=rampup,
+            data_parallel_size=1,
+            global_batch_size=global_batch,
+            micro_batch_size=1,
+            eval_iters=eval_iters,
+            eval_global_batch_size=eval_batch,
+            eval_micro_batch_size=1,
+        )
+
+    for ok, group in ((run(), None), (run(eval_iters=1), 2), (run(1, vpp=None), None)):
+        assert interleaved_schedule_refusal(ok, group) is None
+    assert interleaved_schedule_refusal(run(1, rampup=["1", "1", "10"]), None) is None
+    assert interleaved_schedule_refusal(run(), 1) == (
+        "--microbatch-group-size-per-virtual-pipeline-stage 1 is not allowed with "
+        "--pipeline-model-parallel-size 2 and virtual pipeline stages: at least 2"
+    )
+    refusal = interleaved_schedule_refusal(run(eval_batch=1, eval_iters=1), None)
+    assert refusal.startswith("--eval-global-batch-size 1 is not allowed"), refusal
+    assert refusal.endswith("allowed: a multiple of 1 of at least 2"), refusal
+
+
+def test_a_data_path_whose_index_is_not_megatrons_is_refused(tmp_path):
+    """``--split`` counts a dataset's sequences from its ``.idx`` header: a file that is not a
+    Megatron index (another magic, or cut short) is refused naming it, not a struct error."""
+    from megatron_latentmoe.training.arguments import FlagError, _sequence_count
+
+    prefix = str(tmp_path / "corpus")
+    for header in (b"NOTANIDX" + bytes(18), b"MMIDIDX\x00\x00" + bytes(10)):
+        open(prefix + ".idx", "wb").write(header)
+        with pytest.raises(FlagError) as err:
+            _sequence_count(prefix)
+        assert str(err.value) == (
+            f"--data-path {prefix}: {prefix}.idx is not a Megatron index file"
+        )
