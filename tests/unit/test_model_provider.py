@@ -118,6 +118,34 @@ def _norm_names_on_resume(args, builder, pg_collection, root: str) -> dict:
     return names
 
 
+RESOLVED = (
+    "transformer_impl",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+    "moe_grouped_gemm",
+    "distributed_backend",
+)
+"""The flags validate_stable_latentmoe_args resolves from the machine (GPU, Transformer Engine)."""
+
+
+def _resolved_on_machines(argv) -> dict:
+    """RESOLVED after the flag check of ``argv``, as on a CPU and on a GPU without TE (no apex
+    either: this venv has none)."""
+    from megatron_latentmoe.compat.training import parse_with_our_flags
+    from megatron_latentmoe.training.arguments import (
+        add_stable_latentmoe_args,
+        validate_stable_latentmoe_args,
+    )
+
+    resolved = {}
+    for machine, has_cuda in (("cpu", False), ("gpu_without_te", True)):
+        sys.argv = ["pretrain", *argv]
+        args = parse_with_our_flags(add_stable_latentmoe_args)
+        validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=False)
+        resolved[machine] = {k: getattr(args, k) for k in RESOLVED}
+    return resolved
+
+
 def _provide(rank, world_size, runs, checkpoint_root):
     """For each run: what the provider built from its flags (config fields, model config, the
     model's MoE layers and sizes); for tiny.sh's flags also the backend of
@@ -171,6 +199,7 @@ def _provide(rank, world_size, runs, checkpoint_root):
             args.transformer_impl = "transformer_engine"  # its config only: no TE model here
             te_cfg = model_provider.model_config_from_args(args, config)
             out[name]["te_backend"] = te_cfg.latentmoe_backend
+            out[name]["machines"] = _resolved_on_machines(argv)
     model_provider.install_finalize_hook(None)
     return out
 
@@ -265,4 +294,19 @@ def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
         "tracked": ["latent_norm"],
         "ckpt_step_1": ["routed_expert_norm"],
         "torch_format": ["routed_expert_norm"],
+    }
+
+
+def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
+    """Without Transformer Engine: the local layers (no grouped GEMM), no TE RoPE fusion, no
+    apex wgrad fusion; gloo on a CPU, Megatron's nccl on a GPU."""
+    local = dict(
+        transformer_impl="local",
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_grouped_gemm=False,
+    )
+    assert built["tiny"]["machines"] == {
+        "cpu": dict(local, distributed_backend="gloo"),
+        "gpu_without_te": dict(local, distributed_backend="nccl"),
     }
