@@ -336,6 +336,17 @@ CASES = {
             "pool is the last N global batches of the run's sample order)"
         ],
     ),
+    "megatron_assert_with_a_message": (  # validate_args' assert, as one line with its text
+        ["--fp16-lm-cross-entropy", "--save-interval", "1000"],
+        [
+            "Megatron's validate_args refused these flags",
+            "`): lm cross entropy in fp16 only support in fp16 mode.",
+        ],
+    ),
+    "megatron_config_value_error": (  # TransformerConfig's ValueError, as one line
+        ["--moe-single-grouped-weight", "--save-interval", "1000"],
+        ["moe_single_grouped_weight and moe_single_grouped_bias require moe_grouped_gemm=True."],
+    ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
         ["unrecognized arguments: --moe-qb-bins 10", "--help"],
