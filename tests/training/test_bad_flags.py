@@ -683,3 +683,36 @@ def test_a_data_path_whose_index_is_not_megatrons_is_refused(tmp_path):
         assert str(err.value) == (
             f"--data-path {prefix}: {prefix}.idx is not a Megatron index file"
         )
+
+
+def test_the_shipped_corpus_and_tokenizer_are_used_only_when_none_is_given():
+    """Any dataset flag (a path, an args file, --mock-data) turns the shipped corpus off; any
+    tokenizer flag, the shipped tokenizer (``--tokenizer-model`` alone is a HuggingFace one)."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import apply_default_tokenizer, uses_default_data
+
+    none = dict(
+        mock_data=False,
+        data_path=None,
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        data_args_path=None,
+        per_split_data_args_path=None,
+    )
+    assert uses_default_data(SimpleNamespace(**none)) is True
+    for dest, value in (
+        ("mock_data", True),
+        ("test_data_path", ["my_corpus"]),
+        ("per_split_data_args_path", "splits.json"),
+    ):
+        assert uses_default_data(SimpleNamespace(**dict(none, **{dest: value}))) is False, dest
+    for given, shipped, expected in (
+        ((None, None), True, ("HuggingFaceTokenizer", "/shipped")),
+        (("NullTokenizer", None), False, ("NullTokenizer", None)),
+        ((None, "/my/tokenizer"), False, ("HuggingFaceTokenizer", "/my/tokenizer")),
+    ):
+        args = SimpleNamespace(tokenizer_type=given[0], tokenizer_model=given[1])
+        assert apply_default_tokenizer(args, "/shipped") is shipped, given
+        assert (args.tokenizer_type, args.tokenizer_model) == expected, given
