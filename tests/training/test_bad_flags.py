@@ -10,6 +10,7 @@ folder created. The seconds each case took are printed, not asserted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -408,6 +409,10 @@ CASES = {
         ["--split 9999,1,0 gives the validation part none of the 1404 sequences of the shipped"],
     ),
 }
+# refusals only on a machine without Transformer Engine (FP8: or without a GPU); with TE the run
+# would go on into heavy work, so these are not run there
+WITHOUT_TE = {"fp8_without_te_or_gpu", "transformer_engine_not_installed"}
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
 HEAVY_MARKERS = (
     "initializing torch distributed",
@@ -469,24 +474,27 @@ def outcomes():
     """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
     from megatron_latentmoe.data.indexed import preprocess_jsonl
 
-    for name in CASES:
+    run = [name for name in CASES if not (HAS_TE and name in WITHOUT_TE)]
+    for name in run:
         (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
     docs = scratch_dir() / "small_corpus.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
     preprocess_jsonl(docs, SMALL_CORPUS, progress=False)
-    cases = {name: _argv(name) for name in CASES}
+    cases = {name: _argv(name) for name in run}
     proc = _run(["-c", DRIVER, str(REPO), json.dumps(cases)])
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("CASE "):
             case = json.loads(line[5:])
             results[case["name"]] = (case["code"], case["output"], case["seconds"])
-    assert sorted(results) == sorted(CASES), proc.stdout[-5000:]
+    assert sorted(results) == sorted(run), proc.stdout[-5000:]
     return results
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fails_fast_naming_the_flag(outcomes, name):
+    if name not in outcomes:
+        pytest.skip("Transformer Engine is installed here: the flag is accepted")
     returncode, output, seconds = outcomes[name]
     _check(name, returncode, output, seconds)
 
