@@ -734,6 +734,8 @@ def megatron_refusal(args, err: AssertionError) -> str:
         )
     frame = traceback.extract_tb(err.__traceback__)[-1]  # the assert: what it checks
     line = frame.line.rstrip(" \\(").rstrip(",")  # a multi-line assert: its first line
+    if str(err) and str(err) in line:  # its message is given after the line: not twice
+        line = line[: line.index(str(err))].rstrip(" '\"").rstrip(",")
     check = f"{os.path.basename(frame.filename)}:{frame.lineno} `{line}`"
     return f"Megatron's validate_args refused these flags ({check})" + (
         f": {err}" if str(err) else ""

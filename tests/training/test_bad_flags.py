@@ -341,7 +341,8 @@ CASES = {
         ["--fp16-lm-cross-entropy", "--save-interval", "1000"],
         [
             "Megatron's validate_args refused these flags",
-            "`): lm cross entropy in fp16 only support in fp16 mode.",
+            "(arguments.py:1333 `assert args.fp16`): lm cross entropy in fp16 only support in "
+            "fp16 mode.",  # the message once, not also inside the quoted line
         ],
     ),
     "megatron_config_value_error": (  # TransformerConfig's ValueError, as one line
