@@ -44,14 +44,14 @@ def tracked_checkpoint_dir(
 ) -> Path | None:
     """The checkpoint directory that ``root``'s tracker names (``root/iter_XXXXXXX`` or
     ``root/release``, whether it exists or not); None if ``root`` has no tracker. A tracker that
-    cannot be read, or holds neither an iteration number nor ``release``, raises ``error``
-    naming the file (and what it holds)."""
+    cannot be read (or is not UTF-8 text), or holds neither an iteration number nor ``release``,
+    raises ``error`` naming the file (and what it holds)."""
     tracker = Path(root) / TRACKER_FILE
     if not tracker.is_file():
         return None
     try:
         text = tracker.read_text().strip()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text (a corrupted file)
         raise error(f"checkpoint tracker {str(tracker)!r} cannot be read: {e}") from None
     if text == RELEASE:
         return Path(root) / RELEASE

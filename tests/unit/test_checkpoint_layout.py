@@ -50,3 +50,19 @@ def test_a_tracker_holding_something_else_raises_the_given_error(tmp_path):
         MyError, match=r"latest_checkpointed_iteration.txt' holds '2O': expected an iteration"
     ):
         tracked_checkpoint_dir(tmp_path, MyError)
+
+
+def test_a_tracker_that_is_not_text_is_refused_naming_the_file(tmp_path):
+    """A corrupted (not UTF-8) tracker: the given error naming the file, not a traceback."""
+    tracker = tmp_path / TRACKER_FILE
+    tracker.write_bytes(b"\xff20")
+
+    class MyError(Exception):
+        pass
+
+    with pytest.raises(MyError) as err:
+        tracked_checkpoint_dir(tmp_path, MyError)
+    assert str(err.value) == (
+        f"checkpoint tracker {str(tracker)!r} cannot be read: 'utf-8' codec can't decode byte "
+        "0xff in position 0: invalid start byte"
+    )
