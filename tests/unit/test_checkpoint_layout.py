@@ -52,6 +52,16 @@ def test_a_tracker_holding_something_else_raises_the_given_error(tmp_path):
         tracked_checkpoint_dir(tmp_path, MyError)
 
 
+def test_a_tracker_holding_something_else_is_refused_with_the_exact_text(tmp_path):
+    tracker = tmp_path / TRACKER_FILE
+    tracker.write_text(" 2O\n")
+    with pytest.raises(ValueError) as err:
+        tracked_checkpoint_dir(tmp_path)
+    assert str(err.value) == (
+        f"checkpoint tracker {str(tracker)!r} holds '2O': expected an iteration number or 'release'"
+    )
+
+
 def test_a_tracker_that_is_not_text_is_refused_naming_the_file(tmp_path):
     """A corrupted (not UTF-8) tracker: the given error naming the file, not a traceback."""
     tracker = tmp_path / TRACKER_FILE
