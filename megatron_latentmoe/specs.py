@@ -10,8 +10,9 @@ Built by swapping submodules in Megatron's own GPT layer specs, never by forking
 * the MoE layer becomes ``StableLatentMoELayer`` with the latent projections, the latent norm and
   the QB router plugged in; with ``moe_expert_weight_qat`` the routed experts' linears
   fake-quantize their weights (``moe/qat.py``); without ``moe_latent_size`` it stays Megatron's own
-  ``MoELayer`` with only the router swapped (QB as a drop-in for any Megatron MoE). Every balancing
-  type gets a load-counting router (``moe/router.py``), so the balance metrics exist for all.
+  ``MoELayer`` with the router swapped (QB as a drop-in for any Megatron MoE), and with
+  ``moe_expert_weight_qat`` its experts' linears too. Every balancing type gets a load-counting
+  router (``moe/router.py``), so the balance metrics exist for all.
 
 Two variants with the same numerics: ``local`` (pure PyTorch / Megatron-Core modules; runs
 anywhere) and ``te`` (Transformer Engine linears, grouped GEMM experts, TE norms; usable under
@@ -122,7 +123,7 @@ def _layer_submodules(config: StableLatentMoETransformerConfig, backend: str, mo
 
 def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, backend: str = "local"):
     """The MoE-layer builder: ``partial(StableLatentMoELayer, submodules=...)``, or without
-    ``moe_latent_size`` Megatron's own MoE layer spec with our router."""
+    ``moe_latent_size`` Megatron's own MoE layer spec with our router (and QAT experts)."""
     megatron_moe = get_moe_module_spec_for_backend(
         backend=_provider(config, backend),
         num_experts=config.num_moe_experts,
@@ -134,7 +135,10 @@ def get_stable_latentmoe_mlp_spec(config: StableLatentMoETransformerConfig, back
     router = QuantileBalancingRouter if config.uses_quantile_balancing else BalanceCountingRouter
     moe_sub = megatron_moe.keywords["submodules"]
     if not config.moe_latent_size:
-        return partial(megatron_moe.func, submodules=dataclasses.replace(moe_sub, router=router))
+        plain = dataclasses.replace(
+            moe_sub, router=router, experts=with_expert_weight_qat(moe_sub.experts, config)
+        )
+        return partial(megatron_moe.func, submodules=plain)
     experts = moe_sub.experts
     if experts.func is SequentialMLP:  # one activation call for all local experts
         experts = partial(BatchedActivationSequentialMLP, *experts.args, **experts.keywords)

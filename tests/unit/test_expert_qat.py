@@ -52,11 +52,25 @@ def _compare(rank, world_size):
     master_unchanged = all(
         torch.equal(layers["qat"].state_dict()[k], state[k]) for k in expert_keys
     )
+    # without moe_latent_size: Megatron's MoELayer, its experts' linears fake-quantized too
+    plain_moe = {}
+    for name, qat in (("qat", "mxfp4"), ("rounded", "none")):
+        cfg = tiny_config(moe_latent_size=None, moe_ffn_hidden_size=64, moe_expert_weight_qat=qat)
+        plain_moe[name] = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+    state = plain_moe["qat"].state_dict()
+    plain_keys = [k for k in state if k.startswith("experts.") and k.endswith(".weight")]
+    plain_moe["rounded"].load_state_dict(
+        {k: mxfp4_round_trip(v) if k in plain_keys else v for k, v in state.items()}
+    )
+    with torch.no_grad():
+        y_plain = {name: layer(x)[0] for name, layer in plain_moe.items()}
     return dict(
         out=out,
         keys_match=keys_match,
         n_expert_weights=len(expert_keys),
         master_unchanged=master_unchanged,
+        y_plain_moe=y_plain,
+        plain_moe_expert_weights=len(plain_keys),
     )
 
 
@@ -78,6 +92,13 @@ def test_qat_layer_equals_plain_layer_on_mxfp4_weights(result):
         assert (qat["grads"][k] - g).abs().max() <= 1e-6 * g.abs().max().clamp_min(1e-30), k
     # and QAT is really on: the plain layer on the master weights differs by the quantization
     assert (plain["y"] - qat["y"]).abs().max() > 1e-3 * scale
+
+
+def test_qat_of_a_plain_megatron_moe_equals_it_on_mxfp4_weights(result):
+    """Without moe_latent_size (Megatron's MoELayer) the routed experts are fake-quantized too."""
+    qat, rounded = result["y_plain_moe"]["qat"], result["y_plain_moe"]["rounded"]
+    assert result["plain_moe_expert_weights"] == 16  # 8 experts x fc1, fc2
+    assert (qat - rounded).abs().max() <= 1e-6 * rounded.abs().max()
 
 
 @pytest.mark.parametrize(
