@@ -463,7 +463,9 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     hidden_act="situ",
                 )
     heads, query_groups = get("num_attention_heads"), get("num_query_groups")
-    if _is_int(heads) and _is_int(query_groups) and query_groups > 0 and heads % query_groups:
+    if _is_int(query_groups) and query_groups < 1:  # 0: a ZeroDivisionError building attention
+        raise ConfigError("num_query_groups", query_groups, "a positive integer")
+    if _is_int(heads) and _is_int(query_groups) and heads % query_groups:
         raise ConfigError(  # else a shape error in the first forward of the attention
             "num_query_groups",
             query_groups,

@@ -258,6 +258,15 @@ def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
     assert field in str(err.value) and allowed in str(err.value)
 
 
+@pytest.mark.parametrize("groups", [0, -2])
+def test_a_query_group_count_below_one_is_refused(groups):
+    """0 passed the config and failed as a ZeroDivisionError while building the attention; -2
+    built a model. The HF config refuses both (num_key_value_heads) with the same words."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(num_query_groups=groups)
+    assert str(err.value) == f"num_query_groups={groups} is not allowed: a positive integer"
+
+
 def test_widths_that_tensor_parallelism_splits_evenly_are_accepted():
     cfg = tiny_config(
         num_layers=3,
