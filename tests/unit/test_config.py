@@ -21,6 +21,15 @@ def test_situ_turns_on_gated_module_activation():
     swiglu = tiny_config(hidden_act="swiglu")
     assert swiglu.gated_linear_unit and swiglu.activation_func is F.silu
     assert not swiglu.use_te_activation_func
+    # a copy of a SiTU-GLU config switched to SwiGLU drops the activation module too
+    assert not dataclasses.replace(cfg, hidden_act="swiglu").use_te_activation_func
+
+
+def test_situ_turns_off_the_fused_swiglu_the_command_line_asks_for():
+    """Megatron's bias_swiglu_fusion is on unless --no-bias-swiglu-fusion (the CPU run turns it
+    off): SiTU-GLU is no SwiGLU, and Megatron refuses it beside use_te_activation_func."""
+    assert tiny_config(bias_activation_fusion=True).bias_activation_fusion is False
+    assert tiny_config(hidden_act="swiglu", bias_activation_fusion=True).bias_activation_fusion
 
 
 def test_first_k_dense_replace_sets_the_layer_pattern():
