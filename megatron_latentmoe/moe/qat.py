@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_latentmoe.fields import not_allowed
@@ -90,7 +91,7 @@ def with_expert_weight_qat(experts, config):
         RowParallelLinear: MXFP4RowParallelLinear,
     }
     sub = experts.keywords["submodules"]
-    if sub.linear_fc1 not in swap:
+    if sub.linear_fc1 not in swap and HAVE_TE:
         swap = _te_linears()
     fc1, fc2 = swap.get(sub.linear_fc1), swap.get(sub.linear_fc2)
     if fc1 is None or fc2 is None:

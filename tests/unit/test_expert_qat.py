@@ -129,3 +129,32 @@ def test_qat_config_errors_name_the_width(overrides, message):
 
     with pytest.raises(ValueError, match=message):
         tiny_config(**{"moe_expert_weight_qat": "mxfp4", **overrides})
+
+
+@pytest.mark.parametrize("fc1, fc2", [("LatentProjection", "Row"), ("Column", "LatentProjection")])
+def test_qat_refuses_experts_of_other_linears_naming_them(fc1, fc2):
+    """Either linear unknown: refused by name (without Transformer Engine an unknown fc1 was an
+    AttributeError: 'NoneType' object has no attribute '__name__')."""
+    from functools import partial
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe.latent_projection import LatentProjection
+    from megatron_latentmoe.moe.qat import with_expert_weight_qat
+
+    linears = dict(
+        Column=ColumnParallelLinear, Row=RowParallelLinear, LatentProjection=LatentProjection
+    )
+    experts = partial(
+        SequentialMLP, submodules=MLPSubmodules(linear_fc1=linears[fc1], linear_fc2=linears[fc2])
+    )
+    cfg = tiny_config(moe_ffn_hidden_size=64, moe_latent_size=64, moe_expert_weight_qat="mxfp4")
+    with pytest.raises(ValueError) as err:
+        with_expert_weight_qat(experts, cfg)
+    assert str(err.value) == (
+        "moe_expert_weight_qat='mxfp4' is not allowed: 'none' for experts built from "
+        f"{linears[fc1].__name__} / {linears[fc2].__name__}"
+    )
