@@ -456,6 +456,10 @@ def test_a_replaced_config_derives_the_latent_norm_again():
         dataclasses.replace(plain, latent_moe_use_norm=True)
 
 
+ROTARY_BASE = 50000
+"""Not Megatron's default (10000), which every other test model uses."""
+
+
 def _build_plain_moe(rank, world_size):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -464,15 +468,33 @@ def _build_plain_moe(rank, world_size):
 
     initialize_parallel_cpu()
     config = StableLatentMoETransformerConfig(**PLAIN_MOE, use_cpu_initialization=True)
-    model = build_gpt_model(config, vocab_size=128, max_sequence_length=16)
+    model = build_gpt_model(config, vocab_size=128, max_sequence_length=16, rotary_base=ROTARY_BASE)
     moe = [m for m in model.modules() if isinstance(m, MoELayer)]
-    return [type(m).__name__ for m in moe], [type(m.router) for m in moe]
+    inv_freq = model.rotary_pos_emb.inv_freq
+    return [type(m).__name__ for m in moe], [type(m.router) for m in moe], inv_freq
 
 
-def test_the_plain_moe_config_builds_megatrons_moe_layer_with_the_qb_router():
-    from megatron_latentmoe.moe.router import QuantileBalancingRouter
+@pytest.fixture(scope="module")
+def plain_moe_model():
     from tests.parallel.launcher import run_distributed
 
-    ((layers, routers),) = run_distributed(_build_plain_moe, 1, timeout=300)
+    (built,) = run_distributed(_build_plain_moe, 1, timeout=300)
+    return built
+
+
+def test_the_plain_moe_config_builds_megatrons_moe_layer_with_the_qb_router(plain_moe_model):
+    from megatron_latentmoe.moe.router import QuantileBalancingRouter
+
+    layers, routers, _ = plain_moe_model
     assert layers == ["MoELayer", "MoELayer"]
     assert routers == [QuantileBalancingRouter] * 2
+
+
+def test_build_gpt_model_gives_rope_its_rotary_base(plain_moe_model):
+    """--rotary-base reaches RoPE (build_gpt_model passes it on to GPTModel)."""
+    import torch
+
+    *_, inv_freq = plain_moe_model
+    d = PLAIN_MOE["hidden_size"] // PLAIN_MOE["num_attention_heads"]
+    expected = 1.0 / ROTARY_BASE ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    torch.testing.assert_close(inv_freq, expected)
