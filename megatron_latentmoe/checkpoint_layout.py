@@ -55,7 +55,7 @@ def tracked_checkpoint_dir(
         raise error(f"checkpoint tracker {str(tracker)!r} cannot be read: {e}") from None
     if text == RELEASE:
         return Path(root) / RELEASE
-    if not text.isdigit():
+    if not text.isdecimal():  # isdigit() takes "²", which int() refuses
         raise error(
             f"checkpoint tracker {str(tracker)!r} holds {text!r}: expected an iteration number "
             f"or {RELEASE!r}"

@@ -52,13 +52,20 @@ def test_a_tracker_holding_something_else_raises_the_given_error(tmp_path):
         tracked_checkpoint_dir(tmp_path, MyError)
 
 
-def test_a_tracker_holding_something_else_is_refused_with_the_exact_text(tmp_path):
+@pytest.mark.parametrize("text, held", [(" 2O\n", "'2O'"), ("2²", "'2²'")])
+def test_a_tracker_holding_something_else_is_refused_with_the_exact_text(tmp_path, text, held):
+    """'2²' is digits to str.isdigit but no int: it was int()'s ValueError, not the given error."""
+
+    class MyError(Exception):
+        pass
+
     tracker = tmp_path / TRACKER_FILE
-    tracker.write_text(" 2O\n")
-    with pytest.raises(ValueError) as err:
-        tracked_checkpoint_dir(tmp_path)
+    tracker.write_text(text)
+    with pytest.raises(MyError) as err:
+        tracked_checkpoint_dir(tmp_path, MyError)
     assert str(err.value) == (
-        f"checkpoint tracker {str(tracker)!r} holds '2O': expected an iteration number or 'release'"
+        f"checkpoint tracker {str(tracker)!r} holds {held}: expected an iteration number or "
+        "'release'"
     )
 
 
