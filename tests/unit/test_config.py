@@ -259,6 +259,18 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "moe_qb_num_bins=999",
             "even integer",
         ),
+        (dict(moe_router_num_groups=2), "moe_router_num_groups=2", "None or 1"),
+        (
+            dict(num_layers=4, first_k_dense_replace=1, moe_layer_freq=2),
+            "first_k_dense_replace=1",
+            "0 when moe_layer_freq=2 is set",
+        ),
+        (dict(moe_router_topk=0), "moe_router_topk=0", "an integer in [1, num_moe_experts=8)"),
+        (
+            dict(moe_router_load_balancing_type="aux_loss", moe_qb_calibrate_batches=4),
+            "moe_qb_calibrate_batches=4",
+            "0 unless moe_router_load_balancing_type has quantile_histogram",
+        ),
     ],
 )
 def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
@@ -301,6 +313,11 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
     with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=48"):
         check_hf_exportable(lambda name: getattr(cfg, name))
     check_hf_exportable(lambda name: getattr(tiny_config(), name))  # 96 = 2 x 48
+    # flags not yet through Megatron's config: an unset expert width is ffn_hidden_size's
+    unset = dict(moe_shared_expert_intermediate_size=96, moe_ffn_hidden_size=None)
+    with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=128"):
+        check_hf_exportable({**unset, "ffn_hidden_size": 128}.get)
+    check_hf_exportable({**unset, "ffn_hidden_size": 48}.get)
 
 
 def test_swiglu_keeps_megatrons_glu_clamp_and_offset():
