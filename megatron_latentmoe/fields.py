@@ -655,13 +655,14 @@ def _check_expert_weight_qat(get: Callable[[str], Any]) -> None:
     # w2 over its expert-tensor-parallel shard of moe_ffn_hidden_size (blocks never straddle
     # shards, so every layout quantizes exactly like one process).
     etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size") or 1
+    # a width still None (flags before Megatron's validate_args) waits for the config
     name = "moe_latent_size" if get("moe_latent_size") else "hidden_size"
-    if get(name) % BLOCK:
+    if _is_int(get(name)) and get(name) % BLOCK:
         raise ConfigError(
             name, get(name), f"a multiple of {BLOCK} with {{moe_expert_weight_qat}}", **qat
         )
-    ffn = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
-    if ffn % (BLOCK * etp):
+    ffn = _expert_width(get)
+    if _is_int(ffn) and ffn % (BLOCK * etp):
         raise ConfigError(
             "moe_ffn_hidden_size",
             ffn,

@@ -131,6 +131,24 @@ def test_qat_config_errors_name_the_width(overrides, message):
         tiny_config(**{"moe_expert_weight_qat": "mxfp4", **overrides})
 
 
+def test_qat_width_rules_wait_for_a_width_the_flags_leave_unset():
+    """Flags before Megatron's validate_args may leave ffn_hidden_size None (Megatron fills in
+    4 x hidden_size): the rule waits for the config, as the TP width rules do. It was a
+    TypeError: unsupported operand type(s) for %: 'NoneType' and 'int'."""
+    import dataclasses
+
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.fields import check_stable_latentmoe
+
+    cfg = tiny_config(moe_ffn_hidden_size=64, moe_latent_size=64, moe_expert_weight_qat="mxfp4")
+    flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    flags.update(ffn_hidden_size=None, moe_ffn_hidden_size=None)
+    check_stable_latentmoe(flags.get)
+    flags.update(ffn_hidden_size=48)  # the experts' width when moe_ffn_hidden_size is unset
+    with pytest.raises(ValueError, match=r"^moe_ffn_hidden_size=48 is not allowed: a multiple"):
+        check_stable_latentmoe(flags.get)
+
+
 @pytest.mark.parametrize("fc1, fc2", [("LatentProjection", "Row"), ("Column", "LatentProjection")])
 def test_qat_refuses_experts_of_other_linears_naming_them(fc1, fc2):
     """Either linear unknown: refused by name (without Transformer Engine an unknown fc1 was an
