@@ -118,6 +118,27 @@ def test_qat_of_a_plain_megatron_moe_equals_it_on_mxfp4_weights(result):
             dict(moe_latent_size=48, moe_ffn_hidden_size=64),
             "moe_latent_size=48 is not allowed: a multiple of 32",
         ),
+        (  # the expert TP size defaults to TP's
+            dict(
+                moe_ffn_hidden_size=32,
+                expert_tensor_parallel_size=None,
+                tensor_model_parallel_size=2,
+            ),
+            "moe_ffn_hidden_size=32 is not allowed: a multiple of 32 x "
+            "expert_tensor_parallel_size=2",
+        ),
+        (  # a plain Megatron MoE's experts reduce over hidden_size
+            dict(moe_latent_size=None, hidden_size=48, moe_ffn_hidden_size=64),
+            "hidden_size=48 is not allowed: a multiple of 32 with moe_expert_weight_qat='mxfp4'",
+        ),
+        (
+            dict(moe_ffn_hidden_size=64, fp8="e4m3", fp8_recipe="delayed"),
+            "fp8_recipe='delayed' is not allowed: 'mxfp8' with moe_expert_weight_qat='mxfp4'",
+        ),
+        (
+            dict(moe_ffn_hidden_size=64, fp8_param=True),
+            "fp8_param=True is not allowed: False with moe_expert_weight_qat='mxfp4'",
+        ),
         (
             dict(moe_ffn_hidden_size=64, moe_expert_weight_qat="nvfp4"),
             r"moe_expert_weight_qat='nvfp4' is not allowed: one of \('none', 'mxfp4'\)",
