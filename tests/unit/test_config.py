@@ -260,6 +260,27 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
             "even integer",
         ),
         (dict(moe_router_num_groups=2), "moe_router_num_groups=2", "None or 1"),
+        *(  # dense layers given by moe_layer_freq split ffn_hidden_size over TP too
+            (
+                dict(moe_layer_freq=freq, ffn_hidden_size=127, tensor_model_parallel_size=2),
+                "ffn_hidden_size=127",
+                "a multiple of tensor_model_parallel_size=2",
+            )
+            for freq in (2, [0, 1])
+        ),
+        (
+            dict(
+                moe_router_load_balancing_type=["seq_aux_loss", QUANTILE_HISTOGRAM],
+                moe_aux_loss_coeff=[0.0],
+            ),
+            "moe_aux_loss_coeff=[0.0]",
+            "one coefficient per balancing type",
+        ),
+        (
+            dict(moe_expert_capacity_factor=1.0),
+            "moe_expert_capacity_factor=1.0",
+            "None with quantile_histogram balancing",
+        ),
         (
             dict(num_layers=4, first_k_dense_replace=1, moe_layer_freq=2),
             "first_k_dense_replace=1",
