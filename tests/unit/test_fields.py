@@ -78,8 +78,9 @@ def test_the_megatron_config_and_the_flags_have_the_tables_defaults():
     config_defaults = {
         f.name: f.default for f in dataclasses.fields(StableLatentMoETransformerConfig)
     }
-    parser = argparse.ArgumentParser()  # Megatron's parser has this flag; ours extends it
+    parser = argparse.ArgumentParser()  # Megatron's parser has these flags; ours extends them
     parser.add_argument("--moe-router-load-balancing-type", nargs="+", choices=["aux_loss", "none"])
+    parser.add_argument("--yaml-cfg")
     add_stable_latentmoe_args(parser)
     flags = parser.parse_args([])
     for f in ADDED:
