@@ -84,11 +84,11 @@ def repair_checkpoint_tracker(
     if os.path.isfile(tracker):
         try:
             text = open(tracker).read().strip()
-        except OSError:
+        except (OSError, UnicodeDecodeError):  # unreadable or not text: repaired below
             text = ""
         if text == RELEASE:
             return None
-        if text.isdigit():
+        if text.isdecimal():  # isdigit() takes "²", which int() refuses
             named = int(text)
     complete = sorted(
         iteration

@@ -1,0 +1,54 @@
+"""``repair_checkpoint_tracker``: the tracker names the newest COMPLETE checkpoint after a kill,
+whatever the kill (or a corruption) left in it; nothing to resume from is None."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
+
+
+@pytest.fixture
+def load_dir(tmp_path):
+    """Complete torch_dist checkpoints at iterations 2 and 4, a half-written one at 6."""
+    for iteration, files in (
+        (2, (".metadata", "metadata.json")),
+        (4, (".metadata", "metadata.json")),
+    ):
+        (tmp_path / iteration_dir_name(iteration)).mkdir()
+        for name in files:
+            (tmp_path / iteration_dir_name(iteration) / name).write_text("{}")
+    (tmp_path / iteration_dir_name(6)).mkdir()
+    (tmp_path / iteration_dir_name(6) / ".metadata").write_text("{}")  # killed mid-save
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "held, resumes",
+    [
+        (b"4", 4),  # names a complete checkpoint: left as it is
+        (b"6", 4),  # the half-written one: the newest complete one before it
+        (b"3", 2),  # a folder that is not there: the newest complete one before it
+        (b"", 4),  # cut while written
+        (b"2\xc2\xb2", 4),  # "2" then a superscript 2: isdigit() takes it, int() does not
+        (b"\xff4", 4),  # not UTF-8 text
+    ],
+)
+def test_the_tracker_is_repaired_to_the_newest_complete_checkpoint(load_dir, held, resumes):
+    tracker = load_dir / TRACKER_FILE
+    tracker.write_bytes(held)
+    assert repair_checkpoint_tracker(str(load_dir), write=False) == resumes
+    assert tracker.read_bytes() == held  # write=False only answers
+    assert repair_checkpoint_tracker(str(load_dir)) == resumes
+    assert tracker.read_text() == str(resumes)
+
+
+def test_nothing_to_resume_from(load_dir, tmp_path_factory):
+    (load_dir / TRACKER_FILE).write_text("release")
+    assert repair_checkpoint_tracker(str(load_dir)) is None  # a release is loaded as it is
+    empty = tmp_path_factory.mktemp("empty")
+    (empty / TRACKER_FILE).write_text("7")
+    assert repair_checkpoint_tracker(str(empty)) is None
+    assert (empty / TRACKER_FILE).read_text() == "7"
+    assert repair_checkpoint_tracker(str(empty / "absent")) is None
