@@ -253,7 +253,7 @@ class DistCheckpointReader:
             md = self.tensors[key]
             size = tuple(md.size)
             lead = tuple(lead)
-            if len(lead) >= len(size) and size:
+            if lead and len(lead) >= len(size):  # a scalar too, read whole with no index
                 raise ConversionError(f"tensor {key!r} of shape {size} has no axis after {lead}")
             for axis, idx in enumerate(lead):
                 if not 0 <= idx < size[axis]:
