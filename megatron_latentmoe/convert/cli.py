@@ -200,6 +200,10 @@ def _check_options(args) -> None:
     if getattr(args, "read_batch_mb", 1) < 1:
         raise not_allowed("--read-batch-mb", args.read_batch_mb, "an integer >= 1", ConversionError)
     if args.summary_json:
+        if os.path.isdir(args.summary_json):
+            raise not_allowed(
+                "--summary-json", args.summary_json, "a file path, not a directory", ConversionError
+            )
         parent = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConversionError(

@@ -15,10 +15,31 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_latentmoe.convert import ConversionError
+from megatron_latentmoe.convert import ConversionError, cli, summary, verify
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_report(max_d=5e-6, same=True, **kw) -> verify.VerifyReport:
+    return verify.VerifyReport(
+        max_d,
+        1e-6,
+        1.0,
+        "real text",
+        (2, 64),
+        32,
+        same,
+        **dict(
+            dict(
+                min_margin=1e-2,
+                first_mismatch=None if same else 3,
+                megatron_margin_at_mismatch=None if same else 1e-7,
+                hf_margin_at_mismatch=None if same else 2e-7,
+            ),
+            **kw,
+        ),
+    )
 
 
 # ------------------------------------------------------------------------ checkpoint reader (DCP)
@@ -74,3 +95,46 @@ def test_reader_refuses_regions_outside_the_tensor(small_ckpt):
     assert r.read("optimizer.step").tolist() == 3.0  # a scalar reads whole
     assert r.read(key, (1, 2)).shape == (4,)  # the last indices that exist
     assert r.bytes_read == 8 + 4
+
+
+# -------------------------------------------------------------------------------- command line
+class Recorder:
+    """Stands in for a conversion or ``verify_export``: records its call, returns ``result``."""
+
+    def __init__(self, result):
+        self.result, self.calls = result, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+@pytest.fixture
+def recorders(monkeypatch):
+    from megatron_latentmoe.convert import export, importer
+
+    out = {}
+    for module, name, result in (
+        (export, "export_checkpoint", summary.ConversionSummary("export", "a", "b", seconds=2.0)),
+        (importer, "import_checkpoint", summary.ConversionSummary("import", "c", "d", seconds=1.0)),
+        (verify, "verify_export", make_report()),
+    ):
+        out[name] = Recorder(result)
+        monkeypatch.setattr(module, name, out[name])
+    return out
+
+
+def test_cli_refuses_a_summary_json_that_is_a_directory(recorders, tmp_path, capsys):
+    """Before the conversion, not after it (``os.replace`` onto a directory: a traceback, and the
+    temporary file left beside it)."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    argv = ["export", "--checkpoint", "ck", "--output", "hf", "--summary-json", str(reports)]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        f"error: --summary-json={str(reports)!r} is not allowed: a file path, not a directory\n"
+    )
+    assert recorders["export_checkpoint"].calls == []
+    assert os.listdir(tmp_path) == ["reports"] and os.listdir(reports) == []
