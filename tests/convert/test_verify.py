@@ -9,14 +9,20 @@ One slow test runs the real ``verify`` on an export with one weight changed: it 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_latentmoe.convert import ConversionError, cli, summary, verify
+from megatron_latentmoe.convert import ConversionError, ModelArch, cli, summary, verify
 from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
+
+from . import _workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,6 +46,316 @@ def make_report(max_d=5e-6, same=True, **kw) -> verify.VerifyReport:
             **kw,
         ),
     )
+
+
+# ------------------------------------------------------------------------------ verdict, report
+def test_verdict_at_the_tolerance_and_beyond():
+    assert make_report(max_d=1e-4).passed  # the tolerance itself is allowed
+    assert not make_report(max_d=1.0001e-4).passed
+    assert make_report(max_d=3e-3, atol=3e-3).passed and not make_report(max_d=3e-3).passed
+    for bad in (float("inf"), float("nan")):
+        assert not make_report(max_d=bad).passed
+        assert not make_report(max_d=bad, atol=float("inf")).passed
+    assert not make_report(max_d=0.0, same=False).passed
+    assert make_report().to_dict()["passed"] is True
+    assert make_report(same=False).to_dict()["passed"] is False
+
+
+def test_report_text():
+    assert make_report(max_d=1e-4, seconds=1.26, precision="HF weights rounded").format() == (
+        "verify (real text, batch [2, 64]):\n"
+        "  HF weights rounded\n"
+        "  logits max |delta| = 1.000e-04 (tolerance 1.0e-04)   mean |delta| = 1.000e-06   "
+        "cosine = 1.000000000\n"
+        "  greedy generation of 32 tokens: identical (smallest top-1/top-2 logit margin "
+        "1.000e-02)\n"
+        "  result: PASS   (1.3 s)"
+    )
+    assert make_report(same=False).format().splitlines()[2:] == [
+        "  greedy generation of 32 tokens: DIFFERS at step 3 (top1-top2 margin: Megatron "
+        "1.000e-07, HF 2.000e-07)",
+        "  result: FAIL   (0.0 s)",
+    ]
+
+
+def test_compare_logits_max_mean_and_cosine_of_the_absolute_delta():
+    a = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    b = torch.tensor([[0.0, 1.5], [2.0, 5.0]])  # deltas 0, -0.5, 0, -2: the largest is negative
+    cos = (1.5 + 4 + 15) / math.sqrt((1 + 4 + 9) * (2.25 + 4 + 25))
+    assert verify.compare_logits(a, b) == (2.0, 0.625, pytest.approx(cos, abs=1e-15))
+    assert verify.compare_logits(b, a)[:2] == (2.0, 0.625)
+
+
+def test_margin_is_the_smallest_top1_minus_top2_over_the_batch():
+    logits = torch.tensor([[1.0, 5.0, 3.0], [0.0, -1.0, 0.5]])
+    assert verify._margin(logits) == 0.5
+    assert verify._margin(logits[:1]) == 2.0
+
+
+class FakeMegatron:
+    """``model(tokens, position_ids, None)`` -> logits [b, s, V] peaked at (3 * token + 1) % V,
+    the peak's margin 1 / (row + 1) / (position + 1)."""
+
+    V = 11
+
+    def __init__(self):
+        self.position_ids = []
+
+    def __call__(self, tokens, position_ids, mask):
+        assert mask is None
+        self.position_ids.append(position_ids.clone())
+        b, s = tokens.shape
+        peak = (3 * tokens + 1) % self.V
+        v = torch.arange(self.V)
+        scale = 1.0 / (torch.arange(b)[:, None, None] + 1.0) / (torch.arange(s)[None, :, None] + 1)
+        return -scale * (v - peak[..., None]).abs().to(torch.float64)
+
+
+def test_megatron_greedy_re_forwards_the_whole_sequence():
+    model = FakeMegatron()
+    tokens = torch.tensor([[6, 1, 2], [3, 4, 0]])
+    new, margins = verify.megatron_greedy(model, tokens, 3)
+    assert new.tolist() == [[7, 0, 1], [1, 4, 2]]  # t -> (3 t + 1) % 11
+    assert margins == pytest.approx([1 / 2 / 3, 1 / 2 / 4, 1 / 2 / 5], abs=1e-7)  # row 1, last
+    assert [p.tolist() for p in model.position_ids] == [[list(range(s))] * 2 for s in (3, 4, 5)]
+    assert verify.megatron_logits(model, tokens).dtype == torch.float32
+
+
+def test_hf_greedy_equals_full_re_forward_argmax():
+    """``generate`` (KV cache) gives the tokens of argmax over a full forward each step, and the
+    margins of its scores are those of the full forwards' last logits."""
+    from megatron_latentmoe.hf import StableLatentMoEForCausalLM
+    from tests.unit.test_hf_modeling import randomize_, tiny_config
+
+    torch.manual_seed(0)
+    model = StableLatentMoEForCausalLM(tiny_config()).float().eval()
+    randomize_(model, std=0.3, seed=3)
+    tokens = torch.tensor([[5, 17, 3, 40], [2, 2, 9, 60]])
+    new, margins = verify.hf_greedy(model, tokens, 4)
+    seq, ref = tokens, []
+    with torch.no_grad():
+        for _ in range(4):
+            last = model(seq).logits[:, -1].float()
+            ref.append(verify._margin(last))
+            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+    assert new.tolist() == seq[:, 4:].tolist()
+    assert margins == pytest.approx(ref, abs=1e-5)
+    assert min(ref) > 1e-3  # not decided by a near-tie
+
+
+class FakeHF:
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __call__(self, tokens):
+        return type("Out", (), {"logits": self.logits})()
+
+
+def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
+    """``verify_export`` with the models replaced: Megatron by :class:`FakeMegatron`, HF by its
+    logits plus ``delta`` and the greedy result ``(gh, mh)``. Returns the report and the calls
+    of the replaced functions."""
+    mg = FakeMegatron()
+    tokens = torch.tensor([[1, 2], [4, 0]])
+    lm = verify.megatron_logits(FakeMegatron(), tokens)
+    hf = FakeHF(lm + delta)
+    arch = type("Arch", (), {"vocab_size": FakeMegatron.V})()
+    reader = type("Reader", (), {"path": tmp_path / "ck"})()
+    calls = []
+
+    def fake(name, result):
+        def f(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            return result
+
+        monkeypatch.setattr(verify, name, f)
+
+    fake("open_checkpoint", (reader, arch, "", {}))
+    fake("check_same_vocabulary", None)
+    fake("hf_expert_weight_qat", "none")
+    fake("load_megatron_model", mg)
+    fake("load_hf_model", hf)
+    fake("match_stored_precision", "")
+    fake("sample_tokens", (tokens, "fake"))
+    fake("hf_greedy", (gh, mh))
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(verify.time, "perf_counter", lambda: next(clock))
+    (tmp_path / "config.json").write_text("{}")
+    report = verify.verify_export(tmp_path / "ck", tmp_path, new_tokens=3, atol=0.5, text="t")
+    assert calls == [
+        ("open_checkpoint", (tmp_path / "ck", None), {}),
+        ("check_same_vocabulary", (arch, tmp_path, reader.path), {}),
+        ("hf_expert_weight_qat", (tmp_path,), {}),
+        ("load_megatron_model", (reader.path, arch, "none"), {}),
+        ("load_hf_model", (tmp_path,), {}),
+        ("match_stored_precision", (mg, hf, arch, reader, tmp_path), {"mxfp4_experts": False}),
+        ("sample_tokens", (tmp_path, FakeMegatron.V, 2, 64, "t"), {}),
+        ("hf_greedy", (hf, tokens, 3), {}),
+    ]
+    assert report.seconds == 2.5
+    return report
+
+
+def test_verify_export_reports_the_first_differing_step(monkeypatch, tmp_path):
+    same = torch.tensor([[7, 0, 1], [1, 4, 2]])
+    r = _fake_verify(monkeypatch, tmp_path, same, [0.3, 0.2, 0.1])
+    assert (r.passed, r.greedy_identical, r.first_mismatch, r.max_abs_diff) == (True, True, None, 0)
+    assert r.min_margin == 1 / 2 / 4 and r.hf_tokens == r.megatron_tokens == same.tolist()
+    assert (r.tokens_source, r.batch_shape, r.new_tokens, r.atol) == ("fake", (2, 2), 3, 0.5)
+    # row 1 differs at step 2 (row 0 agrees): the step, and both models' margins there
+    r = _fake_verify(monkeypatch, tmp_path, torch.tensor([[7, 0, 1], [1, 4, 3]]), [0.3, 0.2, 0.1])
+    assert (r.passed, r.greedy_identical, r.first_mismatch) == (False, False, 2)
+    assert (r.megatron_margin_at_mismatch, r.hf_margin_at_mismatch) == (1 / 2 / 4, 0.1)
+    assert r.megatron_tokens == same.tolist() and r.hf_tokens == [[7, 0, 1], [1, 4, 3]]
+    r = _fake_verify(monkeypatch, tmp_path, torch.tensor([[7, 9, 1], [1, 4, 3]]), [0.3])
+    assert (r.first_mismatch, r.megatron_margin_at_mismatch) == (1, pytest.approx(1 / 6, abs=1e-7))
+    assert math.isnan(r.hf_margin_at_mismatch)  # HF gave no score for that step
+    # identical tokens but one logit beyond the tolerance: FAIL on the logits alone
+    delta = torch.zeros(2, 2, FakeMegatron.V)
+    delta[1, 0, 3] = 0.75
+    r = _fake_verify(monkeypatch, tmp_path, same, [0.3, 0.2, 0.1], delta=delta)
+    assert (r.greedy_identical, r.passed) == (True, False)
+    assert (r.max_abs_diff, r.mean_abs_diff) == (0.75, 0.75 / 44)
+
+
+# -------------------------------------------------------------------------------- verify options
+def test_verify_option_refusals_and_the_smallest_allowed_values():
+    ok = dict(atol=1, new_tokens=1, batch=1, seq_len=1, text="x")
+    verify.check_verify_options(**ok)
+    verify.check_verify_options(**dict(ok, text=None))
+
+    def refusal(**change):
+        with pytest.raises(ConversionError) as info:
+            verify.check_verify_options(**dict(ok, **change))
+        return str(info.value)
+
+    for name, flag in (
+        ("new_tokens", "--verify-tokens"),
+        ("batch", "--verify-batch"),
+        ("seq_len", "--verify-seq-len"),
+    ):
+        for value in (0, True, 2.0):
+            assert refusal(**{name: value}) == (
+                f"{name} ({flag})={value!r} is not allowed: an integer >= 1"
+            )
+    for value in (0, -1e-4, float("inf"), "1e-4"):
+        assert refusal(atol=value) == (
+            f"atol (--verify-atol)={value!r} is not allowed: a positive finite number"
+        )
+    assert refusal(text="") == (
+        "text (--verify-text)='' is not allowed: a non-empty text (default: the corpus)"
+    )
+    # the library entry point checks them too, and the HF directory, before opening anything
+    with pytest.raises(ConversionError, match=r"^batch \(--verify-batch\)=0 is not allowed"):
+        verify.verify_export("no-ck", "no-hf", batch=0)
+    with pytest.raises(ConversionError, match="^HF directory 'no-hf' has no config.json"):
+        verify.verify_export("no-ck", "no-hf")
+
+
+def test_expert_qat_follows_the_exports_quantization_config(tmp_path):
+    from megatron_latentmoe.convert import mxfp4
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8}))
+    assert verify.hf_expert_weight_qat(tmp_path) == "none"
+    cfg = {"quantization_config": mxfp4.quantization_config()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert verify.hf_expert_weight_qat(tmp_path) == "mxfp4"
+
+
+def test_hf_directory_and_vocabulary_checks(tmp_path):
+    with pytest.raises(ConversionError) as info:
+        verify.check_hf_dir(tmp_path)
+    assert str(info.value) == (
+        f"HF directory {str(tmp_path)!r} has no config.json (not an HF model directory)"
+    )
+    arch = _workers.arch()
+    from megatron_latentmoe.hf import StableLatentMoEConfig
+
+    StableLatentMoEConfig(**arch.to_hf_config_kwargs()).save_pretrained(tmp_path)
+    verify.check_hf_dir(tmp_path)
+    verify.check_same_vocabulary(arch, tmp_path, "ck")
+    other = ModelArch(**dict(_workers.TEST_ARCH, vocab_size=4224))
+    with pytest.raises(ConversionError) as info:
+        verify.check_same_vocabulary(other, tmp_path, "ck")
+    assert str(info.value) == (
+        f"{tmp_path / 'config.json'}: vocab_size=4096 is not allowed: 4224, the vocab_size of "
+        "the checkpoint 'ck' (the HF directory is not its export: logits over two vocabularies "
+        "cannot be compared)"
+    )
+
+
+def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path):
+    """The export's tokenizer on the corpus' first long texts; ids beyond the vocabulary or no
+    tokenizer: seeded random ids, and the source says why."""
+    from transformers import AutoTokenizer
+
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir, iter_corpus_texts
+
+    tok_dir = default_tokenizer_dir()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    long_texts = [t for t in iter_corpus_texts() if len(t) >= 8 * 16][:3]
+    assert verify._corpus_texts(3, 16) == long_texts
+    # texts of at least 8 characters a token: 3016 = 8 * 377 is long enough, 3003 is not
+    assert [len(t) for t in verify._corpus_texts(5, 377)] == [8709, 3930, 3297, 3037, 3016]
+    expected = [tok(t, add_special_tokens=False)["input_ids"][:16] for t in long_texts]
+    tokens, source = verify.sample_tokens(tok_dir, 4096, batch=3, seq_len=16)
+    assert (tokens.tolist(), source) == (expected, "real text, exported tokenizer")
+    top = int(tokens.max())
+    assert verify.sample_tokens(tok_dir, top + 1, batch=3, seq_len=16)[1] == source
+    tokens, source = verify.sample_tokens(tok_dir, top, batch=3, seq_len=16)
+    assert source == f"random ids (tokenizer ids up to {top} exceed vocab_size={top})"
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(tokens, torch.randint(0, top, (3, 16), generator=g))
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    tokens, source = verify.sample_tokens(tok_dir, 4096, batch=2, seq_len=5, text=text)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tokens.tolist() == [ids[:5]] * 2
+    tokens, _ = verify.sample_tokens(tok_dir, 4096, batch=1, seq_len=len(ids), text=text)
+    assert tokens.tolist() == [ids]  # exactly seq_len tokens suffice
+    for t, shown in ((text[:40], repr(text[:40])), (text[:41], repr(text[:40] + "..."))):
+        with pytest.raises(ConversionError) as info:
+            verify.sample_tokens(tok_dir, 4096, seq_len=1000, text=t)
+        assert str(info.value) == (
+            f"--verify-text {shown}: no usable tokenizer/text (ValueError: text too short); "
+            "allowed: a text of at least 1000 tokens (--verify-seq-len) under the export's "
+            "tokenizer"
+        )
+    tokens, source = verify.sample_tokens(tmp_path, 50, batch=1, seq_len=4)
+    assert source.startswith("random ids (no usable tokenizer/text (") and tokens.shape == (1, 4)
+
+
+# --------------------------------------------------------------------- a wrong export must FAIL
+@pytest.mark.slow
+def test_verify_fails_an_export_with_two_experts_swapped(workspace, tmp_path):
+    """The real ``verify`` (both models, real text) of an export whose layer-3 experts 2 and 5
+    have their down projections swapped, a mapping bug: FAIL, exit status 3, the report says
+    why (the same command passes on the correct export: test_convert)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(workspace.path("hf_main"), hf)
+    weight_map = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    a, b = (f"model.layers.3.block_sparse_moe.experts.{e}.w2.weight" for e in (2, 5))
+    tensors = {f: load_file(str(hf / f)) for f in {weight_map[a], weight_map[b]}}
+    ta, tb = tensors[weight_map[a]][a], tensors[weight_map[b]][b]
+    tensors[weight_map[a]][a], tensors[weight_map[b]][b] = tb, ta
+    for f, t in tensors.items():
+        save_file(t, str(hf / f), metadata={"format": "pt"})
+    report_path = tmp_path / "verify.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_latentmoe.convert", "verify"]
+        + ["--checkpoint", workspace.path("ck_single"), "--hf", str(hf)]
+        + ["--verify-tokens", "8", "--summary-json", str(report_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == cli.EXIT_VERIFY_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.endswith("error: verification failed (see above)\n")
+    report = json.loads(report_path.read_text())["verify"]
+    assert report["passed"] is False and "  result: FAIL" in proc.stdout
+    assert report["max_abs_diff"] > 100 * report["atol"] == 1e-2
 
 
 # ------------------------------------------------------------------------ checkpoint reader (DCP)
