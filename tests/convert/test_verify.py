@@ -3,7 +3,9 @@
 Fast tests (no Megatron world, no workspace): ``verify.py``'s comparison, verdict and report on
 given logits / fake models, ``dist_reader.py`` on small DCP checkpoints saved here,
 ``summary.py``'s figures, and ``cli.py``'s plumbing with the conversions replaced by recorders.
-One slow test runs the real ``verify`` on an export with one weight changed: it must FAIL.
+Slow tests (the session's workspace of real checkpoints): the real ``verify`` on an export with
+two experts swapped must FAIL; the reader gives every layout's shards back as the single-rank
+checkpoint's tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_latentmoe.convert import ConversionError, ModelArch, cli, summary, verify
-from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
+from megatron_latentmoe.convert.dist_reader import (
+    COMMON_STATE_KEY,
+    DistCheckpointReader,
+    open_checkpoint,
+)
+from megatron_latentmoe.convert.names import Location, TensorMap, checkpoint_locations
 
 from . import _workers
+from .conftest import LAYOUTS_2, LAYOUTS_4
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -360,8 +368,10 @@ def test_verify_fails_an_export_with_two_experts_swapped(workspace, tmp_path):
 
 # ------------------------------------------------------------------------ checkpoint reader (DCP)
 def save_dcp(path, tensors: dict, metadata_json=None) -> DistCheckpointReader:
-    """A one-process ``torch_dist``-style DCP checkpoint of ``tensors``, opened."""
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    """A one-process ``torch_dist``-style DCP checkpoint of ``tensors`` (and objects, stored
+    whole as Megatron stores its common state), opened."""
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), planner=planner, no_dist=True)
     if metadata_json is not None:
         (path / "metadata.json").write_text(json.dumps(metadata_json))
     return DistCheckpointReader(path)
@@ -381,6 +391,44 @@ def small_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("dcp") / "ck"
     save_dcp(path, tensors, {"sharded_backend": "torch_dist"})
     return path, tensors
+
+
+def _bits(t: torch.Tensor) -> list:
+    return t.view(torch.uint8).tolist() if t.element_size() == 1 else t.view(torch.int16).tolist()
+
+
+def test_reader_regions_dtypes_and_bytes(small_ckpt):
+    path, tensors = small_ckpt
+    r = DistCheckpointReader(path)
+    assert r.model_keys() == [
+        "decoder.final_layernorm.weight",
+        "decoder.layers.mlp.linear_fc1.weight",
+        "decoder.layers.fp8",
+        "embedding.word_embeddings.weight",
+    ]
+    fc1 = tensors["decoder.layers.mlp.linear_fc1.weight"]
+    assert r.shape("decoder.layers.mlp.linear_fc1.weight") == (2, 3, 4)
+    assert r.dtype("decoder.layers.fp8") == torch.float8_e4m3fn
+    layer1, row, whole, fp8, row2 = r.read_regions(
+        [
+            ("decoder.layers.mlp.linear_fc1.weight", (1,)),
+            ("decoder.layers.mlp.linear_fc1.weight", (0, 2)),  # the same key twice
+            ("decoder.layers.mlp.linear_fc1.weight", ()),
+            ("decoder.layers.fp8", (2,)),
+            ("embedding.word_embeddings.weight", [4]),
+        ]
+    )
+    assert layer1.dtype == torch.bfloat16 and _bits(layer1) == _bits(fc1[1])
+    assert _bits(row) == _bits(fc1[0, 2]) and _bits(whole) == _bits(fc1)
+    assert fp8.dtype == torch.float8_e4m3fn and _bits(fp8) == _bits(
+        tensors["decoder.layers.fp8"][2]
+    )
+    assert torch.equal(row2, tensors["embedding.word_embeddings.weight"][4])
+    assert r.bytes_read == 12 * 2 + 4 * 2 + 24 * 2 + 5 + 4 * 4
+    assert r.read_regions([]) == [] and r.bytes_read == 101
+    assert torch.equal(
+        r.read("decoder.final_layernorm.weight"), tensors["decoder.final_layernorm.weight"]
+    )
 
 
 def test_reader_refuses_regions_outside_the_tensor(small_ckpt):
@@ -411,6 +459,177 @@ def test_reader_refuses_regions_outside_the_tensor(small_ckpt):
     assert r.read("optimizer.step").tolist() == 3.0  # a scalar reads whole
     assert r.read(key, (1, 2)).shape == (4,)  # the last indices that exist
     assert r.bytes_read == 8 + 4
+
+
+def test_reader_locations_concatenate_their_parts(small_ckpt):
+    path, tensors = small_ckpt
+    r = DistCheckpointReader(path)
+    fc1 = tensors["decoder.layers.mlp.linear_fc1.weight"]
+    two = Location((("decoder.layers.mlp.linear_fc1.weight", (1,)),) * 2)
+    one = Location((("embedding.word_embeddings.weight", ()),))
+    assert r.location_shape(two) == (6, 4) and r.location_shape(one) == (5, 4)
+    a, b = r.read_locations([one, two])
+    assert torch.equal(a, tensors["embedding.word_embeddings.weight"])
+    assert _bits(b) == _bits(torch.cat([fc1[1], fc1[1]]))
+
+
+def test_reader_locates_a_tensor_where_all_its_parts_are(tmp_path):
+    """The first of the tensor's possible locations whose keys are ALL in the checkpoint."""
+    tm = TensorMap("decoder.layers.1.mlp.linear_fc1.weight", (4, 2), (), (), kind="glu")
+    w, v = (f"decoder.layers.1.mlp.linear_fc1.weight_{half}" for half in "wv")
+    halves = Location(((w, ()), (v, ())))
+    assert halves in checkpoint_locations(tm)
+    assert save_dcp(tmp_path / "a", {w: torch.ones(2, 2)}).locate(tm) is None
+    assert save_dcp(tmp_path / "b", {w: torch.ones(2, 2), v: torch.ones(2, 2)}).locate(tm) == halves
+    stacked = "decoder.layers.mlp.linear_fc1.weight"
+    r = save_dcp(tmp_path / "c", {w: torch.ones(2, 2), stacked: torch.ones(2, 4, 2)})
+    assert r.locate(tm) == Location(((stacked, (1,)),))
+
+
+def test_reader_shows_an_old_norm_name_under_todays(tmp_path):
+    from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME, NORM_NAME
+
+    old, new = (f"decoder.layers.1.mlp.{name}.weight" for name in (LEGACY_NORM_NAME, NORM_NAME))
+    r = save_dcp(tmp_path, {old: torch.arange(3.0)})
+    assert r.model_keys() == [new] and r.shape(new) == (3,)
+    assert r.read(new).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_reader_common_state_and_backend(tmp_path):
+    t = {"decoder.final_layernorm.weight": torch.ones(2)}
+    assert save_dcp(tmp_path / "a", t).common_state() == {}
+    r = save_dcp(tmp_path / "b", t)
+    torch.save({"iteration": 7}, r.path / "common.pt")
+    assert r.common_state() == {"iteration": 7}
+    with pytest.raises(ConversionError) as info:
+        save_dcp(tmp_path / "c", t, {"sharded_backend": "zarr"})
+    assert str(info.value) == (
+        f"checkpoint {str(tmp_path / 'c')!r} was saved with sharded_backend='zarr'; only "
+        "'torch_dist' is supported"
+    )
+    assert save_dcp(tmp_path / "d", t, {"other": 1}).path == tmp_path / "d"
+
+
+def test_reader_resolves_the_checkpoint_directory(tmp_path):
+    def refusal(path):
+        with pytest.raises(ConversionError) as info:
+            DistCheckpointReader(path)
+        return str(info.value)
+
+    assert refusal(tmp_path / "nope") == f"checkpoint {str(tmp_path / 'nope')!r} does not exist"
+    (tmp_path / "file").write_text("")
+    assert refusal(tmp_path / "file") == f"checkpoint {str(tmp_path / 'file')!r} is not a directory"
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("release")
+    (root / "release").mkdir()
+    assert refusal(root) == (
+        f"checkpoint {str(root)!r}: the tracker names 'release' but "
+        f"{str(root / 'release' / '.metadata')!r} does not exist"
+    )
+    shutil.rmtree(root / "release")
+    save_dcp(root / "release", {"decoder.final_layernorm.weight": torch.ones(2)})
+    assert DistCheckpointReader(root).path == root / "release"
+
+
+def test_reader_names_at_most_five_missing_data_files(tmp_path):
+    tensors = {f"decoder.t{i}": torch.full((2,), float(i)) for i in range(7)}
+    dcp.save(
+        tensors,
+        storage_writer=dcp.FileSystemWriter(str(tmp_path), single_file_per_rank=False),
+        no_dist=True,
+    )
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".distcp"))
+    assert len(files) == 7
+    os.remove(tmp_path / files[0])
+    with pytest.raises(ConversionError) as info:
+        DistCheckpointReader(tmp_path)
+    assert str(info.value) == (
+        f"checkpoint {str(tmp_path)!r} is incomplete: data file(s) {files[:1]} are missing"
+    )
+    for f in files[1:5]:
+        os.remove(tmp_path / f)
+    with pytest.raises(ConversionError) as info:
+        DistCheckpointReader(tmp_path)
+    assert str(info.value).endswith(f"data file(s) {files[:5]} are missing")
+    os.remove(tmp_path / files[5])
+    with pytest.raises(ConversionError) as info:
+        DistCheckpointReader(tmp_path)
+    assert str(info.value).endswith(f"data file(s) {files[:5]} ... are missing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_reader_reassembles_every_layouts_shards(workspace, layout):
+    """The same weights saved under TP / SP / EP / PP shards read back as the single-rank
+    checkpoint's global tensors, bit for bit, whole and one leading index at a time."""
+    single = DistCheckpointReader(workspace.path("ck_single"))
+    r, arch, _, _ = open_checkpoint(workspace.path(f"ck_{layout}"))
+    assert arch == _workers.arch() and r.model_keys() == single.model_keys()
+    keys = single.model_keys()
+    for key, a, b in zip(
+        keys,
+        single.read_regions([(k, ()) for k in keys]),
+        r.read_regions([(k, ()) for k in keys]),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+    stacked = [k for k in keys if len(single.shape(k)) == 3]
+    assert stacked
+    for key in stacked:
+        last = single.shape(key)[0] - 1
+        assert torch.equal(r.read(key, (last,)), single.read(key)[last]), key
+
+
+class Unsafe:
+    """Not on torch's ``weights_only`` allow-list."""
+
+
+def test_reader_common_state_is_unpickled_safely(tmp_path):
+    """The common state stored in the DCP (megatron-core >= 0.15) or in a legacy common.pt,
+    unpickled with ``weights_only``: anything else is refused, and tolerated only when
+    ``--megatron-config`` describes the model."""
+    t = {"decoder.final_layernorm.weight": torch.ones(2)}
+    r = save_dcp(tmp_path / "a", dict(t, **{COMMON_STATE_KEY: [{"iteration": 7}]}))
+    assert r.common_state() == {"iteration": 7}  # Megatron's one-element list
+    r = save_dcp(tmp_path / "b", dict(t, **{COMMON_STATE_KEY: {"x": Unsafe()}}))
+    torch.save({"x": Unsafe()}, tmp_path / "a" / "common.pt")
+    for path in ("a", "b"):
+        with pytest.raises(ConversionError) as info:
+            open_checkpoint(tmp_path / path)
+        message = str(info.value)
+        assert message.startswith(
+            f"checkpoint {str(tmp_path / path)!r}: the common state (args, iteration) cannot be "
+            "unpickled safely (UnpicklingError: "
+        ) and message.endswith("; pass --megatron-config"), message
+    cfg = tmp_path / "megatron.json"
+    cfg.write_text(json.dumps(_workers.MEGATRON_CFG))
+    reader, arch, _, common = open_checkpoint(tmp_path / "b", str(cfg))
+    assert (reader.path, arch, common) == (tmp_path / "b", _workers.arch(), {})
+
+
+def test_reader_truncated_data_is_a_clear_error(tmp_path):
+    r = save_dcp(tmp_path / "ck", {"decoder.a": torch.arange(1000.0)})
+    data = tmp_path / "ck" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(ConversionError) as info:
+        r.read("decoder.a")
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {str(r.path)!r}: reading failed (") and message.endswith(
+        "); the files may be truncated or corrupt"
+    ), message
+
+
+def test_reader_data_file_removed_after_opening(tmp_path):
+    r = save_dcp(tmp_path, {"decoder.a": torch.ones(2), COMMON_STATE_KEY: [{"iteration": 7}]})
+    (tmp_path / "__0_0.distcp").unlink()
+    for read in (r.common_state, lambda: r.read("decoder.a")):
+        with pytest.raises(ConversionError) as info:
+            read()
+        assert str(info.value) == (
+            f"checkpoint {str(tmp_path)!r}: data file missing: [Errno 2] No such file or "
+            f"directory: {str(tmp_path / '__0_0.distcp')!r}"
+        )
 
 
 # -------------------------------------------------------------------------------- command line
