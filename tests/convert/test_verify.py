@@ -14,8 +14,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -673,3 +676,157 @@ def test_cli_refuses_a_summary_json_that_is_a_directory(recorders, tmp_path, cap
     )
     assert recorders["export_checkpoint"].calls == []
     assert os.listdir(tmp_path) == ["reports"] and os.listdir(reports) == []
+
+
+# ------------------------------------------------------------------------- summary, output dir
+def test_conversion_summary_figures_and_text(monkeypatch):
+    s = summary.ConversionSummary("export", "ck", "hf", tensors=3, files=2, config_source="args")
+    assert math.isnan(s.mb_per_s)  # no time measured yet
+    s.bytes_written, s.largest_tensor_bytes = 5_000_000, 3 << 29
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(summary.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(summary, "peak_rss_bytes", lambda: 1 << 31)
+    timer, bar = summary.Timer(), summary.Progress(100, "export", enabled=False)
+    bar.max_growth = 1 << 28
+    assert s.finish(timer, bar, 4_000_000, 0.125, shards=2) is s
+    assert (s.seconds, s.bytes_read, s.mb_per_s) == (2.5, 4_000_000, 2.0)
+    assert (s.peak_rss_bytes, s.max_rss_growth_bytes) == (1 << 31, 1 << 28)
+    assert s.extra == {"shards": 2, "stream_seconds": 0.125, "stream_mb_per_s": 40.0}
+    assert s.format() == (
+        "export: ck -> hf\n"
+        "  model config from: args\n"
+        "  tensors: 3   files: 2\n"
+        "  read: 4.0 MB   written: 5.0 MB\n"
+        "  time: 2.50 s   throughput: 2.0 MB/s (written)\n"
+        "  peak RSS: 2.000 GiB   RSS growth during conversion: 0.250 GiB   largest tensor: "
+        "1.500 GiB\n"
+        "  shards: 2\n"
+        "  stream_seconds: 0.125\n"
+        "  stream_mb_per_s: 40.0"
+    )
+    assert s.to_dict() == dict(
+        direction="export",
+        source="ck",
+        output="hf",
+        tensors=3,
+        bytes_read=4_000_000,
+        bytes_written=5_000_000,
+        seconds=2.5,
+        files=2,
+        peak_rss_bytes=1 << 31,
+        max_rss_growth_bytes=1 << 28,
+        largest_tensor_bytes=3 << 29,
+        config_source="args",
+        extra={"shards": 2, "stream_seconds": 0.125, "stream_mb_per_s": 40.0},
+        mb_per_s=2.0,
+    )
+    monkeypatch.setattr(summary.time, "perf_counter", lambda: 0.0)
+    s.finish(summary.Timer(), bar, 0, 0.0)  # a stream too short to time: no ZeroDivisionError
+    assert s.extra["stream_mb_per_s"] == 5e9 and math.isnan(s.mb_per_s)
+
+
+def test_rss_figures(monkeypatch):
+    """``ru_maxrss`` is KiB on Linux; the RSS growth is sampled at the 1st, 17th, 33rd, ...
+    update and at ``close``."""
+    monkeypatch.setattr(summary.sys, "platform", "linux")
+    monkeypatch.setattr(summary.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3))
+    assert summary.peak_rss_bytes() == 3 * 1024
+    rss = iter([100, 150, 130, 90, 120])
+    monkeypatch.setattr(summary, "current_rss_bytes", lambda: next(rss))
+    bar = summary.Progress(100, "export", enabled=False)  # 100
+    bar.update(1)  # 150: +50
+    assert bar.max_growth == 50
+    for _ in range(15):
+        bar.update(1)  # not sampled
+    bar.update(1)  # 17th: 130
+    for _ in range(16):
+        bar.update(1)
+    assert bar.max_growth == 50  # 33rd: 90
+    bar.close()  # 120
+    assert bar.max_growth == 50
+    rss = iter([100, 100, 180])
+    bar = summary.Progress(100, "export", enabled=False)
+    bar.update(1)
+    bar.close()
+    assert bar.max_growth == 80
+
+
+def test_output_directory_refusals(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert summary.check_output_dir(out, False) == out  # to be created
+    out.mkdir()
+    assert summary.check_output_dir(out, False) == out  # empty
+    (out / "f").write_text("")
+    assert summary.check_output_dir(out, True) == out
+
+    def refusal(path, overwrite=False):
+        with pytest.raises(ConversionError) as info:
+            summary.check_output_dir(path, overwrite)
+        return str(info.value)
+
+    assert refusal(out) == (
+        f"output directory {str(out)!r} exists and is not empty; pass --overwrite to replace it"
+    )
+    assert refusal(out / "f", True) == f"output {str(out / 'f')!r} exists and is not a directory"
+    assert refusal(tmp_path / "no" / "out") == (
+        f"the parent directory of the output, {str(tmp_path / 'no')!r}, does not exist"
+    )
+    monkeypatch.setattr(summary.os, "access", lambda path, mode: False)
+    assert refusal(tmp_path / "new") == (
+        f"the parent directory of the output, {str(tmp_path)!r}, is not writable"
+    )
+
+
+def test_an_output_is_never_an_input_or_above_it(tmp_path):
+    run = tmp_path / "run"
+    for out in (run, tmp_path, run / ".." / "run"):
+        with pytest.raises(ConversionError) as info:
+            summary.check_not_an_input(out, "--hf", run)
+        assert str(info.value) == (
+            f"--output {str(out)!r} would replace the input --hf {str(run)!r} (it is that "
+            "directory or contains it); allowed: an output directory outside the input"
+        )
+    summary.check_not_an_input(run / "hf", "--hf", run)  # inside the input
+    summary.check_not_an_input(tmp_path / "run2", "--hf", run)  # beside it
+
+
+def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    for error in (ValueError("bad"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            with summary.atomic_output_dir(out, overwrite=True) as tmp:
+                assert tmp.parent == tmp_path and tmp.name.startswith(".out.partial-")
+                (tmp / "new.txt").write_text("new")
+                raise error
+        assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["old.txt"]
+    assert capsys.readouterr().err == f"interrupted: removed the partial output {str(tmp)!r}\n"
+    rename = Path.rename  # the new output cannot take the old one's place: the old one stays
+
+    def failing_rename(self, target):
+        if self.name.startswith(".out.partial-"):
+            raise OSError("no space left")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="no space left"):
+        with summary.atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "new.txt").write_text("new")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["old.txt"]
+
+    def interrupted_rename(self, target):  # Ctrl-C between the two renames: it waits
+        rename(self, target)
+        if self.name == "out":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Path, "rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        with summary.atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "new.txt").write_text("new")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["new.txt"]
+    monkeypatch.undo()
+    with summary.atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "final.txt").write_text("final")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["final.txt"]
+    assert capsys.readouterr().err == ""
