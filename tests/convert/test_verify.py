@@ -10,6 +10,7 @@ checkpoint's tensors.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -637,10 +638,16 @@ def test_reader_data_file_removed_after_opening(tmp_path):
 
 # -------------------------------------------------------------------------------- command line
 class Recorder:
-    """Stands in for a conversion or ``verify_export``: records its call, returns ``result``."""
+    """Stands in for a conversion or ``verify_export`` (``real``): records its call, returns
+    ``result``. ``defaults``: the keyword defaults of ``real``."""
 
-    def __init__(self, result):
+    def __init__(self, real, result):
         self.result, self.calls = result, []
+        self.defaults = {
+            name: p.default
+            for name, p in inspect.signature(real).parameters.items()
+            if p.kind is p.KEYWORD_ONLY
+        }
 
     def __call__(self, *args, **kwargs):
         self.calls.append((args, kwargs))
@@ -659,7 +666,7 @@ def recorders(monkeypatch):
         (importer, "import_checkpoint", summary.ConversionSummary("import", "c", "d", seconds=1.0)),
         (verify, "verify_export", make_report()),
     ):
-        out[name] = Recorder(result)
+        out[name] = Recorder(getattr(module, name), result)
         monkeypatch.setattr(module, name, out[name])
     return out
 
@@ -676,6 +683,163 @@ def test_cli_refuses_a_summary_json_that_is_a_directory(recorders, tmp_path, cap
     )
     assert recorders["export_checkpoint"].calls == []
     assert os.listdir(tmp_path) == ["reports"] and os.listdir(reports) == []
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def as_json(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
+
+
+def test_cli_exit_statuses_are_the_documented_ones():
+    doc = " ".join(cli.__doc__.split())
+    for status, meaning in (
+        (cli.EXIT_BAD_INPUT, "bad input"),
+        (cli.EXIT_VERIFY_FAILED, "verification outside tolerance"),
+        (cli.EXIT_INTERRUPTED, "/ 143 interrupted by Ctrl-C / SIGTERM"),
+    ):
+        assert f", {status} {meaning}" in doc, (status, doc)
+
+
+def test_cli_export_hands_every_flag_to_the_conversion(recorders, capsys):
+    export = recorders["export_checkpoint"]
+    code, out, err = run_cli(["export", "--load", "ck", "--output", "hf"], capsys)
+    assert (code, out, err) == (0, export.result.format() + "\n", "")
+    assert export.calls == [(("ck", "hf"), export.defaults)]  # the library's defaults
+    assert recorders["verify_export"].calls == []
+    argv = ["export", "--checkpoint", "ck", "--output", "hf", "--megatron-config", "m.json"]
+    argv += ["--dtype", "bf16", "--expert-dtype", "mxfp4", "--max-shard-size", "2GB"]
+    argv += ["--tokenizer", "none", "--read-batch-mb", "1", "--overwrite", "--no-progress"]
+    assert run_cli(argv, capsys)[0] == 0
+    assert export.calls[1] == (
+        ("ck", "hf"),
+        dict(
+            config_file="m.json",
+            dtype="bf16",
+            max_shard_size="2GB",
+            tokenizer_dir=None,
+            overwrite=True,
+            progress=False,
+            read_batch_bytes=1 << 20,
+            expert_dtype="mxfp4",
+        ),
+    )
+    argv = ["export", "--checkpoint", "ck", "--output", "hf", "--tokenizer", "tok"]
+    assert run_cli(argv, capsys)[0] == 0 and export.calls[2][1]["tokenizer_dir"] == "tok"
+    assert run_cli(argv + ["--read-batch-mb", "0"], capsys) == (
+        cli.EXIT_BAD_INPUT,
+        "",
+        "error: --read-batch-mb=0 is not allowed: an integer >= 1\n",
+    )
+    assert len(export.calls) == 3
+
+
+def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path, capsys):
+    """``--verify`` compares the Megatron side (the checkpoint, or the import's output) with the
+    HF side under the verify flags; ``--summary-json`` holds the summary and the report."""
+    export, check = recorders["export_checkpoint"], recorders["verify_export"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    js = tmp_path / "s.json"
+    argv = ["export", "--checkpoint", "ck", "--output", "out", "--megatron-config", "m.json"]
+    argv += ["--verify", "--summary-json", str(js), "--verify-atol", "0.5", "--verify-text", "t"]
+    argv += ["--verify-tokens", "4", "--verify-seq-len", "5", "--verify-batch", "6"]
+    assert run_cli(argv, capsys) == (
+        0,
+        f"{export.result.format()}\n{check.result.format()}\n",
+        "",
+    )
+    flags = dict(atol=0.5, new_tokens=4, batch=6, seq_len=5, text="t")
+    assert check.calls == [(("ck", "out"), dict(config_file="m.json", **flags))]
+    assert json.loads(js.read_text()) == {
+        "summary": as_json(export.result.to_dict()),
+        "verify": as_json(check.result.to_dict()),
+    }
+    assert sorted(os.listdir(tmp_path)) == ["hf", "s.json"]  # no temporary file left
+    # import: the Megatron side is the output, described by itself (no --megatron-config)
+    argv = ["import", "--input", str(hf), "--output", "mg", "--verify", "--tp", "2", "--etp", "1"]
+    code, out, err = run_cli(argv + ["--iteration", "7", "--dtype", "fp32", "--overwrite"], capsys)
+    assert (code, err) == (
+        0,
+        "note: --tp --etp ignored: import writes one layout-free checkpoint that Megatron "
+        "reshards on load at any layout\n",
+    )
+    assert check.calls[1] == (("mg", str(hf)), check.defaults)
+    assert recorders["import_checkpoint"].calls == [
+        ((str(hf), "mg"), dict(dtype="fp32", iteration=7, overwrite=True, progress=None))
+    ]
+    # the verify command: the report alone in the JSON; a FAIL exits 3
+    check.result = make_report(same=False)
+    argv = ["verify", "--load", "ck", "--hf", str(hf), "--megatron-config", "m.json"]
+    assert run_cli(argv + ["--summary-json", str(js)], capsys) == (
+        cli.EXIT_VERIFY_FAILED,
+        check.result.format() + "\n",
+        "error: verification failed (see above)\n",
+    )
+    assert check.calls[2] == (("ck", str(hf)), dict(check.defaults, config_file="m.json"))
+    assert json.loads(js.read_text()) == {"verify": as_json(check.result.to_dict())}
+
+
+def test_cli_bad_input_and_interruption(recorders, tmp_path, capsys, monkeypatch):
+    """Exit 2 with one ``error:`` line for bad input, checked before any work where it can be;
+    130 for Ctrl-C."""
+    export, check = recorders["export_checkpoint"], recorders["verify_export"]
+    export.result = ConversionError("checkpoint 'ck' does not exist")
+    argv = ["export", "--checkpoint", "ck", "--output", "out"]
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        "",
+        "error: checkpoint 'ck' does not exist\n",
+    )
+    export.result = KeyboardInterrupt()
+    assert run_cli(argv, capsys) == (cli.EXIT_INTERRUPTED, "", "interrupted (Ctrl-C)\n")
+    assert len(export.calls) == 2
+    no_hf = (
+        f"error: HF directory {str(tmp_path)!r} has no config.json (not an HF model directory)\n"
+    )
+    for argv in (
+        ["import", "--hf", str(tmp_path), "--output", "o"],
+        ["verify", "--checkpoint", "ck", "--hf", str(tmp_path)],
+    ):
+        assert run_cli(argv, capsys) == (cli.EXIT_BAD_INPUT, "", no_hf)
+    argv = ["export", "--checkpoint", "ck", "--output", "o", "--verify", "--verify-batch", "0"]
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        "",
+        "error: batch (--verify-batch)=0 is not allowed: an integer >= 1\n",
+    )
+    (tmp_path / "config.json").write_text("{}")
+    # the verify command checks its options without --verify
+    argv = ["verify", "--checkpoint", "ck", "--hf", str(tmp_path), "--verify-seq-len", "0"]
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        "",
+        "error: seq_len (--verify-seq-len)=0 is not allowed: an integer >= 1\n",
+    )
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    argv = ["verify", "--checkpoint", "ck", "--hf", str(tmp_path), "--summary-json", "s.json"]
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        "",
+        f"error: --summary-json 's.json': directory {os.getcwd()!r} does not exist or is not "
+        "writable\n",
+    )
+    assert check.calls == [] and recorders["import_checkpoint"].calls == []
+    assert len(export.calls) == 2
+
+
+def test_dtype_names_are_the_torch_dtypes():
+    from megatron_latentmoe.convert import export, options
+
+    names = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    assert {name: export.parse_dtype(name) for name in options.DTYPE_CHOICES} == names
+    for name in options.DTYPE_TORCH_NAMES.values():
+        assert export.parse_dtype(name) is getattr(torch, name)
 
 
 # ------------------------------------------------------------------------- summary, output dir
