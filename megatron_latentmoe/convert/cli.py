@@ -34,6 +34,15 @@ EXIT_VERIFY_FAILED = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it; SIGTERM exits with 143
 
 
+VERIFY_DEFAULTS = {
+    "--verify-atol": DEFAULT_ATOL,
+    "--verify-tokens": DEFAULT_VERIFY_TOKENS,
+    "--verify-seq-len": DEFAULT_VERIFY_SEQ_LEN,
+    "--verify-batch": DEFAULT_VERIFY_BATCH,
+    "--verify-text": None,
+}
+
+
 def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     if flag:
         p.add_argument(
@@ -44,14 +53,15 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     p.add_argument(
         "--verify-atol",
         type=float,
-        default=DEFAULT_ATOL,
+        default=VERIFY_DEFAULTS["--verify-atol"],
         help=f"max |delta logits| allowed (fp32 both sides; default {DEFAULT_ATOL:g})",
     )
-    for flag, default, what in (
-        ("--verify-tokens", DEFAULT_VERIFY_TOKENS, "greedy tokens to generate"),
-        ("--verify-seq-len", DEFAULT_VERIFY_SEQ_LEN, "prompt length in tokens"),
-        ("--verify-batch", DEFAULT_VERIFY_BATCH, "prompts"),
+    for flag, what in (
+        ("--verify-tokens", "greedy tokens to generate"),
+        ("--verify-seq-len", "prompt length in tokens"),
+        ("--verify-batch", "prompts"),
     ):
+        default = VERIFY_DEFAULTS[flag]
         p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
 
@@ -187,6 +197,11 @@ def _check_options(args) -> None:
     from .errors import ConversionError
     from .verify import check_hf_dir, check_verify_options
 
+    if args.command != "verify" and not args.verify:
+        for flag, default in VERIFY_DEFAULTS.items():
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value != default:  # a forgotten --verify: the comparison would not run
+                raise not_allowed(flag, value, "only with --verify", ConversionError)
     if args.command == "verify" or args.verify:
         check_verify_options(
             atol=args.verify_atol,

@@ -685,6 +685,20 @@ def test_cli_refuses_a_summary_json_that_is_a_directory(recorders, tmp_path, cap
     assert os.listdir(tmp_path) == ["reports"] and os.listdir(reports) == []
 
 
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_cli_refuses_verify_options_without_verify(recorders, command, capsys):
+    """A forgotten ``--verify``: its options would be ignored and nothing compared."""
+    src = ["--checkpoint", "ck"] if command == "export" else ["--hf", "hf"]
+    for flags, shown in (
+        (["--verify-text", "Hello"], "--verify-text='Hello'"),
+        (["--verify-tokens", "3"], "--verify-tokens=3"),
+        (["--verify-atol", "0.5"], "--verify-atol=0.5"),
+    ):
+        assert cli.main([command, *src, "--output", "out", *flags]) == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr().err == f"error: {shown} is not allowed: only with --verify\n"
+    assert all(r.calls == [] for r in recorders.values())
+
+
 def run_cli(argv, capsys) -> tuple[int, str, str]:
     code = cli.main(argv)
     out = capsys.readouterr()
