@@ -821,37 +821,3 @@ def test_megatron_side_refusals_and_fallbacks():
         ns = a.megatron_args_namespace()
         ns.moe_layer_freq = freq
         assert ModelArch.from_megatron_args(ns) == a
-
-
-# ------------------------------------------------------------------------------- verify verdict
-def test_verify_verdict_and_cli_exit_status(monkeypatch, capsys, tmp_path):
-    from megatron_latentmoe.convert import cli, verify
-
-    (tmp_path / "config.json").write_text("{}")  # the CLI checks --hf up front
-
-    def report(max_d=5e-6, same=True):
-        return verify.VerifyReport(
-            max_d,
-            1e-6,
-            1.0,
-            "real text",
-            (2, 64),
-            32,
-            same,
-            min_margin=1e-2,
-            first_mismatch=None if same else 3,
-            megatron_margin_at_mismatch=1e-7,
-            hf_margin_at_mismatch=1e-7,
-        )
-
-    assert report().passed
-    assert not report(max_d=2e-4).passed and not report(max_d=float("nan")).passed
-    assert not report(same=False).passed and "DIFFERS at step 3" in report(same=False).format()
-    for r, code in (
-        (report(), 0),
-        (report(max_d=1.0), cli.EXIT_VERIFY_FAILED),
-        (report(same=False), 3),
-    ):
-        monkeypatch.setattr(verify, "verify_export", lambda *a, _r=r, **k: _r)
-        assert cli.main(["verify", "--checkpoint", "x", "--hf", str(tmp_path)]) == code
-    assert "verification failed" in capsys.readouterr().err
