@@ -181,16 +181,25 @@ def _sigterm_raises() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """SIGINT / SIGTERM wait until the block is done (delivered when it ends)."""
-    deferred = {signal.SIGINT, signal.SIGTERM}
-    can_block = hasattr(signal, "pthread_sigmask")
-    if can_block:
-        signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    """SIGINT / SIGTERM wait until the block is done (delivered when it ends). Python-level
+    handlers that only note the signal, not a thread signal mask: the kernel hands a process
+    signal to any thread that lets it through (torch's pool, pytest-xdist's I/O thread), and
+    Python then raises in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only: nothing interrupts this one
+        return
+    received: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: received.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
-        if can_block:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, deferred)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if received:
+            signal.raise_signal(received[0])  # as if it came now: the handler that was there
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -999,9 +1000,18 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(Path, "rename", interrupted_rename)
-    with pytest.raises(KeyboardInterrupt):
-        with summary.atomic_output_dir(out, overwrite=True) as tmp:
-            (tmp / "new.txt").write_text("new")
+    # another thread that lets the signal through (torch's pool, pytest-xdist's I/O thread): the
+    # kernel may hand it the signal, and Python still raises in the main thread
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)
+    other.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with summary.atomic_output_dir(out, overwrite=True) as tmp:
+                (tmp / "new.txt").write_text("new")
+    finally:
+        idle.set()
+        other.join()
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["new.txt"]
     monkeypatch.undo()
     with summary.atomic_output_dir(out, overwrite=True) as tmp:
