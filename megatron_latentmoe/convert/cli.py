@@ -63,7 +63,11 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     ):
         default = VERIFY_DEFAULTS[flag]
         p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
-    p.add_argument("--verify-text", default=None, help="prompt text (default: the shipped corpus)")
+    p.add_argument(
+        "--verify-text",
+        default=VERIFY_DEFAULTS["--verify-text"],
+        help="prompt text (default: the shipped corpus)",
+    )
 
 
 IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
