@@ -659,6 +659,20 @@ def _flag_value(field: str, value) -> str:
     return text if ours or flag == "--" + field.replace("_", "-") else f"{text} ({field}={value!r})"
 
 
+def checkpoint_origin(message: str, from_checkpoint: set[str]) -> str:
+    """A refusal of flags that ``--use-checkpoint-args`` took from the checkpoint says so: the
+    user did not type them (e.g. ``--position-embedding-type learned_absolute`` of a plain GPT
+    checkpoint). ``from_checkpoint``: the dests the checkpoint changed."""
+    flags = [
+        flag
+        for flag in dict.fromkeys(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", message))
+        if flag[2:].replace("-", "_") in from_checkpoint
+    ]
+    if not flags:
+        return message
+    return f"{message} ({', '.join(flags)}: from the checkpoint's args, --use-checkpoint-args)"
+
+
 def flag_message(err) -> str:
     """A config error in flags: ``--num-experts 7 (num_moe_experts=7) is not allowed: a multiple
     of --expert-model-parallel-size 2``."""

@@ -152,14 +152,17 @@ def saved_args(load_dir: str, ckpt_format: str = "torch_dist", *, release: bool 
     return common.get("args")
 
 
-def load_checkpoint_args(args) -> None:
+def load_checkpoint_args(args) -> set[str]:
     """``--use-checkpoint-args``: the model flags come from the checkpoint, as in Megatron's
     ``parse_and_validate_args`` (this entry point parses and validates on its own, so it calls
     Megatron's ``load_args_from_checkpoint`` here, for ``--pretrained-checkpoint`` and then
     ``--load``). The flags this package adds that the model's config holds (the ``ADDED`` rows
     of ``fields.FIELDS`` with an HF key: ``--hidden-act``, the SiTU betas, ``--moe-latent-norm``,
     ``--first-k-dense-replace``) are taken from the checkpoint too, always, as Megatron takes
-    ``--swiglu`` and ``--moe-latent-size``. Raises ``FlagError`` where Megatron asserts."""
+    ``--swiglu`` and ``--moe-latent-size``. Raises ``FlagError`` where Megatron asserts.
+
+    Returns the dests whose values the checkpoint changed (a later refusal names them as the
+    checkpoint's, not as flags the user typed)."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     from megatron_latentmoe.fields import ADDED
@@ -176,6 +179,7 @@ def load_checkpoint_args(args) -> None:
             "megatron-core 0.19.2 (all flags must be known before its local checkpoint manager "
             "starts); give the model flags instead"
         )
+    typed = dict(vars(args))
     for load_arg in ("pretrained_checkpoint", "load"):
         if getattr(args, load_arg) is None:
             continue
@@ -186,6 +190,8 @@ def load_checkpoint_args(args) -> None:
             if value is not None:
                 _print0(f"Setting {f.name} to {value} from checkpoint")
                 setattr(args, f.name, value)
+    missing = object()
+    return {dest for dest, value in vars(args).items() if typed.get(dest, missing) != value}
 
 
 def _reshardable_optim(a) -> bool:
@@ -260,13 +266,26 @@ def checked_args(has_cuda: bool):
     Returns ``(args, transformer_config, cpu_notes, default_data_dir)``; a bad flag raises
     ``FlagError``. Needs the compat shims of ``_main`` applied first.
     """
+    from megatron_latentmoe.compat.training import parse_with_our_flags
+    from megatron_latentmoe.training.arguments import (
+        FlagError,
+        add_stable_latentmoe_args,
+        checkpoint_origin,
+    )
+
+    args = parse_with_our_flags(add_stable_latentmoe_args)
+    from_checkpoint = load_checkpoint_args(args) if args.use_checkpoint_args else set()
+    try:
+        return _checked(args, has_cuda)
+    except FlagError as err:
+        raise FlagError(checkpoint_origin(str(err), from_checkpoint)) from None
+
+
+def _checked(args, has_cuda: bool):
+    """``checked_args`` after parsing (and ``--use-checkpoint-args``' load)."""
     from megatron.training.arguments import validate_args
 
-    from megatron_latentmoe.compat.training import (
-        apply_cpu_training_compat,
-        cpu_training_defaults,
-        parse_with_our_flags,
-    )
+    from megatron_latentmoe.compat.training import apply_cpu_training_compat, cpu_training_defaults
     from megatron_latentmoe.data.corpus import (
         DEFAULT_DATASET_NAME,
         default_cache_dir,
@@ -274,7 +293,6 @@ def checked_args(has_cuda: bool):
     )
     from megatron_latentmoe.training.arguments import (
         FlagError,
-        add_stable_latentmoe_args,
         apply_default_tokenizer,
         expert_layout_refusal,
         interleaved_schedule_refusal,
@@ -284,9 +302,6 @@ def checked_args(has_cuda: bool):
     )
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
 
-    args = parse_with_our_flags(add_stable_latentmoe_args)
-    if args.use_checkpoint_args:
-        load_checkpoint_args(args)
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
     default_data_dir = None
     if uses_default_data(args):

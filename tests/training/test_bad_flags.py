@@ -20,6 +20,7 @@ import pytest
 
 from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
 
+PLAIN_GPT_CHECKPOINT = "<plain GPT checkpoint>"  # _argv: the one _plain_gpt_checkpoint writes
 WORLD_SIZE = "2"  # what examples/run_torchrun.sh gives its flag check (tiny.sh is EP2)
 SMALL_CORPUS = scratch_dir() / "small_corpus"  # 50 documents, made by the `outcomes` fixture
 
@@ -345,6 +346,13 @@ CASES = {
             "fp16 mode.",  # the message once, not also inside the quoted line
         ],
     ),
+    "checkpoint_arg_named_as_the_checkpoints": (  # not as a flag the user typed
+        ["--use-checkpoint-args", "--load", PLAIN_GPT_CHECKPOINT, "--ckpt-format", "torch"],
+        [
+            "--position-embedding-type learned_absolute: this model uses 'rope' "
+            "(--position-embedding-type: from the checkpoint's args, --use-checkpoint-args)"
+        ],
+    ),
     "megatron_config_value_error": (  # TransformerConfig's ValueError, as one line
         ["--moe-single-grouped-weight", "--save-interval", "1000"],
         ["moe_single_grouped_weight and moe_single_grouped_bias require moe_grouped_gemm=True."],
@@ -445,8 +453,24 @@ for name, argv in json.loads(sys.argv[2]).items():
 """
 
 
+def _plain_gpt_checkpoint() -> str:
+    """A Megatron torch-format checkpoint whose saved args are a plain GPT's (learned absolute
+    position embeddings); no weights: ``--use-checkpoint-args`` reads only the args."""
+    import argparse
+
+    import torch
+
+    path = scratch_dir() / "plain_gpt_checkpoint"
+    (path / "iter_0000001" / "mp_rank_00").mkdir(parents=True, exist_ok=True)
+    (path / "latest_checkpointed_iteration.txt").write_text("1")
+    saved = argparse.Namespace(position_embedding_type="learned_absolute")
+    state = {"args": saved, "iteration": 1, "checkpoint_version": 3.0}
+    torch.save(state, path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    return str(path)
+
+
 def _argv(name):
-    flags = CASES[name][0]
+    flags = [_plain_gpt_checkpoint() if f == PLAIN_GPT_CHECKPOINT else f for f in CASES[name][0]]
     return [
         *tiny_args(),
         "--data-cache-path",
@@ -725,3 +749,14 @@ def test_the_shipped_corpus_and_tokenizer_are_used_only_when_none_is_given():
         args = SimpleNamespace(tokenizer_type=given[0], tokenizer_model=given[1])
         assert apply_default_tokenizer(args, "/shipped") is shipped, given
         assert (args.tokenizer_type, args.tokenizer_model) == expected, given
+
+
+def test_only_the_flags_the_checkpoint_set_are_named_as_its():
+    from megatron_latentmoe.training.arguments import checkpoint_origin
+
+    message = "--num-experts 6 is not allowed: a multiple of --expert-model-parallel-size 4"
+    assert checkpoint_origin(message, {"num_experts", "hidden_size"}) == (
+        f"{message} (--num-experts: from the checkpoint's args, --use-checkpoint-args)"
+    )
+    assert checkpoint_origin(message, {"expert_model_parallel", "hidden_size"}) == message
+    assert checkpoint_origin(message, set()) == message
