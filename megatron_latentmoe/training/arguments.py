@@ -547,7 +547,33 @@ def megatron_config_refusal(args, err: Exception) -> str:
             f"{pipeline_split_flags(args)}: Megatron's TransformerConfig refused this pipeline "
             f"split: {text}"
         )
-    return text
+    flags = _config_fields_as_flags(args, text)
+    return f"{text} ({flags})" if flags else text
+
+
+def _config_fields_as_flags(args, text: str) -> str:
+    """The flags behind the config fields a TransformerConfig check names in ``text``, with
+    their values: ``moe_grouped_gemm: --moe-grouped-gemm not given`` (Megatron's messages name
+    fields, which are not always the flags' names)."""
+    import dataclasses
+
+    from megatron_latentmoe.config import StableLatentMoETransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(StableLatentMoETransformerConfig)}
+    named = []
+    for field in dict.fromkeys(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", text)):
+        dest = _ARG_DEST.get(field, field)
+        if field not in fields or not hasattr(args, dest):
+            continue
+        value, flag = getattr(args, dest), flag_for_field(field)
+        if value is True:
+            named.append(f"{field}: {flag}")
+        elif value is False or value is None:
+            named.append(f"{field}: {flag} not given")
+        else:
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            named.append(f"{field}: {flag} {shown}")
+    return "; ".join(named)
 
 
 def interleaved_schedule_refusal(args, microbatch_group: int | None) -> str | None:

@@ -355,7 +355,11 @@ CASES = {
     ),
     "megatron_config_value_error": (  # TransformerConfig's ValueError, as one line
         ["--moe-single-grouped-weight", "--save-interval", "1000"],
-        ["moe_single_grouped_weight and moe_single_grouped_bias require moe_grouped_gemm=True."],
+        [
+            "moe_single_grouped_weight and moe_single_grouped_bias require moe_grouped_gemm=True. "
+            "(moe_single_grouped_weight: --moe-single-grouped-weight; moe_single_grouped_bias: "
+            "--moe-single-grouped-bias not given; moe_grouped_gemm: --moe-grouped-gemm not given)"
+        ],
     ),
     "misspelt_flag": (  # argparse's error line alone, without its ~800-line usage
         ["--moe-qb-bins", "10"],
@@ -760,3 +764,31 @@ def test_only_the_flags_the_checkpoint_set_are_named_as_its():
     )
     assert checkpoint_origin(message, {"expert_model_parallel", "hidden_size"}) == message
     assert checkpoint_origin(message, set()) == message
+
+
+def test_a_transformer_config_check_names_the_flags_of_its_fields():
+    """Megatron's TransformerConfig checks name config fields: the refusal adds each field's
+    flag and value; words that are no field, or fields without a flag here, are left alone."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import megatron_config_refusal
+
+    args = SimpleNamespace(
+        num_attention_heads=4,
+        tensor_model_parallel_size=3,
+        num_experts=8,
+        moe_layer_freq=[1, 0],
+        pipeline_model_parallel_size=1,
+    )
+    try:
+        raise ValueError(
+            "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3) for "
+            "num_moe_experts with moe_layer_freq and kv_channels; some_words are no field."
+        )
+    except ValueError as err:
+        message = megatron_config_refusal(args, err)
+    assert message.endswith(
+        "some_words are no field. (num_attention_heads: --num-attention-heads 4; "
+        "tensor_model_parallel_size: --tensor-model-parallel-size 3; num_moe_experts: "
+        "--num-experts 8; moe_layer_freq: --moe-layer-freq 1 0)"
+    ), message
