@@ -302,7 +302,8 @@ def validate_stable_latentmoe_args(
         )
     if args.position_embedding_type != "rope":
         raise FlagError(
-            f"--position-embedding-type {args.position_embedding_type}: this model uses 'rope'"
+            f"--position-embedding-type {args.position_embedding_type} is not allowed: this "
+            "model's positions are rotary; allowed: rope"
         )
     if args.rotary_percent != 1.0:
         raise FlagError(

@@ -291,7 +291,10 @@ CASES = {
     ),
     "learned_position_embeddings": (
         ["--position-embedding-type", "learned_absolute"],
-        ["--position-embedding-type learned_absolute: this model uses 'rope'"],
+        [
+            "--position-embedding-type learned_absolute is not allowed: this model's positions "
+            "are rotary; allowed: rope"
+        ],
     ),
     "inference_optimized_backend": (  # one of Megatron's choices, not a spec of ours
         ["--transformer-impl", "inference_optimized"],
@@ -349,7 +352,8 @@ CASES = {
     "checkpoint_arg_named_as_the_checkpoints": (  # not as a flag the user typed
         ["--use-checkpoint-args", "--load", PLAIN_GPT_CHECKPOINT, "--ckpt-format", "torch"],
         [
-            "--position-embedding-type learned_absolute: this model uses 'rope' "
+            "--position-embedding-type learned_absolute is not allowed: this model's positions "
+            "are rotary; allowed: rope "
             "(--position-embedding-type: from the checkpoint's args, --use-checkpoint-args)"
         ],
     ),
