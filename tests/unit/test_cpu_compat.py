@@ -92,6 +92,9 @@ def test_version_check(no_compat, monkeypatch):
     with pytest.raises(RuntimeError, match="MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"):
         cpu.apply_cpu_compat()
     assert not registry.patched("cpu") and not registry.patched("core")  # refused before patching
+    monkeypatch.setenv(registry.ALLOW_UNTESTED_ENV, "0")  # only "1" allows
+    with pytest.raises(RuntimeError, match="found 0.18.0"):
+        registry.check_megatron_core_version()
     monkeypatch.setenv(registry.ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(RuntimeWarning, match="found 0.18.0"):
         assert registry.check_megatron_core_version() == "0.18.0"
@@ -119,6 +122,7 @@ def test_registry_reverts_one_group_and_refuses_to_reapply():
         )
         registry.apply_group("test-b", [lambda: registry.patch("test-b", Owner, "b", 20)])
         assert (Owner.a, Owner.b) == (10, 20) and registry.patched("test-a") == [(Owner, "a", 1)]
+        assert registry.patched()[-2:] == [(Owner, "a", 1), (Owner, "b", 2)]  # every group
         registry.revert("test-a")
         assert (Owner.a, Owner.b) == (1, 20) and not registry.is_applied("test-a")
         with pytest.raises(ZeroDivisionError):  # a failing shim leaves nothing of its group
@@ -130,6 +134,28 @@ def test_registry_reverts_one_group_and_refuses_to_reapply():
         registry.revert("test-a")
         registry.revert("test-b")
     assert Owner.b == 2
+
+
+def test_registry_revert_of_every_group(monkeypatch):
+    class Owner:
+        a = 1
+
+    monkeypatch.setattr(registry, "_patched", [])  # the live groups stay out of this
+    monkeypatch.setattr(registry, "_groups", set())
+    registry.apply_group("test-a", [lambda: registry.patch("test-a", Owner, "a", 10)])
+    registry.revert()
+    assert Owner.a == 1 and not registry.is_applied("test-a") and not registry.patched()
+
+
+def test_compile_nothing_gives_the_function_back():
+    """megatron-core's import-time ``torch.compile`` call forms (CPU imports)."""
+
+    def fn(x):
+        return x
+
+    assert registry._compile_nothing(fn) is fn  # @torch.compile
+    assert registry._compile_nothing(fn, dynamic=True) is fn  # torch.compile(fn, ...)
+    assert registry._compile_nothing(dynamic=True)(fn) is fn  # torch.compile(...)(fn)
 
 
 # ------------------------------------------------------------------ streams and device queries
@@ -306,11 +332,12 @@ def test_torch_norm_accepts_sequence_parallel(compat):  # compat.core, applied b
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     config = _sp_config()
-    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
+    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=0.5)  # not the default 1e-5
     assert isinstance(norm, torch.nn.RMSNorm) and config.sequence_parallel
     assert all(p.sequence_parallel for p in norm.parameters())  # grads all-reduced over TP
     x = torch.randn(3, 8)
-    assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-5))
+    assert norm.eps == 0.5
+    assert torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 0.5))
     # megatron.training's default --persist-layer-norm (an apex kernel choice) is accepted too
     config = _sp_config(sequence_parallel=False, persist_layer_norm=True)
     norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
@@ -361,6 +388,31 @@ def test_dataset_helpers_need_no_make(compat):
     from megatron.core.datasets import helpers
 
     assert hasattr(helpers, "build_sample_idx")
+
+
+def test_dataset_helpers_missing_extension_is_named(compat, monkeypatch):
+    import megatron.core.datasets.utils as dutils
+
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # import fails
+    with pytest.raises(RuntimeError, match=r"megatron.core.datasets.helpers_cpp .* reinstall"):
+        dutils.compile_helpers()
+
+
+def test_dataset_helpers_source_checkout_keeps_megatrons_build(no_compat, monkeypatch):
+    """With a Makefile beside the helpers (a source checkout) Megatron's ``make`` stays."""
+    import os
+
+    import megatron.core.datasets.utils as dutils
+
+    megatrons = dutils.compile_helpers
+    makefile = os.path.join(os.path.dirname(dutils.__file__), "Makefile")
+    isfile = os.path.isfile
+    monkeypatch.setattr(os.path, "isfile", lambda path: path == makefile or isfile(path))
+    try:
+        cpu.apply_cpu_compat()
+        assert dutils.compile_helpers is megatrons
+    finally:
+        cpu.revert_cpu_compat()
 
 
 def test_dataset_helpers_make_fails_without_shim(no_compat, capfd):
@@ -415,6 +467,10 @@ def test_python311_override_alias():
         assert apply_python311_compat() is False
         return
     assert apply_python311_compat() is True
+    with pytest.MonkeyPatch.context() as mp:  # what 3.12 (typing.override built in) gets
+        mp.setattr(sys, "version_info", (3, 12, 0))
+        mp.delattr(typing, "override")
+        assert apply_python311_compat() is False and not hasattr(typing, "override")
     import typing_extensions
 
     assert typing.override is typing_extensions.override
