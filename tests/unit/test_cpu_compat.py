@@ -193,10 +193,12 @@ def test_mode_maps_cuda_to_cpu(compat):
     from megatron.core.transformer.utils import get_default_causal_mask
 
     assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device="cuda:1").device.type == "cpu"
     assert torch.ones(2).to(device=torch.device("cuda", 0)).device.type == "cpu"
     assert torch.nn.Linear(2, 2).cuda().weight.device.type == "cpu"
     assert torch.ones(2).type() == "torch.cuda.FloatTensor"  # what megatron's optimizers check
     assert torch.ones(2).type(torch.float64).dtype == torch.float64
+    assert torch.ones(2).type(dtype=torch.float64).dtype == torch.float64
     mask = get_default_causal_mask(4)  # builds with device="cuda"
     assert torch.equal(mask, torch.ones(4, 4).triu(1).bool())
 
@@ -250,8 +252,51 @@ def test_rng_tracker_fork(compat):
     twin.add("b", 12)
     ta, tb = draws(twin, "a", 3), draws(twin, "b", 2)
     assert torch.equal(a3, ta[2]) and torch.equal(b2, tb[1])
-    with pytest.raises(Exception, match="already exists"):
+    with pytest.raises(Exception, match="seed 11 already exists"):
         tracker.add("c", 11)
+    with pytest.raises(Exception, match="cpu rng state a already exists"):
+        tracker.add("a", 13)
+    with pytest.raises(Exception, match="cpu rng state c is not added"), tracker.fork("c"):
+        pass
+    assert tracker.is_initialized() and not mrandom.CudaRNGStatesTracker().is_initialized()
+
+
+def test_rng_tracker_fork_back_into_an_outer_name(compat):
+    """a -> b -> a: the innermost fork continues a's stream where the outer one left it, and a's
+    stream continues after b past both."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker, twin = mrandom.CudaRNGStatesTracker(), mrandom.CudaRNGStatesTracker()
+    for t in (tracker, twin):
+        t.add("a", 11)
+        t.add("b", 12)
+    with tracker.fork("a"):
+        x1 = torch.rand(2)
+        with tracker.fork("b"):
+            y1 = torch.rand(2)
+            with tracker.fork("a"):
+                x2 = torch.rand(2)
+            y2 = torch.rand(2)
+        x3 = torch.rand(2)
+    with twin.fork("a"):
+        a_stream = torch.rand(6).view(3, 2)
+    with twin.fork("b"):
+        b_stream = torch.rand(4).view(2, 2)
+    assert torch.equal(torch.stack([x1, x2, x3]), a_stream)
+    assert torch.equal(torch.stack([y1, y2]), b_stream)
+
+
+def test_rng_tracker_made_before_the_shim_is_replaced(no_compat, monkeypatch):
+    """A tracker Megatron created before the shims (CUDA-backed) is replaced by a CPU one."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", mrandom.CudaRNGStatesTracker())
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    try:
+        cpu.apply_cpu_compat()
+        assert isinstance(mrandom.get_cuda_rng_tracker(), cpu._cpu_rng_tracker_class())
+    finally:
+        cpu.revert_cpu_compat()
 
 
 def test_model_parallel_seed_uses_cpu_tracker(compat):
@@ -420,6 +465,57 @@ def test_dataset_helpers_make_fails_without_shim(no_compat, capfd):
 
     with pytest.raises(SystemExit):
         dutils.compile_helpers()
+
+
+# ------------------------------------------------------------------ initialize_parallel_cpu
+@pytest.mark.parametrize("dp_random_init, seed", [(False, 1100), (True, 1120)])
+def test_initialize_parallel_cpu_seeds_like_megatron(compat, monkeypatch, dp_random_init, seed):
+    """Megatron's sizes go to initialize_model_parallel as given; the seed is ``seed + 100 *
+    pp_rank`` (``+ 10 * dp_rank`` with data_parallel_random_init) for random, numpy, torch and
+    the model-parallel tracker (here pipeline rank 1, data-parallel rank 2)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    calls = {}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        parallel_state, "initialize_model_parallel", lambda **kw: calls.setdefault("groups", kw)
+    )
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: 2)
+    monkeypatch.setattr(
+        tensor_parallel, "model_parallel_cuda_manual_seed", lambda s: calls.setdefault("mp", s)
+    )
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        cpu.initialize_parallel_cpu(2, 3, 4, 5, 6, 1000, dp_random_init, order="tp-cp-ep-pp-dp")
+        draws = random.random(), np.random.rand(), torch.rand(1).item()
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+    assert calls["groups"] == dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=3,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=5,
+        context_parallel_size=6,
+        order="tp-cp-ep-pp-dp",
+    )
+    assert calls["mp"] == seed
+    assert draws == (
+        random.Random(seed).random(),
+        np.random.RandomState(seed).rand(),
+        torch.rand(1, generator=torch.Generator().manual_seed(seed)).item(),
+    )
+
+
+def test_initialize_parallel_cpu_needs_a_process_group(compat):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="initialise the \\(gloo\\) default process group"):
+        cpu.initialize_parallel_cpu()
 
 
 # ------------------------------------------------------------------ two ranks
