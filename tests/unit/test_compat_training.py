@@ -1,0 +1,245 @@
+"""compat.training: the patches of megatron.training's entry point, called in one process with
+recording stand-ins for Megatron's functions (the tests/training runs meet them end to end)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+
+from megatron_latentmoe.compat import apply_python311_compat, cpu, registry
+from megatron_latentmoe.compat import training as ctraining
+
+GROUPS = (ctraining._CPU_GROUP, ctraining._FLAGS_GROUP, ctraining._RUN_GROUP)
+
+
+@pytest.fixture
+def megatron_training(monkeypatch):
+    """``(megatron.training.arguments, megatron.training.training)`` with this module's patch
+    groups off for the test; the registry and the patched attributes are as before afterwards."""
+    apply_python311_compat()
+    import megatron.training.arguments as margs
+    import megatron.training.training as mtraining
+
+    monkeypatch.setattr(registry, "_patched", list(registry._patched))
+    monkeypatch.setattr(registry, "_groups", set(registry._groups))
+    for group in GROUPS:
+        for owner, name, _ in registry.patched(group):
+            monkeypatch.setattr(owner, name, getattr(owner, name))  # restored afterwards
+        registry.revert(group)
+    yield margs, mtraining
+    for group in GROUPS:
+        registry.revert(group)
+
+
+def test_cpu_training_defaults_switch_off_cuda_kernels():
+    args = types.SimpleNamespace(
+        bias_dropout_fusion=True,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=True,
+        gradient_accumulation_fusion=True,
+        cross_entropy_loss_fusion=True,
+        rerun_mode="validate_results",
+    )  # no bias_swiglu_fusion: a namespace without a flag is left without it
+    notes = ctraining.cpu_training_defaults(args)
+    assert notes == [
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "cross_entropy_loss_fusion",
+        "rerun_mode=disabled",
+    ]
+    assert vars(args) == dict.fromkeys(vars(args), False) | {"rerun_mode": "disabled"}
+    assert not hasattr(args, "bias_swiglu_fusion")
+    assert ctraining.cpu_training_defaults(args) == []
+
+
+def test_cpu_training_compat(megatron_training, monkeypatch):
+    """initialize_megatron gets allow_no_cuda, the CUDA fusion warm-up does nothing, the GPU
+    architecture query answers 0 (pre-Blackwell); applying twice patches once."""
+    margs, mtraining = megatron_training
+    calls = []
+    monkeypatch.setattr(mtraining, "initialize_megatron", lambda *a, **kw: calls.append((a, kw)))
+    ctraining.apply_cpu_training_compat()
+    ctraining.apply_cpu_training_compat()
+    mtraining.initialize_megatron("provider", args_defaults={})
+    assert calls == [(("provider",), {"args_defaults": {}, "allow_no_cuda": True})]
+    assert mtraining.set_jit_fusion_options(tp_size=2) is None
+    assert margs.get_device_arch_version() == 0
+    assert len(registry.patched(ctraining._CPU_GROUP)) == 3
+
+
+def _world_args(**kw):
+    return types.SimpleNamespace(
+        rank=1,
+        world_size=8,
+        distributed_timeout_minutes=7,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=3,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=5,
+        context_parallel_size=6,
+        seed=11,
+        data_parallel_random_init=True,
+        virtual_pipeline_model_parallel_size=9,
+        num_distributed_optimizer_instances=10,
+        use_tp_pp_dp_mapping=False,
+        use_gloo_process_groups=False,
+        **kw,
+    )
+
+
+def test_init_cpu_world_hands_megatrons_flags_on(monkeypatch):
+    calls = {}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda **kw: calls.setdefault("world", kw)
+    )
+    monkeypatch.setattr(cpu, "initialize_parallel_cpu", lambda **kw: calls.setdefault("mp", kw))
+    ctraining.init_cpu_world(_world_args())
+    assert calls["world"] == dict(
+        backend="gloo", rank=1, world_size=8, timeout=timedelta(minutes=7)
+    )
+    assert calls["mp"] == dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=3,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=5,
+        context_parallel_size=6,
+        seed=11,
+        data_parallel_random_init=True,
+        virtual_pipeline_model_parallel_size=9,
+        num_distributed_optimizer_instances=10,
+        distributed_timeout_minutes=7,
+        order="tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False,
+    )
+    # an initialised world is kept; --use-tp-pp-dp-mapping puts PP before DP
+    calls.clear()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    args = _world_args()
+    args.use_tp_pp_dp_mapping = args.use_gloo_process_groups = True
+    ctraining.init_cpu_world(args)
+    assert "world" not in calls
+    assert calls["mp"]["order"] == "tp-cp-ep-pp-dp" and calls["mp"]["create_gloo_process_groups"]
+
+
+def test_every_parse_includes_our_flags(megatron_training, monkeypatch):
+    """Megatron's own re-parses (ft_integration, in-process restart: ignore_unknown_args) and a
+    parse with another extra provider see our flags too."""
+    margs, _ = megatron_training
+
+    def add_ours(parser):
+        parser.add_argument("--our-flag", type=int, default=1)
+        return parser
+
+    def add_extra(parser):
+        parser.add_argument("--extra-flag", type=int, default=7)
+        return parser
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", "--our-flag", "3"])
+    assert ctraining.parse_with_our_flags(add_ours).our_flag == 3
+    monkeypatch.setattr(sys, "argv", ["pretrain", "--our-flag", "4", "--not-a-flag"])
+    assert margs.parse_args(ignore_unknown_args=True).our_flag == 4
+    monkeypatch.setattr(sys, "argv", ["pretrain", "--our-flag", "5"])
+    args = margs.parse_args(add_extra)
+    assert (args.our_flag, args.extra_flag) == (5, 7)
+    assert len(registry.patched(ctraining._FLAGS_GROUP)) == 1
+    ctraining.parse_with_our_flags(add_ours)  # a second run in this process: wrapped once
+    assert len(registry.patched(ctraining._FLAGS_GROUP)) == 1
+
+
+def test_run_patches_wrap_megatrons_and_begin_run_drops_them(megatron_training, monkeypatch):
+    _, mtraining = megatron_training
+    names = ("save_checkpoint_and_time", "evaluate_and_print_results", "train_step")
+    originals = {}
+    for name in names:
+        originals[name] = lambda *a, _name=name: (_name, a)
+        monkeypatch.setattr(mtraining, name, originals[name])
+
+    def excluded(fn):
+        return lambda *a: ("excluded", fn(*a))
+
+    ctraining.exclude_from_step_time(excluded)
+    ctraining.wrap_train_step(lambda fn: lambda *a: ("rescored", fn(*a)))
+    ctraining.wrap_train_step(lambda fn: lambda *a: ("calibrated", fn(*a)))  # the outermost
+    assert mtraining.save_checkpoint_and_time(1) == ("excluded", ("save_checkpoint_and_time", (1,)))
+    assert mtraining.evaluate_and_print_results(2) == (
+        "excluded",
+        ("evaluate_and_print_results", (2,)),
+    )
+    assert mtraining.train_step(3) == ("calibrated", ("rescored", ("train_step", (3,))))
+    ctraining.begin_run()
+    assert [getattr(mtraining, n) for n in names] == [originals[n] for n in names]
+
+
+def test_layout_change_load(megatron_training, monkeypatch):
+    """During the load: no RNG state, the optimizer only where it may be loaded (and never
+    against --no-load-optim); the flags are the user's again afterwards, after a failed load
+    too, and on_load sees the iteration and the scheduler."""
+    _, mtraining = megatron_training
+    seen, loaded = [], []
+
+    def load_checkpoint(model, optimizer, scheduler, *a, **kw):
+        seen.append((args.no_load_optim, args.no_load_rng, a, kw))
+        if model == "broken":
+            raise RuntimeError("torn checkpoint")
+        return 12, 34
+
+    monkeypatch.setattr(mtraining, "load_checkpoint", load_checkpoint)
+    for explicit_optim, load_optim, during in [
+        (False, True, False),
+        (False, False, True),
+        (True, True, True),
+    ]:
+        args = types.SimpleNamespace(no_load_optim=explicit_optim, no_load_rng=False)
+        ctraining.begin_run()
+        ctraining.install_layout_change_load(args, load_optim, lambda *a: loaded.append(a))
+        assert mtraining.load_checkpoint("model", "opt", "sched", "x", k=1) == (12, 34)
+        assert seen.pop() == (during, True, ("x",), {"k": 1})
+        assert (args.no_load_optim, args.no_load_rng) == (explicit_optim, False)
+        assert loaded.pop() == (12, "sched")
+    with pytest.raises(RuntimeError, match="torn checkpoint"):
+        mtraining.load_checkpoint("broken", "opt", "sched")
+    assert (args.no_load_optim, args.no_load_rng) == (True, False) and not loaded
+
+
+def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
+    megatron_training, monkeypatch
+):
+    import megatron.core.dist_checkpointing as dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    def tensor(key):
+        return ShardedTensor.from_rank_offsets(key, torch.zeros(2))
+
+    in_checkpoint = {"l0.router.qb_mean_input": None, "l0.weight": None}
+    metadata_reads, loads = [], []
+    monkeypatch.setattr(
+        dist_checkpointing,
+        "load_tensors_metadata",
+        lambda d: metadata_reads.append(d) or in_checkpoint,
+    )
+    monkeypatch.setattr(
+        dist_checkpointing, "load", lambda sd, d, *a, **kw: loads.append((sorted(sd), a, kw))
+    )
+    ctraining.load_optional_checkpoint_keys((".qb_mean_input",))
+    layers = {
+        "present": tensor("l0.router.qb_mean_input"),
+        "weight": tensor("l0.weight"),
+        "nested": {"absent": tensor("l1.router.qb_mean_input"), "w": tensor("l1.weight")},
+        "absent": tensor("l2.router.qb_mean_input"),
+        "lookalike": tensor("l3.router.qb_mean_input_v0"),  # not the suffix: required
+    }
+    model = {"model": layers}  # optional keys only nested
+    dist_checkpointing.load(model, "ckpt", "strategy", strict="x")
+    assert metadata_reads == ["ckpt"]
+    assert loads == [(["model"], ("strategy",), {"strict": "x"})]
+    assert sorted(layers) == ["lookalike", "nested", "present", "weight"]
+    assert list(layers["nested"]) == ["w"]  # a required key absent too: Megatron's load says so
+    # nothing optional requested: the metadata is not read
+    dist_checkpointing.load({"weight": tensor("l0.weight")}, "ckpt")
+    assert metadata_reads == ["ckpt"] and len(loads) == 2
