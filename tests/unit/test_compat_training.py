@@ -65,8 +65,8 @@ def test_cpu_training_compat(megatron_training, monkeypatch):
     monkeypatch.setattr(mtraining, "initialize_megatron", lambda *a, **kw: calls.append((a, kw)))
     ctraining.apply_cpu_training_compat()
     ctraining.apply_cpu_training_compat()
-    mtraining.initialize_megatron("provider", args_defaults={})
-    assert calls == [(("provider",), {"args_defaults": {}, "allow_no_cuda": True})]
+    mtraining.initialize_megatron(store="store", skip_random_seed=True)  # as pretrain calls it
+    assert calls == [((), {"store": "store", "skip_random_seed": True, "allow_no_cuda": True})]
     assert mtraining.set_jit_fusion_options(tp_size=2) is None
     assert margs.get_device_arch_version() == 0
     assert len(registry.patched(ctraining._CPU_GROUP)) == 3
