@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable
 TESTED_MEGATRON_CORE_VERSION = "0.19.2"
 ALLOW_UNTESTED_ENV = "MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE"
 
-# (group, owner, attribute, original value) of every attribute patched, in patch order.
-_patched: list[tuple[str, object, str, object]] = []
+# (group, owner, attribute, original value, the owner's own entry or _INHERITED) of every attribute
+# patched, in patch order.
+_patched: list[tuple[str, object, str, object, object]] = []
 _groups: set[str] = set()
 
 
@@ -77,9 +78,15 @@ def import_megatron_core():
     return megatron.core
 
 
+_INHERITED = object()
+"""What :func:`revert` finds for an attribute the owner did not hold itself: delete it."""
+
+
 def patch(group: str, owner: object, name: str, value: object) -> None:
-    """Set ``owner.name = value``, remembering the original for :func:`revert`."""
-    _patched.append((group, owner, name, getattr(owner, name)))
+    """Set ``owner.name = value``, remembering the original for :func:`revert`: the owner's own
+    entry as stored (a ``staticmethod`` stays one), or that it had none (inherited)."""
+    original = getattr(owner, name)
+    _patched.append((group, owner, name, original, vars(owner).get(name, _INHERITED)))
     setattr(owner, name, value)
 
 
@@ -105,15 +112,18 @@ def apply_group(group: str, shims: Iterable[Callable[[], None]]) -> bool:
 
 def patched(group: str | None = None) -> list[tuple[object, str, object]]:
     """(owner, attribute, original) of the live patches of ``group`` (all groups: None)."""
-    return [(o, n, v) for g, o, n, v in _patched if group is None or g == group]
+    return [(o, n, v) for g, o, n, v, _ in _patched if group is None or g == group]
 
 
 def revert(group: str | None = None) -> None:
     """Restore the attributes patched under ``group`` (every group: None), newest first."""
     for i in range(len(_patched) - 1, -1, -1):
-        g, owner, name, original = _patched[i]
+        g, owner, name, _, stored = _patched[i]
         if group is None or g == group:
-            setattr(owner, name, original)
+            if stored is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, stored)
             del _patched[i]
     if group is None:
         _groups.clear()

@@ -111,6 +111,34 @@ def test_tested_version_is_pyprojects_pin():
     assert out == f"megatron-core=={registry.TESTED_MEGATRON_CORE_VERSION}\n"
 
 
+def test_registry_revert_restores_the_owners_own_entries():
+    """A staticmethod comes back as one (the norm shim patches ``WrappedTorchNorm.__new__``), and
+    an inherited attribute is deleted again, not copied onto the subclass."""
+
+    class Base:
+        def inherited(self):
+            return "base"
+
+    class Owner(Base):
+        @staticmethod
+        def build(x):
+            return x + 1
+
+    try:
+        registry.apply_group(
+            "test-own",
+            [
+                lambda: registry.patch("test-own", Owner, "build", staticmethod(lambda x: x)),
+                lambda: registry.patch("test-own", Owner, "inherited", lambda self: "patched"),
+            ],
+        )
+        assert (Owner.build(1), Owner().inherited()) == (1, "patched")
+    finally:
+        registry.revert("test-own")
+    assert type(vars(Owner)["build"]) is staticmethod and Owner().build(1) == 2
+    assert "inherited" not in vars(Owner) and Owner().inherited() == "base"
+
+
 def test_registry_reverts_one_group_and_refuses_to_reapply():
     class Owner:
         a, b = 1, 2
