@@ -4,6 +4,7 @@ Megatron's schedule on every layout are ``tests/parallel/test_qb_calibrate.py``'
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_latentmoe.balancing import CenteredQuantileHistogram, cutoff_route
@@ -280,8 +281,11 @@ def test_a_layers_solve_sets_its_bias_and_counts_its_unpadded_tokens():
     valid_M[:96] = False
     pool = [(scores, valid_M), (_scores(2), None)]
     hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    hist.observe(_scores(5), torch.zeros(N))  # training's histogram: not touched
+    packed = hist.pack().clone()
     router = SimpleNamespace(layer_number=3, qb_histogram=hist, expert_bias=torch.zeros(N))
     result = QBCalibration._solve(router, pool, None)
+    assert torch.equal(hist.pack(), packed)
     want, history = calibrate_bias(
         CenteredQuantileHistogram(N, K, num_bins=1000), torch.zeros(N), pool
     )
@@ -328,6 +332,27 @@ def test_an_overshooting_update_keeps_the_start():
     assert torch.equal(bias, torch.zeros(N))
 
 
+def test_a_pool_already_balanced_keeps_the_first_of_equal_iterates():
+    """Every token has two clear winners, the pairs cycling over the experts: MaxVio 0 at bias 0.
+    The updates move the bias (the winners' scores differ per expert) but route the pool alike,
+    so every iterate ties at 0 and the first one, the start, is kept (the one the report names);
+    the histogram is left reset, ready for another window."""
+    m = torch.arange(8 * N)
+    scores = torch.rand(8 * N, N, generator=torch.Generator().manual_seed(0)) * 0.2
+    scores[m, m % N] = 0.6 + 0.02 * (m % N)
+    scores[m, (m + 1) % N] = 0.5 + 0.02 * (m % N)
+    hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    zero = torch.zeros(N)
+    hist.observe(scores, zero)
+    solved = hist.solve(zero)
+    assert solved.abs().max() > 0.05  # an update moves the bias
+    hist.reset()
+    bias, history = calibrate_bias(hist, zero, [(scores, None)], iters=3)
+    assert history == [0.0] * 4 and torch.equal(bias, zero)
+    hist.observe(scores, zero)  # refused after unpack_() unless reset
+    assert torch.equal(hist.solve(zero), solved)  # nothing left of the calibration's counts
+
+
 def test_calibration_defaults_and_a_provider_without_is_distributed():
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
@@ -343,3 +368,214 @@ def test_calibration_defaults_and_a_provider_without_is_distributed():
     assert wrapped([1, 1, 1]) == ("train", None, None) and not hasattr(wrapped, "is_distributed")
     cal._report([], 1.0, None)  # no QB layer: nothing to report
     assert lines == []
+
+
+def test_the_pool_is_the_runs_last_global_batches(monkeypatch):
+    """Megatron's training sampler over the first training dataset built (a stage without one
+    keeps None), from sample (train_iters - N) x global batch: N x micro-batches of them."""
+    import sys
+    from types import SimpleNamespace
+
+    loaders = []
+
+    def build_pretraining_data_loader(dataset, consumed_samples):
+        loaders.append((dataset, consumed_samples))
+        return (f"{dataset} sample {consumed_samples + i}" for i in range(10**6))
+
+    samplers = SimpleNamespace(build_pretraining_data_loader=build_pretraining_data_loader)
+    monkeypatch.setitem(sys.modules, "megatron.training.datasets.data_samplers", samplers)
+    cal = QBCalibration(
+        2, train_iters=10, global_batch_size=4, seq_length=4, micro_batch_size=2, log=print
+    )
+    assert cal.pool_micro_batches(3) == [] and loaders == []  # no training dataset on this rank
+    cal.train_datasets += [None, "train", "other"]
+    assert cal.pool_micro_batches(3) == [f"train sample {32 + i}" for i in range(6)]
+    assert loaders == [("train", 32)]
+
+
+class _CalibrationStage:
+    """A pipeline stage's QB routers (layers ``layers``) and a fake forward-only pass: each
+    micro-batch (a seed) gives every layer fixed scores shifted by the bias of the layers before
+    it (they route with it), appended where the layer collects; it draws from torch's RNG and
+    moves the model-parallel tracker's state, as dropout would."""
+
+    def __init__(self, monkeypatch, layers, fail_on_pass=None):
+        from types import SimpleNamespace
+
+        from megatron.core import parallel_state, tensor_parallel
+
+        from megatron_latentmoe.moe import balance_step
+        from megatron_latentmoe.moe import router as router_module
+        from megatron_latentmoe.training import forward_step
+
+        class Router:
+            def __init__(self, layer_number):
+                self.layer_number = layer_number
+                self.qb_histogram = CenteredQuantileHistogram(N, K, num_bins=500)
+                self.expert_bias = torch.zeros(N)
+                self.token_group = "token group"
+                self.qb_calibration_scores = None
+
+        class Tracker:
+            states = {"model-parallel-rng": torch.tensor([1])}
+            restored = []
+
+            def get_states(self):
+                return dict(self.states)
+
+            def set_states(self, states):
+                self.restored.append(states)
+
+        self.routers = [Router(n) for n in layers]
+        self.tracker, self.passes, self.fail_on_pass = Tracker(), [], fail_on_pass
+        dense = SimpleNamespace(layer_number=1)  # a load-counting router that is not QB
+        model = ["chunk"]
+        monkeypatch.setattr(router_module, "QuantileBalancingRouter", Router)
+        monkeypatch.setattr(
+            balance_step, "balance_routers", lambda m: [dense, *self.routers] if m is model else []
+        )
+        monkeypatch.setattr(forward_step, "forward_only_pass", self.forward_only_pass)
+        monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: self.tracker)
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: "pp")
+        self.call = dict(model=model, data_iterator=iter(()), iteration=0)
+
+    def scores(self, seed, layer, shift_E):
+        g = torch.Generator().manual_seed(1000 * layer + seed)
+        offset_E = torch.linspace(-1.0, 1.0, N) ** 3 * layer / 4
+        return torch.sigmoid(torch.randn(256, N, generator=g) * 0.5 + offset_E - shift_E)
+
+    def forward_only_pass(self, call, data_iterator, num_microbatches, schedule):
+        assert call is self.call and not torch.is_grad_enabled()
+        batches = list(data_iterator)
+        self.passes.append((batches, num_microbatches, schedule))
+        if len(self.passes) == self.fail_on_pass:
+            raise RuntimeError("out of memory")
+        torch.rand(3)
+        self.tracker.states = {"model-parallel-rng": torch.tensor([len(self.passes) + 1])}
+        for seed in batches:
+            shift_E = torch.zeros(N)
+            for router in sorted(self.routers, key=lambda r: r.layer_number):
+                if router.qb_calibration_scores is not None:
+                    scores = self.scores(seed, router.layer_number, shift_E)
+                    router.qb_calibration_scores.append((scores, None))
+                shift_E = shift_E + router.expert_bias
+
+    def calibration(self, lines):
+        class Calibration(QBCalibration):
+            def pool_micro_batches(self, num_microbatches):
+                assert num_microbatches == 2
+                return [11, 12, 13, 14]  # two global batches of two micro-batches
+
+        return Calibration(
+            2,
+            train_iters=10,
+            global_batch_size=2,
+            seq_length=4,
+            micro_batch_size=1,
+            num_microbatches=lambda: 2,
+            log=lines.append,
+        )
+
+
+def test_calibration_solves_each_layer_after_the_layers_before_it(monkeypatch):
+    """Layer after layer in layer order (10 after 3, whatever the model's order), one pass per
+    global batch of the pool, each layer solved on its own scores with the layers before it
+    routing under their calibrated bias: re-collecting every layer's scores in one pass under the
+    calibrated biases and re-solving them from 0 gives each bias to the bit. The RNG streams and
+    the tracker are left as they were; nothing keeps collecting."""
+    stage = _CalibrationStage(monkeypatch, layers=[10, 3])
+    lines, rng = [], torch.get_rng_state()
+    results = stage.calibration(lines).calibrate(stage.call)
+    schedule = dict(seq_length=4, micro_batch_size=1, decoder_seq_length=None)
+    assert stage.passes == [([11, 12], 2, schedule), ([13, 14], 2, schedule)] * 2
+    assert [r.layer_number for r in results] == [3, 10]
+    assert [r.tokens for r in results] == [4 * 256] * 2
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert stage.tracker.restored == [{"model-parallel-rng": torch.tensor([1])}]
+    assert [r.qb_calibration_scores for r in stage.routers] == [None, None]
+    for router in stage.routers:
+        router.qb_calibration_scores = []
+    with torch.no_grad():
+        stage.forward_only_pass(stage.call, iter([11, 12, 13, 14]), 4, {})
+    for router, result in zip(stage.routers, results[::-1], strict=True):
+        pool, router.qb_calibration_scores = router.qb_calibration_scores, None
+        want, history = calibrate_bias(
+            CenteredQuantileHistogram(N, K, num_bins=500), torch.zeros(N), pool
+        )
+        assert torch.equal(router.expert_bias, want), router.layer_number
+        assert (result.max_vio_before, result.max_vio_after) == (history[0], min(history))
+        assert result.max_vio_after < 0.5 * result.max_vio_before
+    assert lines[0].startswith("[QB calibration] layer 3: MaxVio on the pool ")
+    assert lines[2].startswith("[QB calibration] 2 layers on 2 global batches (samples from 16")
+
+
+def test_a_failed_calibration_pass_leaves_no_router_collecting(monkeypatch):
+    stage = _CalibrationStage(monkeypatch, layers=[2, 3], fail_on_pass=3)
+    rng = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stage.calibration([]).calibrate(stage.call)
+    assert [r.qb_calibration_scores for r in stage.routers] == [None, None]
+    assert stage.tracker.restored == [{"model-parallel-rng": torch.tensor([1])}]
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_later_pipeline_stage_passes_with_the_earlier_stages_layers(monkeypatch):
+    """PP2, second stage (layer 3; the first holds 1 and 2): the stage joins the pool's passes
+    of every layer of the model, in order, and solves its own layer only, with one all-reduce
+    per update over its token group (DP2 here: the other rank's tokens); the report comes from
+    the stage's first token-group rank at TP rank 0."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    stage = _CalibrationStage(monkeypatch, layers=[3])
+    groups = []
+
+    def all_gather_object(out, obj, group):
+        groups.append(("all_gather_object", group))
+        out[:] = [[1, 2], obj]
+
+    def get_world_size(group):
+        groups.append(("get_world_size", group))
+        return {"pp": 2, "token group": 2}[group]
+
+    def all_reduce(buffer, op, group):
+        groups.append(("all_reduce", group, op))
+        buffer.mul_(2)  # the other data-parallel rank's tokens: a copy of this rank's
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", get_world_size)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    ranks = {"token group": 0}
+    monkeypatch.setattr(dist, "get_rank", lambda group: ranks[group])
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: ranks["tp"])
+    for token_rank, tp_rank, reports in ((0, 0, True), (1, 0, False), (0, 1, False)):
+        ranks.update({"token group": token_rank, "tp": tp_rank})
+        stage.passes.clear()
+        lines = []
+        groups.clear()
+        results = stage.calibration(lines).calibrate(stage.call)
+        assert [r.layer_number for r in results] == [3]
+        assert groups.count(("all_reduce", "token group", dist.ReduceOp.SUM)) == (
+            QB_CALIBRATION_ITERS + 1
+        )
+        assert [batches for batches, _, _ in stage.passes] == [[11, 12], [13, 14]] * 3
+        assert len(lines) == (2 if reports else 0), (token_rank, tp_rank)
+    assert groups[:3] == [("get_world_size", "pp")] * 2 + [("all_gather_object", "pp")]
+    assert stage.routers[0].expert_bias.abs().sum() > 0
+
+
+def test_calibration_runs_once(monkeypatch):
+    """Once per run: a step called again at iteration 0 does not calibrate again."""
+
+    def train_step(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration=None
+    ):
+        return iteration
+
+    cal = QBCalibration(2, train_iters=10, global_batch_size=8, seq_length=4, micro_batch_size=1)
+    seen = []
+    cal.calibrate = lambda call: seen.append(call["iteration"])
+    step = cal.wrap_train_step(train_step)
+    assert [step(None, None, None, None, None, iteration=0) for _ in range(2)] == [0, 0]
+    assert seen == [0]
