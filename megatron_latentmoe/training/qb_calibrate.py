@@ -135,7 +135,8 @@ class QBCalibration:
         self._done = False
 
     def wrap_datasets_provider(self, provider: Callable) -> Callable:
-        """Megatron's datasets provider, keeping the training dataset it builds."""
+        """Megatron's datasets provider, keeping the training dataset it builds (its attributes,
+        the ``is_distributed`` that Megatron reads, copied by ``functools.wraps``)."""
 
         @functools.wraps(provider)
         def provider_keeping_train(*args, **kwargs):
@@ -143,8 +144,6 @@ class QBCalibration:
             self.train_datasets.append(train_ds)
             return train_ds, valid_ds, test_ds
 
-        if hasattr(provider, "is_distributed"):  # Megatron reads it from the provider
-            provider_keeping_train.is_distributed = provider.is_distributed
         return provider_keeping_train
 
     def wrap_train_step(self, train_step: Callable) -> Callable:
