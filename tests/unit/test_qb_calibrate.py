@@ -428,6 +428,7 @@ class _CalibrationStage:
 
         self.routers = [Router(n) for n in layers]
         self.tracker, self.passes, self.fail_on_pass = Tracker(), [], fail_on_pass
+        self.collecting = []  # the layers collecting scores, at each pass
         dense = SimpleNamespace(layer_number=1)  # a load-counting router that is not QB
         model = ["chunk"]
         monkeypatch.setattr(router_module, "QuantileBalancingRouter", Router)
@@ -448,6 +449,7 @@ class _CalibrationStage:
         assert call is self.call and not torch.is_grad_enabled()
         batches = list(data_iterator)
         self.passes.append((batches, num_microbatches, schedule))
+        self.collecting.append([r.layer_number for r in self.routers if r.qb_calibration_scores])
         if len(self.passes) == self.fail_on_pass:
             raise RuntimeError("out of memory")
         torch.rand(3)
@@ -488,6 +490,7 @@ def test_calibration_solves_each_layer_after_the_layers_before_it(monkeypatch):
     results = stage.calibration(lines).calibrate(stage.call)
     schedule = dict(seq_length=4, micro_batch_size=1, decoder_seq_length=None)
     assert stage.passes == [([11, 12], 2, schedule), ([13, 14], 2, schedule)] * 2
+    assert stage.collecting == [[], [3], [], [10]]  # one layer at a time (lists start empty)
     assert [r.layer_number for r in results] == [3, 10]
     assert [r.tokens for r in results] == [4 * 256] * 2
     assert torch.equal(torch.get_rng_state(), rng)
@@ -541,6 +544,7 @@ def test_a_later_pipeline_stage_passes_with_the_earlier_stages_layers(monkeypatc
     def all_reduce(buffer, op, group):
         groups.append(("all_reduce", group, op))
         buffer.mul_(2)  # the other data-parallel rank's tokens: a copy of this rank's
+        buffer[-N:] += 64  # and 64 more routes to every expert, in the loads only
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", get_world_size)
@@ -549,13 +553,23 @@ def test_a_later_pipeline_stage_passes_with_the_earlier_stages_layers(monkeypatc
     ranks = {"token group": 0}
     monkeypatch.setattr(dist, "get_rank", lambda group: ranks[group])
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: ranks["tp"])
+    loads = (
+        2
+        * sum(
+            torch.bincount(cutoff_route(stage.scores(seed, 3, 0), torch.zeros(N), K)[0].reshape(-1))
+            for seed in (11, 12, 13, 14)
+        ).double()
+    )
+    max_vio_before = ((loads.max() - loads.mean()) / (loads.mean() + 64)).item()
     for token_rank, tp_rank, reports in ((0, 0, True), (1, 0, False), (0, 1, False)):
         ranks.update({"token group": token_rank, "tp": tp_rank})
         stage.passes.clear()
+        stage.routers[0].expert_bias.zero_()
         lines = []
         groups.clear()
         results = stage.calibration(lines).calibrate(stage.call)
         assert [r.layer_number for r in results] == [3]
+        assert results[0].max_vio_before == pytest.approx(max_vio_before, rel=1e-12)
         assert groups.count(("all_reduce", "token group", dist.ReduceOp.SUM)) == (
             QB_CALIBRATION_ITERS + 1
         )
