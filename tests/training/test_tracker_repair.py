@@ -3,6 +3,8 @@ whatever the kill (or a corruption) left in it; nothing to resume from is None."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
@@ -30,6 +32,7 @@ def load_dir(tmp_path):
         (b"4", 4),  # names a complete checkpoint: left as it is
         (b"6", 4),  # the half-written one: the newest complete one before it
         (b"3", 2),  # a folder that is not there: the newest complete one before it
+        (b"1", 4),  # older than every complete checkpoint: the newest
         (b"", 4),  # cut while written
         (b"2\xc2\xb2", 4),  # "2" then a superscript 2: isdigit() takes it, int() does not
         (b"\xff4", 4),  # not UTF-8 text
@@ -52,3 +55,22 @@ def test_nothing_to_resume_from(load_dir, tmp_path_factory):
     assert repair_checkpoint_tracker(str(empty)) is None
     assert (empty / TRACKER_FILE).read_text() == "7"
     assert repair_checkpoint_tracker(str(empty / "absent")) is None
+
+
+def test_a_repair_says_what_the_tracker_named_and_leaves_no_temporary_file(load_dir, capsys):
+    tracker = load_dir / TRACKER_FILE
+    for held, named in ((b"6", "6"), (b"", "nothing readable")):
+        tracker.write_bytes(held)
+        assert repair_checkpoint_tracker(str(load_dir), write=False) == 4
+        assert capsys.readouterr().out == ""  # only answered
+        assert repair_checkpoint_tracker(str(load_dir)) == 4
+        assert capsys.readouterr().out == (
+            f"[pretrain_stable_latentmoe] {tracker} named {named}; resuming from the newest "
+            "complete checkpoint, iteration 4\n"
+        )
+    tracker.write_bytes(b"2\n")  # written by hand, with a newline: it names a complete one
+    assert repair_checkpoint_tracker(str(load_dir)) == 2
+    assert tracker.read_bytes() == b"2\n" and capsys.readouterr().out == ""
+    assert sorted(os.listdir(load_dir)) == sorted(
+        [TRACKER_FILE, *(iteration_dir_name(i) for i in (2, 4, 6))]
+    )
