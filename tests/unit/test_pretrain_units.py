@@ -320,3 +320,330 @@ def test_main_runs_with_its_argv_and_puts_sys_argv_back(monkeypatch):
         (["run.py", "--boom"], False),
         (["pretrain_stable_latentmoe", "--seed", "1"], False),
     ]
+
+
+class _Run:
+    """``pretrain._main`` with everything heavy faked (the flag check, Megatron's globals, its
+    training loop, the CPU world, the loggers): what it wires, in order, in ``events``."""
+
+    def __init__(self, monkeypatch, tmp_path, **flags):
+        import torch
+
+        from megatron_latentmoe import compat
+        from megatron_latentmoe.compat import qb_gloo
+        from megatron_latentmoe.compat import training as compat_training
+        from megatron_latentmoe.data import corpus
+        from megatron_latentmoe.ops import situ
+        from megatron_latentmoe.training import balance_logging, balance_summary, forward_step
+
+        self.events, self.raises, self.fstep = [], None, forward_step
+        event = self.events.append
+        layout = dict.fromkeys(pretrain.LAYOUT_FIELDS, 1)
+        self.args = SimpleNamespace(
+            **layout,
+            disable_jit_fuser=False,
+            load=None,
+            finetune=False,
+            no_load_optim=False,
+            no_load_rng=False,
+            ckpt_format="torch_dist",
+            moe_qb_rescore_iters=0,
+            moe_qb_rescore_solves=1,
+            moe_qb_calibrate_batches=0,
+            train_iters=10,
+            global_batch_size=4,
+            seq_length=8,
+            micro_batch_size=1,
+            decoder_seq_length=None,
+        )
+        vars(self.args).update(flags)
+        self.cpu_notes, self.default_data_dir, self.flag_error = ["fusions"], None, None
+        self.saved = None  # the checkpoint's args
+        self.logger = SimpleNamespace(excluded="excluded", is_logging_rank=True, history=[])
+
+        def checked_args(has_cuda):
+            event(("checked_args", has_cuda))
+            if self.flag_error:
+                from megatron_latentmoe.training.arguments import FlagError
+
+                raise FlagError(self.flag_error)
+            return self.args, "transformer config", self.cpu_notes, self.default_data_dir
+
+        def pretrain_loop(cfg_container, datasets_provider, model_type, forward_step_func):
+            event(("pretrain", cfg_container, datasets_provider, model_type, forward_step_func))
+            if self.raises:
+                raise self.raises
+
+        def recorder(name):
+            return lambda *a, **k: event((name, *a, *k.values()))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("RANK", "0")
+        for module, name in (
+            (compat, "apply_core_compat"),
+            (compat, "apply_cpu_compat"),
+            (compat_training, "begin_run"),
+            (compat_training, "init_cpu_world"),
+            (compat_training, "exclude_from_step_time"),
+            (compat_training, "load_optional_checkpoint_keys"),
+            (compat_training, "wrap_train_step"),
+            (qb_gloo, "apply_qb_gloo_compat"),
+            (situ, "set_cpu_compile"),
+            (forward_step, "set_balance_logger"),
+            (forward_step, "set_batch_recorder"),
+            (pretrain, "repair_checkpoint_tracker"),
+            (pretrain, "_plan_layout_change"),
+        ):
+            monkeypatch.setattr(module, name, recorder(name))
+        monkeypatch.setattr(pretrain, "checked_args", checked_args)
+        monkeypatch.setattr(
+            pretrain, "saved_args", lambda *a: event(("saved_args", *a)) or self.saved
+        )
+        monkeypatch.setattr(
+            pretrain,
+            "_make_balance_logger",
+            lambda args, path: event(("_make_balance_logger", args, path)) or self.logger,
+        )
+        monkeypatch.setattr(corpus, "prepare_default_dataset", lambda d, n: f"{d}/{n}")
+        monkeypatch.setattr(balance_logging, "default_jsonl_path", lambda args: "balance.jsonl")
+        monkeypatch.setattr(
+            balance_logging, "make_finalize_model_grads_func", lambda *a: ("finalize", *a)
+        )
+        monkeypatch.setattr(balance_summary, "summarize", lambda history: ("summary", *history))
+        monkeypatch.setattr(balance_summary, "summary_lines", lambda s: [f"{s}", "second line"])
+        model_provider = SimpleNamespace(
+            install_finalize_hook=recorder("install_finalize_hook"),
+            model_config_from_args=lambda args, config: ("model config", config),
+        )
+        monkeypatch.setitem(
+            sys.modules, "megatron_latentmoe.training.model_provider", model_provider
+        )
+        training = SimpleNamespace(pretrain=pretrain_loop)
+        monkeypatch.setitem(sys.modules, "megatron.training", SimpleNamespace(training=training))
+        monkeypatch.setitem(
+            sys.modules,
+            "megatron.training.argument_utils",
+            SimpleNamespace(pretrain_cfg_container_from_args=lambda args, cfg: ("container", cfg)),
+        )
+        monkeypatch.setitem(
+            sys.modules,
+            "megatron.training.global_vars",
+            SimpleNamespace(set_global_variables=recorder("set_global_variables")),
+        )
+
+    def __call__(self, check_only=False):
+        return pretrain._main(check_only)
+
+    def named(self, name):
+        return [e[1:] for e in self.events if e[0] == name]
+
+
+def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, tmp_path, capsys):
+    from megatron.core.enums import ModelType
+
+    run = _Run(monkeypatch, tmp_path)
+    assert run() == 0
+    container = ("container", ("model config", "transformer config"))
+    provider = run.fstep.train_valid_test_datasets_provider
+    assert [e[0] for e in run.events] == [
+        "apply_core_compat",
+        "apply_cpu_compat",
+        "begin_run",
+        "checked_args",
+        "set_global_variables",
+        "init_cpu_world",
+        "apply_qb_gloo_compat",
+        "_make_balance_logger",
+        "set_balance_logger",
+        "set_batch_recorder",
+        "install_finalize_hook",
+        "exclude_from_step_time",
+        "pretrain",
+    ]
+    assert run.named("checked_args") == [(False,)]
+    assert run.named("set_global_variables") == run.named("init_cpu_world") == [(run.args,)]
+    assert run.named("_make_balance_logger") == [(run.args, "balance.jsonl")]
+    assert run.named("set_balance_logger") == [(run.logger,)]
+    assert run.named("set_batch_recorder") == [(None,)]
+    assert run.named("install_finalize_hook") == [(("finalize", run.logger, None),)]
+    assert run.named("exclude_from_step_time") == [("excluded",)]
+    assert run.named("pretrain") == [
+        (container, provider, ModelType.encoder_or_decoder, run.fstep.forward_step)
+    ]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[pretrain_stable_latentmoe] no CUDA: gloo, local spec; off on CPU: fusions"
+    assert out[1].startswith("[pretrain_stable_latentmoe] done in ") and len(out) == 2
+
+
+def test_main_stops_at_a_bad_flag_or_after_the_check(monkeypatch, tmp_path, capsys):
+    run = _Run(monkeypatch, tmp_path)
+    run.flag_error = "--train-iters 0 is not allowed; allowed: >= 1"
+    assert run() == 2
+    out, err = capsys.readouterr()
+    assert (
+        err == "pretrain_stable_latentmoe: error: --train-iters 0 is not allowed; allowed: >= 1\n"
+    )
+    assert out == "" and [e[0] for e in run.events][2:] == ["begin_run", "checked_args"]
+    run.flag_error = None
+    run.events.clear()
+    assert run(check_only=True) == 0
+    assert [e[0] for e in run.events][2:] == ["begin_run", "checked_args"]
+    assert capsys.readouterr().out == ""
+
+
+def test_main_prepares_the_shipped_corpus_and_eager_situ_when_asked(monkeypatch, tmp_path, capsys):
+    run = _Run(monkeypatch, tmp_path, disable_jit_fuser=True)
+    run.default_data_dir, run.cpu_notes = "/cache/default_data", []
+    assert run() == 0
+    assert run.named("set_cpu_compile") == [(False,)]
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        "[pretrain_stable_latentmoe] --disable-jit-fuser: no torch.compile for SiTU-GLU on CPU "
+        "(its eager math)",
+        "[pretrain_stable_latentmoe] data: the shipped corpus "
+        "(/cache/default_data/default_corpus.bin/.idx)",
+    ]
+
+
+def test_main_wires_rescoring_and_calibration(monkeypatch, tmp_path):
+    """Rescoring: its train-step wrapper, its batch recorder, its finalize hook, the checkpoint
+    keys it may find missing; calibration: the datasets provider it keeps the training set of,
+    its train-step wrapper outermost (it runs before a rescored first step)."""
+    from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
+    from megatron_latentmoe.training import balance_logging
+
+    flags = dict(moe_qb_rescore_iters=3, moe_qb_rescore_solves=2, moe_qb_calibrate_batches=2)
+    run = _Run(monkeypatch, tmp_path, decoder_seq_length=16, **flags)
+    assert run() == 0
+    (rescore_wrap,), (calibration_wrap,) = run.named("wrap_train_step")
+    rescore, calibration = rescore_wrap.__self__, calibration_wrap.__self__
+    assert rescore_wrap == rescore.wrap_train_step
+    assert calibration_wrap == calibration.wrap_train_step
+    assert (rescore.iters, rescore.solves) == (3, 2)
+    assert rescore.schedule == dict(seq_length=8, micro_batch_size=1, decoder_seq_length=16)
+    assert calibration.schedule == rescore.schedule
+    assert (calibration.num_batches, calibration.first_sample) == (2, 32)
+    assert run.named("load_optional_checkpoint_keys") == [(TRAINING_STATE_SUFFIXES,)]
+    assert run.named("set_batch_recorder") == [(rescore,)]
+    assert run.named("install_finalize_hook") == [(("finalize", run.logger, rescore),)]
+    ((_, provider, _, _),) = run.named("pretrain")
+    assert provider.__wrapped__ is run.fstep.train_valid_test_datasets_provider
+    assert rescore.step_end.func is balance_logging.balance_step_end  # with this run's logger
+    assert rescore.step_end.keywords == dict(balance_logger=run.logger)
+
+
+@pytest.mark.parametrize(
+    "flags, saved_layout, planned",
+    [
+        ({}, dict(tensor_model_parallel_size=2), True),
+        ({}, dict(tensor_model_parallel_size=1), False),  # the same layout
+        ({}, dict(tensor_model_parallel_size=None), False),  # not in the checkpoint's args
+        ({}, None, False),  # nothing to resume from
+        (dict(finetune=True), dict(tensor_model_parallel_size=2), False),
+        (dict(no_load_optim=True, no_load_rng=True), dict(data_parallel_size=4), False),
+        (dict(no_load_optim=True), dict(data_parallel_size=4), True),
+        (dict(no_load_rng=True), dict(context_parallel_size=2), True),
+    ],
+)
+def test_main_plans_a_layout_change_when_it_resumes_from_another_layout(
+    monkeypatch, tmp_path, flags, saved_layout, planned
+):
+    run = _Run(monkeypatch, tmp_path, load="ckpt", ckpt_format="torch_dcp", **flags)
+    if saved_layout is not None:
+        run.saved = SimpleNamespace(**{**dict.fromkeys(pretrain.LAYOUT_FIELDS, 1), **saved_layout})
+    assert run() == 0
+    assert run.named("repair_checkpoint_tracker") == [("ckpt", "torch_dcp")]
+    reads = [] if flags.get("finetune") or len(flags) == 2 else [("ckpt", "torch_dcp")]
+    assert run.named("saved_args") == reads
+    assert run.named("_plan_layout_change") == ([(run.args, run.saved)] if planned else [])
+
+
+def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
+    run = _Run(monkeypatch, tmp_path, load="ckpt")
+    monkeypatch.setenv("RANK", "1")
+    assert run() == 0
+    assert run.named("repair_checkpoint_tracker") == []
+    assert run.named("saved_args") == [("ckpt", "torch_dist")]
+    run = _Run(monkeypatch, tmp_path)  # no --load
+    assert run() == 0
+    assert run.named("repair_checkpoint_tracker") == run.named("saved_args") == []
+
+
+def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path, capsys):
+    run = _Run(monkeypatch, tmp_path)
+    run.raises = AssertionError("OptimizerParamScheduler: class input value 10 and checkpoint 5")
+    assert run() == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "pretrain_stable_latentmoe: error: the checkpoint's LR / weight-decay schedule differs "
+        "from this run's flags (OptimizerParamScheduler: class input value 10 and checkpoint 5). "
+        "Pass --override-opt_param-scheduler to continue with this run's schedule (e.g. a longer "
+        "--train-iters), or --use-checkpoint-opt_param-scheduler to keep the checkpoint's.\n"
+    )
+    run.raises = AssertionError("another check")
+    with pytest.raises(AssertionError, match="another check"):
+        run()
+
+
+@pytest.mark.parametrize(
+    "logging_rank, history, printed", [(True, [1], True), (False, [1], False), (True, [], False)]
+)
+def test_main_prints_the_balance_summary_on_the_logging_rank(
+    monkeypatch, tmp_path, capsys, logging_rank, history, printed
+):
+    run = _Run(monkeypatch, tmp_path)
+    run.logger.is_logging_rank, run.logger.history = logging_rank, history
+    assert run() == 0
+    out = capsys.readouterr().out.splitlines()
+    summary = ["[pretrain_stable_latentmoe] summary: ('summary', 1)", "second line"]
+    assert (out[1:3] == summary) is printed and len(out) == (4 if printed else 2)
+
+
+@pytest.mark.parametrize("rank, made", [("1", True), ("0", False)])
+def test_the_balance_logger_follows_the_flags(monkeypatch, tmp_path, rank, made):
+    """The last rank (it writes the JSONL records) makes the file's folder; the logger counts
+    global batch x sequence tokens per step and numbers steps from Megatron's iteration + 1."""
+    from megatron.core import parallel_state
+
+    writers = SimpleNamespace(
+        get_args=lambda: SimpleNamespace(curr_iteration=6),
+        get_tensorboard_writer=lambda: "tensorboard",
+        get_wandb_writer=lambda: "wandb",
+    )
+    monkeypatch.setitem(sys.modules, "megatron.training", writers)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(
+        num_layers=3,
+        num_experts=8,
+        global_batch_size=4,
+        seq_length=16,
+        log_interval=5,
+        tensorboard_log_interval=7,
+        balance_log_loads_interval=9,
+        moe_per_layer_logging=True,
+    )
+    path = tmp_path / "logs" / "balance.jsonl"
+    logger = pretrain._make_balance_logger(args, str(path))
+    assert path.parent.is_dir() is made and not path.exists()
+    assert (logger.num_layers, logger.num_experts, logger.tokens_per_step) == (3, 8, 64)
+    assert (logger.log_interval, logger.tensorboard_log_interval, logger.loads_interval) == (
+        5,
+        7,
+        9,
+    )
+    assert (logger.jsonl_path, logger.iteration_fn(), logger.per_layer_tensorboard) == (
+        str(path),
+        7,
+        True,
+    )
+    assert (logger.writer_fn(), logger.wandb_writer_fn()) == ("tensorboard", "wandb")
+    assert logger._pp_group is parallel_state.get_pipeline_model_parallel_group
+    assert logger._is_last_stage is parallel_state.is_pipeline_last_stage
+    dp_groups = []
+    monkeypatch.setattr(
+        parallel_state,
+        "get_data_parallel_group",
+        lambda with_context_parallel: dp_groups.append(with_context_parallel) or "dp-cp",
+    )
+    assert logger._dp_group() == "dp-cp" and dp_groups == [True]
+    assert pretrain._make_balance_logger(args, None).jsonl_path is None
