@@ -45,6 +45,24 @@ def test_hf_hub_disable_progress_bars_wins(monkeypatch, value):
     assert _drawn(monkeypatch, Terminal(), HF_HUB_DISABLE_PROGRESS_BARS="0")
 
 
+@pytest.mark.parametrize(
+    "value, off",
+    [("1", True), ("ON", True), ("on", True), ("yes", True), ("True", True)]
+    + [("0", False), ("", False), ("off", False), ("2", False)],
+)
+def test_tqdm_disable_reads_hf_hub_disable_progress_bars_as_huggingface_hub_does(
+    monkeypatch, value, off
+):
+    """huggingface_hub's ``_is_true``: 1 / ON / YES / TRUE in any case; anything else is not."""
+    from megatron_latentmoe.progress import tqdm_disable
+
+    monkeypatch.delenv("TQDM_POSITION", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", value)
+    assert (tqdm_disable(), tqdm_disable(True), tqdm_disable(False)) == (
+        (True, True, True) if off else (None, False, True)
+    )
+
+
 def test_tqdm_position_minus_one_forces_the_bar(monkeypatch):
     assert _drawn(monkeypatch, io.StringIO(), TQDM_POSITION="-1")
 
