@@ -122,11 +122,16 @@ def test_saved_args_of_a_release_checkpoint_only_with_release(tmp_path, common_s
 
 def _checkpoint_args(monkeypatch, saved, **flags):
     """``load_checkpoint_args`` on ``flags`` with Megatron's loader faked (it records the
-    checkpoint flag it reads) and ``saved_args`` answering ``saved[folder]``."""
+    checkpoint flag it reads, and --pretrained-checkpoint's holds 4 layers) and ``saved_args``
+    answering ``saved[folder]``; returns the flags, what was read and the dests it changed."""
     loaded, asked = [], []
-    checkpointing = SimpleNamespace(
-        load_args_from_checkpoint=lambda args, load_arg: loaded.append(load_arg)
-    )
+
+    def load_args_from_checkpoint(args, load_arg):
+        loaded.append(load_arg)
+        if load_arg == "pretrained_checkpoint":
+            args.num_layers = 4
+
+    checkpointing = SimpleNamespace(load_args_from_checkpoint=load_args_from_checkpoint)
     monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
 
     def saved_args(load_dir, ckpt_format, *, release):
@@ -143,10 +148,11 @@ def _checkpoint_args(monkeypatch, saved, **flags):
         hidden_act="silu",
         first_k_dense_replace=0,
         moe_qb_num_bins=256,
+        num_layers=4,
     )
     vars(args).update(flags)
-    pretrain.load_checkpoint_args(args)
-    return args, loaded, asked
+    changed = pretrain.load_checkpoint_args(args)
+    return args, loaded, asked, changed
 
 
 def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypatch, capsys):
@@ -157,9 +163,15 @@ def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypa
         "pre": SimpleNamespace(hidden_act="situ_glu", first_k_dense_replace=1, moe_qb_num_bins=9),
         "ck": SimpleNamespace(hidden_act=None, first_k_dense_replace=2),
     }
-    args, loaded, asked = _checkpoint_args(
-        monkeypatch, saved, load="ck", pretrained_checkpoint="pre", ckpt_format="torch_dcp"
+    args, loaded, asked, changed = _checkpoint_args(
+        monkeypatch,
+        saved,
+        load="ck",
+        pretrained_checkpoint="pre",
+        ckpt_format="torch_dcp",
+        num_layers=2,
     )
+    assert changed == {"hidden_act", "first_k_dense_replace", "num_layers"}
     assert loaded == ["pretrained_checkpoint", "load"]
     assert asked == [("pre", "torch_dcp", True), ("ck", "torch_dcp", True)]
     assert (args.hidden_act, args.first_k_dense_replace, args.moe_qb_num_bins) == (
@@ -172,10 +184,12 @@ def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypa
         "Setting first_k_dense_replace to 1 from checkpoint\n"
         "Setting first_k_dense_replace to 2 from checkpoint\n"
     )
-    args, loaded, asked = _checkpoint_args(monkeypatch, {}, load="ck")  # nothing saved there
+    args, loaded, asked, changed = _checkpoint_args(monkeypatch, {}, load="ck")  # nothing saved
+    assert changed == set()
     assert loaded == ["load"] and asked == [("ck", "torch_dist", True)]
     assert (args.hidden_act, args.first_k_dense_replace) == ("silu", 0)
-    args, loaded, asked = _checkpoint_args(monkeypatch, saved, pretrained_checkpoint="pre")
+    args, loaded, asked, changed = _checkpoint_args(monkeypatch, saved, pretrained_checkpoint="pre")
+    assert changed == {"hidden_act", "first_k_dense_replace"}  # 4 layers given, 4 read
     assert loaded == ["pretrained_checkpoint"] and asked == [("pre", "torch_dist", True)]
     assert args.hidden_act == "situ_glu"
 
@@ -647,3 +661,158 @@ def test_the_balance_logger_follows_the_flags(monkeypatch, tmp_path, rank, made)
     )
     assert logger._dp_group() == "dp-cp" and dp_groups == [True]
     assert pretrain._make_balance_logger(args, None).jsonl_path is None
+
+
+class _Checked:
+    """``pretrain.checked_args`` with the flag parser, our checks, Megatron's ``validate_args``
+    and the config builder faked: the calls it makes, in order, in ``events``."""
+
+    def __init__(self, monkeypatch, **flags):
+        from megatron_latentmoe.compat import training as compat_training
+        from megatron_latentmoe.data import corpus
+        from megatron_latentmoe.training import arguments
+
+        self.events = []
+        event = self.events.append
+        self.args = SimpleNamespace(
+            use_checkpoint_args=False,
+            data_cache_path=None,
+            split=None,
+            tokenizer_model=None,
+            data_path=None,
+        )
+        vars(self.args).update(flags)
+        self.default_data, self.default_tokenizer = True, True
+        self.layout_refusal = self.interleaved_refusal = self.megatron_assert = None
+
+        def validate_args(args, defaults):
+            event(("validate_args", args, defaults))
+            if self.megatron_assert:
+                raise AssertionError(self.megatron_assert)
+
+        def apply_default_tokenizer(args, tokenizer_dir):
+            event(("apply_default_tokenizer", tokenizer_dir))
+            args.tokenizer_model = tokenizer_dir if self.default_tokenizer else "mine"
+            return self.default_tokenizer
+
+        fakes = {
+            (compat_training, "parse_with_our_flags"): lambda add: (
+                event(("parse", add)) or self.args
+            ),
+            (compat_training, "cpu_training_defaults"): lambda args: ["fused kernels"],
+            (compat_training, "apply_cpu_training_compat"): lambda: event(("cpu compat",)),
+            (corpus, "default_cache_dir"): lambda: "/home/cache",
+            (corpus, "default_tokenizer_dir"): lambda: "/shipped/tokenizer",
+            (arguments, "validate_stable_latentmoe_args"): lambda args, has_cuda: event(
+                ("validate ours", has_cuda)
+            ),
+            (arguments, "uses_default_data"): lambda args: self.default_data,
+            (arguments, "apply_default_tokenizer"): apply_default_tokenizer,
+            (arguments, "expert_layout_refusal"): lambda args: self.layout_refusal,
+            (arguments, "interleaved_schedule_refusal"): lambda args, group: (
+                event(("interleaved", group)) or self.interleaved_refusal
+            ),
+            (arguments, "megatron_refusal"): lambda args, err: f"refused: {err}",
+            (pretrain, "load_checkpoint_args"): lambda args: (
+                event(("checkpoint args",)) or {"expert_model_parallel_size"}
+            ),  # what the checkpoint changed
+        }
+        for (module, name), fake in fakes.items():
+            monkeypatch.setattr(module, name, fake)
+        monkeypatch.setitem(
+            sys.modules,
+            "megatron.training.arguments",
+            SimpleNamespace(validate_args=validate_args),
+        )
+        config = SimpleNamespace(microbatch_group_size_per_vp_stage=3)
+        monkeypatch.setitem(
+            sys.modules,
+            "megatron_latentmoe.training.model_provider",
+            SimpleNamespace(transformer_config_from_args=lambda args: config),
+        )
+        self.config = config
+        monkeypatch.setenv("RANK", "0")
+
+    def __call__(self, has_cuda=False):
+        return pretrain.checked_args(has_cuda)
+
+
+def test_checked_args_complete_a_cpu_run_with_the_shipped_corpus_and_tokenizer(monkeypatch, capsys):
+    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
+
+    checked = _Checked(monkeypatch)
+    args, config, cpu_notes, default_data_dir = checked()
+    assert (args, config, cpu_notes) == (checked.args, checked.config, ["fused kernels"])
+    assert default_data_dir == "/home/cache"
+    assert args.data_path == ["/home/cache/default_corpus"] and args.split == "98,2,0"
+    assert checked.events == [
+        ("parse", add_stable_latentmoe_args),
+        ("validate ours", False),
+        ("apply_default_tokenizer", "/shipped/tokenizer"),
+        ("cpu compat",),
+        ("validate_args", args, {}),
+        ("interleaved", 3),
+    ]
+    assert capsys.readouterr().out == (
+        "[pretrain_stable_latentmoe] tokenizer: the shipped one (HuggingFaceTokenizer "
+        "/shipped/tokenizer)\n"
+    )
+
+
+def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
+    """A --data-cache-path holds the shipped corpus's tokens; a given --split is kept; a given
+    tokenizer is not announced; on CUDA nothing of the CPU compat; --use-checkpoint-args first."""
+    checked = _Checked(monkeypatch, data_cache_path="/scratch", split="90,10,0")
+    checked.default_tokenizer = False
+    args, _, cpu_notes, default_data_dir = checked(has_cuda=True)
+    assert default_data_dir == "/scratch/default_data" and cpu_notes == []
+    assert args.data_path == ["/scratch/default_data/default_corpus"] and args.split == "90,10,0"
+    assert [e[0] for e in checked.events] == [
+        "parse",
+        "validate ours",
+        "apply_default_tokenizer",
+        "validate_args",
+        "interleaved",
+    ]
+    assert checked.events[1] == ("validate ours", True)
+    assert capsys.readouterr().out == ""
+    checked = _Checked(monkeypatch, use_checkpoint_args=True, data_path=["mine"])
+    checked.default_data = False
+    args, _, _, default_data_dir = checked()
+    assert [e[0] for e in checked.events[:3]] == ["parse", "checkpoint args", "validate ours"]
+    assert default_data_dir is None and args.data_path == ["mine"] and args.split is None
+
+
+@pytest.mark.parametrize("refusal", ["layout", "megatron", "interleaved"])
+def test_checked_args_refusals_are_flag_errors(monkeypatch, refusal):
+    from megatron_latentmoe.training.arguments import FlagError
+
+    checked = _Checked(monkeypatch)
+    checked.layout_refusal = "--expert-model-parallel-size 3" if refusal == "layout" else None
+    checked.megatron_assert = "num_layers % pp" if refusal == "megatron" else None
+    checked.interleaved_refusal = "--micro-batch-size 2" if refusal == "interleaved" else None
+    message = {
+        "layout": "--expert-model-parallel-size 3",
+        "megatron": "refused: num_layers % pp",
+        "interleaved": "--micro-batch-size 2",
+    }[refusal]
+    with pytest.raises(FlagError) as err:
+        checked()
+    assert str(err.value) == message and err.value.__cause__ is None
+    called = [e[0] for e in checked.events]
+    assert ("validate_args" in called) is (refusal != "layout")
+    assert ("interleaved" in called) is (refusal == "interleaved")
+
+
+def test_checked_args_name_a_refused_flag_the_checkpoint_gave(monkeypatch):
+    from megatron_latentmoe.training.arguments import FlagError
+
+    checked = _Checked(monkeypatch, use_checkpoint_args=True)
+    checked.layout_refusal = "--expert-model-parallel-size 3 is not allowed"
+    with pytest.raises(FlagError) as err:
+        checked()
+    assert str(err.value) == (
+        "--expert-model-parallel-size 3 is not allowed (--expert-model-parallel-size: from the "
+        "checkpoint's args, --use-checkpoint-args)"
+    )
+    assert err.value.__cause__ is None
