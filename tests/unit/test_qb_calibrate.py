@@ -399,7 +399,7 @@ class _CalibrationStage:
     it (they route with it), appended where the layer collects; it draws from torch's RNG and
     moves the model-parallel tracker's state, as dropout would."""
 
-    def __init__(self, monkeypatch, layers, fail_on_pass=None):
+    def __init__(self, monkeypatch, layers, fail_on_pass=None, cuda=False):
         from types import SimpleNamespace
 
         from megatron.core import parallel_state, tensor_parallel
@@ -428,6 +428,7 @@ class _CalibrationStage:
 
         self.routers = [Router(n) for n in layers]
         self.tracker, self.passes, self.fail_on_pass = Tracker(), [], fail_on_pass
+        self.cuda = cuda  # the passes draw from the CUDA generator too
         self.collecting = []  # the layers collecting scores, at each pass
         dense = SimpleNamespace(layer_number=1)  # a load-counting router that is not QB
         model = ["chunk"]
@@ -453,6 +454,8 @@ class _CalibrationStage:
         if len(self.passes) == self.fail_on_pass:
             raise RuntimeError("out of memory")
         torch.rand(3)
+        if self.cuda:
+            torch.rand(3, device="cuda")
         self.tracker.states = {"model-parallel-rng": torch.tensor([len(self.passes) + 1])}
         for seed in batches:
             shift_E = torch.zeros(N)
@@ -520,6 +523,15 @@ def test_a_failed_calibration_pass_leaves_no_router_collecting(monkeypatch):
     assert [r.qb_calibration_scores for r in stage.routers] == [None, None]
     assert stage.tracker.restored == [{"model-parallel-rng": torch.tensor([1])}]
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.gpu
+def test_calibration_leaves_the_cuda_generator_as_it_was(monkeypatch):
+    """On a GPU the pool's passes draw from the CUDA generator (dropout): restored too."""
+    stage = _CalibrationStage(monkeypatch, layers=[2], cuda=True)
+    cuda_rng = torch.cuda.get_rng_state()
+    stage.calibration([]).calibrate(stage.call)
+    assert len(stage.passes) == 2 and torch.equal(torch.cuda.get_rng_state(), cuda_rng)
 
 
 def test_a_later_pipeline_stage_passes_with_the_earlier_stages_layers(monkeypatch):
