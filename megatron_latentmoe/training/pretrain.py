@@ -127,6 +127,20 @@ LAYOUT_FIELDS = (
 )
 
 
+def _layout_changed(args, saved) -> bool:
+    """The checkpoint (``saved``: its args) was saved with a parallel layout that Megatron does
+    not load as it is. A change of the data-parallel size alone it does: the model, the optimizer
+    state (plain or distributed) and the RNG state load, and the losses after DP2 -> DP1,
+    DP1 -> DP2 (either optimizer) and EP2 x DP4 -> EP2 x DP2 equal the uninterrupted run's to
+    fp32 rounding. Not with ``--data-parallel-random-init``: each DP rank has its own RNG state."""
+    fields = [
+        f
+        for f in LAYOUT_FIELDS
+        if f != "data_parallel_size" or getattr(args, "data_parallel_random_init", False)
+    ]
+    return any(getattr(saved, f, None) not in (None, getattr(args, f, None)) for f in fields)
+
+
 # Both runs need these for megatron-core 0.19.2 to reshard the Adam moments on a layout change.
 RESHARDABLE_OPTIM_FLAGS = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
 
@@ -412,9 +426,7 @@ def _main(check_only: bool = False) -> int:
         repair_checkpoint_tracker(args.load, args.ckpt_format)
     if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
         saved = saved_args(args.load, args.ckpt_format)
-        if saved is not None and any(
-            getattr(saved, f, None) not in (None, getattr(args, f, None)) for f in LAYOUT_FIELDS
-        ):
+        if saved is not None and _layout_changed(args, saved):
             _plan_layout_change(args, saved)
 
     balance_logger = _make_balance_logger(args, default_jsonl_path(args))

@@ -553,9 +553,13 @@ def test_main_wires_rescoring_and_calibration(monkeypatch, tmp_path):
         ({}, dict(tensor_model_parallel_size=None), False),  # not in the checkpoint's args
         ({}, None, False),  # nothing to resume from
         (dict(finetune=True), dict(tensor_model_parallel_size=2), False),
-        (dict(no_load_optim=True, no_load_rng=True), dict(data_parallel_size=4), False),
-        (dict(no_load_optim=True), dict(data_parallel_size=4), True),
-        (dict(no_load_rng=True), dict(context_parallel_size=2), True),
+        (dict(no_load_optim=True, no_load_rng=True), dict(context_parallel_size=2), False),
+        (dict(no_load_optim=True), dict(context_parallel_size=2), True),
+        (dict(no_load_rng=True), dict(expert_tensor_parallel_size=2), True),
+        # more or fewer data-parallel ranks alone: Megatron loads the optimizer and RNG state
+        ({}, dict(data_parallel_size=4), False),
+        (dict(data_parallel_random_init=True), dict(data_parallel_size=4), True),  # RNG per rank
+        ({}, dict(data_parallel_size=4, pipeline_model_parallel_size=2), True),
     ],
 )
 def test_main_plans_a_layout_change_when_it_resumes_from_another_layout(
