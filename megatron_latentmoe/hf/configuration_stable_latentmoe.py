@@ -38,6 +38,13 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_INF = float("inf")
+
+
 class StableLatentMoEConfig(PretrainedConfig):
     r"""Configuration for [`StableLatentMoEModel`] / [`StableLatentMoEForCausalLM`].
 
@@ -141,6 +148,8 @@ class StableLatentMoEConfig(PretrainedConfig):
         self.first_k_dense_replace = first_k_dense_replace
         self.attention_dropout = attention_dropout
         self._validate()
+        if not isinstance(tie_word_embeddings, bool):  # transformers' key: any value ties if truthy
+            raise _bad("tie_word_embeddings", tie_word_embeddings, "a bool")
         for key in ("rope_parameters", "rope_scaling"):  # transformers would call .get on them
             if kwargs.get(key) is not None and not isinstance(kwargs[key], dict):
                 raise _bad(key, kwargs[key], "a dict or None")
@@ -189,6 +198,7 @@ class StableLatentMoEConfig(PretrainedConfig):
             "num_experts",
             "num_experts_per_token",
             "moe_intermediate_size",
+            "max_position_embeddings",
         ):
             value = getattr(self, key)
             if not (_is_int(value) and value > 0):
@@ -211,8 +221,11 @@ class StableLatentMoEConfig(PretrainedConfig):
             "routed_scaling_factor",
         ):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise _bad(key, value, "a positive number")
+            if not (_is_number(value) and 0 < value < _INF):
+                raise _bad(key, value, "a positive finite number")
+        std = self.initializer_range  # the init's normal std: torch refuses one below 0
+        if not (_is_number(std) and 0 <= std < _INF):
+            raise _bad("initializer_range", std, "a finite number >= 0")
         if self.moe_router_activation_func not in ROUTER_ACTIVATION_FUNCS:
             raise _bad(
                 "moe_router_activation_func",
@@ -236,10 +249,9 @@ class StableLatentMoEConfig(PretrainedConfig):
             if not (_is_int(value) and value >= 0):
                 raise _bad(key, value, "an integer >= 0")
         dropout = self.attention_dropout
-        is_number = isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
-        if not (is_number and 0 <= dropout < 1):
+        if not (_is_number(dropout) and 0 <= dropout < 1):
             raise _bad("attention_dropout", dropout, "a number in [0, 1)")
-        for key in ("latent_moe_use_norm", "moe_renormalize"):
+        for key in ("latent_moe_use_norm", "moe_renormalize", "use_cache"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool")
 

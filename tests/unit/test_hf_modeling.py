@@ -798,6 +798,7 @@ def test_config_defaults_are_the_k3_values():
         ("num_shared_experts", -1, ">= 0"),
         ("latent_moe_use_norm", "yes", "bool"),
         ("attention_dropout", 1.5, "[0, 1)"),
+        ("attention_dropout", 1.0, "[0, 1)"),
         ("attention_dropout", -0.1, "[0, 1)"),
         ("vocab_size", 0, "a positive integer"),
         ("hidden_size", 16.0, "a positive integer"),
@@ -813,9 +814,19 @@ def test_config_defaults_are_the_k3_values():
         ("num_experts", 0, "a positive integer"),
         ("num_experts_per_token", True, "a positive integer"),
         ("moe_intermediate_size", 0, "a positive integer"),
-        ("rope_theta", 0.0, "a positive number"),
-        ("rms_norm_eps", True, "a positive number"),
-        ("activation_situ_linear_beta", "25", "a positive number"),
+        ("rope_theta", 0.0, "a positive finite number"),
+        ("rms_norm_eps", True, "a positive finite number"),
+        ("activation_situ_linear_beta", "25", "a positive finite number"),
+        # inf was taken: eps inf zeroes every norm's output, a scaling factor inf gives NaN logits
+        ("rms_norm_eps", float("inf"), "a positive finite number"),
+        ("routed_scaling_factor", float("inf"), "a positive finite number"),
+        # torch's normal_ refused these at model construction, a traceback naming no key
+        ("initializer_range", -0.02, "a finite number >= 0"),
+        ("initializer_range", "0.02", "a finite number >= 0"),
+        ("max_position_embeddings", 0, "a positive integer"),
+        # a truthy string was taken as True
+        ("use_cache", "no", "a bool"),
+        ("tie_word_embeddings", "yes", "a bool"),
         ("first_k_dense_replace", -1, ">= 0"),
         ("first_k_dense_replace", 1.0, ">= 0"),
         ("moe_renormalize", 1, "a bool"),
@@ -851,6 +862,18 @@ def test_config_refuses_rope_settings_the_model_would_ignore(overrides):
 def test_config_accepts_default_rope_parameters():
     c = tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert c.rope_theta == 10000.0
+
+
+def test_config_edge_values_and_an_own_auto_map():
+    """The edges of the ranges are allowed: initializer_range 0 (an all-zero init of the
+    projections), attention_dropout 0. Each config's default auto_map is its own copy: editing
+    one leaves the next config's default alone."""
+    model = StableLatentMoEForCausalLM(tiny_config(initializer_range=0.0, attention_dropout=0.0))
+    assert not model.lm_head.weight.any() and not model.model.embed_tokens.weight.any()
+    c = tiny_config()
+    c.auto_map["AutoConfig"] = "mine.Config"
+    assert tiny_config().auto_map == hf_pkg.AUTO_MAP
+    assert hf_pkg.AUTO_MAP["AutoConfig"] == "configuration_stable_latentmoe.StableLatentMoEConfig"
 
 
 def test_config_derived_sizes():
