@@ -21,9 +21,10 @@ A resumed run appends to the same JSONL: the last record of an iteration wins.
 Needs matplotlib only for the picture (``--summary`` alone needs nothing beyond Python).
 
 Exit status: 0 on success, 1 when the JSONL cannot be read or has no records (or neither --out
-nor --summary is given), 2 on a bad option (``--window`` below 1; ``--out`` in a folder that does
-not exist, or of a format matplotlib cannot write). The picture is written to a temporary file
-beside ``--out`` and renamed into place: a failed run leaves no half-written picture.
+nor --summary is given), 2 on a bad option (``--window`` below 1; ``--out`` a folder, in a folder
+that does not exist, or of a format matplotlib cannot write). The picture is written to a
+temporary file beside ``--out`` and renamed into place: a failed run leaves no half-written
+picture.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def check_out(out: str) -> str | None:
         return f"{flag} needs matplotlib, which is not installed (pip install matplotlib)"
     fmt, path = _picture_target(out)
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    if os.path.isdir(out) or os.path.isdir(path):
         return f"{flag} is a directory (a picture file such as RUN/expert_load.png is expected)"
     if not os.path.isdir(folder):
         return f"{flag}: directory {folder!r} does not exist (an existing folder is expected)"
@@ -258,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         records = read_records(args.jsonl)
     except OSError as err:
         print(f"plot_balance.py: error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # not UTF-8 (a picture, a checkpoint), or a non-integer iteration
+        print(f"plot_balance.py: error: {args.jsonl}: not a balance JSONL ({err})", file=sys.stderr)
         return 1
     if not records:
         print(f"plot_balance.py: error: no records in {args.jsonl}", file=sys.stderr)

@@ -249,3 +249,120 @@ def test_summary_of_one_iteration_and_of_none():
         "iterations 3-3 (windows of 1):",
         "  lm loss   4.0000 (first 1) -> 4.0000 (last 1)  [did NOT go down]",
     ]
+
+
+def test_load_matrix_is_the_mean_load_over_mean_per_layer():
+    """The heatmap's numbers: per layer, load / mean load averaged over the records that carry
+    loads for it; a layer without loads, or with none routed (mean 0), is left out."""
+    records = [
+        {"layers": [{"layer": 3, "loads": [2, 6]}, {"layer": 1, "loads": [0, 0]}, {"layer": 2}]},
+        {"layers": [{"layer": 3, "loads": [4, 4]}, {"layer": 1, "loads": [1, 3]}]},
+        {"iteration": 9},
+    ]
+    matrix, layers = plot_balance._load_matrix(records)
+    assert layers == [1, 3]
+    assert matrix == [[0.5, 1.5], [0.75, 1.25]]
+    assert plot_balance._load_matrix(records[2:]) == (None, [])
+
+
+def _drawn(monkeypatch):
+    """The figures ``plot`` saves, kept open for the test to read."""
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        figures.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return figures
+
+
+def test_picture_shows_the_first_and_the_last_window(tmp_path, monkeypatch):
+    """Left heatmap: the first iteration; right: the mean over the last --window iterations
+    (all of them when the window is longer); the dead-expert curve is a fraction of layers x
+    experts; the title is the run's."""
+    pytest.importorskip("matplotlib")
+    records = [_record(1, 2.5, 1), _record(2, 0.8, 0), _record(3, 1.2, 2)]
+    records[1]["layers"][0]["loads"] = [4, 4, 4, 4]
+    figures = _drawn(monkeypatch)
+    for window in (2, 10):
+        plot_balance.plot(records, str(tmp_path / f"w{window}.png"), window, title="run 7")
+    dead = [9 / 4.25, 0, 4 / 4.25, 4 / 4.25]  # loads [9, 0, 4, 4] over their mean 4.25
+    rel = {1: dead, 2: [1, 1, 1, 1], 3: dead}
+    for fig, first in zip(figures, (2, 1), strict=True):
+        heat = [ax for ax in fig.axes if ax.get_ylabel() == "layer"]
+        assert [ax.get_title() for ax in heat] == [
+            "expert load / mean load — iteration 1",
+            f"expert load / mean load — mean of iterations {first}-3",
+        ]
+        want = [sum(rel[i][e] for i in range(first, 4)) / (4 - first) for e in range(4)]
+        assert heat[0].images[0].get_array().tolist() == [pytest.approx(rel[1])]
+        assert heat[1].images[0].get_array().tolist() == [pytest.approx(want)]
+        assert fig.get_suptitle() == "run 7"
+        (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "fraction of experts"]
+        assert list(twin.lines[1].get_ydata()) == [1 / 4, 0, 2 / 4]  # 1 layer x 4 experts
+
+
+def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
+    """--out without an extension gets matplotlib's default format appended (what savefig
+    does); the extension's case does not matter; a folder (with or without the extension
+    appended: --out RUN wrote RUN.png beside the run's folder, --out RUN/ a hidden RUN/.png), an
+    unknown format or a folder without write permission is refused naming --out."""
+    pytest.importorskip("matplotlib")
+    records = plot_balance.read_records(str(_balance_file(tmp_path)))
+    assert plot_balance.plot(records, str(tmp_path / "pic"), 2) == str(tmp_path / "pic.png")
+    assert (tmp_path / "pic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_balance.check_out(str(tmp_path / "P.PNG")) is None
+    for folder in (str(tmp_path), f"{tmp_path}/", str(tmp_path / "dir.png")):
+        os.makedirs(folder, exist_ok=True)
+        assert plot_balance.check_out(folder) == (
+            f"--out={folder!r} is a directory (a picture file such as RUN/expert_load.png is "
+            "expected)"
+        )
+    bad = plot_balance.check_out(str(tmp_path / "x.docx"))
+    assert bad.startswith(f"--out={str(tmp_path / 'x.docx')!r}: picture format 'docx' is not ")
+    assert "allowed: one of " in bad and ", png, " in bad
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests run as root
+    assert plot_balance.check_out(str(tmp_path / "x.png")) == (
+        f"--out={str(tmp_path / 'x.png')!r}: directory {str(tmp_path)!r} is not writable"
+    )
+
+
+def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
+    """main() in-process: --summary prints the summary with the given window; --out names the
+    picture written; a missing, empty or non-JSONL file, or nothing to do, is exit 1 and one
+    line (a binary file was a UnicodeDecodeError traceback)."""
+    path = tmp_path / "balance.jsonl"
+    rows = [_record(1, 2.0, 0), _record(2, 1.0, 0), _record(3, 0.5, 0), _record(4, 0.25, 0)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_balance.main([str(path), "--summary", "--window", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        "iterations 1-4 (windows of 1):",
+        "  lm loss   4.9000 (first 1) -> 4.6000 (last 1)  [went DOWN]",
+    ]
+    monkeypatch.setattr(plot_balance, "plot", lambda r, out, w, title: out + ".png")
+    assert plot_balance.main([str(path), "--out", str(tmp_path / "p")]) == 0
+    assert capsys.readouterr().out == f"expert-load picture: {tmp_path / 'p'}.png\n"
+    picture = tmp_path / "p.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for argv, message in (
+        ([str(path)], "nothing to do: give --out PNG and/or --summary"),
+        (
+            [str(tmp_path / "no.jsonl"), "--summary"],
+            f"plot_balance.py: error: [Errno 2] No such file or directory: "
+            f"{str(tmp_path / 'no.jsonl')!r}",
+        ),
+        ([str(empty), "--summary"], f"plot_balance.py: error: no records in {empty}"),
+        (
+            [str(picture), "--summary"],
+            f"plot_balance.py: error: {picture}: not a balance JSONL ('utf-8' codec can't "
+            "decode byte 0x89 in position 0: invalid start byte)",
+        ),
+    ):
+        assert plot_balance.main(argv) == 1, argv
+        assert capsys.readouterr() == ("", message + "\n"), argv
