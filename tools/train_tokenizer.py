@@ -16,9 +16,11 @@ and the same corpus and ``tokenizers`` version give a byte-identical ``tokenizer
 
 Exit status: 0 on success (``--check``: the files match), 1 when ``--check`` finds a difference,
 2 on bad input (``--corpus`` missing or not JSONL with a string under "text" on every line: the
-message names the flag, the file, the line and the key; ``--check`` without a tokenizer in
-``--output-dir``; a corpus too small for the vocabulary). Nothing is written on bad input: the
-tokenizer is trained into a temporary folder and moved into ``--output-dir`` at the end.
+message names the flag, the file, the line and the key; with ``--rebuild-corpus``, a ``--corpus``
+that cannot be written; ``--check`` without a tokenizer in ``--output-dir``; a corpus too small
+for the vocabulary). Nothing is written on bad input: the corpus is written to a temporary file
+and renamed, the tokenizer is trained into a temporary folder and moved into ``--output-dir`` at
+the end.
 
 The ``.deb`` is read with the standard library alone (``ar`` + ``tar.xz`` + the SWORD zText
 format), so no ``dpkg`` or ``libsword`` is needed.
@@ -27,6 +29,7 @@ format), so no ``dpkg`` or ``libsword`` is needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import html
@@ -237,14 +240,22 @@ def build_corpus(source: Path, out_path: Path) -> tuple[int, int]:
     markup = " ".join(e for t in ("ot", "nt") for e in _ztext_entries(files, t))
     docs = osis_to_documents(markup)
     tmp = out_path.with_name(out_path.name + ".tmp")
-    # mtime=0 and no file name in the header: the .gz is byte-identical on every rebuild
-    with (
-        open(tmp, "wb") as raw,
-        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
-    ):
-        for d in docs:
-            gz.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
-    os.replace(tmp, out_path)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        # mtime=0 and no file name in the header: the .gz is byte-identical on every rebuild
+        with (
+            open(tmp, "wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
+        ):
+            for d in docs:
+                gz.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
+        os.replace(tmp, out_path)
+    except OSError as e:
+        why = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+        raise InputError(f"--corpus={str(out_path)!r}: cannot write it ({why})") from None
+    finally:
+        with contextlib.suppress(OSError):  # none written, or under a file named as a folder
+            tmp.unlink()
     return len(docs), sum(len(d["text"]) for d in docs)
 
 
@@ -350,16 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     one_line_errors(p)
     args = p.parse_args(argv)
 
-    if args.rebuild_corpus is not None:
-        try:
-            n, chars = build_corpus(args.rebuild_corpus, args.corpus)
-        except InputError as e:
-            return _error(str(e))
-        print(
-            f"corpus: {args.corpus} ({n} documents, {chars:,} characters, "
-            f"{args.corpus.stat().st_size:,} bytes)"
-        )
-
     out = f"--output-dir={str(args.output_dir)!r}"
     if args.check:
         missing = [f for f in TOKENIZER_FILES if not (args.output_dir / f).is_file()]
@@ -371,6 +372,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     elif args.output_dir.exists() and not args.output_dir.is_dir():
         return _error(f"{out} is not a directory (a folder for the tokenizer files is expected)")
+
+    # the corpus after the checks of --output-dir: a bad --output-dir writes nothing
+    if args.rebuild_corpus is not None:
+        try:
+            n, chars = build_corpus(args.rebuild_corpus, args.corpus)
+        except InputError as e:
+            return _error(str(e))
+        print(
+            f"corpus: {args.corpus} ({n} documents, {chars:,} characters, "
+            f"{args.corpus.stat().st_size:,} bytes)"
+        )
 
     try:
         texts = read_corpus_texts(args.corpus)

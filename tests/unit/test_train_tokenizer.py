@@ -1,0 +1,224 @@
+"""tools/train_tokenizer.py's corpus rebuild on a hand-made SWORD zText module (the real one is
+Debian's sword-text-web, not shipped): the OSIS markup becomes the documents, read from a folder
+or from a .deb alike; the tokenizer's checks of --output-dir and --check's verdict."""
+
+import gzip
+import io
+import json
+import lzma
+import struct
+import tarfile
+import zlib
+
+import pytest
+
+from tests.unit.test_data import _load_tool, _write_jsonl
+
+PREFACE = "Preface. " + "The World English Bible is a Public Domain translation. " * 4
+GLOSSARY = "Aaron: the brother of Moses. " * 8
+OT = [
+    PREFACE + '<lb type="x-p"/>Visit our web site for more.',
+    '<div type="book" osisID="Gen" sID="b1"/><milestone type="x-usfm-toc2" n="Genesis"/>'
+    "<title>The First Book of Moses,</title><title>Commonly Called Genesis</title>",
+    '<chapter osisID="Gen.1" sID="c1" n="1"/>In the beginning,<note type="x">Or, at first</note>'
+    'God <w lemma="strong:H0430">created</w> the heavens &amp; the\u00a0earth.',
+    "",  # an index entry of size 0 (a verse the module leaves out): skipped
+    'The earth was formless.<lb type="x-p"/>God said,<q who="God">“Let there be light,”</q>and'
+    " there was light.",
+    '<chapter osisID="Gen.2" sID="c2"/><lg><l sID="l1"/>Poetry line one<l eID="l1"/>'
+    '<l sID="l2"/>line two<l eID="l2"/></lg>',
+]
+NT = [
+    '<div type="glossary" osisID="Glossary" sID="g1"/><list><item>Abba: father.</item>'
+    f"<item>{GLOSSARY}</item></list>",
+]
+DOCS = [
+    {"id": "front", "text": " ".join(PREFACE.split())},  # the web-site paragraph dropped
+    {
+        "id": "Gen.1",
+        "text": "The First Book of Moses, Commonly Called Genesis\n\nGenesis 1\n\n"
+        "In the beginning, God created the heavens & the earth. The earth was formless.\n\n"
+        "God said, “Let there be light,” and there was light.",
+    },
+    {"id": "Gen.2", "text": "Genesis 2\n\nPoetry line one\nline two"},
+    {"id": "Glossary", "text": "Abba: father.\n" + GLOSSARY.strip()},
+]
+"""What OT + NT become: one document per chapter (headed "Book N", the book's title page on
+top of its first chapter), footnotes and Strong's tags gone, a space where a removed tag
+stood between two words, paragraphs as blank lines, poetry lines and list items as lines."""
+
+
+def _ztext(entries: list[str], per_block: int = 2) -> dict[str, bytes]:
+    """One testament's .bzs / .bzv / .bzz: the entries, ``per_block`` to a zlib block."""
+    bzs, bzv, bzz = b"", b"", b""
+    for b in range(0, len(entries), per_block):
+        raw = b""
+        for text in entries[b : b + per_block]:
+            data = text.encode()
+            bzv += struct.pack("<IIH", b // per_block, len(raw), len(data))
+            raw += data
+        block = zlib.compress(raw)
+        bzs += struct.pack("<III", len(bzz), len(block), len(raw))
+        bzz += block
+    return {"bzs": bzs, "bzv": bzv, "bzz": bzz}
+
+
+def _module_files() -> dict[str, bytes]:
+    return {
+        f"{testament}.{ext}": data
+        for testament, entries in (("ot", OT), ("nt", NT))
+        for ext, data in _ztext(entries).items()
+    }
+
+
+def _ar_member(name: str, data: bytes) -> bytes:
+    header = f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode()
+    return header + data + (b"\n" if len(data) % 2 else b"")
+
+
+def _deb(path, files: dict[str, bytes], prefix: str) -> None:
+    """A Debian package (ar: debian-binary, control.tar.gz of odd size, data.tar.xz)."""
+    tar_bytes = io.BytesIO()
+    with tarfile.open(fileobj=tar_bytes, mode="w") as tar:
+        folder = tarfile.TarInfo("./" + prefix.rstrip("/"))
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"./{prefix}{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(
+        b"!<arch>\n"
+        + _ar_member("debian-binary", b"2.0\n")
+        + _ar_member("control.tar.gz", b"odd")
+        + _ar_member("data.tar.xz", lzma.compress(tar_bytes.getvalue()))
+    )
+
+
+def _corpus(path) -> list[dict]:
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+
+
+def test_rebuild_corpus_from_a_folder_and_from_a_deb(tmp_path, capsys):
+    tool = _load_tool("train_tokenizer")
+    folder = tmp_path / "mods" / "texts" / "ztext" / "engweb"
+    folder.mkdir(parents=True)
+    for name, data in _module_files().items():
+        (folder / name).write_bytes(data)
+    deb = tmp_path / "sword-text-web.deb"
+    _deb(deb, _module_files(), tool.SWORD_DIR_IN_DEB)
+    chars = sum(len(d["text"]) for d in DOCS)
+    for source, out in ((tmp_path / "mods", "a.jsonl.gz"), (deb, "b.jsonl.gz")):
+        assert tool.build_corpus(source, tmp_path / out) == (4, chars)
+        assert _corpus(tmp_path / out) == DOCS
+    raw = (tmp_path / "a.jsonl.gz").read_bytes()
+    assert raw == (tmp_path / "b.jsonl.gz").read_bytes()
+    assert raw[4:8] == b"\0\0\0\0"  # gzip mtime 0: a rebuild is byte-identical
+    # the main() path: "corpus: ..." then the tokenizer, too small here: exit 2 naming --corpus
+    corpus = tmp_path / "c.jsonl.gz"
+    argv = ["--rebuild-corpus", str(deb), "--corpus", str(corpus)]
+    assert tool.main([*argv, "--output-dir", str(tmp_path / "tok")]) == 2
+    out, err = capsys.readouterr()
+    size = corpus.stat().st_size
+    assert out == f"corpus: {corpus} (4 documents, {chars:,} characters, {size:,} bytes)\n"
+    assert err.startswith(f"error: --corpus={str(corpus)!r} is too small: it yields ")
+    assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize(
+    "members, message",
+    [
+        ([("debian-binary", b"2.0\n")], "{deb}: no data.tar member"),
+        ([("data.tar.zst", b"zstd")], "{deb}: zstd-compressed package; unpack it with dpkg -x"),
+        ([("data.tar.gz", "tar.gz")], "{deb}: no usr/share/sword/modules/texts/ztext/"),
+    ],
+)
+def test_rebuild_corpus_from_a_deb_without_the_module_is_one_line_exit_2(
+    tmp_path, capsys, members, message
+):
+    """A .deb that is not sword-text-web: exit 2 naming --rebuild-corpus and the file; the
+    --corpus it would rewrite is left alone."""
+    tarred = io.BytesIO()
+    with tarfile.open(fileobj=tarred, mode="w:gz") as tar:
+        info = tarfile.TarInfo("./usr/share/doc/README")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    deb = tmp_path / "other.deb"
+    deb.write_bytes(
+        b"!<arch>\n"
+        + b"".join(
+            _ar_member(name, tarred.getvalue() if data == "tar.gz" else data)
+            for name, data in members
+        )
+    )
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "kept"}])
+    argv = ["--rebuild-corpus", str(deb), "--corpus", str(corpus), "--output-dir", str(tmp_path)]
+    assert _load_tool("train_tokenizer").main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: --rebuild-corpus: " + message.format(deb=deb))
+    assert err.count("\n") == 1 and corpus.read_text() == '{"text": "kept"}\n'
+
+
+def test_output_dir_that_is_a_file_is_refused_before_the_corpus_is_rebuilt(tmp_path, capsys):
+    """(The corpus was rewritten first, then the run failed on --output-dir.)"""
+    blocker = tmp_path / "tok"
+    blocker.write_text("a file")
+    deb = tmp_path / "sword-text-web.deb"
+    tool = _load_tool("train_tokenizer")
+    _deb(deb, _module_files(), tool.SWORD_DIR_IN_DEB)
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "kept"}])
+    argv = ["--rebuild-corpus", str(deb), "--corpus", str(corpus), "--output-dir", str(blocker)]
+    assert tool.main(argv) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: --output-dir={str(blocker)!r} is not a directory (a folder for the tokenizer "
+        "files is expected)\n",
+    )
+    assert blocker.read_text() == "a file" and corpus.read_text() == '{"text": "kept"}\n'
+
+
+def test_rebuilt_corpus_goes_into_a_new_folder_or_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """--corpus in a folder not made yet: made (it was a FileNotFoundError traceback); under a
+    file, or failing at the rename (a full disk): exit 2 naming --corpus, no temporary left."""
+    tool = _load_tool("train_tokenizer")
+    deb = tmp_path / "sword-text-web.deb"
+    _deb(deb, _module_files(), tool.SWORD_DIR_IN_DEB)
+    corpus = tmp_path / "new" / "corpus.jsonl.gz"
+    assert tool.build_corpus(deb, corpus) == (4, sum(len(d["text"]) for d in DOCS))
+    assert _corpus(corpus) == DOCS and [p.name for p in corpus.parent.iterdir()] == [corpus.name]
+
+    (tmp_path / "file").write_text("a file")
+    bad = tmp_path / "file" / "corpus.jsonl.gz"
+    argv = ["--rebuild-corpus", str(deb), "--corpus", str(bad), "--output-dir", str(tmp_path)]
+    assert tool.main(argv) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: --corpus={str(bad)!r}: cannot write it (File exists: {tmp_path / 'file'})\n",
+    )
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tool.os, "replace", full)
+    with pytest.raises(tool.InputError) as e:
+        tool.build_corpus(deb, corpus)
+    assert str(e.value) == f"--corpus={str(corpus)!r}: cannot write it (No space left on device)"
+    assert [p.name for p in corpus.parent.iterdir()] == [corpus.name]  # no corpus.jsonl.gz.tmp
+    assert _corpus(corpus) == DOCS  # the previous corpus stays
+
+
+def test_check_names_the_files_that_differ_exit_1(tmp_path, capsys):
+    """--check retrains (from the shipped corpus) and compares file by file: an edited
+    tokenizer_config.json is named, the untouched special_tokens_map.json is not."""
+    import shutil
+
+    from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR
+
+    folder = tmp_path / "tok"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"add_bos_token": false', '"add_bos_token": true'))
+    assert _load_tool("train_tokenizer").main(["--check", "--output-dir", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("DIFFERS: [") and "'tokenizer_config.json'" in out, out
+    assert "special_tokens_map.json" not in out
