@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         signals.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         summary = preprocess_jsonl(
             args.input,
@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
         return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
+    finally:  # main() called in-process: the caller's handler again (None: not set from Python)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(summary)
     remote = " --trust-remote-code" if args.trust_remote_code else ""
     print(

@@ -1,0 +1,115 @@
+"""tools/preprocess_data.py's command line in-process, the tokenizing replaced by a spy: each
+option reaches ``preprocess_jsonl`` with its value, what main() prints, its exit statuses on
+Ctrl-C / SIGTERM, and the process state it leaves. (The real tokenizing: test_data.py.)"""
+
+import os
+import signal
+
+import pytest
+
+import megatron_latentmoe.data.indexed as indexed
+from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR
+from tests.unit.test_data import _load_tool
+
+DEFAULTS = dict(
+    tokenizer=str(DEFAULT_TOKENIZER_DIR),
+    json_keys=["text"],
+    append_eod=True,
+    workers=1,
+    progress=None,
+    log_interval=1000,
+    trust_remote_code=False,
+)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The (input, output_prefix, keyword arguments) of each preprocess_jsonl call; the call
+    does ``calls.then()`` (return the summary by default)."""
+    seen = []
+
+    def spy(input, output_prefix, **kwargs):
+        seen.append((input, output_prefix, kwargs))
+        return seen.then()
+
+    seen = type("Calls", (list,), {"then": staticmethod(lambda: "SUMMARY")})()
+    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    return seen
+
+
+@pytest.fixture
+def caller_handler():
+    """A SIGTERM handler of the caller's, in place while the test runs: main() must put it
+    back, and a SIGTERM that main() does not catch fails the test (not the test run)."""
+
+    def handler(signum, frame):
+        raise AssertionError("SIGTERM reached the caller's handler")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_defaults_and_each_option_reach_the_preprocessor(
+    calls, caller_handler, capsys, monkeypatch, tmp_path
+):
+    tool = _load_tool("preprocess_data")
+    assert tool.main(["--input", "in.jsonl", "--output-prefix", "out/x"]) == 0
+    assert calls[-1] == ("in.jsonl", "out/x", DEFAULTS)
+    assert capsys.readouterr() == (
+        "SUMMARY\n  tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+        f"{DEFAULT_TOKENIZER_DIR}\n",
+        "",
+    )
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"  # one process: the Rust threads
+    assert signal.getsignal(signal.SIGTERM) is caller_handler  # main() puts it back
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    options = ["--json-keys", "a", "b", "--tokenizer-model", str(tmp_path), "--no-append-eod"]
+    options += ["--workers", "3", "--progress", "--log-interval", "7", "--trust-remote-code"]
+    assert tool.main(["--input", "i", "--output-prefix", "o", *options]) == 0
+    assert calls[-1] == (
+        "i",
+        "o",
+        dict(
+            tokenizer=str(tmp_path),
+            json_keys=["a", "b"],
+            append_eod=False,
+            workers=3,
+            progress=True,
+            log_interval=7,
+            trust_remote_code=True,
+        ),
+    )
+    assert capsys.readouterr().out.endswith(f"--tokenizer-model {tmp_path} --trust-remote-code\n")
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # forked workers: no Rust threads
+
+
+@pytest.mark.parametrize(
+    "then, code, message",
+    [
+        (
+            indexed.PreprocessError("in.jsonl:3: malformed JSON"),
+            1,
+            "error: in.jsonl:3: malformed JSON",
+        ),
+        (KeyboardInterrupt(), 130, "interrupted: nothing written (temporary files removed)"),
+        ("SIGTERM", 143, "interrupted: nothing written (temporary files removed)"),
+    ],
+)
+def test_exit_status_of_a_failed_or_interrupted_run(
+    calls, caller_handler, capsys, then, code, message
+):
+    """Bad input: 1; Ctrl-C: 130; SIGTERM (sent to this process while tokenizing): 143; one
+    line on stderr, nothing on stdout; the SIGTERM handler is the caller's again."""
+
+    def fail():
+        if then == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise then
+
+    calls.then = fail
+    assert _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", "o"]) == code
+    assert capsys.readouterr() == ("", message + "\n")
+    assert signal.getsignal(signal.SIGTERM) is caller_handler
