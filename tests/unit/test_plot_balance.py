@@ -286,11 +286,11 @@ def test_picture_shows_the_first_and_the_last_window(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     records = [_record(1, 2.5, 1), _record(2, 0.8, 0), _record(3, 1.2, 2)]
     records[1]["layers"][0]["loads"] = [4, 4, 4, 4]
+    records[2]["layers"][0]["loads"] = [8, 0, 0, 0]
     figures = _drawn(monkeypatch)
     for window in (2, 10):
         plot_balance.plot(records, str(tmp_path / f"w{window}.png"), window, title="run 7")
-    dead = [9 / 4.25, 0, 4 / 4.25, 4 / 4.25]  # loads [9, 0, 4, 4] over their mean 4.25
-    rel = {1: dead, 2: [1, 1, 1, 1], 3: dead}
+    rel = {1: [9 / 4.25, 0, 4 / 4.25, 4 / 4.25], 2: [1, 1, 1, 1], 3: [4, 0, 0, 0]}  # load / mean
     for fig, first in zip(figures, (2, 1), strict=True):
         heat = [ax for ax in fig.axes if ax.get_ylabel() == "layer"]
         assert [ax.get_title() for ax in heat] == [
@@ -315,8 +315,8 @@ def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
     assert plot_balance.plot(records, str(tmp_path / "pic"), 2) == str(tmp_path / "pic.png")
     assert (tmp_path / "pic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_balance.check_out(str(tmp_path / "P.PNG")) is None
-    for folder in (str(tmp_path), f"{tmp_path}/", str(tmp_path / "dir.png")):
-        os.makedirs(folder, exist_ok=True)
+    os.makedirs(tmp_path / "dir.png")
+    for folder in (str(tmp_path), f"{tmp_path}/", str(tmp_path / "dir.png"), str(tmp_path / "dir")):
         assert plot_balance.check_out(folder) == (
             f"--out={folder!r} is a directory (a picture file such as RUN/expert_load.png is "
             "expected)"
