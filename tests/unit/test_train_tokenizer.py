@@ -21,10 +21,11 @@ OT = [
     '<div type="book" osisID="Gen" sID="b1"/><milestone type="x-usfm-toc2" n="Genesis"/>'
     "<title>The First Book of Moses,</title><title>Commonly Called Genesis</title>",
     '<chapter osisID="Gen.1" sID="c1" n="1"/>In the beginning,<note type="x">Or, at first</note>'
-    'God <w lemma="strong:H0430">created</w> the heavens &amp; the\u00a0earth.',
+    'God <w lemma="strong:H0430">created</w> the heavens (<note type="x">n</note>skies)'
+    " &amp; the\u00a0earth.",
     "",  # an index entry of size 0 (a verse the module leaves out): skipped
-    'The earth was formless.<lb type="x-p"/>God said,<q who="God">“Let there be light,”</q>and'
-    " there was light.",
+    'The earth was formless.<lb type="x-p"/><lb type="x-p"/>God said,<q who="God">“Let there be'
+    " light,”</q>and there was light.",
     '<chapter osisID="Gen.2" sID="c2"/><lg><l sID="l1"/>Poetry line one<l eID="l1"/>'
     '<l sID="l2"/>line two<l eID="l2"/></lg>',
 ]
@@ -37,7 +38,8 @@ DOCS = [
     {
         "id": "Gen.1",
         "text": "The First Book of Moses, Commonly Called Genesis\n\nGenesis 1\n\n"
-        "In the beginning, God created the heavens & the earth. The earth was formless.\n\n"
+        "In the beginning, God created the heavens (skies) & the earth. The earth was "
+        "formless.\n\n"
         "God said, “Let there be light,” and there was light.",
     },
     {"id": "Gen.2", "text": "Genesis 2\n\nPoetry line one\nline two"},
@@ -45,7 +47,8 @@ DOCS = [
 ]
 """What OT + NT become: one document per chapter (headed "Book N", the book's title page on
 top of its first chapter), footnotes and Strong's tags gone, a space where a removed tag
-stood between two words, paragraphs as blank lines, poetry lines and list items as lines."""
+stood between two words (not after an opening bracket or quote), paragraphs as one blank line,
+poetry lines and list items as lines."""
 
 
 def _ztext(entries: list[str], per_block: int = 2) -> dict[str, bytes]:
@@ -77,12 +80,14 @@ def _ar_member(name: str, data: bytes) -> bytes:
 
 
 def _deb(path, files: dict[str, bytes], prefix: str) -> None:
-    """A Debian package (ar: debian-binary, control.tar.gz of odd size, data.tar.xz)."""
+    """A Debian package (ar: debian-binary, control.tar.gz of odd size, data.tar.xz); the
+    module's folder holds a folder too (not a file of the module)."""
     tar_bytes = io.BytesIO()
     with tarfile.open(fileobj=tar_bytes, mode="w") as tar:
-        folder = tarfile.TarInfo("./" + prefix.rstrip("/"))
-        folder.type = tarfile.DIRTYPE
-        tar.addfile(folder)
+        for name in (prefix.rstrip("/"), prefix + "locked"):
+            folder = tarfile.TarInfo("./" + name)
+            folder.type = tarfile.DIRTYPE
+            tar.addfile(folder)
         for name, data in files.items():
             info = tarfile.TarInfo(f"./{prefix}{name}")
             info.size = len(data)
@@ -222,3 +227,23 @@ def test_check_names_the_files_that_differ_exit_1(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("DIFFERS: [") and "'tokenizer_config.json'" in out, out
     assert "special_tokens_map.json" not in out
+
+
+def test_output_dir_whose_folder_is_not_writable_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """The tokenizer is trained in a temporary folder beside --output-dir: where none can be
+    made (faked: the tests run as root), exit 2 naming --output-dir and the folder."""
+    tool = _load_tool("train_tokenizer")
+
+    def refused(prefix, dir):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tool.tempfile, "mkdtemp", refused)
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "a few words"}])
+    out = tmp_path / "a" / "tok"
+    assert tool.main(["--corpus", str(corpus), "--output-dir", str(out)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: --output-dir={str(out)!r}: cannot write in {str(tmp_path)!r} (Permission "
+        "denied)\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
