@@ -20,9 +20,10 @@ the flag.
 The embedded default corpus itself is prepared with
     python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
 
-Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 130 on
-Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed
-or interrupted run leaves no dataset behind.
+Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 2 on a
+bad option (one line naming the flag: a Megatron flag refused, --workers below 1, a negative
+--log-interval), 130 on Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is
+written atomically: a failed or interrupted run leaves no dataset behind.
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ def _shown(flag: str, value) -> str:
     if value is True:
         return flag
     return " ".join([flag, *map(str, value if isinstance(value, list) else [value])])
+
+
+def _int_at_least(low: int):
+    """argparse type: an integer >= ``low``, else the one error line naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: an integer >= {low}")
+        return value
+
+    return parse
 
 
 def megatron_refusal(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -179,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="end every document with the tokenizer's EOS token as Megatron's EOD (default: on)",
     )
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
+    p.add_argument(
+        "--workers", type=_int_at_least(1), default=1, help="tokenizing processes (default: 1)"
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -189,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--log-interval",
-        type=int,
+        type=_int_at_least(0),
         default=1000,
         help="without a progress bar, print Megatron's 'Processed N documents (D docs/s, M MB/s).' "
         "to stderr every N documents (default: 1000; 0: never)",

@@ -113,3 +113,23 @@ def test_exit_status_of_a_failed_or_interrupted_run(
     assert _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", "o"]) == code
     assert capsys.readouterr() == ("", message + "\n")
     assert signal.getsignal(signal.SIGTERM) is caller_handler
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--workers", "0"], "argument --workers: '0' is not allowed: an integer >= 1"),
+        (["--workers", "two"], "argument --workers: 'two' is not allowed: an integer >= 1"),
+        (["--log-interval", "-1"], "argument --log-interval: '-1' is not allowed: an integer >= 0"),
+    ],
+)
+def test_bad_counts_are_refused_by_flag(calls, capsys, flags, message):
+    """(--workers 0 was "error: workers must be >= 1, got 0", exit 1, after loading megatron.core:
+    the library's argument name, not the flag.)"""
+    with pytest.raises(SystemExit) as e:
+        _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", "o", *flags])
+    assert e.value.code == 2 and calls == []
+    assert capsys.readouterr() == (
+        "",
+        f"preprocess_data.py: error: {message} (all flags: --help)\n",
+    )
