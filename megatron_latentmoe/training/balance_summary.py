@@ -16,10 +16,11 @@ SUMMARY_WINDOW = 20
 
 
 def read_records(path: str) -> list[dict]:
-    """One record per iteration, in order (later lines win; a line cut by a kill is skipped)."""
+    """One record per iteration, in order (later lines win; a line cut by a kill is skipped).
+    A ValueError names the line whose iteration is not an integer (not the logger's file)."""
     by_iteration: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
@@ -28,7 +29,10 @@ def read_records(path: str) -> list[dict]:
             except ValueError:
                 continue
             if isinstance(record, dict) and "iteration" in record:
-                by_iteration[int(record["iteration"])] = record
+                iteration = record["iteration"]
+                if isinstance(iteration, bool) or not isinstance(iteration, int):
+                    raise ValueError(f"line {number}: iteration {iteration!r} is not an integer")
+                by_iteration[iteration] = record
     return [by_iteration[i] for i in sorted(by_iteration)]
 
 

@@ -350,6 +350,8 @@ def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
     picture.write_bytes(b"\x89PNG\r\n\x1a\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
+    unnumbered = tmp_path / "unnumbered.jsonl"
+    unnumbered.write_text('{"iteration": 1}\n{"iteration": null}\n')
     for argv, message in (
         ([str(path)], "nothing to do: give --out PNG and/or --summary"),
         (
@@ -362,6 +364,11 @@ def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
             [str(picture), "--summary"],
             f"plot_balance.py: error: {picture}: not a balance JSONL ('utf-8' codec can't "
             "decode byte 0x89 in position 0: invalid start byte)",
+        ),
+        (
+            [str(unnumbered), "--summary"],
+            f"plot_balance.py: error: {unnumbered}: not a balance JSONL (line 2: iteration None "
+            "is not an integer)",
         ),
     ):
         assert plot_balance.main(argv) == 1, argv
