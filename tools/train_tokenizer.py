@@ -35,7 +35,6 @@ import hashlib
 import html
 import io
 import json
-import lzma
 import os
 import re
 import shutil
@@ -92,11 +91,7 @@ def _read_deb_members(deb_path: Path) -> dict[str, bytes]:
     if payload is None:
         raise InputError(f"--rebuild-corpus: {deb_path}: no data.tar member")
     name, blob = payload
-    if name.endswith(".xz"):
-        blob = lzma.decompress(blob)
-    elif name.endswith(".gz"):
-        blob = gzip.decompress(blob)
-    elif name.endswith(".zst"):
+    if name.endswith(".zst"):  # xz and gz: tarfile detects and reads them itself
         raise InputError(
             f"--rebuild-corpus: {deb_path}: zstd-compressed package; unpack it with dpkg -x and "
             "pass the folder"
