@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -994,10 +995,18 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
             (tmp / "new.txt").write_text("new")
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["old.txt"]
 
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+
     def interrupted_rename(self, target):  # Ctrl-C between the two renames: it waits
         rename(self, target)
         if self.name == "out":
             os.kill(os.getpid(), signal.SIGINT)
+            # until a thread's C-level handler has taken it (it writes the wakeup fd): the signal
+            # lands between the renames however the threads are scheduled (else, on a busy
+            # machine, after them, and the restored handler raised only after the block)
+            assert select.select([wake_r], [], [], 60)[0], "SIGINT not delivered in 60 s"
+            os.read(wake_r, 16)
 
     monkeypatch.setattr(Path, "rename", interrupted_rename)
     # another thread that lets the signal through (torch's pool, pytest-xdist's I/O thread): the
@@ -1005,11 +1014,15 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
     idle = threading.Event()
     other = threading.Thread(target=idle.wait)
     other.start()
+    wakeup = signal.set_wakeup_fd(wake_w)
     try:
         with pytest.raises(KeyboardInterrupt):
             with summary.atomic_output_dir(out, overwrite=True) as tmp:
                 (tmp / "new.txt").write_text("new")
     finally:
+        signal.set_wakeup_fd(wakeup)
+        os.close(wake_r)
+        os.close(wake_w)
         idle.set()
         other.join()
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["new.txt"]
