@@ -1015,11 +1015,14 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
     other = threading.Thread(target=idle.wait)
     other.start()
     wakeup = signal.set_wakeup_fd(wake_w)
+    # Ctrl-C raises here, as in a user's process (an xdist worker may have SIGINT ignored)
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             with summary.atomic_output_dir(out, overwrite=True) as tmp:
                 (tmp / "new.txt").write_text("new")
     finally:
+        signal.signal(signal.SIGINT, sigint)
         signal.set_wakeup_fd(wakeup)
         os.close(wake_r)
         os.close(wake_w)
