@@ -567,13 +567,8 @@ def _config_fields_as_flags(args, text: str) -> str:
         if field not in fields or not hasattr(args, dest):
             continue
         value, flag = getattr(args, dest), flag_for_field(field)
-        if value is True:
-            named.append(f"{field}: {flag}")
-        elif value is False or value is None:
-            named.append(f"{field}: {flag} not given")
-        else:
-            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            named.append(f"{field}: {flag} {shown}")
+        given = f"{flag} not given" if value is False or value is None else _flag_text(flag, value)
+        named.append(f"{field}: {given}")
     return "; ".join(named)
 
 
@@ -673,15 +668,19 @@ def flag_for_field(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _flag_text(flag: str, value) -> str:
+    """``--flag value`` (``--flag`` for True; a list's items after it)."""
+    if value is True:
+        return flag
+    if isinstance(value, (list, tuple)):
+        return " ".join([flag, *map(str, value)])
+    return f"{flag} {value}"
+
+
 def _flag_value(field: str, value) -> str:
     """``field=value`` as the command line says it: ``--flag value`` (``--flag`` for True)."""
     flag = flag_for_field(field)
-    if value is True:
-        text = flag
-    elif isinstance(value, (list, tuple)):
-        text = " ".join([flag, *map(str, value)])
-    else:
-        text = f"{flag} {value}"
+    text = _flag_text(flag, value)
     ours = field in BY_NAME and flag == BY_NAME[field].flag
     return text if ours or flag == "--" + field.replace("_", "-") else f"{text} ({field}={value!r})"
 
