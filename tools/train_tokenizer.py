@@ -179,23 +179,31 @@ def osis_to_documents(markup: str) -> list[dict[str, str]]:
 
     docs: list[dict[str, str]] = []
     cur: list[str] = []
-    state = {"id": "front", "head": None, "book": None, "title": ""}
+    state = {"id": "front", "head": None, "book": None}
+    title_page: dict[str, str] = {}  # a short heading-less text waiting for the next chapter
+
+    def keep_title_page() -> None:
+        """A title page that no chapter followed is a document of its own."""
+        if title_page:
+            docs.append(title_page.copy())
+            title_page.clear()
 
     def flush() -> None:
         text = _clean("".join(cur))
         cur.clear()
-        head, title = state["head"], state["title"]
         # drop the one web-site pointer of the preface
         text = "\n\n".join(p for p in text.split("\n\n") if "web site" not in p.lower())
         if not text:
             return
-        if head is None and len(text) < 200:
+        if state["head"] is None and len(text) < 200:
             # a book's title page ("The Book of / Joshua"): put it on top of the first chapter
-            state["title"] = " ".join(text.split())
+            keep_title_page()
+            title_page.update(id=state["id"], text=text)
             return
-        parts = [p for p in (title, head, text) if p]
+        title = " ".join(title_page.get("text", "").split())
+        parts = [p for p in (title, state["head"], text) if p]
         docs.append({"id": state["id"], "text": "\n\n".join(parts)})
-        state["title"] = ""
+        title_page.clear()
 
     pos = 0
     for m in _TAG.finditer(markup):
@@ -227,6 +235,7 @@ def osis_to_documents(markup: str) -> list[dict[str, str]]:
             cur.append("\n")
     cur.append(markup[pos:])
     flush()
+    keep_title_page()
     return docs
 
 

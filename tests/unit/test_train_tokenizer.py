@@ -130,6 +130,24 @@ def test_rebuild_corpus_from_a_folder_and_from_a_deb(tmp_path, capsys):
     assert not (tmp_path / "tok").exists()
 
 
+def test_a_title_page_no_chapter_follows_is_a_document_of_its_own():
+    """A short heading-less text waits to go on top of the next chapter; when none comes (a
+    short last section, or a second title page first) it is kept as it is, not dropped."""
+    tool = _load_tool("train_tokenizer")
+    book = '<div type="book" osisID="{0}" sID="{0}"/><title>The Book of</title><title>{0}</title>'
+    markup = (
+        book.format("Ruth")
+        + book.format("Job")
+        + '<chapter osisID="Job.1" sID="j1" n="1"/>There was a man.'
+        + '<div type="glossary" osisID="Glossary" sID="g"/><item>Abba: father.</item>'
+    )
+    assert tool.osis_to_documents(markup) == [
+        {"id": "Ruth", "text": "The Book of\n\nRuth"},
+        {"id": "Job.1", "text": "The Book of Job\n\nJob 1\n\nThere was a man."},
+        {"id": "Glossary", "text": "Abba: father."},
+    ]
+
+
 @pytest.mark.parametrize(
     "members, message",
     [
