@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_latentmoe.training.balance_summary import (  # noqa: E402  (plain Python, no torch)
     SUMMARY_WINDOW,
+    finite,
     read_records,
     summarize,
     summary_lines,
@@ -46,15 +47,24 @@ from megatron_latentmoe.training.balance_summary import (  # noqa: E402  (plain 
 _MAX_LAYER_TICKS = 24  # layer labels on a heatmap's axis (more overlap at the picture's size)
 
 
+def _layers(record: dict):
+    """The record's per-layer entries that name their layer (a hand-edited or foreign line may
+    miss a field: it is left out of the picture, as a missing top-level number is)."""
+    layers = record.get("layers")
+    for layer in layers if isinstance(layers, list) else ():
+        if isinstance(layer, dict) and type(layer.get("layer")) is int:
+            yield layer
+
+
 def _load_matrix(records: list[dict]):
     """[layers x experts] mean of load / mean-load over ``records`` that carry loads, and the
     layer numbers; None if no record has loads."""
     sums: dict[int, list[float]] = {}
     counts: dict[int, int] = {}
     for record in records:
-        for layer in record.get("layers", []):
+        for layer in _layers(record):
             loads = layer.get("loads")
-            if not loads:
+            if not isinstance(loads, list) or not loads or len(finite(loads)) != len(loads):
                 continue
             mean = sum(loads) / len(loads)
             if mean <= 0:
@@ -113,7 +123,7 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with_loads = [r for r in records if any(layer.get("loads") for layer in r.get("layers", []))]
+    with_loads = [r for r in records if any(layer.get("loads") for layer in _layers(r))]
     first_m, layers = _load_matrix(with_loads[:1])
     w = max(1, min(window, len(with_loads)))
     last_m, last_layers = _load_matrix(with_loads[-w:])
@@ -156,8 +166,9 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     ax = fig.add_subplot(grid[1, 0])
     per_layer: dict[int, list] = {}
     for r in records:
-        for layer in r.get("layers", []):
-            per_layer.setdefault(layer["layer"], []).append((r["iteration"], layer["max_vio"]))
+        for layer in _layers(r):
+            if finite([layer.get("max_vio")]):
+                per_layer.setdefault(layer["layer"], []).append((r["iteration"], layer["max_vio"]))
     for _layer, points in sorted(per_layer.items()):
         ax.plot([p[0] for p in points], [max(p[1], 1e-3) for p in points], lw=0.6, alpha=0.35)
     ax.plot(

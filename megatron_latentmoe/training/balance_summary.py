@@ -36,18 +36,19 @@ def read_records(path: str) -> list[dict]:
     return [by_iteration[i] for i in sorted(by_iteration)]
 
 
-def _finite(values):
+def finite(values) -> list:
+    """The values that are finite numbers (a record's missing or NaN fields left out)."""
     return [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
 
 
 def _avg(values) -> float:
-    values = _finite(values)
+    values = finite(values)
     return sum(values) / len(values) if values else float("nan")
 
 
 def summarize(records: list[dict], window: int = SUMMARY_WINDOW) -> dict:
     """First-vs-last-window loss, MaxVio and throughput."""
-    rows = [r for r in records if _finite([r.get("loss")])]
+    rows = [r for r in records if finite([r.get("loss")])]
     if not rows:
         return {}
     w = max(1, min(window, len(rows) // 2 or 1))
@@ -61,7 +62,7 @@ def summarize(records: list[dict], window: int = SUMMARY_WINDOW) -> dict:
         "maxvio_last": _avg(r.get("maxvio_mean") for r in last),
         "maxvio_max_last": _avg(r.get("maxvio_max") for r in last),
         "dead_iterations": sum(1 for r in rows if (r.get("num_dead") or 0) > 0),
-        "maxvio_worst": max(_finite(r.get("maxvio_mean") for r in rows), default=float("nan")),
+        "maxvio_worst": max(finite(r.get("maxvio_mean") for r in rows), default=float("nan")),
         "tokens_per_s_last": _avg(r.get("tokens_per_s") for r in last),
     }
 

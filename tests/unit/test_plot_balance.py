@@ -305,6 +305,29 @@ def test_picture_shows_the_first_and_the_last_window(tmp_path, monkeypatch):
         assert list(twin.lines[1].get_ydata()) == [1 / 4, 0, 2 / 4]  # 1 layer x 4 experts
 
 
+def test_a_layer_entry_missing_a_field_is_left_out_of_the_picture(tmp_path, monkeypatch):
+    """A hand-edited or foreign line: a layer without max_vio or without its number, loads that
+    are not numbers, "layers" that is not a list. The rest is drawn (no KeyError): each layer's
+    thin MaxVio line has the iterations that carry its max_vio."""
+    pytest.importorskip("matplotlib")
+    records = [_record(1, 2.5, 1), _record(2, 0.8, 0), _record(3, 1.2, 2), _record(4, 0.5, 0)]
+    del records[1]["layers"][0]["max_vio"]
+    records[2]["layers"].append({"max_vio": 7.0, "loads": [1, 1, 1, 1]})  # no layer number
+    records[2]["layers"][0]["loads"] = [1, None, 2, 3]
+    records[3]["layers"] = None
+    figures = _drawn(monkeypatch)
+    plot_balance.plot(records, str(tmp_path / "p.png"), window=10)
+    (fig,) = figures
+    (vio,) = [ax for ax in fig.axes if ax.get_title().startswith("load balance per iteration")]
+    thin = [line for line in vio.lines if line.get_label().startswith("_")]
+    assert [(list(t.get_xdata()), list(t.get_ydata())) for t in thin] == [([1, 3], [2.5, 1.2])]
+    heat = [ax for ax in fig.axes if ax.get_ylabel() == "layer"]
+    assert heat[1].get_title() == "expert load / mean load — mean of iterations 1-3"
+    rel = [[9 / 4.25, 0, 4 / 4.25, 4 / 4.25], [9 / 5, 3 / 5, 4 / 5, 4 / 5]]  # iterations 1, 2
+    want = [(a + b) / 2 for a, b in zip(*rel, strict=True)]  # iteration 3's loads left out
+    assert heat[1].images[0].get_array().tolist() == [pytest.approx(want)]
+
+
 def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
     """--out without an extension gets matplotlib's default format appended (what savefig
     does); the extension's case does not matter; a folder (with or without the extension
