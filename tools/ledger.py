@@ -100,7 +100,11 @@ def main(argv=None) -> int:
     try:
         shape = dataclasses.replace(shape, **overrides)
     except ValueError as e:
-        parser.error(str(e))
+        message = str(e)
+        field = message.split("=", 1)[0]
+        if field in overrides:  # the refused value came from its option: name the option
+            message = "--" + field.replace("_", "-") + message[len(field) :]
+        parser.error(message)
     ledger = parameter_ledger(shape)
     text = json.dumps(ledger, indent=2) if a.json else format_ledger(ledger)
     try:

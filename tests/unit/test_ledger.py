@@ -665,7 +665,14 @@ def test_cli_refusals_name_the_input(tmp_path, capsys):
         return capsys.readouterr().err.strip().splitlines()[-1]
 
     assert error("--topk", "1000").endswith(
-        "error: topk=1000 is not allowed: an integer in [1, num_experts=896)"
+        "error: --topk=1000 is not allowed: an integer in [1, num_experts=896)"
+    )
+    assert error("--latent-size", "0").endswith(
+        "error: --latent-size=0 is not allowed: an integer >= 1"
+    )
+    # the refused value is the preset's (topk 16), not an option's: its field is named
+    assert error("--num-experts", "8").endswith(
+        "error: topk=16 is not allowed: an integer in [1, num_experts=8)"
     )
     bad = tmp_path / "bad.json"
     bad.write_text("{")
