@@ -591,3 +591,61 @@ def test_fine_tuning_on_the_embedded_corpus_with_checkpointing_and_packing():
         [p.detach().flatten() for p in model.model.layers[1].block_sparse_moe.experts.parameters()]
     )
     assert (expert1 - expert0).abs().max() > 1e-3
+
+
+# ============================================================================ vocabulary / loss
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_resize_token_embeddings_keeps_the_old_logits_and_round_trips(tmp_path, tie):
+    """``resize_token_embeddings`` (e.g. after adding special tokens): the old tokens' logits are
+    unchanged, the loss runs over the new vocabulary (a new id as label), tying is kept, and
+    save_pretrained + from_pretrained (remote code) gives the resized model back."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("sdpa", tie_word_embeddings=tie)
+    old, new = model.config.vocab_size, model.config.vocab_size + 9
+    ids = torch.randint(3, old, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+        model.resize_token_embeddings(new, mean_resizing=False)
+        resized = torch.cat([ids, torch.full((2, 1), new - 1)], dim=1)  # a new token id
+        out = model(resized, labels=resized, use_cache=False)
+    assert model.config.vocab_size == new and out.logits.shape == (2, 7, new)
+    assert model.get_output_embeddings().weight.shape == (new, model.config.hidden_size)
+    torch.testing.assert_close(out.logits[:, :6, :old], before, rtol=1e-12, atol=1e-12)
+    expected = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, new).float(), resized[:, 1:].reshape(-1)
+    )
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied is tie
+    model.save_pretrained(tmp_path)
+    copy_remote_code(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, trust_remote_code=True, dtype=torch.float64
+    )
+    assert loaded.config.vocab_size == new
+    assert (loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()) is tie
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(resized, use_cache=False).logits, out.logits)
+
+
+def test_loss_divides_by_num_items_in_batch_for_gradient_accumulation():
+    """``Trainer`` with gradient accumulation passes ``num_items_in_batch`` (the label count of
+    all micro-batches) to a model whose forward takes ``**kwargs``, and then does not divide the
+    loss by the accumulation steps itself: the loss must be the summed token NLL / that count."""
+    model = make_model("sdpa")
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4)
+    )
+    labels = ids.clone()
+    labels[0, :2] = -100
+    with torch.no_grad():
+        out = model(ids, labels=labels, use_cache=False)
+        summed = model(ids, labels=labels, use_cache=False, num_items_in_batch=torch.tensor(24))
+    logp = torch.log_softmax(out.logits[:, :-1].double(), dim=-1)
+    target = labels[:, 1:]
+    valid = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0][valid].sum()
+    assert int(valid.sum()) == 9
+    torch.testing.assert_close(out.loss.double(), nll / 9, rtol=1e-6, atol=0)
+    torch.testing.assert_close(summed.loss.double(), nll / 24, rtol=1e-6, atol=0)
