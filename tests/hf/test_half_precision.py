@@ -64,3 +64,30 @@ def test_model_under_autocast_routes_its_hidden_states_like_fp32():
         expected = torch.topk(biased, gate.top_k, dim=-1).indices
         differ = (chosen.sort(-1).values != expected.sort(-1).values).any(-1)
         assert int(differ.sum()) == 0, f"{int(differ.sum())} of {len(differ)} tokens"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_routes_with_fp32_router_math(dtype):
+    """A model loaded in bf16 / fp16 (``from_pretrained(dtype=...)`` or ``.to(dtype)``) keeps the
+    router's logits in fp32 math on the half-precision hidden states and weights (SPEC §3), so it
+    picks the experts an fp32 router picks for those same inputs: a half-precision matmul rounds
+    the logits (~3 significant digits in bf16) and flips near-tied selections."""
+    cfg = tiny_config(hidden_size=64, num_experts=64, num_experts_per_token=4)
+    torch.manual_seed(0)
+    block = StableLatentMoEBlock(cfg)
+    randomize_(block, std=0.3)
+    block.gate.e_score_correction_bias.copy_(0.05 * torch.randn(cfg.num_experts))
+    block = block.to(dtype)
+    x = torch.randn(4096, cfg.hidden_size).to(dtype)
+    w32 = block.gate.weight.float()
+    with torch.no_grad():
+        logits = block.gate.router_logits(x)
+        routing = block.gate(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ w32.T, rtol=1e-5, atol=1e-5)
+    biased = (
+        torch.sigmoid(x.double() @ w32.double().T) + block.gate.e_score_correction_bias.double()
+    )
+    expected = torch.topk(biased, cfg.num_experts_per_token, dim=-1).indices
+    differ = (routing.topk_indices.sort(-1).values != expected.sort(-1).values).any(-1)
+    assert int(differ.sum()) == 0, f"{int(differ.sum())} of {len(differ)} tokens"
