@@ -31,7 +31,9 @@ MXFP4 routed experts (``convert export --expert-dtype mxfp4``: compressed-tensor
 
 Getting the routing out of a block: ``block(x, return_routing=True)`` returns ``(y, MoERouting)``;
 or set ``block.record_routing = True`` (``StableLatentMoEModel.set_record_routing(True)`` for all
-layers) and read ``block.last_routing`` after a forward.
+layers) and read ``block.last_routing`` after a forward. The model's ``output_router_logits=True``
+(or ``config.output_router_logits``) returns, as transformers' MoE models do, ``router_logits``: one
+[B * S, n] fp32 tensor of router logits per MoE layer, with gradients.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
@@ -125,11 +127,14 @@ class MoERouting(NamedTuple):
                   experts, renormalised (if ``moe_renormalize`` and k > 1), times
                   ``routed_scaling_factor``. The bias never enters p.
     scores:       [T, n] raw sigmoid scores s (same dtype as ``topk_probs``).
+    router_logits: [T, n] the logits ``x W_r^T`` the scores came from (fp32 math; what
+                  ``output_router_logits=True`` returns per MoE layer), None if not given.
     """
 
     topk_indices: torch.Tensor
     topk_probs: torch.Tensor
     scores: torch.Tensor
+    router_logits: torch.Tensor | None = None
 
     def routing_map(self) -> torch.Tensor:
         """[T, n] bool, True where token t is routed to expert e (Megatron's ``routing_map``)."""
@@ -164,7 +169,7 @@ def noaux_tc_routing(
     if renormalize and top_k > 1:
         topk_probs = topk_probs / (topk_probs.sum(dim=-1, keepdim=True) + ROUTER_PROB_EPS)
     topk_probs = topk_probs * routed_scaling_factor
-    return MoERouting(topk_indices, topk_probs, scores)
+    return MoERouting(topk_indices, topk_probs, scores, logits)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -460,7 +465,7 @@ class StableLatentMoEBlock(nn.Module):
             y = y + self.shared_experts(x)  # shared experts see the full-width x
         y = y.reshape(shape)
         if self.record_routing:
-            self.last_routing = MoERouting(*(t.detach() for t in routing))
+            self.last_routing = MoERouting(*(None if t is None else t.detach() for t in routing))
         return (y, routing) if return_routing else y
 
 
@@ -568,7 +573,8 @@ class StableLatentMoEAttention(nn.Module):
 class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm layer: x + attn(norm(x)), then h + ffn(norm(h)); ffn = ``mlp`` (dense) or
     ``block_sparse_moe`` (layer_idx >= first_k_dense_replace). Returns (hidden states, attention
-    weights or None). Recomputed in the backward under ``gradient_checkpointing_enable()``."""
+    weights or None, router logits [T, n] or None: an MoE layer's, if ``output_router_logits``).
+    Recomputed in the backward under ``gradient_checkpointing_enable()``."""
 
     def __init__(self, config: StableLatentMoEConfig, layer_idx: int):
         super().__init__()
@@ -592,7 +598,8 @@ class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         mask_builder: Callable[[int], torch.Tensor] | None = None,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output_router_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         h, weights = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -605,8 +612,15 @@ class StableLatentMoEDecoderLayer(GradientCheckpointingLayer):
         hidden_states = residual + h
         residual = hidden_states
         h = self.post_attention_layernorm(hidden_states)
-        h = self.block_sparse_moe(h) if self.is_moe else self.mlp(h)
-        return residual + h, weights
+        router_logits = None
+        if not self.is_moe:
+            h = self.mlp(h)
+        elif output_router_logits:
+            h, routing = self.block_sparse_moe(h, return_routing=True)
+            router_logits = routing.router_logits
+        else:
+            h = self.block_sparse_moe(h)
+        return residual + h, weights, router_logits
 
 
 # ============================================================================= MXFP4 checkpoints
@@ -772,7 +786,8 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
 
 
 class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
-    """Embedding + decoder layers + final norm. Returns ``BaseModelOutputWithPast``."""
+    """Embedding + decoder layers + final norm. Returns ``MoeModelOutputWithPast``
+    (``router_logits``: one [B * S, n] fp32 tensor per MoE layer, with ``output_router_logits``)."""
 
     def __init__(self, config: StableLatentMoEConfig):
         super().__init__(config)
@@ -820,6 +835,7 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
         return_dict: bool | None = None,
         past_key_values: Cache | None = None,
         cu_seq_lens_q: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ):
         """Padding-free packed batches: without ``attention_mask`` and without past tokens, the
@@ -843,6 +859,8 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             if output_hidden_states is None
             else output_hidden_states
         )
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
             logger.warning_once(
@@ -897,29 +915,34 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
+        all_router_logits = () if output_router_logits else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, weights = layer(
+            hidden_states, weights, router_logits = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=mask,
                 cache=cache,
                 mask_builder=mask_builder,
                 output_attentions=output_attentions,
+                output_router_logits=output_router_logits,
             )
             if output_attentions:
                 all_attentions += (weights,)
+            if router_logits is not None:
+                all_router_logits += (router_logits,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
 
         out = _output_with_cache(
-            BaseModelOutputWithPast,
+            MoeModelOutputWithPast,
             cache if use_cache else None,
             last_hidden_state=hidden_states,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
+            router_logits=all_router_logits,
         )
         return out if return_dict else out.to_tuple()
 
@@ -962,6 +985,7 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ):
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -976,6 +1000,7 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
             output_hidden_states=output_hidden_states,
             return_dict=True,
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            output_router_logits=output_router_logits,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, keep])  # 0 keeps every position
@@ -987,12 +1012,13 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
             )
 
         out = _output_with_cache(
-            CausalLMOutputWithPast,
+            MoeCausalLMOutputWithPast,
             _cache_of(outputs),
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
         )
         return out if return_dict else out.to_tuple()
 

@@ -649,3 +649,44 @@ def test_loss_divides_by_num_items_in_batch_for_gradient_accumulation():
     assert int(valid.sum()) == 9
     torch.testing.assert_close(out.loss.double(), nll / 9, rtol=1e-6, atol=0)
     torch.testing.assert_close(summed.loss.double(), nll / 24, rtol=1e-6, atol=0)
+
+
+# ============================================================================ router outputs
+def test_output_router_logits_are_each_moe_layers_fp32_router_logits():
+    """``output_router_logits=True`` (as in transformers' DeepSeek-V3 / Qwen3-MoE): one
+    [B * S, n] fp32 tensor per MoE layer (none for the dense first layer), the router's logits
+    ``x W_r^T`` for the hidden states that layer's block sees, with gradients to the router (for a
+    user's own auxiliary loss). Off by default, on by ``config.output_router_logits``; last in the
+    tuple form; the logits of the LM are unchanged."""
+    model = make_model("sdpa", dtype=torch.float32)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    blocks = model.model.moe_blocks()
+    seen = {}
+    for i, block in blocks.items():
+        block.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
+    model.model.set_record_routing(True)
+    out = model(ids, output_router_logits=True, use_cache=False)
+    assert sorted(blocks) == [1, 2] and len(out.router_logits) == 2
+    for (i, block), logits in zip(blocks.items(), out.router_logits, strict=True):
+        assert logits.shape == (2 * 7, cfg.num_experts) and logits.dtype == torch.float32
+        x = seen[i].detach().reshape(-1, cfg.hidden_size).double()
+        expected = x @ block.gate.weight.detach().double().T
+        torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.sigmoid(logits.detach()), block.last_routing.scores)
+    out.router_logits[0].square().mean().backward()  # e.g. a z-loss on the first MoE layer
+    assert blocks[1].gate.weight.grad.abs().sum() > 0 and blocks[2].gate.weight.grad is None
+    model.model.set_record_routing(False)
+    with torch.no_grad():
+        plain = model(ids, use_cache=False)
+        tup = model(ids, use_cache=False, output_router_logits=True, return_dict=False)
+        model.config.output_router_logits = True
+        try:
+            by_config = model(ids, use_cache=False).router_logits
+        finally:
+            model.config.output_router_logits = False
+    assert plain.router_logits is None
+    assert torch.equal(plain.logits, out.logits.detach())
+    assert torch.equal(tup[0], plain.logits) and len(tup) == 2 and len(tup[-1]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(tup[-1], out.router_logits, strict=True))
+    assert len(by_config) == 2 and torch.equal(by_config[0], out.router_logits[0])
