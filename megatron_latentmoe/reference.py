@@ -9,7 +9,7 @@ Typical use in tests::
     cfg = StableLatentMoEConfig(hidden_size=64, routed_expert_hidden_size=32, num_experts=8,
                                 num_experts_per_token=2, moe_intermediate_size=48, ...)
     block = StableLatentMoEBlock(cfg)            # names as in HF checkpoints (SPEC §6)
-    # routing: MoERouting(topk_indices, topk_probs, scores)
+    # routing: MoERouting(topk_indices, topk_probs, scores, router_logits)
     y, routing = block(x, return_routing=True)
 """
 
