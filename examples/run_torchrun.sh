@@ -17,8 +17,16 @@ if [ $# -lt 1 ] || [ ! -f "$1" ]; then
   exit 2
 fi
 args_file="$1"; shift
+if [ -n "${NPROC:-}" ] && ! { [[ "$NPROC" =~ ^[0-9]+$ ]] && ((10#$NPROC > 0)); }; then
+  echo "$0: error: NPROC=$NPROC is not allowed: a positive integer (processes to launch)" >&2
+  exit 2
+fi
 # shellcheck disable=SC1090
 source "$args_file"
+if ! declare -p ARGS >/dev/null 2>&1; then
+  echo "$0: error: ARGS_FILE=$args_file defines no ARGS array (see examples/args/tiny.sh)" >&2
+  exit 2
+fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$repo/.venv/bin/python" ]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
 fi

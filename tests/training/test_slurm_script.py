@@ -36,7 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sbatch(*flags: str, gpus_per_node: int = 2) -> tuple[subprocess.CompletedProcess, bool]:
+def _sbatch(
+    *flags: str, gpus_per_node: int | str = 2, args_file: str | None = None
+) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the script under the stand-ins; returns the process and whether ``srun`` ran."""
     bin_dir = scratch_dir() / "fake_slurm_bin"
     bin_dir.mkdir(exist_ok=True)
@@ -60,7 +62,7 @@ def _sbatch(*flags: str, gpus_per_node: int = 2) -> tuple[subprocess.CompletedPr
         [
             "bash",
             str(REPO / "examples" / "slurm_multinode.sbatch"),
-            str(REPO / "examples" / "args" / "tiny.sh"),
+            args_file or str(REPO / "examples" / "args" / "tiny.sh"),
             *flags,
         ],
         stdout=subprocess.PIPE,
@@ -95,6 +97,9 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
         # tiny.sh is EP2: the check counts SLURM_NNODES x GPUS_PER_NODE processes (here 1),
         # not the one process that checks.
         ((), 1, "WORLD_SIZE=1"),
+        # checked by the script itself, before any Python starts
+        ((), "abc", "GPUS_PER_NODE=abc is not allowed: a positive integer"),
+        ((), 0, "GPUS_PER_NODE=0 is not allowed"),
     ],
 )
 def test_sbatch_script_refuses_bad_flags_once_before_any_rank_starts(flags, gpus_per_node, named):
@@ -104,3 +109,36 @@ def test_sbatch_script_refuses_bad_flags_once_before_any_rank_starts(flags, gpus
     errors = [line for line in proc.stdout.splitlines() if "error:" in line]
     assert len(errors) == 1 and named in errors[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout
+
+
+def test_launchers_refuse_a_bad_process_count_or_args_file_in_one_line(tmp_path):
+    """NPROC / GPUS_PER_NODE that is not a positive integer, an args file that is missing or
+    defines no ARGS: one line naming it, exit 2, no rank started (it was a Python traceback from
+    the flag check's WORLD_SIZE, or bash's 'ARGS: unbound variable')."""
+    no_args = tmp_path / "no_args.sh"
+    no_args.write_text("FLAGS=(--train-iters 3)\n")
+    tiny = str(REPO / "examples" / "args" / "tiny.sh")
+    torchrun = str(REPO / "examples" / "run_torchrun.sh")
+    cases = [
+        ({"NPROC": "abc"}, tiny, "NPROC=abc is not allowed: a positive integer"),
+        ({"NPROC": "0"}, tiny, "NPROC=0 is not allowed: a positive integer"),
+        ({}, str(no_args), f"ARGS_FILE={no_args} defines no ARGS array"),
+        ({}, str(tmp_path / "missing.sh"), "usage:"),
+    ]
+    for env, args_file, named in cases:
+        proc = subprocess.run(
+            ["bash", torchrun, args_file],
+            capture_output=True,
+            text=True,
+            env={**environment(), "PYTHON": PYTHON, **env},
+            timeout=60,
+        )
+        assert (proc.returncode, proc.stdout) == (2, ""), (env, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and named in proc.stderr, (env, proc.stderr)
+    for args_file, named in (
+        (str(no_args), f"ARGS_FILE={no_args} defines no ARGS array"),
+        (str(tmp_path / "missing.sh"), "usage: sbatch"),
+    ):
+        proc, srun_ran = _sbatch(args_file=args_file)
+        assert (proc.returncode, srun_ran) == (2, False), proc.stdout
+        assert proc.stdout.count("\n") == 1 and named in proc.stdout, proc.stdout
