@@ -316,8 +316,10 @@ def main(argv=None):
     refusal = folder_refusal(args.out, "bench_balancing.json and .png")
     if refusal:
         p.error(refusal)
-    if args.topk >= args.experts or min(args.bins) < 2:
-        p.error("--topk must be < --experts (QB's top-(k+1)) and every --bins >= 2")
+    if args.topk >= args.experts:
+        p.error(f"--topk {args.topk}: an integer below --experts {args.experts} (QB's top-(k+1))")
+    if min(args.bins) < 2:
+        p.error(f"--bins {' '.join(map(str, args.bins))}: each an integer >= 2")
     torch.set_num_threads(args.threads)
     t_start = time.time()
 

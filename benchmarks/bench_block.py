@@ -68,8 +68,11 @@ def parse_args():
     for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
-    if a.topk >= a.experts or a.warmup < 0 or a.shared_ffn < 0:
-        p.error("--topk must be < --experts, --warmup and --shared-ffn >= 0")
+    if a.topk >= a.experts:
+        p.error(f"--topk {a.topk}: an integer below --experts {a.experts}")
+    for name in ("warmup", "shared_ffn"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 0")
     return a
 
 

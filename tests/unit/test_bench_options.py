@@ -14,7 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
     "script, argv, message",
     [
         ("bench_balancing.py", ["--steps", "0"], "--steps 0: an integer >= 1"),
-        ("bench_balancing.py", ["--experts", "8", "--topk", "8"], "--topk must be < --experts"),
+        (
+            "bench_balancing.py",
+            ["--experts", "8", "--topk", "8"],
+            "--topk 8: an integer below --experts 8 (QB's top-(k+1))",
+        ),
+        ("bench_balancing.py", ["--bins", "64", "1"], "--bins 64 1: each an integer >= 2"),
+        ("bench_block.py", ["--experts", "4", "--topk", "5"], "--topk 5: an integer below"),
+        ("bench_block.py", ["--shared-ffn", "-1"], "--shared-ffn -1: an integer >= 0"),
         ("bench_situ.py", ["--reps", "0"], "--reps 0: an integer >= 1"),
         ("bench_block.py", ["--iters", "0"], "--iters 0: an integer >= 1"),
         ("bench_step_balancers.py", ["--methods", "none", "--steps", "0"], "--steps 0"),
