@@ -437,31 +437,82 @@ def _megatron_tokenizer(*flags):
     return build_tokenizer(args)
 
 
-@pytest.mark.parametrize("eod", [True, False])
-def test_output_is_byte_identical_to_megatron_preprocess_data(tmp_path, eod):
-    """.bin/.idx equal, byte for byte, what Megatron-LM's tools/preprocess_data.py (core_v0.19)
-    writes for the same JSONL with --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR
-    [--append-eod]: its tokenizer's tokenize(text) per document as one sequence, + its eod, in a
-    megatron-core builder of DType.optimal_dtype(its vocab_size). (Megatron's tool is not in the
-    wheel: this redoes its steps with megatron-core.) Blank texts are left out of the input:
-    Megatron writes "" as a document of no sequence and tokenizes "   ", this tool skips both."""
+def _megatron_preprocess(texts, tokenizer_dir, eod, prefix) -> str:
+    """The .bin/.idx Megatron-LM's tools/preprocess_data.py (core_v0.19) writes for these texts
+    with --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--append-eod]: its
+    tokenizer's tokenize(text) per document as one sequence, + its eod, in a megatron-core builder
+    of DType.optimal_dtype(its vocab_size); returns the prefix. (Megatron's tool is not in the
+    wheel: this redoes its steps with megatron-core.)"""
     _mcore_quiet()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    tok = _megatron_tokenizer(
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer_dir)
+    )
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(tok.vocab_size))
+    for t in texts:
+        ids = tok.tokenize(t) + ([tok.eod] if eod else [])
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+@pytest.mark.parametrize("eod", [True, False])
+def test_output_is_byte_identical_to_megatron_preprocess_data(tmp_path, eod):
+    """.bin/.idx equal, byte for byte, what Megatron-LM's tools/preprocess_data.py writes for the
+    same JSONL with the shipped tokenizer (:func:`_megatron_preprocess`). Blank texts are left out
+    of the input: Megatron writes "" as a document of no sequence and tokenizes "   ", this tool
+    skips both."""
     texts = [s for s in SAMPLES if s.strip()] + list(iter_corpus_texts())[:300]
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     ours = preprocess_jsonl(src, tmp_path / "ours", append_eod=eod, progress=False)
     assert ours.skipped_empty == 0 and ours.documents == len(texts)
+    ref = _megatron_preprocess(texts, DEFAULT_TOKENIZER_DIR, eod, tmp_path / "megatron")
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / ("ours" + ext)).read_bytes() == Path(ref + ext).read_bytes(), ext
 
-    tok = _megatron_tokenizer(
-        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(DEFAULT_TOKENIZER_DIR)
+
+@pytest.fixture(scope="module")
+def big_bos_tokenizer(tmp_path_factory):
+    """A Hugging Face word-level tokenizer of 70,003 ids ("w0" .. "w69999" are ids 3 ..): more
+    than uint16 holds, and its post-processor puts the BOS <s> (id 0) before every text, as
+    Llama's does; </s> (id 1) is its EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2} | {f"w{i}": i + 3 for i in range(70_000)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
     )
-    ref = str(tmp_path / "megatron_text_document")
-    builder = IndexedDatasetBuilder(ref + ".bin", dtype=DType.optimal_dtype(tok.vocab_size))
-    for t in texts:
-        ids = tok.tokenize(t) + ([tok.eod] if eod else [])
-        builder.add_document(ids, [len(ids)])
-    builder.finalize(ref + ".idx")
+    folder = tmp_path_factory.mktemp("big_bos_tokenizer")
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
+    return folder
+
+
+def test_a_big_vocabulary_that_adds_a_bos_is_written_as_megatron_writes_it(
+    tmp_path, big_bos_tokenizer
+):
+    """A tokenizer of more than 65,500 ids whose encoding starts with a BOS: the ids above 65,535
+    are kept (Megatron's int32 .bin, not uint16, which would wrap them) and each document starts
+    with the BOS, as Megatron's tokenizer(text).input_ids has it; byte-identical to Megatron's
+    tool. (The shipped tokenizer adds no BOS and fits uint16: it tests neither.)"""
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = [
+        " ".join(f"w{(7919 * i + 997 * j) % 70_000}" for j in range(1 + i % 9)) for i in range(300)
+    ]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    ours = preprocess_jsonl(src, tmp_path / "ours", tokenizer=big_bos_tokenizer, progress=False)
+    assert (ours.documents, ours.dtype) == (300, "int32")
+    ds = IndexedDataset(str(tmp_path / "ours"))
+    assert ds[1].tolist() == [0, 7919 + 3, 7919 + 997 + 3, 1]  # <s> w7919 w8916 </s>
+    assert max(int(ds[i].max()) for i in range(len(ds))) > 65_535
+    ref = _megatron_preprocess(texts, big_bos_tokenizer, True, tmp_path / "megatron")
     for ext in (".bin", ".idx"):
         assert (tmp_path / ("ours" + ext)).read_bytes() == Path(ref + ext).read_bytes(), ext
 
