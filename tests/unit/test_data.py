@@ -885,6 +885,37 @@ def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds*")} == before
 
 
+def test_a_rerun_never_pairs_an_old_idx_with_a_new_bin(tmp_path, monkeypatch):
+    """Replacing a dataset, the old .idx is removed before the new .bin is moved in and the new
+    .idx is moved in last: after each rename <prefix>.idx is absent or the one of the .bin
+    beside it, so a run killed between two renames leaves no dataset Megatron would read with
+    the old offsets."""
+    prefix = tmp_path / "ds"
+
+    def files():
+        paths = (Path(f"{prefix}.bin"), Path(f"{prefix}.idx"))
+        return tuple(p.read_bytes() if p.exists() else None for p in paths)
+
+    preprocess_jsonl(
+        _write_jsonl(tmp_path / "old.jsonl", [{"text": "old"}]), prefix, progress=False
+    )
+    old = files()
+    renames = []
+    replace = os.replace
+
+    def spy(src, dst):
+        replace(src, dst)
+        renames.append((Path(dst).name, files()))
+
+    monkeypatch.setattr(os, "replace", spy)
+    preprocess_jsonl(
+        _write_jsonl(tmp_path / "new.jsonl", [{"text": s} for s in SAMPLES]), prefix, progress=False
+    )
+    new = files()
+    assert old[0] != new[0] and old[1] != new[1]
+    assert renames == [("ds.bin", (new[0], None)), ("ds.idx", new)]
+
+
 def _signal_while_tokenizing(tmp_path, name: str, sig: int) -> tuple[int, str]:
     """Run the CLI on the whole corpus, send ``sig`` once its temporary .bin exists; returns
     the exit status and stderr."""
