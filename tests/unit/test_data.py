@@ -916,6 +916,26 @@ def test_a_rerun_never_pairs_an_old_idx_with_a_new_bin(tmp_path, monkeypatch):
     assert renames == [("ds.bin", (new[0], None)), ("ds.idx", new)]
 
 
+def test_a_key_without_text_in_any_document_is_refused(tmp_path):
+    """Among several keys, one that holds no text in any document is refused by name (not an
+    empty dataset for Megatron to fail on); nothing written, not even the other key's."""
+    objs = [{"text": "a b", "title": ""}, {"text": "c", "title": "  "}]
+    src = _write_jsonl(tmp_path / "in.jsonl", objs)
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(src, tmp_path / "out", json_keys=["text", "title"], progress=False)
+    assert str(e.value) == f"{src}: no non-empty documents for key 'title' (2 JSON objects read)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_one_key_may_hold_a_path_separator(tmp_path):
+    """A key holding "/" is refused only among several keys, where it is part of a file name;
+    one key writes <prefix>.bin / .idx whatever its name."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"meta/title": "a b"}])
+    s = preprocess_jsonl(src, tmp_path / "out", json_keys=["meta/title"], progress=False)
+    assert (s.output_prefixes, s.documents) == ([str(tmp_path / "out")], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.bin", "out.idx"]
+
+
 def _signal_while_tokenizing(tmp_path, name: str, sig: int) -> tuple[int, str]:
     """Run the CLI on the whole corpus, send ``sig`` once its temporary .bin exists; returns
     the exit status and stderr."""
