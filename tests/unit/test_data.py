@@ -1037,6 +1037,58 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
         assert json.loads(Path(default_prefix + ".json").read_text())["sha256"] == record["sha256"]
 
 
+def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, monkeypatch):
+    """prepare_default_dataset's reuse rule, the tokenizing replaced by a spy: it rebuilds when
+    forced, when the .idx is gone, when the record's format version is another, when a tokenizer
+    file changed (other ids for the same corpus), and not when another process built the dataset
+    while this one waited for the lock (every rank of a torchrun calls it)."""
+    import contextlib
+    import shutil
+
+    from megatron_latentmoe.data import corpus, indexed
+
+    builds = []
+
+    def spy(input, output_prefix, **kwargs):
+        builds.append(kwargs["tokenizer"])
+        for ext in (".bin", ".idx"):
+            Path(output_prefix + ext).write_bytes(b"tokens")
+        return types.SimpleNamespace(documents=1, tokens=2)
+
+    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    out = tmp_path / "data"
+    record = out / "default_corpus.json"
+
+    def rebuilds(**kwargs) -> int:
+        before = len(builds)
+        assert corpus.prepare_default_dataset(out, **kwargs) == str(out / "default_corpus")
+        return len(builds) - before
+
+    assert (rebuilds(), rebuilds(), rebuilds(force=True)) == (1, 0, 1)
+    (out / "default_corpus.idx").unlink()
+    assert rebuilds() == 1
+    stamp = json.loads(record.read_text())
+    assert stamp["format"] == corpus._FORMAT_VERSION
+    record.write_text(json.dumps(dict(stamp, format=corpus._FORMAT_VERSION - 1)))
+    assert rebuilds() == 1
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, tokenizer)
+    monkeypatch.setattr(corpus, "DEFAULT_TOKENIZER_DIR", tokenizer)
+    assert rebuilds() == 0  # the same files elsewhere
+    with open(tokenizer / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    assert (rebuilds(), rebuilds(), builds[-1]) == (1, 0, tokenizer)
+
+    @contextlib.contextmanager
+    def another_process_builds_it(path):
+        (out / "default_corpus.idx").write_bytes(b"tokens")
+        yield
+
+    (out / "default_corpus.idx").unlink()
+    monkeypatch.setattr(corpus, "_file_lock", another_process_builds_it)
+    assert rebuilds() == 0
+
+
 @pytest.mark.parametrize(
     "argv, code, message",
     [
