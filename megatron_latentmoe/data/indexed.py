@@ -143,7 +143,17 @@ def _worker_init(
 ) -> None:
     if subprocess_worker:  # N processes x Rust threads would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(tokenizer, trust_remote_code)
+        try:
+            tok = load_tokenizer(tokenizer, trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - reported by the first batch (see _encode_batch)
+            # A raising pool initializer makes the pool start a new worker, forever: the run
+            # would hang. The main process loaded the same tokenizer, so this is rare (a
+            # tokenizer's own code that fails in a child process).
+            why = e if isinstance(e, PreprocessError) else f"{type(e).__name__}: {e}"
+            _W["error"] = f"in a worker process: {why}"
+            return
+    else:
+        tok = load_tokenizer(tokenizer, trust_remote_code)
     _W.update(
         tok=tok,
         keys=tuple(json_keys),
@@ -226,6 +236,8 @@ def iter_jsonl_texts(path: PathLike, key: str = "text") -> Iterator[str]:
 
 def _encode_batch(batch: tuple[int, list[bytes]]):
     """-> (n_documents, {key: (lengths, flat ids)}, n_skipped) or ("error", message)."""
+    if "error" in _W:
+        return ("error", _W["error"])
     first_line, raw_lines = batch
     keys, name = _W["keys"], _W["name"]
     texts = {k: [] for k in keys}

@@ -873,6 +873,46 @@ def test_cli_trust_remote_code_runs_the_tokenizers_own_code(tmp_path, capsys, hf
     assert [ds[i].tolist() for i in range(len(ds))] == want
 
 
+def test_a_tokenizer_that_fails_in_the_workers_is_an_error_not_a_hang(tmp_path):
+    """A tokenizer whose own code loads in the main process but raises in a worker process: the
+    run stops with one line naming it (a raising pool initializer used to make the pool restart
+    its workers forever), nothing written."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
+    (folder / "remote_tok.py").write_text(
+        "import multiprocessing\n\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class RemoteTokenizer(PreTrainedTokenizerFast):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        if multiprocessing.parent_process() is not None:\n"
+        "            raise RuntimeError('no GPU in this process')\n"
+        "        super().__init__(*args, **kwargs)\n"
+    )
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(
+        tokenizer_class="RemoteTokenizer",
+        auto_map={"AutoTokenizer": [None, "remote_tok.RemoteTokenizer"]},
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": s} for s in SAMPLES if s.strip()])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out")]
+    argv += ["--tokenizer-model", str(folder), "--trust-remote-code", "--workers", "2"]
+    r = subprocess.run(
+        [sys.executable, str(CLI), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(OFFLINE_ENV, HF_MODULES_CACHE=str(tmp_path / "modules")),
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == (
+        f"error: in a worker process: cannot load the tokenizer in {folder}: no GPU in this process"
+    )
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_failed_rerun_keeps_the_previous_dataset(tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", [{"text": s} for s in SAMPLES])
     prefix = tmp_path / "ds"
