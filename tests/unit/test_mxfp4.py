@@ -207,6 +207,20 @@ def test_dequantize_rejects_bad_tensors():
         dequantize_mxfp4(packed, scales[:, :1])
     with pytest.raises(ValueError, match="NaN byte 255"):
         dequantize_mxfp4(packed, torch.full_like(scales, 255))
+    # signed bytes would shift the sign into the high nibble and index the code table from the end
+    with pytest.raises(
+        ValueError, match="must be uint8, got packed torch.int8 and scales torch.uint8"
+    ):
+        dequantize_mxfp4(packed.view(torch.int8), scales)
+    with pytest.raises(
+        ValueError, match="must be uint8, got packed torch.uint8 and scales torch.float32"
+    ):
+        dequantize_mxfp4(packed, scales.float())
+    # 24 bytes = 48 values: not whole blocks, even though 48 // 32 = 1 scale column is given
+    with pytest.raises(
+        ValueError, match=r"scales of shape \(2, 1\) do not fit packed values of shape \(2, 24\)"
+    ):
+        dequantize_mxfp4(packed[:, :24], scales[:, :1])
 
 
 def test_leading_dims_and_storage_cost():
