@@ -238,3 +238,21 @@ def test_leading_dims_and_storage_cost():
     assert torch.equal(mxfp4_round_trip(w)[1], mxfp4_round_trip(w[1]))
     stored_bits = 8 * (packed.numel() + scales.numel())
     assert mxfp4.BITS_PER_PARAM == 4.25 == stored_bits / w.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_model_dequantizer_equals_ours_on_several_blocks(dtype):
+    """The HF remote code carries its own copy of the dequantizer (it loads without this package):
+    bit for bit ``ops.mxfp4.dequantize_mxfp4`` on weights of several blocks per row, scales
+    spread over the E8M0 range. The exported test model has one block per row (width 32), where a
+    block cut across instead of along each row gives the same numbers."""
+    from megatron_latentmoe.hf import modeling_stable_latentmoe as modeling
+
+    g = torch.Generator().manual_seed(1)
+    block_scale = torch.exp2(torch.randint(-100, 100, (2, 5, 4, 1), generator=g).float())
+    w = (torch.randn(2, 5, 4, 32, generator=g) * block_scale).reshape(2, 5, 128)
+    packed, scales = quantize_mxfp4(w)
+    assert scales.shape == (2, 5, 4) and len(scales.unique()) > 30
+    got = modeling.dequantize_mxfp4(packed, scales, dtype)
+    assert got.dtype == dtype and torch.equal(got, dequantize_mxfp4(packed, scales, dtype))
+    assert torch.equal(got.signbit(), dequantize_mxfp4(packed, scales, dtype).signbit())
