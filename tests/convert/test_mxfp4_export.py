@@ -265,3 +265,25 @@ def test_quantization_config_is_compressed_tensors_mxfp4():
     other["config_groups"]["group_0"]["targets"] = ["Linear"]
     assert not mxfp4.is_mxfp4(other)
     assert not mxfp4.is_mxfp4(dict(config, quant_method="fp8"))
+
+
+def test_quantization_config_targets_exactly_the_routed_expert_linears(ws):
+    """Matched the way compressed-tensors (and vLLM's loader built on it) match a scheme to
+    modules, the config's targets / ignore select every routed expert linear of the model and
+    nothing else (not the shared experts, the latent projections, attention, the router or the
+    LM head), with uint8 scales. transformers' compressed-tensors loader dequantizes any
+    ``weight_packed`` pair whatever the targets, so the export tests above cannot see this."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.utils.match import match_named_modules
+
+    from megatron_latentmoe.convert.verify import load_hf_model
+
+    parsed = ct.quantization.QuantizationConfig.model_validate(mxfp4.quantization_config())
+    group = parsed.config_groups["group_0"]
+    assert group.weights.scale_dtype == torch.uint8
+    model = load_hf_model(ws["root"] / "hf_fp32")
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    routed = {n for n in linears if ".block_sparse_moe.experts." in n}
+    assert len(routed) == 3 * 8 * 3 and any(".shared_experts." in n for n in linears)
+    matched = {n for n, _ in match_named_modules(model, group.targets, parsed.ignore)}
+    assert matched == routed
