@@ -52,6 +52,28 @@ def _compare(rank, world_size):
     master_unchanged = all(
         torch.equal(layers["qat"].state_dict()[k], state[k]) for k in expert_keys
     )
+    # Megatron's fused wgrad accumulation (on in GPU training) writes into weight.main_grad of
+    # the tensor handed to the GEMM: the fake-quantized copy has none, so the QAT linears turn
+    # it off and the gradient reaches the parameter's .grad as for an unfused layer
+    qat_linears = [m for m in layers["qat"].experts.modules() if hasattr(m, "_forward_impl")]
+    for m in qat_linears:
+        m.gradient_accumulation_fusion = True
+        m.weight.main_grad = torch.zeros_like(m.weight)
+        m.weight.grad = None
+    try:
+        xi = x.clone().requires_grad_()
+        (layers["qat"](xi)[0] * upstream).sum().backward()
+        fused_wgrad = dict(
+            n_linears=len(qat_linears),
+            grads_equal=all(
+                torch.equal(p.grad, out["qat"]["grads"][k])
+                for k, p in layers["qat"].named_parameters()
+                if k.startswith("experts.")
+            ),
+            main_grad_untouched=all(m.weight.main_grad.eq(0).all() for m in qat_linears),
+        )
+    except Exception as e:  # reported by its own test, not as an error of the whole module
+        fused_wgrad = repr(e)
     # without moe_latent_size: Megatron's MoELayer, its experts' linears fake-quantized too
     plain_moe = {}
     for name, qat in (("qat", "mxfp4"), ("rounded", "none")):
@@ -69,6 +91,7 @@ def _compare(rank, world_size):
         keys_match=keys_match,
         n_expert_weights=len(expert_keys),
         master_unchanged=master_unchanged,
+        fused_wgrad=fused_wgrad,
         y_plain_moe=y_plain,
         plain_moe_expert_weights=len(plain_keys),
     )
@@ -92,6 +115,12 @@ def test_qat_layer_equals_plain_layer_on_mxfp4_weights(result):
         assert (qat["grads"][k] - g).abs().max() <= 1e-6 * g.abs().max().clamp_min(1e-30), k
     # and QAT is really on: the plain layer on the master weights differs by the quantization
     assert (plain["y"] - qat["y"]).abs().max() > 1e-3 * scale
+
+
+def test_qat_linears_turn_off_fused_wgrad_accumulation(result):
+    """With gradient_accumulation_fusion on, the expert weights get the same .grad as without
+    (it was an AttributeError on the fake-quantized weight's missing main_grad)."""
+    assert result["fused_wgrad"] == dict(n_linears=16, grads_equal=True, main_grad_untouched=True)
 
 
 def test_qat_of_a_plain_megatron_moe_equals_it_on_mxfp4_weights(result):
