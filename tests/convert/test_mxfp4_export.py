@@ -287,3 +287,26 @@ def test_quantization_config_targets_exactly_the_routed_expert_linears(ws):
     assert len(routed) == 3 * 8 * 3 and any(".shared_experts." in n for n in linears)
     matched = {n for n, _ in match_named_modules(model, group.targets, parsed.ignore)}
     assert matched == routed
+
+
+def test_bf16_export_quantizes_the_checkpoint_values_not_their_bf16_cast(ws, tmp_path):
+    """``--dtype bf16 --expert-dtype mxfp4`` of an fp32 checkpoint: the routed experts are the
+    same bytes as in the fp32 export (quantized before any cast, what fp32 QAT trained on);
+    quantizing the bf16-rounded weights instead changes some codes."""
+    from megatron_latentmoe.convert import export_checkpoint
+
+    root = ws["root"]
+    export_checkpoint(
+        root / "ck", tmp_path / "hf", dtype="bf16", expert_dtype="mxfp4", progress=False
+    )
+    bf16, fp32, plain = (
+        _tensors(tmp_path / "hf"),
+        _tensors(root / "hf_mx"),
+        _tensors(root / "hf_fp32"),
+    )
+    experts = [k for k in plain if ".block_sparse_moe.experts." in k]
+    packed = [n for k in experts for n in mxfp4.names(k)]
+    assert len(packed) == 2 * 3 * 8 * 3
+    assert all(torch.equal(bf16[n], fp32[n]) for n in packed)
+    cast = [mxfp4.pack(k, plain[k].bfloat16()) for k in experts]
+    assert any(not torch.equal(t, fp32[n]) for c in cast for n, t in c.items())
