@@ -4,6 +4,12 @@ Same weights (mapped by name), same input; the output, the input gradient and EV
 gradient agree to 1e-5 relative to the largest reference value (fp32; measured ~1e-7). The QB
 bias is non-zero and changes the selection, so the test also checks that the bias selects
 experts without entering the mixing weights (any leak would show in the output and gradients).
+
+At this init the combined latent rows are tiny (mean square ~1e-10), so with the default eps
+(1e-5) the latent RMSNorm is close to a fixed linear scaling by 1/sqrt(eps): the "norm-eps" case
+sets eps to that mean square, so that the normalisation itself (and the configured eps) decides
+the output: a norm applied per expert before combine, or built without ``layernorm_epsilon``,
+then fails by orders of magnitude instead of ~1e-5.
 """
 
 import pytest
@@ -21,7 +27,9 @@ CASES = {
     "no-shared": dict(moe_shared_expert_intermediate_size=None),
     "swiglu-scaled": dict(hidden_act="swiglu", moe_router_topk_scaling_factor=2.5),
     "top1": dict(moe_router_topk=1),
+    "norm-eps": dict(layernorm_epsilon=1e-10, moe_shared_expert_intermediate_size=None),
 }
+NORM_EPS_CASE = "norm-eps"
 
 
 def megatron_layer_to_reference(state: dict, num_experts: int) -> dict:
@@ -90,6 +98,13 @@ def compare_with_reference(cases: dict, device: str = "cpu") -> dict:
         # shared experts of 2 x m_e, as K3 stores them (one MLP of N_s * m_e)
         cfg = tiny_config(**{"moe_shared_expert_intermediate_size": 96, **overrides})
         layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+        norm_inputs = []
+        if layer.routed_expert_norm is not None:
+            layer.routed_expert_norm.register_forward_hook(
+                lambda _m, args, _out, seen=norm_inputs: seen.append(
+                    args[0].detach().pow(2).mean().item()
+                )
+            )
         torch.manual_seed(7)
         with torch.no_grad():
             layer.router.expert_bias.normal_(0.0, 0.05)
@@ -127,6 +142,7 @@ def compare_with_reference(cases: dict, device: str = "cpu") -> dict:
             dx=_rel(x_meg.grad.cpu(), x_ref.grad),
             params=param_err,
             n_params=len(ref_params),
+            latent_mean_square=norm_inputs[0] if norm_inputs else None,
             bias_changed_selection=bool(
                 (unbiased.sort().values != routing.topk_indices.sort().values).any()
             ),
@@ -153,3 +169,10 @@ def test_megatron_block_equals_reference(report, case):
     print(case, r)
     assert r["out"] < TOL and r["dx"] < TOL and r["params"] < TOL, r
     assert r["bias_changed_selection"], "the bias should change some selections in this test"
+
+
+def test_the_norm_eps_case_exercises_the_normalisation(report):
+    """The "norm-eps" case proves something only while eps is of the order of the latent rows'
+    mean square (neither dominates the RMS)."""
+    ratio = report[NORM_EPS_CASE]["latent_mean_square"] / CASES[NORM_EPS_CASE]["layernorm_epsilon"]
+    assert 0.1 < ratio < 10, ratio
