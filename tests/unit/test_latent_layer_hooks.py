@@ -41,10 +41,13 @@ def _old_norm_name_state_dict(rank, world_size):
     old, new = (get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1) for _ in range(2))
     with torch.no_grad():
         old.routed_expert_norm.weight.uniform_(0.5, 1.5)
+    # loaded into a parent module, as a whole model loads it: the keys carry the layer's prefix
     state = {
-        k.replace("routed_expert_norm.", "latent_norm."): v for k, v in old.state_dict().items()
+        "decoder.mlp." + k.replace("routed_expert_norm.", "latent_norm."): v
+        for k, v in old.state_dict().items()
     }
-    result = new.load_state_dict(state, strict=True)
+    parent = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": new})})
+    result = parent.load_state_dict(state, strict=True)
     return (
         sorted(k for k in state if "norm" in k),
         list(result.missing_keys),
@@ -53,9 +56,10 @@ def _old_norm_name_state_dict(rank, world_size):
 
 
 def test_a_state_dict_with_the_old_norm_name_loads():
-    """Plain state dicts saved before mlp.latent_norm was renamed routed_expert_norm load as is."""
+    """Plain state dicts saved before mlp.latent_norm was renamed routed_expert_norm load as is,
+    the layer inside a model (its keys prefixed)."""
     (result,) = run_distributed(_old_norm_name_state_dict, 1)
-    assert result == (["latent_norm.weight"], [], True)
+    assert result == (["decoder.mlp.latent_norm.weight"], [], True)
 
 
 def _latent_projection_tags(rank, world_size):
@@ -103,9 +107,13 @@ def _sharded_norm_keys(rank, world_size):
         return [k for k in keys if "norm" in k], len(keys)
 
     found = [norm_keys()]
-    found.append(use_legacy_names_of(layer, ["decoder.layers.3.mlp.latent_norm.weight"]))
+    # a checkpoint's keys: the norm's among the others
+    others = ["decoder.layers.3.mlp.router.weight", "decoder.layers.3.mlp.fc1_latent_proj.weight"]
+    found.append(use_legacy_names_of(layer, [*others, "decoder.layers.3.mlp.latent_norm.weight"]))
     found.append(norm_keys())
-    found.append(use_legacy_names_of(layer, ["decoder.layers.3.mlp.routed_expert_norm.weight"]))
+    found.append(
+        use_legacy_names_of(layer, [*others, "decoder.layers.3.mlp.routed_expert_norm.weight"])
+    )
     found.append(norm_keys())
     return found
 
