@@ -146,6 +146,17 @@ def test_without_a_latent_size_the_layer_is_megatrons_moe_layer():
     )
 
 
+def test_the_latent_layer_refuses_a_config_without_a_latent_size():
+    """Refused by name before anything is built (no process group needed), not by an assert or
+    a shape error deep inside Megatron's modules or ours."""
+    spec = get_stable_latentmoe_mlp_spec(tiny_config())
+    with pytest.raises(ValueError) as err:
+        spec(config=tiny_config(moe_latent_size=None), layer_number=1)
+    assert str(err.value) == (
+        "moe_latent_size=None is not allowed: a positive latent width l (StableLatentMoELayer)"
+    )
+
+
 @pytest.mark.parametrize("latent", [64, None])
 def test_mxfp4_qat_swaps_the_routed_experts_linears_only(latent):
     cfg = tiny_config(moe_latent_size=latent, moe_ffn_hidden_size=64, moe_expert_weight_qat="mxfp4")
