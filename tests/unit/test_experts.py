@@ -81,6 +81,12 @@ def _compare(rank, world_size):
             f(x_h, counts, probs)[0]
             for f in (half_experts.forward, lambda *a: SequentialMLP.forward(half_experts, *a))
         ]
+    # Megatron's GPU default: fc2's wgrad GEMM accumulates in fp32 into main_grad; a bare GEMM
+    # would give a param-dtype (bf16) grad instead, so that expert's linears go back to modules
+    fused = experts.local_experts[3].linear_fc2
+    fused.gradient_accumulation_fusion = True
+    bare_with_fusion = experts._bare_gemms()
+    fused.gradient_accumulation_fusion = False
     (out_b, bias_b, dx_b, g_b), (out_s, bias_s, dx_s, g_s) = results
     return dict(
         out=_rel(out_b, out_s),
@@ -92,6 +98,7 @@ def _compare(rank, world_size):
         bias=(bias_b, bias_s),
         n_params=len(g_s),
         bare=experts._bare_gemms(),
+        bare_with_fusion=bare_with_fusion,
         module_calls=calls,
         qat_bare=qat_experts._bare_gemms(),
         qat_batched=qat_experts._batched(),
@@ -112,6 +119,7 @@ def test_batched_activation_equals_sequential_mlp():
     assert r["empty_expert_grad_zero"], r
     # bare GEMMs: no linear module called; Megatron's forward: fc1 + fc2 of every expert
     assert r["bare"] and r["module_calls"] == [0, 2 * len(COUNTS)], r
+    assert not r["bare_with_fusion"], r  # one fused-wgrad linear: all called as modules
     assert not r["qat_bare"], r  # the MXFP4 linears fake-quantize their weight: called as modules
     assert r["qat_batched"] and r["qat_out"] < TOL, r  # ... in the batched path too
     # probs applied on the input: Megatron's forward, to the bit
