@@ -703,3 +703,19 @@ def test_smallest_allowed_shapes_and_defaults():
     assert torch.allclose(width.double(), expected_E, rtol=1e-4)
     idx = c.bin_index(bias[None, :], bias)
     assert idx.dtype == torch.int64 and idx.tolist() == [[500, 500, 500, 500]]
+
+
+def test_cutoff_route_is_the_top_k_plus_1_of_a_full_sort():
+    """SPEC §4 step 1 against a full descending sort of fp32 ``s + b``: the k routes best first
+    and alpha = the (k+1)-th value. ``topk(sorted=False)`` keeps the right set of routes (on CPU
+    even the right (k+1)-th value in the last slot) but not their order; on CUDA it keeps no
+    order at all, so ``values[:, k]`` would be any of the top k+1 and every cutoff wrong."""
+    m, n, k = 200, 64, 6
+    scores = router_scores(m, n, 17)
+    bias = 0.2 * torch.randn(n, generator=gen(17))
+    idx, alpha = cutoff_route(scores, bias, k)
+    biased = scores + bias
+    ranked = biased.sort(dim=1, descending=True).values
+    assert idx.shape == (m, k) and alpha.shape == (m,) and alpha.dtype == torch.float32
+    assert torch.equal(biased.gather(1, idx), ranked[:, :k])  # the top k, best first
+    assert torch.equal(alpha, ranked[:, k])
