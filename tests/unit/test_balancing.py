@@ -719,3 +719,19 @@ def test_cutoff_route_is_the_top_k_plus_1_of_a_full_sort():
     assert idx.shape == (m, k) and alpha.shape == (m,) and alpha.dtype == torch.float32
     assert torch.equal(biased.gather(1, idx), ranked[:, :k])  # the top k, best first
     assert torch.equal(alpha, ranked[:, k])
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 64, 4), (16, 4, 3)])  # partial-sort / kthvalue path
+def test_exact_quantile_when_the_target_load_is_whole(m, n, k):
+    """q = m k / n an integer (16 and 12 here): Q = ceil(q) = q, so the exact reference is the
+    q-th smallest r of each column by a full sort, not the (q+1)-th. Elsewhere q is fractional,
+    or the (q+1)-th lies within the histogram's one-bin tolerance, so a reference taking
+    floor(q) + 1 went unnoticed."""
+    big_q = m * k // n
+    assert big_q * n == m * k
+    scores = router_scores(m, n, 19)
+    bias = 0.1 * torch.randn(n, generator=gen(19))
+    r = r_matrix(scores, bias, k)
+    expected = r.sort(dim=0).values[big_q - 1]
+    assert torch.equal(exact_quantiles(scores, bias, k), expected)
+    assert not torch.equal(expected, r.sort(dim=0).values[big_q])  # the two candidates differ
