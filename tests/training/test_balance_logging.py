@@ -366,3 +366,47 @@ def test_the_stdout_line_says_n_a_for_what_a_step_did_not_measure():
         " [balance] iteration       7 | lm loss (this iteration) n/a | tokens/s 1,235 | "
         "MaxVio mean n/a max n/a | load min/max n/a/n/a | under-half n/a | dead n/a"
     )
+
+
+class FakeDist:
+    """``torch.distributed`` as one rank sees it, each group with one other rank: an all-reduce
+    adds that rank's tensor (``peers[group]``, none: nothing) and records what this rank sent."""
+
+    def __init__(self, peers):
+        self.peers, self.sent = peers, {}
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self, group=None):
+        return 2
+
+    def all_reduce(self, tensor, group=None):
+        self.sent[group] = tensor.clone()
+        if group in self.peers:
+            tensor += self.peers[group]
+
+
+def test_the_logging_rank_gathers_the_loss_over_dp_and_the_layers_over_pp(monkeypatch):
+    """PP2 x DP2 from the logging rank (last stage): the first stage's layer rows come with the
+    pipeline all-reduce; the loss is the token mean over both data-parallel ranks' pairs (the
+    rank's own pair alone: 2.5); dead experts add up over the layers."""
+    kwargs = dict(num_layers=2, num_experts=2, tokens_per_step=8, iteration_fn=lambda: 1)
+    kwargs.update(dp_group=lambda: "dp", pp_group=lambda: "pp", jsonl_path=None)
+    first_stage = FakeDist({})
+    monkeypatch.setattr(balance_logging, "dist", first_stage)
+    stage_0 = balance_logging.BalanceLogger(
+        **kwargs, is_logging_rank=False, is_last_stage=lambda: False
+    )
+    assert stage_0.on_step_end([], routers=[FakeRouter(1, 0.5, [0, 6])]) is None
+    assert list(first_stage.sent) == ["pp"]  # the loss is the last stage's
+    other_dp_rank = torch.tensor([6.0, 4.0], dtype=torch.float64)
+    last_stage = FakeDist({"dp": other_dp_rank, "pp": first_stage.sent["pp"]})
+    monkeypatch.setattr(balance_logging, "dist", last_stage)
+    logger = balance_logging.BalanceLogger(**kwargs, is_logging_rank=True)
+    logger.add_loss(torch.tensor([10.0, 4.0]))
+    record = logger.on_step_end([], routers=[FakeRouter(2, 1.5, [0, 8])])
+    assert (record["loss"], record["loss_tokens"]) == (2.0, 8)
+    layers = [(e["layer"], e["max_vio"], e["loads"]) for e in record["layers"]]
+    assert layers == [(1, 0.5, [0, 6]), (2, 1.5, [0, 8])]
+    assert (record["maxvio_mean"], record["num_dead"], record["max_load"]) == (1.0, 2, 8)
