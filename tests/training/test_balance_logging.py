@@ -369,14 +369,18 @@ def test_the_stdout_line_says_n_a_for_what_a_step_did_not_measure():
 
 
 class FakeDist:
-    """``torch.distributed`` as one rank sees it, each group with one other rank: an all-reduce
-    adds that rank's tensor (``peers[group]``, none: nothing) and records what this rank sent."""
+    """``torch.distributed`` as rank ``rank`` of two sees it, each group with the other rank: an
+    all-reduce adds that rank's tensor (``peers[group]``, none: nothing) and records what this
+    rank sent."""
 
-    def __init__(self, peers):
-        self.peers, self.sent = peers, {}
+    def __init__(self, peers, rank=1):
+        self.peers, self.sent, self.rank = peers, {}, rank
 
     def is_initialized(self):
         return True
+
+    def get_rank(self):
+        return self.rank
 
     def get_world_size(self, group=None):
         return 2
@@ -410,3 +414,14 @@ def test_the_logging_rank_gathers_the_loss_over_dp_and_the_layers_over_pp(monkey
     layers = [(e["layer"], e["max_vio"], e["loads"]) for e in record["layers"]]
     assert layers == [(1, 0.5, [0, 6]), (2, 1.5, [0, 8])]
     assert (record["maxvio_mean"], record["num_dead"], record["max_load"]) == (1.0, 2, 8)
+
+
+@pytest.mark.parametrize("rank, logging", [(1, True), (0, False)])
+def test_megatrons_last_rank_is_the_logging_rank(monkeypatch, rank, logging):
+    """By default the logger writes on the last rank, where Megatron makes the TensorBoard writer
+    (on another rank the writer is None: no scalars at all)."""
+    monkeypatch.setattr(balance_logging, "dist", FakeDist({}, rank=rank))
+    logger = balance_logging.BalanceLogger(
+        num_layers=1, num_experts=2, tokens_per_step=8, iteration_fn=lambda: 1
+    )
+    assert logger.is_logging_rank is logging
