@@ -251,6 +251,14 @@ def test_summary_of_one_iteration_and_of_none():
     ]
 
 
+def test_a_true_iteration_is_refused_not_read_as_iteration_1(tmp_path):
+    """JSON ``true`` is a Python int (True == 1): read, it would replace iteration 1's record."""
+    path = tmp_path / "b.jsonl"
+    path.write_text('{"iteration": 1, "loss": 4.0}\n{"iteration": true, "loss": 9.0}\n')
+    with pytest.raises(ValueError, match="line 2: iteration True is not an integer"):
+        plot_balance.read_records(str(path))
+
+
 def test_load_matrix_is_the_mean_load_over_mean_per_layer():
     """The heatmap's numbers: per layer, load / mean load averaged over the records that carry
     loads for it; a layer without loads, or with none routed (mean 0), is left out."""
