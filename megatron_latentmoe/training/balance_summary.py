@@ -31,7 +31,9 @@ def read_records(path: str) -> list[dict]:
             if isinstance(record, dict) and "iteration" in record:
                 iteration = record["iteration"]
                 if isinstance(iteration, bool) or not isinstance(iteration, int):
-                    raise ValueError(f"line {number}: iteration {iteration!r} is not an integer")
+                    raise ValueError(
+                        f"line {number}: iteration {json.dumps(iteration)} is not an integer"
+                    )
                 by_iteration[iteration] = record
     return [by_iteration[i] for i in sorted(by_iteration)]
 

@@ -255,7 +255,7 @@ def test_a_true_iteration_is_refused_not_read_as_iteration_1(tmp_path):
     """JSON ``true`` is a Python int (True == 1): read, it would replace iteration 1's record."""
     path = tmp_path / "b.jsonl"
     path.write_text('{"iteration": 1, "loss": 4.0}\n{"iteration": true, "loss": 9.0}\n')
-    with pytest.raises(ValueError, match="line 2: iteration True is not an integer"):
+    with pytest.raises(ValueError, match="line 2: iteration true is not an integer"):
         plot_balance.read_records(str(path))
 
 
@@ -398,7 +398,7 @@ def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
         ),
         (
             [str(unnumbered), "--summary"],
-            f"plot_balance.py: error: {unnumbered}: not a balance JSONL (line 2: iteration None "
+            f"plot_balance.py: error: {unnumbered}: not a balance JSONL (line 2: iteration null "
             "is not an integer)",
         ),
     ):
