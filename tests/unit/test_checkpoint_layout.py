@@ -41,6 +41,15 @@ def test_the_tracker_names_the_checkpoint_directory(tmp_path):
     assert tracked_checkpoint_dir(tmp_path) == tmp_path / "iter_0000020"
 
 
+@pytest.mark.parametrize("iteration", [None, 0, 100])
+def test_the_tracker_written_for_an_iteration_names_its_directory(tmp_path, iteration):
+    """What the importer writes (``--iteration 0`` included: not the release) reads back as the
+    directory it wrote."""
+    (tmp_path / TRACKER_FILE).write_text(tracker_text(iteration))
+    assert tracked_checkpoint_dir(tmp_path) == tmp_path / iteration_dir_name(iteration)
+    assert (tracker_text(0), iteration_dir_name(0)) == ("0", "iter_0000000")
+
+
 def test_a_tracker_holding_something_else_raises_the_given_error(tmp_path):
     class MyError(ValueError):
         pass
