@@ -74,3 +74,20 @@ def test_a_repair_says_what_the_tracker_named_and_leaves_no_temporary_file(load_
     assert sorted(os.listdir(load_dir)) == sorted(
         [TRACKER_FILE, *(iteration_dir_name(i) for i in (2, 4, 6))]
     )
+
+
+def test_the_tracker_is_replaced_atomically(load_dir, monkeypatch):
+    """The repaired tracker is written aside and renamed over the old one: a kill during the
+    repair leaves a tracker naming a checkpoint, never an empty or cut one."""
+    tracker = load_dir / TRACKER_FILE
+    tracker.write_bytes(b"6")
+    replace, seen = os.replace, []
+
+    def replace_seen(src, dst):
+        seen.append((os.fspath(dst), open(dst, "rb").read(), open(src, "rb").read()))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_seen)
+    assert repair_checkpoint_tracker(str(load_dir)) == 4
+    assert seen == [(str(tracker), b"6", b"4")]  # untouched until the rename
+    assert tracker.read_bytes() == b"4"
