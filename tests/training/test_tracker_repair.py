@@ -47,6 +47,15 @@ def test_the_tracker_is_repaired_to_the_newest_complete_checkpoint(load_dir, hel
     assert tracker.read_text() == str(resumes)
 
 
+@pytest.mark.parametrize("held", [b"", b"1"])
+def test_the_newest_is_chosen_whatever_order_the_folders_are_listed_in(load_dir, monkeypatch, held):
+    """os.listdir's order is the file system's: listed newest first, the newest is still 4."""
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(listdir(path), reverse=True))
+    (load_dir / TRACKER_FILE).write_bytes(held)
+    assert repair_checkpoint_tracker(str(load_dir), write=False) == 4
+
+
 def test_nothing_to_resume_from(load_dir, tmp_path_factory):
     (load_dir / TRACKER_FILE).write_text("release")
     assert repair_checkpoint_tracker(str(load_dir)) is None  # a release is loaded as it is
