@@ -76,6 +76,7 @@ def _flags(changes: dict) -> list[str]:
 NORM_KEY = "decoder.layers.1.mlp.{}.weight"
 RESUMES = {  # what a resumed run loads: (--ckpt-format, --ckpt-step)
     "tracked": ("torch_dist", None),  # the tracker's iteration 2: the old norm name
+    "ckpt_step_0": ("torch_dist", 0),  # 0 is no --ckpt-step to Megatron: the tracker's
     "ckpt_step_1": ("torch_dist", 1),  # --ckpt-step overrides the tracker: today's name
     "ckpt_step_3": ("torch_dist", 3),  # no such checkpoint: nothing to read, today's name
     "torch_format": ("torch", None),  # not a torch_dist checkpoint: its keys are not read
@@ -293,6 +294,7 @@ def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
     read and written under the old name ``latent_norm``."""
     assert built["tiny"]["norm_names"] == {
         "tracked": ["latent_norm"],
+        "ckpt_step_0": ["latent_norm"],
         "ckpt_step_1": ["routed_expert_norm"],
         "ckpt_step_3": ["routed_expert_norm"],
         "torch_format": ["routed_expert_norm"],
