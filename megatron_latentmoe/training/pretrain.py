@@ -56,12 +56,16 @@ def _print0(*parts) -> None:
 
 # ------------------------------------------------------------------------------------ checkpoints
 def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
-    """A checkpoint folder a run can load: Megatron's distributed checkpoint writes
-    ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it)."""
-    if ckpt_format in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+    """A checkpoint folder a run can load: Megatron's distributed checkpoint (``torch_dist``)
+    writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
+    ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
+    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist)."""
+    if ckpt_format == "torch_dist":
         return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
             os.path.join(path, ".metadata")
         )
+    if ckpt_format in ("torch_dcp", "fsdp_dtensor"):
+        return os.path.isfile(os.path.join(path, ".metadata"))
     return os.path.isdir(path) and any(os.scandir(path))
 
 

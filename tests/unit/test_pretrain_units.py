@@ -35,18 +35,32 @@ def test_print0_prints_on_rank_0_only(monkeypatch, capsys, rank, printed):
     assert capsys.readouterr().out == printed
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch_dcp", "fsdp_dtensor"])
-def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path, ckpt_format):
+def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path):
     path = tmp_path / iteration_dir_name(2)
     path.mkdir()
     (path / "__0_0.distcp").write_text("shard")
     complete = []
     for name in ("metadata.json", ".metadata"):
         (path / name).write_text("{}")
-        complete.append(pretrain._complete_checkpoint(str(path), ckpt_format))
+        complete.append(pretrain._complete_checkpoint(str(path), "torch_dist"))
     (path / "metadata.json").unlink()  # torch DCP's .metadata alone: Megatron had not finished
-    complete.append(pretrain._complete_checkpoint(str(path), ckpt_format))
+    complete.append(pretrain._complete_checkpoint(str(path), "torch_dist"))
     assert complete == [False, True, False]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dcp", "fsdp_dtensor"])
+def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckpt_format):
+    """Megatron saves these with torch.distributed.checkpoint.save alone: no metadata.json."""
+    path = tmp_path / iteration_dir_name(2)
+    path.mkdir()
+    (path / "__0_0.distcp").write_text("shard")
+    complete = [pretrain._complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
+    (path / ".metadata").write_text("{}")
+    complete.append(pretrain._complete_checkpoint(str(path), ckpt_format))
+    assert complete == [False, True]
+    (tmp_path / TRACKER_FILE).write_bytes(b"")  # cut by a kill: repaired to the complete one
+    assert pretrain.repair_checkpoint_tracker(str(tmp_path), ckpt_format) == 2
+    assert (tmp_path / TRACKER_FILE).read_text() == "2"
 
 
 def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
