@@ -52,6 +52,8 @@ def test_missing_or_not_a_checkpoint(tmp_path):
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "latest_checkpointed_iteration.txt").write_text("100")
     export_fails(tmp_path / "root", tmp_path / "out", r"the tracker names 'iter_0000100'")
+    (tmp_path / "root" / "latest_checkpointed_iteration.txt").write_text("1O0\n")
+    export_fails(tmp_path / "root", tmp_path / "out", r"iteration.txt' holds '1O0': expected an")
 
 
 def test_metadata_json_that_is_not_an_object(tmp_path):
