@@ -825,21 +825,15 @@ def test_cli_refuses_a_megatron_flag_in_one_line(tmp_path, capsys, flags, messag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
-def test_cli_trust_remote_code_runs_the_tokenizers_own_code(tmp_path, capsys, hf_tok):
-    """A tokenizer folder naming its own class (auto_map, as Kimi's tokenizers do) is refused in
-    one line without --trust-remote-code (not transformers' interactive prompt), and with it that
-    class tokenizes, in the worker processes too: here it adds 2 to every id."""
+def _remote_code_tokenizer(folder: Path, methods: str) -> Path:
+    """The shipped tokenizer copied to ``folder`` as one that names its own class (auto_map, as
+    Kimi's tokenizers do): ``RemoteTokenizer(PreTrainedTokenizerFast)`` with ``methods``."""
     import shutil
 
-    folder = tmp_path / "tok"
     shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
     (folder / "remote_tok.py").write_text(
         "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class RemoteTokenizer(PreTrainedTokenizerFast):\n"
-        "    def __call__(self, *args, **kwargs):\n"
-        "        out = super().__call__(*args, **kwargs)\n"
-        "        out['input_ids'] = [[i + 2 for i in ids] for ids in out['input_ids']]\n"
-        "        return out\n"
+        "class RemoteTokenizer(PreTrainedTokenizerFast):\n" + methods
     )
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(
@@ -847,6 +841,20 @@ def test_cli_trust_remote_code_runs_the_tokenizers_own_code(tmp_path, capsys, hf
         auto_map={"AutoTokenizer": [None, "remote_tok.RemoteTokenizer"]},
     )
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_cli_trust_remote_code_runs_the_tokenizers_own_code(tmp_path, capsys, hf_tok):
+    """A tokenizer folder naming its own class (auto_map, as Kimi's tokenizers do) is refused in
+    one line without --trust-remote-code (not transformers' interactive prompt), and with it that
+    class tokenizes, in the worker processes too: here it adds 2 to every id."""
+    folder = _remote_code_tokenizer(
+        tmp_path / "tok",
+        "    def __call__(self, *args, **kwargs):\n"
+        "        out = super().__call__(*args, **kwargs)\n"
+        "        out['input_ids'] = [[i + 2 for i in ids] for ids in out['input_ids']]\n"
+        "        return out\n",
+    )
     texts = [s for s in SAMPLES if s.strip()] * 100  # 2 batches, one per worker
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     prefix = tmp_path / "out"
@@ -877,25 +885,14 @@ def test_a_tokenizer_that_fails_in_the_workers_is_an_error_not_a_hang(tmp_path):
     """A tokenizer whose own code loads in the main process but raises in a worker process: the
     run stops with one line naming it (a raising pool initializer used to make the pool restart
     its workers forever), nothing written."""
-    import shutil
-
-    folder = tmp_path / "tok"
-    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
-    (folder / "remote_tok.py").write_text(
-        "import multiprocessing\n\n"
-        "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class RemoteTokenizer(PreTrainedTokenizerFast):\n"
+    folder = _remote_code_tokenizer(
+        tmp_path / "tok",
         "    def __init__(self, *args, **kwargs):\n"
+        "        import multiprocessing\n\n"
         "        if multiprocessing.parent_process() is not None:\n"
         "            raise RuntimeError('no GPU in this process')\n"
-        "        super().__init__(*args, **kwargs)\n"
+        "        super().__init__(*args, **kwargs)\n",
     )
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config.update(
-        tokenizer_class="RemoteTokenizer",
-        auto_map={"AutoTokenizer": [None, "remote_tok.RemoteTokenizer"]},
-    )
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": s} for s in SAMPLES if s.strip()])
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out")]
     argv += ["--tokenizer-model", str(folder), "--trust-remote-code", "--workers", "2"]
