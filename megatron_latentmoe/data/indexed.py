@@ -143,17 +143,17 @@ def _worker_init(
 ) -> None:
     if subprocess_worker:  # N processes x Rust threads would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            tok = load_tokenizer(tokenizer, trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - reported by the first batch (see _encode_batch)
-            # A raising pool initializer makes the pool start a new worker, forever: the run
-            # would hang. The main process loaded the same tokenizer, so this is rare (a
-            # tokenizer's own code that fails in a child process).
-            why = e if isinstance(e, PreprocessError) else f"{type(e).__name__}: {e}"
-            _W["error"] = f"in a worker process: {why}"
-            return
-    else:
+    try:
         tok = load_tokenizer(tokenizer, trust_remote_code)
+    except Exception as e:
+        if not subprocess_worker:
+            raise
+        # A raising pool initializer makes the pool start a new worker, forever: the run would
+        # hang. Kept for the first batch to report (_encode_batch). The main process loaded the
+        # same tokenizer, so this is rare (a tokenizer's own code that fails in a child process).
+        why = e if isinstance(e, PreprocessError) else f"{type(e).__name__}: {e}"
+        _W["error"] = f"in a worker process: {why}"
+        return
     _W.update(
         tok=tok,
         keys=tuple(json_keys),
