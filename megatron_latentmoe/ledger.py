@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_latentmoe.fields import hf_defaults, not_allowed, read_hf, read_megatron
+from megatron_latentmoe.fields import ConfigError, hf_defaults, read_hf, read_megatron
 
 NOT_COUNTED = (
     "attention (model-specific; K3: KDA + MLA layers), norms outside the MoE block, MTP and "
@@ -69,25 +69,27 @@ class LatentMoEShape:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise not_allowed(name, value, f"an integer >= {low}")
+                raise ConfigError(name, value, f"an integer >= {low}")
         for name in ("latent_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
-                raise not_allowed(name, getattr(self, name), "True or False")
+                raise ConfigError(name, getattr(self, name), "True or False")
         if self.topk >= self.num_experts:  # QB's top-(k+1) cutoff needs k + 1 experts
-            raise not_allowed(
-                "topk", self.topk, f"an integer in [1, num_experts={self.num_experts})"
+            raise ConfigError(
+                "topk", self.topk, "an integer in [1, {num_experts})", num_experts=self.num_experts
             )
         if self.first_k_dense_replace > self.num_layers:
-            raise not_allowed(
+            raise ConfigError(
                 "first_k_dense_replace",
                 self.first_k_dense_replace,
-                f"an integer in [0, num_layers={self.num_layers}]",
+                "an integer in [0, {num_layers}]",
+                num_layers=self.num_layers,
             )
         if self.first_k_dense_replace > 0 and self.dense_ffn_hidden_size == 0:
-            raise not_allowed(
+            raise ConfigError(
                 "dense_ffn_hidden_size",
                 0,
-                f"> 0 when first_k_dense_replace={self.first_k_dense_replace} layers are dense",
+                "> 0 when {first_k_dense_replace} layers are dense",
+                first_k_dense_replace=self.first_k_dense_replace,
             )
 
     @property

@@ -19,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_latentmoe.fields import ConfigError  # noqa: E402
 from megatron_latentmoe.ledger import (  # noqa: E402
     K3_FULL_SCALE,
     LatentMoEShape,
@@ -99,12 +100,15 @@ def main(argv=None) -> int:
     overrides = {f: getattr(a, f) for f in (*INT_FIELDS, *BOOL_FIELDS) if getattr(a, f) is not None}
     try:
         shape = dataclasses.replace(shape, **overrides)
-    except ValueError as e:
-        message = str(e)
-        field = message.split("=", 1)[0]
-        if field in overrides:  # the refused value came from its option: name the option
-            message = "--" + field.replace("_", "-") + message[len(field) :]
-        parser.error(message)
+    except ConfigError as e:  # a refused value that came from its option names the option
+        refused = e.field if e.field in overrides else None
+        parser.error(
+            e.render(
+                lambda name, v: (
+                    f"--{name.replace('_', '-')}={v}" if name == refused else f"{name}={v!r}"
+                )
+            )
+        )
     ledger = parameter_ledger(shape)
     text = json.dumps(ledger, indent=2) if a.json else format_ledger(ledger)
     try:
