@@ -69,6 +69,8 @@ class StableLatentMoEConfig(PretrainedConfig):
         num_shared_experts: N_s; stored as ONE gated MLP of width N_s * moe_intermediate_size
             (0 = no shared expert).
         first_k_dense_replace: number of leading dense layers.
+        output_router_logits: return each MoE layer's fp32 router logits [B * S, n] as
+            ``router_logits`` (transformers' MoE key; a forward's own argument overrides it).
     """
 
     model_type = "stable_latentmoe"
@@ -105,6 +107,7 @@ class StableLatentMoEConfig(PretrainedConfig):
         num_shared_experts: int = 2,
         first_k_dense_replace: int = 1,
         attention_dropout: float = 0.0,
+        output_router_logits: bool = False,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
@@ -147,6 +150,7 @@ class StableLatentMoEConfig(PretrainedConfig):
         self.num_shared_experts = num_shared_experts
         self.first_k_dense_replace = first_k_dense_replace
         self.attention_dropout = attention_dropout
+        self.output_router_logits = output_router_logits
         self._validate()
         if not isinstance(tie_word_embeddings, bool):  # transformers' key: any value ties if truthy
             raise _bad("tie_word_embeddings", tie_word_embeddings, "a bool")
@@ -251,7 +255,7 @@ class StableLatentMoEConfig(PretrainedConfig):
         dropout = self.attention_dropout
         if not (_is_number(dropout) and 0 <= dropout < 1):
             raise _bad("attention_dropout", dropout, "a number in [0, 1)")
-        for key in ("latent_moe_use_norm", "moe_renormalize", "use_cache"):
+        for key in ("latent_moe_use_norm", "moe_renormalize", "use_cache", "output_router_logits"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool")
 

@@ -860,7 +860,7 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
             else output_hidden_states
         )
         if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
+            output_router_logits = self.config.output_router_logits
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
             logger.warning_once(

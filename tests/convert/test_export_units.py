@@ -421,6 +421,7 @@ def test_export_config_and_generation_config(tiny):
         "num_hidden_layers": 2,
         "num_key_value_heads": 1,
         "num_shared_experts": 1,
+        "output_router_logits": False,
         "pad_token_id": 1,
         "rms_norm_eps": 1e-05,
         "rope_theta": 10000.0,

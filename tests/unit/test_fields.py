@@ -19,7 +19,7 @@ from megatron_latentmoe.ledger import _TABLE_NAMES, K3_FULL_SCALE, LatentMoEShap
 HF_FILE = (
     Path(__file__).resolve().parents[2] / "megatron_latentmoe/hf/configuration_stable_latentmoe.py"
 )
-HF_ONLY = {"initializer_range", "use_cache", "attention_dropout"}
+HF_ONLY = {"initializer_range", "use_cache", "attention_dropout", "output_router_logits"}
 """HF keyword arguments that do not describe the model's weights or math (not in the table)."""
 
 SMALL = dict(

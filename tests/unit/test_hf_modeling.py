@@ -782,6 +782,7 @@ def test_config_defaults_are_the_k3_values():
     assert c.auto_map == hf_pkg.AUTO_MAP
     # the keys outside fields.FIELDS (test_fields.py pins the others' defaults)
     assert (c.initializer_range, c.use_cache, c.attention_dropout) == (0.02, True, 0.0)
+    assert c.output_router_logits is False
 
 
 @pytest.mark.parametrize(
@@ -830,6 +831,7 @@ def test_config_defaults_are_the_k3_values():
         ("first_k_dense_replace", -1, ">= 0"),
         ("first_k_dense_replace", 1.0, ">= 0"),
         ("moe_renormalize", 1, "a bool"),
+        ("output_router_logits", "true", "a bool"),
         ("attention_dropout", False, "[0, 1)"),
         ("attention_dropout", "0.1", "[0, 1)"),
         ("rope_parameters", "linear", "a dict or None"),
@@ -920,6 +922,7 @@ def test_config_round_trip_keeps_every_field(tmp_path):
         num_shared_experts=1,
         first_k_dense_replace=2,
         attention_dropout=0.25,
+        output_router_logits=True,
         auto_map=auto_map,
     )
     d = c.to_dict()
@@ -947,5 +950,6 @@ def test_config_round_trip_keeps_every_field(tmp_path):
         "num_shared_experts",
         "first_k_dense_replace",
         "attention_dropout",
+        "output_router_logits",
         "auto_map",
     }
