@@ -512,7 +512,7 @@ class StableLatentMoEAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
-        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self.attention_dropout = float(config.attention_dropout)  # validated in [0, 1)
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
