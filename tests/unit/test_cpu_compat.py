@@ -249,6 +249,33 @@ def test_mode_stays_on_in_backward(compat):
     assert torch.equal(x.grad, (~get_default_causal_mask(3)).float())
 
 
+def test_mode_in_backward_only_on_threads_that_entered_it(compat):
+    """The backward re-enters the mode only on a thread that applied the shims: another thread
+    (which never called apply_cpu_compat) runs its backward without it."""
+    import threading
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_mode_on())
+            return grad
+
+    def backward():
+        Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+
+    backward()
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert seen == [1, 0]
+
+
 # ------------------------------------------------------------------ RNG
 def test_rng_tracker_fork(compat):
     from megatron.core.tensor_parallel import random as mrandom
