@@ -100,6 +100,31 @@ def test_version_check(no_compat, monkeypatch):
         assert registry.check_megatron_core_version() == "0.18.0"
 
 
+def test_version_check_wants_the_tested_release_exactly(no_compat, monkeypatch):
+    """A neighbouring patch release or a pre-release is refused too (the patched functions are
+    0.19.2's), and a refused apply leaves its groups unapplied: the next apply refuses again
+    instead of returning as if the shims were on."""
+    import re
+
+    import megatron.core
+
+    monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
+    for version in ("0.19.1", "0.19.3", "0.19.2rc1"):
+        monkeypatch.setattr(megatron.core, "__version__", version)
+        message = (
+            f"megatron_latentmoe's compat shims were written for megatron-core 0.19.2, found "
+            f"{version}: the patched functions may have moved or changed. Install "
+            "megatron-core==0.19.2 or set MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1 to try anyway."
+        )
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            registry.check_megatron_core_version()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="found 0.19.2rc1"):
+            cpu.apply_cpu_compat()
+        assert not registry.is_applied("cpu") and not registry.is_applied("core")
+        assert not registry.patched("cpu") and not registry.patched("core") and _mode_on() == 0
+
+
 def test_tested_version_is_pyprojects_pin():
     """The install scripts read the pin from pyproject.toml; the version check must agree."""
     out = subprocess.run(
