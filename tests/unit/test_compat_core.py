@@ -182,6 +182,17 @@ def test_chained_equal_counts_and_plain_state_go_to_megatron_unchanged(core_comp
     plain = {"state": {"common_step": 2}, "param_groups": [_group(1.0, None, False)]}
     chained.load_state_dict(plain)
     assert chained.chained_optimizers[0].loaded == plain
+    # two chained plain optimizers' states into one: not the distributed format, not regrouped
+    chained = _chained(1)
+
+    def plain_pair():
+        return {
+            i: {"state": {"common_step": 2}, "param_groups": [_group(1.0 + i, None, i == 1)]}
+            for i in (0, 1)
+        }
+
+    chained.load_state_dict(plain_pair())
+    assert chained.chained_optimizers[0].loaded == plain_pair()
 
 
 def test_one_step_for_all_saved_optimizers():
