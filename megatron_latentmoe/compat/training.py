@@ -128,6 +128,13 @@ def parse_with_our_flags(add_args: Callable):
     return margs.parse_args()
 
 
+def _patch_run(owner: object, name: str, value: object) -> None:
+    """A per-run patch: version-checked like the groups (:func:`.registry.apply_group`), which
+    the per-run patches do not go through (each run adds to the group), then recorded."""
+    registry.check_megatron_core_version()
+    registry.patch(_RUN_GROUP, owner, name, value)
+
+
 def begin_run() -> None:
     """Drop the per-run patches of a previous run in this process (``main`` called again)."""
     registry.revert(_RUN_GROUP)
@@ -139,7 +146,7 @@ def exclude_from_step_time(wrap: Callable[[Callable], Callable]) -> None:
     import megatron.training.training as mtraining
 
     for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
-        registry.patch(_RUN_GROUP, mtraining, name, wrap(getattr(mtraining, name)))
+        _patch_run(mtraining, name, wrap(getattr(mtraining, name)))
 
 
 def wrap_train_step(wrap: Callable[[Callable], Callable]) -> None:
@@ -147,7 +154,7 @@ def wrap_train_step(wrap: Callable[[Callable], Callable]) -> None:
     its forward-only pass after the optimizer step: ``training/qb_rescore.py``)."""
     import megatron.training.training as mtraining
 
-    registry.patch(_RUN_GROUP, mtraining, "train_step", wrap(mtraining.train_step))
+    _patch_run(mtraining, "train_step", wrap(mtraining.train_step))
 
 
 def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> None:
@@ -173,7 +180,7 @@ def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> Non
         on_load(iteration, opt_param_scheduler)
         return iteration, flops
 
-    registry.patch(_RUN_GROUP, mtraining, "load_checkpoint", load_checkpoint)
+    _patch_run(mtraining, "load_checkpoint", load_checkpoint)
 
 
 def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
@@ -208,4 +215,4 @@ def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
             )
         return original(sharded_state_dict, checkpoint_dir, *a, **kw)
 
-    registry.patch(_RUN_GROUP, dist_checkpointing, "load", load)
+    _patch_run(dist_checkpointing, "load", load)

@@ -243,3 +243,32 @@ def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
     # nothing optional requested: the metadata is not read
     dist_checkpointing.load({"weight": tensor("l0.weight")}, "ckpt")
     assert metadata_reads == ["ckpt"] and len(loads) == 2
+
+
+def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkeypatch):
+    """The groups and the per-run patches alike check the megatron-core version first: on an
+    untested one each refuses before patching (the per-run ones are also called without the
+    entry point's earlier checks); MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1 warns and patches."""
+    import megatron.core
+
+    args = types.SimpleNamespace(no_load_optim=False, no_load_rng=False)
+    applies = (
+        ctraining.apply_cpu_training_compat,
+        lambda: ctraining.parse_with_our_flags(lambda parser: parser),
+        lambda: ctraining.exclude_from_step_time(lambda fn: fn),
+        lambda: ctraining.wrap_train_step(lambda fn: fn),
+        lambda: ctraining.install_layout_change_load(args, True, lambda *a: None),
+        lambda: ctraining.load_optional_checkpoint_keys((".qb_mean_input",)),
+    )
+    monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(megatron.core, "__version__", "0.18.0")
+    monkeypatch.setattr(sys, "argv", ["pretrain"])
+    for apply in applies:
+        with pytest.raises(RuntimeError, match="written for megatron-core 0.19.2, found 0.18.0"):
+            apply()
+    assert not any(registry.patched(group) for group in GROUPS)
+    monkeypatch.setenv(registry.ALLOW_UNTESTED_ENV, "1")
+    for apply in applies:
+        with pytest.warns(RuntimeWarning, match="found 0.18.0"):
+            apply()
+    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 5]
