@@ -101,3 +101,19 @@ def test_applied_on_gloo_only(qb_gloo_off, monkeypatch):
     assert fmg._update_router_qb_beta is megatrons
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     assert qb_gloo.apply_qb_gloo_compat() is False
+
+
+def test_refused_on_an_untested_megatron_core(qb_gloo_off, monkeypatch):
+    """On gloo with another megatron-core the replacement is refused (Megatron's function may
+    have changed), and nothing is patched or counted as applied."""
+    import megatron.core
+
+    fmg = qb_gloo_off
+    megatrons = fmg._update_router_qb_beta
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.3")
+    with pytest.raises(RuntimeError, match="written for megatron-core 0.19.2, found 0.19.3"):
+        qb_gloo.apply_qb_gloo_compat()
+    assert fmg._update_router_qb_beta is megatrons and not registry.is_applied(qb_gloo.GROUP)
