@@ -1,10 +1,12 @@
-"""Megatron-Core 0.19.2's own ``quantile_balancing`` step on gloo (CPU runs).
+"""Megatron-Core 0.19.2's own ``quantile_balancing`` step on gloo with torch < 2.8 (CPU runs).
 
 ``megatron.core.distributed.finalize_model_grads._update_router_qb_beta`` averages the routers'
-per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refuses ("Cannot use
-ReduceOp.AVG with Gloo"). :func:`apply_qb_gloo_compat` replaces it, on gloo only, with the same
-update written as a SUM all-reduce divided by the group size (NCCL keeps Megatron's function).
-Patched through :mod:`.registry` (version-checked; ``registry.revert(GROUP)`` undoes it).
+per-micro-batch quantiles with ``all_reduce(op=ReduceOp.AVG)``, which gloo refused before torch
+2.8 ("Cannot use ReduceOp.AVG with Gloo"; gloo's AVG came with pytorch PR #149781, and 2.7.1 still
+refuses it). :func:`apply_qb_gloo_compat` replaces it, on gloo under an older torch only, with the
+same update written as a SUM all-reduce divided by the group size (NCCL, and gloo from torch 2.8 on,
+keep Megatron's function: the pinned CPU torch 2.13 runs Megatron's own). Patched through
+:mod:`.registry` (version-checked; ``registry.revert(GROUP)`` undoes it).
 (The other router wall, ``TopKRouter._apply_expert_bias``'s unbroadcast padding mask, is fixed
 in our router subclass, ``moe/router.py``.)
 """
@@ -14,10 +16,13 @@ from __future__ import annotations
 import importlib
 
 import torch
+from torch.torch_version import TorchVersion
 
 from . import registry
 
 GROUP = "qb-gloo"
+GLOO_AVG_SINCE = "2.8"
+"""The first torch release whose gloo all-reduce takes ``ReduceOp.AVG``."""
 # the package re-exports the function under the module's name: import the module by path
 _MODULE = "megatron.core.distributed.finalize_model_grads"
 
@@ -53,9 +58,12 @@ def _shim() -> None:
 
 
 def apply_qb_gloo_compat() -> bool:
-    """Install the replacement when the default process group is gloo (idempotent)."""
+    """Install the replacement when the default process group is gloo and torch's gloo refuses
+    AVG (torch < :data:`GLOO_AVG_SINCE`); idempotent. True if it is installed."""
     if registry.is_applied(GROUP):
         return True
     if not (torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"):
+        return False
+    if TorchVersion(torch.__version__) >= GLOO_AVG_SINCE:
         return False
     return registry.apply_group(GROUP, [_shim])

@@ -1,6 +1,7 @@
 """compat.qb_gloo: Megatron's quantile-balancing bias update with AVG written as SUM / group size
-(gloo refuses AVG), checked in one process against Megatron's own function; the all-reduce of a
-second data-parallel rank is simulated. tests/parallel/test_qb_step.py runs it on real gloo."""
+(gloo refused AVG before torch 2.8), checked in one process against Megatron's own function; the
+all-reduce of a second data-parallel rank is simulated. On the pinned torch the shim stays off and
+tests/parallel/test_balancers_ep2.py runs Megatron's own update on real gloo."""
 
 from __future__ import annotations
 
@@ -84,15 +85,20 @@ def qb_gloo_off():
         registry.apply_group(qb_gloo.GROUP, [qb_gloo._shim])
 
 
-def test_applied_on_gloo_only(qb_gloo_off, monkeypatch):
+def test_applied_on_gloo_before_torch_2_8_only(qb_gloo_off, monkeypatch):
     fmg = qb_gloo_off
     megatrons = fmg._update_router_qb_beta
     backend = {"name": "nccl"}
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend["name"])
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
     for backend["name"] in ("nccl", "mpi"):  # AVG works there: Megatron's function stays
         assert qb_gloo.apply_qb_gloo_compat() is False and fmg._update_router_qb_beta is megatrons
     backend["name"] = "gloo"
+    for version in ("2.8.0", "2.13.0+cpu"):  # gloo takes AVG from torch 2.8 on
+        monkeypatch.setattr(torch, "__version__", version)
+        assert qb_gloo.apply_qb_gloo_compat() is False and fmg._update_router_qb_beta is megatrons
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
     assert qb_gloo.apply_qb_gloo_compat() is True
     assert fmg._update_router_qb_beta is qb_gloo._update_router_qb_beta
     backend["name"] = "nccl"  # already applied in this process: stays
@@ -112,8 +118,32 @@ def test_refused_on_an_untested_megatron_core(qb_gloo_off, monkeypatch):
     megatrons = fmg._update_router_qb_beta
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
     monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(megatron.core, "__version__", "0.19.3")
     with pytest.raises(RuntimeError, match="written for megatron-core 0.19.2, found 0.19.3"):
         qb_gloo.apply_qb_gloo_compat()
     assert fmg._update_router_qb_beta is megatrons and not registry.is_applied(qb_gloo.GROUP)
+
+
+def _all_reduce_avg(rank, world_size):
+    t = torch.tensor([float(rank), 2.0 * rank + 1, 4.0])  # numel != world size on purpose
+    try:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.AVG)
+    except RuntimeError as err:
+        return str(err)
+    return t.tolist()
+
+
+def test_installed_torchs_gloo_averages_or_the_shim_is_on():
+    """The torch gate is right for the installed torch: from 2.8 on a two-rank gloo all-reduce
+    with AVG returns the mean (Megatron's own update works), before it gloo refuses AVG."""
+    from torch.torch_version import TorchVersion
+
+    from tests.parallel.launcher import run_distributed
+
+    got = run_distributed(_all_reduce_avg, 2)
+    if TorchVersion(torch.__version__) >= qb_gloo.GLOO_AVG_SINCE:
+        assert got == [[0.5, 2.0, 4.0]] * 2
+    else:
+        assert all("Cannot use ReduceOp.AVG with Gloo" in g for g in got)
