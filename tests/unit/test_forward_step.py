@@ -102,6 +102,37 @@ def test_dataset_config_carries_megatrons_validation_and_loader_flags(tmp_path, 
     assert gpt_dataset_config_from_args(args, tokenizer).sequences_per_dataset is None
 
 
+def test_dataset_config_carries_the_loss_mask_split_and_seed_flags(monkeypatch):
+    """The GPT dataset config gets ``--eod-mask-loss`` (the EOD tokens' loss mask, hence the
+    router's padding mask), the position / attention resets, ``--split``, ``--seed`` and
+    ``--no-create-attention-mask-in-dataloader`` as given: each was a flag the datasets would
+    silently not see if dropped (all differ from Megatron's defaults here)."""
+    import sys
+    import types
+    import warnings
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import parse_args
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    flags += ["--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"]
+    flags += ["--data-path", "0.25", "/d/a", "0.75", "/d/b", "--split", "90,10,0", "--seed", "7"]
+    flags += ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    flags += ["--no-create-attention-mask-in-dataloader"]
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags])
+    args = parse_args()
+    config = fs.gpt_dataset_config_from_args(args, types.SimpleNamespace(vocab_size=4096))
+    assert config.blend == (["/d/a", "/d/b"], [0.25, 0.75]) and config.blend_per_split is None
+    assert config.split == "90,10,0" and config.random_seed == 7
+    assert config.eod_mask_loss is True
+    assert config.reset_position_ids is True and config.reset_attention_mask is True
+    assert config.create_attention_mask is False
+
+
 @pytest.mark.parametrize("tp_rank", [0, 1])
 @pytest.mark.parametrize(
     "pre_process, sequence_parallel", [(False, True), (True, True), (False, False)]
@@ -306,8 +337,9 @@ def test_forward_step_refuses_megatrons_combined_schedule_plan():
 
 
 def test_forward_only_pass_runs_the_schedule_untimed():
-    """Forward only, through the train step's own schedule function, model and process groups;
-    the timers are off during the pass and back after it, also after a failed one."""
+    """Forward only, through the train step's own schedule function, model, process groups and
+    pipeline communicator; the timers are off during the pass and back after it, also after a
+    failed one."""
     config = SimpleNamespace(timers="timers")
     seen = []
 
@@ -322,6 +354,7 @@ def test_forward_only_pass_runs_the_schedule_untimed():
         forward_step_func="step",
         model=["chunk"],
         pg_collection="groups",
+        p2p_communicator="p2p",
         iteration=3,
     )
     shape = dict(seq_length=8, micro_batch_size=2, decoder_seq_length=None)
@@ -337,6 +370,7 @@ def test_forward_only_pass_runs_the_schedule_untimed():
             micro_batch_size=2,
             decoder_seq_length=None,
             pg_collection="groups",
+            p2p_communicator="p2p",
             timers=None,
         )
     ]
@@ -344,6 +378,34 @@ def test_forward_only_pass_runs_the_schedule_untimed():
     with pytest.raises(RuntimeError, match="pass failed"):
         fs.forward_only_pass(call, "batches", 4, shape)
     assert config.timers == "timers"
+
+
+def test_a_wrapped_train_step_must_take_every_argument_the_passes_read():
+    """QB rescoring reads ``call.get("iteration")``: a train step without ``iteration`` would
+    pass the wrap and then never rescore; it is refused at wrap time, naming what is missing."""
+
+    def train_step(forward_step_func, data_iterator, model, config, forward_backward_func):
+        return None
+
+    with pytest.raises(TypeError) as e:
+        fs.train_step_signature(train_step, "QBRescore.wrap_train_step")
+    assert str(e.value) == (
+        "QBRescore.wrap_train_step: test_a_wrapped_train_step_must_take_every_argument_the_"
+        "passes_read.<locals>.train_step(forward_step_func, data_iterator, model, config, "
+        "forward_backward_func) is not allowed: a train step taking megatron.training "
+        "train_step's arguments by name (forward_step_func, data_iterator, model, config, "
+        "forward_backward_func, iteration); missing iteration"
+    )
+
+    def megatron_like(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration=0, **rest
+    ):
+        return None
+
+    assert list(fs.train_step_signature(megatron_like, "w").parameters)[-2:] == [
+        "iteration",
+        "rest",
+    ]
 
 
 def test_forward_only_pass_checks_the_loss_outside_the_rerun_loop():
