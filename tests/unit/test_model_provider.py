@@ -314,3 +314,84 @@ def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
         "cpu": dict(local, distributed_backend="gloo"),
         "gpu_without_te": dict(local, distributed_backend="nccl"),
     }
+
+
+def test_the_builder_gives_each_pipeline_stage_its_ends_and_the_padded_vocabulary(monkeypatch):
+    """What ``build_model`` hands ``build_gpt_model`` (faked here, in this process): the
+    vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP (1100 -> 1280 at
+    128 x 2), the model config's sequence length, backend, tying and RoPE base, and each stage's
+    ends: the embedding on the first pipeline stage's first virtual stage only, the output layer
+    on the last's last. A hook already on the config is kept; none -> the installed one."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    from megatron_latentmoe.training import model_provider
+
+    built = []
+    monkeypatch.setattr(model_provider, "build_gpt_model", lambda t, **kw: built.append(kw) or t)
+    monkeypatch.setattr(model_provider, "is_pp_first_stage", lambda pp: pp in ("only", "first"))
+    monkeypatch.setattr(model_provider, "is_pp_last_stage", lambda pp: pp in ("only", "last"))
+    monkeypatch.setattr(model_provider, "_resume_checkpoint_keys", lambda: [])
+    monkeypatch.setattr(model_provider, "use_legacy_names_of", lambda model, keys: False)
+    monkeypatch.setattr(model_provider, "_FINALIZE_HOOK", "installed hook")
+
+    def build(pp, vp_stage=None, vp_size=None, vocab_size=1100, hook=None):
+        transformer = SimpleNamespace(
+            tensor_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=vp_size,
+            finalize_model_grads_func=hook,
+        )
+        cfg = SimpleNamespace(
+            transformer=transformer,
+            vocab_size=vocab_size,
+            should_pad_vocab=True,
+            make_vocab_size_divisible_by=128,
+            seq_length=96,
+            latentmoe_backend="te",
+            share_embeddings_and_output_weights=True,
+            rotary_base=50000,
+        )
+        pg_collection = SimpleNamespace(pp=pp)
+        builder = model_provider.StableLatentMoEModelBuilder(cfg)
+        model = builder.build_model(pg_collection, vp_stage=vp_stage)
+        kwargs = built.pop()
+        assert kwargs.pop("pg_collection") is pg_collection and kwargs.pop("vp_stage") == vp_stage
+        return kwargs, model.finalize_model_grads_func
+
+    kwargs, hook = build("only")
+    assert kwargs == dict(
+        vocab_size=1280,
+        max_sequence_length=96,
+        backend="te",
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=True,
+        rotary_base=50000,
+    )
+    assert hook == "installed hook"
+    assert build("only", hook="the config's own")[1] == "the config's own"
+    ends = {
+        (pp, vp_stage): tuple(
+            build(pp, vp_stage, vp_size)[0][k] for k in ("pre_process", "post_process")
+        )
+        for pp, vp_stage, vp_size in (
+            ("first", None, None),
+            ("last", None, None),
+            ("first", 0, 2),
+            ("first", 1, 2),
+            ("last", 0, 2),
+            ("last", 1, 2),
+        )
+    }
+    assert ends == {
+        ("first", None): (True, False),
+        ("last", None): (False, True),
+        ("first", 0): (True, False),
+        ("first", 1): (False, False),
+        ("last", 0): (False, False),
+        ("last", 1): (False, True),
+    }
+    with pytest.raises(ValueError, match="^vocab_size must be set before building the model$"):
+        build("only", vocab_size=None)
