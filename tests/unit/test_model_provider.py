@@ -395,3 +395,44 @@ def test_the_builder_gives_each_pipeline_stage_its_ends_and_the_padded_vocabular
     }
     with pytest.raises(ValueError, match="^vocab_size must be set before building the model$"):
         build("only", vocab_size=None)
+
+
+def test_a_config_refusal_names_the_flags(monkeypatch):
+    """``transformer_config_from_args``: a rule of the model's config (``ConfigError``, itself a
+    ValueError) is worded with the flags, as the flag check words it (not as one of Megatron's
+    own checks, which names the fields first); a config class other than ours (Megatron swaps it
+    for MLA) is refused."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    from megatron.training import argument_utils
+
+    from megatron_latentmoe.fields import ConfigError
+    from megatron_latentmoe.training import model_provider
+    from megatron_latentmoe.training.arguments import FlagError
+
+    def refuse(args, config_class):
+        raise ConfigError(
+            "moe_latent_size", 63, "a multiple of {tensor_model_parallel_size}", **args.refs
+        )
+
+    monkeypatch.setattr(argument_utils, "core_transformer_config_from_args", refuse)
+    args = SimpleNamespace(refs=dict(tensor_model_parallel_size=2), pipeline_model_parallel_size=1)
+    with pytest.raises(FlagError) as err:
+        model_provider.transformer_config_from_args(args)
+    assert str(err.value) == (
+        "--moe-latent-size 63 is not allowed: a multiple of --tensor-model-parallel-size 2"
+    )
+    monkeypatch.setattr(
+        argument_utils,
+        "core_transformer_config_from_args",
+        lambda args, config_class: type("MLATransformerConfig", (), {})(),
+    )
+    with pytest.raises(FlagError) as err:
+        model_provider.transformer_config_from_args(args)
+    assert str(err.value) == (
+        "these flags select Megatron's MLATransformerConfig, which Stable LatentMoE does not "
+        "support (remove --multi-latent-attention / heterogeneous layers)"
+    )
