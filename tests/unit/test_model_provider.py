@@ -34,12 +34,14 @@ RUNS = {
         "--no-moe-latent-norm": True,
     },
     "situ_flags": {"--activation-situ-beta": "2.5", "--activation-situ-linear-beta": "12.0"},
+    "query_groups_without_gqa": {"--group-query-attention": None, "--num-query-groups": "3"},
 }
 """Run name -> changes to tiny.sh's flags: ``{FLAG: VALUE}`` sets the flag's value, ``{FLAG:
 True}`` adds the flag alone, ``{FLAG: None}`` removes the flag (and its value)."""
 
 CONFIG_FIELDS = (
     "num_moe_experts",
+    "num_query_groups",
     "moe_latent_size",
     "latent_moe_use_norm",
     "hidden_act",
@@ -131,8 +133,8 @@ RESOLVED = (
 
 
 def _resolved_on_machines(argv) -> dict:
-    """RESOLVED after the flag check of ``argv``, as on a CPU and on a GPU without TE (no apex
-    either: this venv has none)."""
+    """RESOLVED after the flag check of ``argv``, on a CPU and on a GPU, each without and with
+    Transformer Engine (no apex: this venv has none)."""
     from megatron_latentmoe.compat.training import parse_with_our_flags
     from megatron_latentmoe.training.arguments import (
         add_stable_latentmoe_args,
@@ -140,10 +142,16 @@ def _resolved_on_machines(argv) -> dict:
     )
 
     resolved = {}
-    for machine, has_cuda in (("cpu", False), ("gpu_without_te", True)):
+    machines = {
+        "cpu": (False, False),
+        "gpu_without_te": (True, False),
+        "cpu_with_te": (False, True),
+        "gpu_with_te": (True, True),
+    }
+    for machine, (has_cuda, have_te) in machines.items():
         sys.argv = ["pretrain", *argv]
         args = parse_with_our_flags(add_stable_latentmoe_args)
-        validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=False)
+        validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=have_te)
         resolved[machine] = {k: getattr(args, k) for k in RESOLVED}
     return resolved
 
@@ -221,6 +229,7 @@ def test_tiny_flags_build_the_latent_moe_model(built):
     assert (tiny["backend"], tiny["te_backend"]) == ("local", "te")
     assert tiny["config"] == dict(
         num_moe_experts=8,
+        num_query_groups=2,
         moe_latent_size=64,
         latent_moe_use_norm=True,
         hidden_act="situ",
@@ -288,6 +297,12 @@ def test_the_qb_and_activation_flags_reach_the_config(built):
     assert (situ["activation_situ_beta"], situ["activation_situ_linear_beta"]) == (2.5, 12.0)
 
 
+def test_query_groups_without_gqa_are_ignored_as_megatron_ignores_them(built):
+    """Without --group-query-attention Megatron ignores --num-query-groups (one group per head):
+    the flag check does not refuse a value that does not divide the 4 heads."""
+    assert built["query_groups_without_gqa"]["config"]["num_query_groups"] == 4
+
+
 def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
     """The builder reads the keys of the checkpoint ``--load`` resumes from (the tracker's
     iteration, or ``--ckpt-step``'s, torch_dist only): a checkpoint from before the rename is
@@ -303,7 +318,9 @@ def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
 
 def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
     """Without Transformer Engine: the local layers (no grouped GEMM), no TE RoPE fusion, no
-    apex wgrad fusion; gloo on a CPU, Megatron's nccl on a GPU."""
+    apex wgrad fusion; gloo on a CPU, Megatron's nccl on a GPU. TE is chosen only with a GPU
+    (on a CPU it is the local layers with TE's RoPE fusion), and then with grouped-GEMM experts
+    and Megatron's wgrad fusion."""
     local = dict(
         transformer_impl="local",
         apply_rope_fusion=False,
@@ -313,6 +330,14 @@ def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
     assert built["tiny"]["machines"] == {
         "cpu": dict(local, distributed_backend="gloo"),
         "gpu_without_te": dict(local, distributed_backend="nccl"),
+        "cpu_with_te": dict(local, apply_rope_fusion=True, distributed_backend="gloo"),
+        "gpu_with_te": dict(
+            transformer_impl="transformer_engine",
+            apply_rope_fusion=True,
+            gradient_accumulation_fusion=True,
+            moe_grouped_gemm=True,
+            distributed_backend="nccl",
+        ),
     }
 
 
