@@ -37,6 +37,10 @@ CASES = {
         ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
         ["--fp8-format e4m3"],
     ),
+    "fp4_without_te_or_gpu": (  # else Megatron's validate_args: a ValueError traceback
+        ["--fp4-format", "e2m1"],
+        ["--fp4-format e2m1: FP8/FP4 training needs"],
+    ),
     "missing_data_path": (
         ["--data-path", "/nonexistent/corpus_text_document"],
         ["--data-path /nonexistent/corpus_text_document", ".bin", ".idx"],
@@ -428,7 +432,7 @@ CASES = {
 }
 # refusals only on a machine without Transformer Engine (FP8: or without a GPU); with TE the run
 # would go on into heavy work, so these are not run there
-WITHOUT_TE = {"fp8_without_te_or_gpu", "transformer_engine_not_installed"}
+WITHOUT_TE = {"fp8_without_te_or_gpu", "fp4_without_te_or_gpu", "transformer_engine_not_installed"}
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
 HEAVY_MARKERS = (
@@ -702,6 +706,7 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
     for ok, group in ((run(), None), (run(eval_iters=1), 2), (run(1, vpp=None), None)):
         assert interleaved_schedule_refusal(ok, group) is None
     assert interleaved_schedule_refusal(run(1, rampup=["1", "1", "10"]), None) is None
+    assert interleaved_schedule_refusal(run(eval_batch=1), None) is None  # no evaluation
     assert interleaved_schedule_refusal(run(), 1) == (
         "--microbatch-group-size-per-virtual-pipeline-stage 1 is not allowed with "
         "--pipeline-model-parallel-size 2 and virtual pipeline stages: at least 2"
@@ -796,3 +801,31 @@ def test_a_transformer_config_check_names_the_flags_of_its_fields():
         "tensor_model_parallel_size: --tensor-model-parallel-size 3; num_moe_experts: "
         "--num-experts 8; moe_layer_freq: --moe-layer-freq 1 0)"
     ), message
+
+
+def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
+    """Megatron's ``validate_args`` sets ``--expert-tensor-parallel-size`` to the tensor-parallel
+    size when it is not given: EP 4 x ETP (TP) 2 x PP 1 = 8 does not divide 4 processes."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import expert_layout_refusal
+
+    def layout(etp=None, world_size=4):
+        return SimpleNamespace(
+            num_experts=8,
+            world_size=world_size,
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=1,
+            expert_model_parallel_size=4,
+            expert_tensor_parallel_size=etp,
+        )
+
+    assert expert_layout_refusal(layout()) == (
+        "WORLD_SIZE=4 (the processes launched) is not allowed with --expert-model-parallel-size "
+        "4 x --expert-tensor-parallel-size 2 x --pipeline-model-parallel-size 1 = 8: launch a "
+        "multiple of 8 processes, or a smaller --expert-model-parallel-size"
+    )
+    assert expert_layout_refusal(layout(etp=1)) is None
+    assert expert_layout_refusal(layout(world_size=8)) is None
+    assert expert_layout_refusal(layout(world_size=3)) is None  # validate_args refuses it first
