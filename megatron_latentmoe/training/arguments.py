@@ -393,8 +393,8 @@ def validate_stable_latentmoe_args(
             )
         if impl != "transformer_engine":
             raise FlagError(f"{flag} {value}: needs --transformer-impl transformer_engine")
-    if not have_te:
-        args.apply_rope_fusion = False  # Megatron's default-on RoPE fusion is a TE kernel
+    if not (have_te and has_cuda):
+        args.apply_rope_fusion = False  # Megatron's default-on RoPE fusion is a TE CUDA kernel
     if args.gradient_accumulation_fusion and impl == "local":
         try:  # the local linears fuse wgrad accumulation only with apex's CUDA extension
             import fused_weight_gradient_mlp_cuda  # noqa: F401

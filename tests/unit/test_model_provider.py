@@ -319,8 +319,8 @@ def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
 def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
     """Without Transformer Engine: the local layers (no grouped GEMM), no TE RoPE fusion, no
     apex wgrad fusion; gloo on a CPU, Megatron's nccl on a GPU. TE is chosen only with a GPU
-    (on a CPU it is the local layers with TE's RoPE fusion), and then with grouped-GEMM experts
-    and Megatron's wgrad fusion."""
+    (on a CPU it is the local layers without TE's RoPE fusion, a CUDA kernel), and then with
+    grouped-GEMM experts and Megatron's wgrad fusion."""
     local = dict(
         transformer_impl="local",
         apply_rope_fusion=False,
@@ -330,7 +330,7 @@ def test_the_flag_check_resolves_the_backend_and_fusions_for_the_machine(built):
     assert built["tiny"]["machines"] == {
         "cpu": dict(local, distributed_backend="gloo"),
         "gpu_without_te": dict(local, distributed_backend="nccl"),
-        "cpu_with_te": dict(local, apply_rope_fusion=True, distributed_backend="gloo"),
+        "cpu_with_te": dict(local, distributed_backend="gloo"),
         "gpu_with_te": dict(
             transformer_impl="transformer_engine",
             apply_rope_fusion=True,
