@@ -392,7 +392,10 @@ def validate_stable_latentmoe_args(
                 "installed (pip install 'megatron-latentmoe[te]')"
             )
         if impl != "transformer_engine":
-            raise FlagError(f"{flag} {value}: needs --transformer-impl transformer_engine")
+            raise FlagError(
+                f"{flag} {value} is not allowed with --transformer-impl {impl}: FP8/FP4 "
+                "training needs --transformer-impl transformer_engine"
+            )
     if not (have_te and has_cuda):
         args.apply_rope_fusion = False  # Megatron's default-on RoPE fusion is a TE CUDA kernel
     if args.gradient_accumulation_fusion and impl == "local":

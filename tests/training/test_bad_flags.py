@@ -829,3 +829,62 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
     assert expert_layout_refusal(layout(etp=1)) is None
     assert expert_layout_refusal(layout(world_size=8)) is None
     assert expert_layout_refusal(layout(world_size=3)) is None  # validate_args refuses it first
+
+
+@pytest.mark.parametrize(
+    "flags, has_cuda, have_te, refusal",
+    [
+        (
+            ["--fp8-format", "e4m3", "--transformer-impl", "local"],
+            True,
+            True,
+            "--fp8-format e4m3 is not allowed with --transformer-impl local: FP8/FP4 training "
+            "needs --transformer-impl transformer_engine",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+            True,
+            False,
+            "--recompute-modules layernorm needs Transformer Engine (megatron-core 0.19.2's "
+            "layernorm recompute reads TE's FP8 state), which is not installed; allowed without "
+            "TE: core_attn, mlp, moe, shared_experts, or --recompute-granularity full",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+            True,
+            True,
+            None,
+        ),
+        (["--fp8-format", "e4m3"], True, True, None),  # TE chosen by default on a GPU with TE
+    ],
+)
+def test_refusals_that_depend_on_a_gpu_with_transformer_engine(
+    flags, has_cuda, have_te, refusal, monkeypatch
+):
+    """The flag check on machines these tests cannot be (a GPU, TE installed), in one process:
+    FP8 with the local layers, and the layernorm recompute without TE, are refused by name; the
+    same flags pass where the machine allows them."""
+    import sys
+    import warnings
+
+    from megatron_latentmoe.compat import apply_python311_compat
+    from megatron_latentmoe.training.arguments import (
+        FlagError,
+        add_stable_latentmoe_args,
+        validate_stable_latentmoe_args,
+    )
+
+    apply_python311_compat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *tiny_args(), *flags])
+    args = parse_args(add_stable_latentmoe_args)
+    if refusal is None:
+        validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=have_te)
+        assert args.transformer_impl == "transformer_engine"
+    else:
+        with pytest.raises(FlagError) as err:
+            validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=have_te)
+        assert str(err.value) == refusal
