@@ -55,3 +55,17 @@ def test_mean_router_input_fixed_point_words():
     mean = _from_fixed(rank_a + rank_b, torch.tensor(2))
     assert mean.dtype == torch.float32 and mean.tolist() == [2.0, 0.0]
     assert _from_fixed(torch.zeros(2, dtype=torch.int32), torch.tensor(0)).tolist() == [0.0, 0.0]
+
+
+def test_routers_of_different_token_groups_are_refused():
+    """The step end sums every router's counts in ONE all-reduce: over the one token group they
+    share; two routers whose token groups differ are refused, naming the count."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.moe.balance_step import _token_group
+
+    shared = object()
+    assert _token_group([SimpleNamespace(token_group=shared)] * 2) is shared
+    routers = [SimpleNamespace(token_group=object()) for _ in range(2)]
+    with pytest.raises(ValueError, match="hold 2 different token-parallel groups"):
+        _token_group(routers)
