@@ -237,6 +237,28 @@ def test_a_run_resumed_inside_the_rescoring_window_warns_once(monkeypatch, capsy
     assert capsys.readouterr().out.startswith("WARNING: resumed at iteration 1, inside")
 
 
+def test_a_failed_rescored_step_leaves_no_batch_to_the_next(monkeypatch):
+    """A rescored step whose training step raised (its rescoring never ran) hands none of its
+    recorded micro-batches to the next rescored step's pass, even over the same iterator."""
+    rescore, _, events, _ = _rescore_setup(monkeypatch)
+    data = [iter(()), None]
+
+    def train_step(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration
+    ):
+        rescore.record(data_iterator[0], f"x{iteration}")
+        if iteration == 0:
+            raise RuntimeError("out of memory")
+
+    step = rescore.wrap_train_step(train_step)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step(None, data, "model", None, None, iteration=0)
+    assert not rescore.deferring
+    events.clear()
+    step(None, data, "model", None, None, iteration=1)
+    assert [e[1] for e in events if e[0] == "pass"] == [[["x1"], None]]
+
+
 def test_calibration_keeps_the_training_dataset_and_reports_each_layer():
     """The pool starts at sample (train_iters - N) x global batch; the datasets provider hands
     Megatron its datasets (and its ``is_distributed``) and keeps the training one; the report
