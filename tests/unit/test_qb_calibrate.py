@@ -354,6 +354,20 @@ def test_an_overshooting_update_keeps_the_start():
     assert torch.equal(bias, torch.zeros(N))
 
 
+def test_calibration_starts_from_the_bias_it_is_given():
+    """A run that starts at iteration 0 from a checkpoint (``--finetune``) calibrates from the
+    bias it loaded, not from 0: the first MaxVio is the pool's under that bias, and when every
+    update overshoots (damping 2.5) that bias is the one kept."""
+    pool = [(_scores(seed), None) for seed in (1, 2)]
+    scores = torch.cat([s for s, _ in pool])
+    start = -0.1 * torch.linspace(-1.0, 1.0, N) ** 3  # against _scores' offsets: mean-free
+    assert _max_vio(scores, start) < _max_vio(scores, torch.zeros(N))
+    hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    bias, history = calibrate_bias(hist, start, pool, iters=2, damping=2.5)
+    assert history[0] == _max_vio(scores, start)
+    assert min(history[1:]) > history[0] and torch.equal(bias, start)
+
+
 def test_a_pool_already_balanced_keeps_the_first_of_equal_iterates():
     """Every token has two clear winners, the pairs cycling over the experts: MaxVio 0 at bias 0.
     The updates move the bias (the winners' scores differ per expert) but route the pool alike,
