@@ -77,9 +77,13 @@ def _run(rank, world_size):
     layer.router.qb_histogram.reset()
     layer.router.step_loads_E.zero_()
     layer.router.step_input_sum_D.zero_()
+    from megatron_latentmoe.moe.balance_step import balance_routers
+
     layer.eval()
     layer(x)
+    out["eval_balance_routers"] = len(balance_routers([layer]))  # eval: no step end for it
     layer.train()
+    out["train_balance_routers"] = balance_routers([layer]) == [layer.router]
     with torch.no_grad():
         layer(x)
     out["eval"] = _observed(layer)
@@ -200,6 +204,7 @@ def _run(rank, world_size):
         y.sum().backward()
         update_balance([lay])
         out[f"{case}_mean_input"] = lay.router.qb_mean_input.clone()
+        out[f"{case}_last"] = (lay.router.last_balance, lay.router.last_loads_E)
         if case == "no_token":
             with torch.no_grad():
                 lay.router.weight.add_(0.05 * torch.randn_like(lay.router.weight))
@@ -242,6 +247,7 @@ def test_padding_tokens_are_not_observed(result):
 
 
 def test_eval_and_no_grad_forwards_are_not_observed(result):
+    assert result["eval_balance_routers"] == 0 and result["train_balance_routers"]
     tokens, counts, loads = result["eval"]
     assert tokens == 0 and int(counts.sum()) == 0 and int(loads.sum()) == 0
     # nor summed into the mean router input of the drift correction
@@ -283,6 +289,9 @@ def test_absorb_loss_without_a_padding_mask_averages_over_every_token(result):
 
 
 def test_mean_router_input_of_a_step_with_no_token_and_with_one(result):
+    assert result["no_token_last"] == (None, None)  # no metrics for a step that routed nothing
+    balance, loads = result["one_token_last"]
+    assert balance.num_tokens == 1 and int(loads.sum()) == 2
     assert torch.equal(result["no_token_mean_input"], torch.zeros(64))
     before, after = result["no_token_bias"]
     assert torch.equal(after, before)  # mean input 0: every score 1/2 under both weights
