@@ -214,6 +214,39 @@ def _run(rank, world_size):
             out["no_token_bias"] = (bias0, lay.router.expert_bias.clone())
     out["one_token_input"] = x[5, 2].clone()
 
+    # 9. two steps in a row: the second step's metrics and mean router input are its own (the
+    # step end resets the token count and the input sum along with the histogram and the loads)
+    lay, _ = _layer()
+    lay.train()
+    for step_x, pad in ((x + 2.0, None), (x, padding)):
+        y, _ = lay(step_x.clone().requires_grad_(), padding_mask=pad)
+        y.sum().backward()
+        update_balance([lay])
+    out["second_step"] = (
+        lay.router.last_balance,
+        lay.router.last_loads_E.clone(),
+        lay.router.qb_mean_input.clone(),
+        x.transpose(0, 1)[~padding].mean(dim=0),
+    )
+
+    # 10. an extra solve inside a rescored step (balance_step.solve_quantile_bias): the bias the
+    # histogram solves to, the histogram reset; loads, tokens and input sum kept for the step end
+    from megatron_latentmoe.moe.balance_step import solve_quantile_bias
+
+    lay, _ = _layer()
+    lay.train()
+    y, _ = lay(x.clone().requires_grad_(), padding_mask=padding)
+    y.sum().backward()
+    r = lay.router
+    want = r.qb_histogram.solve(r.expert_bias).clone()
+    kept = (r.step_loads_E.clone(), r.step_tokens.clone(), r.step_input_sum_D.clone())
+    solve_quantile_bias([lay])
+    out["extra_solve"] = dict(
+        bias=(r.expert_bias.clone(), want),
+        histogram_tokens=int(r.qb_histogram.num_tokens),
+        kept=(kept, (r.step_loads_E.clone(), r.step_tokens.clone(), r.step_input_sum_D.clone())),
+    )
+
     return out
 
 
@@ -298,6 +331,25 @@ def test_mean_router_input_of_a_step_with_no_token_and_with_one(result):
     torch.testing.assert_close(
         result["one_token_mean_input"], result["one_token_input"], rtol=0, atol=2.5e-4
     )
+
+
+def test_a_steps_metrics_and_mean_input_are_its_own(result):
+    """The second of two steps (the first's inputs shifted by +2): its token count, loads and
+    mean router input count its own tokens only."""
+    balance, loads, mean_input, want = result["second_step"]
+    assert balance.num_tokens == (SEQ - 3) * BATCH
+    assert int(loads.sum()) == (SEQ - 3) * BATCH * 2
+    torch.testing.assert_close(mean_input, want, rtol=0, atol=2.5e-4)
+
+
+def test_an_extra_solve_resets_only_the_histogram(result):
+    got = result["extra_solve"]
+    assert torch.equal(*got["bias"]) and got["bias"][0].abs().max() > 0
+    assert got["histogram_tokens"] == 0
+    before, after = got["kept"]
+    assert int(before[1]) == (SEQ - 3) * BATCH
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_recomputed_forward_is_observed_exactly_once(result):
