@@ -29,7 +29,7 @@ CASES = {
         ["--moe-latent-size", "63", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ["--moe-latent-size 63", "--tensor-model-parallel-size 2"],
     ),
-    "zero_centered_norm": (  # refused by the model rules (fields.py) in our flag check, worded with the flag
+    "zero_centered_norm": (  # refused by the model rules (fields.py) in our flag check
         ["--apply-layernorm-1p", "--save-interval", "1000"],
         ["--apply-layernorm-1p", "layernorm_zero_centered_gamma=True"],
     ),
