@@ -212,6 +212,27 @@ def test_tiny_hand_computed():
     }
 
 
+def test_shares_of_the_ffn_and_the_dense_layers_every_token_passes():
+    """MoE share = all MoE layers / FFN, routed share = routed experts / FFN (not / counted);
+    a token passes every dense layer; no dense layer: no dense FFN, whatever its width says."""
+    t = parameter_ledger(TINY)["totals"]
+    assert t["ffn_params"] == 2 * 756 + 240
+    assert t["moe_share_of_ffn"] == 2 * 756 / 1752
+    assert t["routed_share_of_ffn"] == 2 * 360 / 1752
+    two_dense = dataclasses.replace(TINY, num_layers=4, first_k_dense_replace=2)
+    assert parameter_ledger(two_dense)["dense_layers"] == {
+        "ffn_params_per_layer": 3 * 8 * 10,
+        "ffn_params": 2 * 3 * 8 * 10,
+        "activated_per_token": 2 * 3 * 8 * 10,
+    }
+    no_dense = dataclasses.replace(TINY, first_k_dense_replace=0)  # dense_ffn_hidden_size=10
+    assert parameter_ledger(no_dense)["dense_layers"] == {
+        "ffn_params_per_layer": 0,
+        "ffn_params": 0,
+        "activated_per_token": 0,
+    }
+
+
 @pytest.mark.parametrize(
     "x,text",
     [
@@ -420,6 +441,8 @@ def test_from_megatron_config_namespace():
         )
     )
     assert s.shared_ffn_hidden_size == 0 and s.vocab_size == 1000 and s.tie_word_embeddings
+    # the embedding has the padded vocabulary's rows: padded_vocab_size wins over vocab_size
+    assert LatentMoEShape.from_megatron_config(_mcore_ns(vocab_size=163000)).vocab_size == 163840
     ns = _mcore_ns()
     del ns.first_k_dense_replace
     ns.moe_layer_freq = [0] * 3 + [1] * 90
@@ -720,3 +743,12 @@ def test_k3_bytes_bf16_vs_mxfp4_routed_experts():
     assert {k: bmx[k] for k in others} == others  # nothing else is quantized
     assert b16["total"] == 2 * led["totals"]["counted_params"]
     assert "1.45 T" in format_ledger(led) and "3.76x smaller" in format_ledger(led)
+    # the bf16 bytes of all but the routed experts; the last total: MXFP4 experts, rest bf16
+    lines = format_ledger(led).splitlines()
+    (rest,) = [line for line in lines if line.startswith("  everything else")]
+    assert (
+        rest.endswith(" 41,053,458,432") and 41_053_458_432 == b16["total"] - b16["routed_experts"]
+    )
+    assert lines[-2].startswith("  total") and lines[-2].endswith(
+        " 1,487,509,524,480  3.69x smaller"
+    )
