@@ -695,9 +695,36 @@ def test_cli_refuses_verify_options_without_verify(recorders, command, capsys):
         (["--verify-text", "Hello"], "--verify-text='Hello'"),
         (["--verify-tokens", "3"], "--verify-tokens=3"),
         (["--verify-atol", "0.5"], "--verify-atol=0.5"),
+        (["--verify-seq-len", "5"], "--verify-seq-len=5"),
+        (["--verify-batch", "3"], "--verify-batch=3"),
     ):
         assert cli.main([command, *src, "--output", "out", *flags]) == cli.EXIT_BAD_INPUT
         assert capsys.readouterr().err == f"error: {shown} is not allowed: only with --verify\n"
+    assert all(r.calls == [] for r in recorders.values())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["export", "--checkpoint", "ck", "--output", "o", "--expert-dtype", "fp8"],
+            "python -m megatron_latentmoe.convert export: error: argument --expert-dtype: invalid "
+            "choice: 'fp8' (choose from 'auto', 'mxfp4')",
+        ),
+        (
+            ["import", "--hf", "hf", "--output", "o", "--dtype", "fp64"],
+            "python -m megatron_latentmoe.convert import: error: argument --dtype: invalid "
+            "choice: 'fp64' (choose from 'auto', 'bf16', 'fp32', 'fp16')",
+        ),
+    ],
+)
+def test_cli_refuses_a_dtype_outside_the_choices(recorders, capsys, argv, message):
+    """A dtype that is not one of the choices: exit 2, the last line names the option, the
+    value and the allowed ones; nothing converted."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err.splitlines()[-1] == message
     assert all(r.calls == [] for r in recorders.values())
 
 
@@ -799,6 +826,20 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     )
     assert check.calls[2] == (("ck", str(hf)), dict(check.defaults, config_file="m.json"))
     assert json.loads(js.read_text()) == {"verify": as_json(check.result.to_dict())}
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_cli_summary_json_of_a_conversion_without_verify(recorders, tmp_path, command, capsys):
+    """Without ``--verify``, ``--summary-json`` holds the conversion's summary alone."""
+    src = ["--checkpoint", "ck"] if command == "export" else ["--hf", str(tmp_path)]
+    (tmp_path / "config.json").write_text("{}")
+    js = tmp_path / "s.json"
+    conversion = recorders[f"{command}_checkpoint"]
+    argv = [command, *src, "--output", "out", "--summary-json", str(js)]
+    assert run_cli(argv, capsys) == (0, conversion.result.format() + "\n", "")
+    assert json.loads(js.read_text()) == {"summary": as_json(conversion.result.to_dict())}
+    assert recorders["verify_export"].calls == []
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "s.json"]
 
 
 def test_cli_bad_input_and_interruption(recorders, tmp_path, capsys, monkeypatch):
