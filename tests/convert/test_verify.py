@@ -947,11 +947,15 @@ def test_conversion_summary_figures_and_text(monkeypatch):
 
 
 def test_rss_figures(monkeypatch):
-    """``ru_maxrss`` is KiB on Linux; the RSS growth is sampled at the 1st, 17th, 33rd, ...
-    update and at ``close``."""
+    """``ru_maxrss`` is KiB on Linux (bytes on macOS); without psutil the RSS reads 0; the RSS
+    growth is sampled at the 1st, 17th, 33rd, ... update and at ``close``."""
     monkeypatch.setattr(summary.sys, "platform", "linux")
     monkeypatch.setattr(summary.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=3))
     assert summary.peak_rss_bytes() == 3 * 1024
+    monkeypatch.setattr(summary.sys, "platform", "darwin")  # bytes there
+    assert summary.peak_rss_bytes() == 3
+    monkeypatch.setitem(sys.modules, "psutil", None)  # no psutil: no RSS figure, not an error
+    assert summary.current_rss_bytes() == 0
     rss = iter([100, 150, 130, 90, 120])
     monkeypatch.setattr(summary, "current_rss_bytes", lambda: next(rss))
     bar = summary.Progress(100, "export", enabled=False)  # 100
