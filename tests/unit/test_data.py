@@ -1115,6 +1115,9 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     with open(tokenizer / "tokenizer_config.json", "a") as f:
         f.write("\n")
     assert (rebuilds(), rebuilds(), builds[-1]) == (1, 0, tokenizer)
+    # a file renamed (same bytes, same order): another tokenizer for HF, so rebuilt
+    (tokenizer / "special_tokens_map.json").rename(tokenizer / "special_tokens_map.json.bak")
+    assert (rebuilds(), rebuilds()) == (1, 0)
 
     @contextlib.contextmanager
     def another_process_builds_it(path):
@@ -1124,6 +1127,39 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     (out / "default_corpus.idx").unlink()
     monkeypatch.setattr(corpus, "_file_lock", another_process_builds_it)
     assert rebuilds() == 0
+
+
+def test_default_dataset_cli_prints_the_absolute_data_path(tmp_path, monkeypatch, capsys):
+    """python -m megatron_latentmoe.data.corpus --output-prefix ds: the dataset goes to ./ds.*
+    and the flags it prints name it by its absolute path (the tokenizing replaced by a spy)."""
+    from megatron_latentmoe.data import corpus, indexed
+
+    calls = []
+
+    def spy(input, output_prefix, **kwargs):
+        calls.append((output_prefix, kwargs["workers"]))
+        for ext in (".bin", ".idx"):
+            Path(output_prefix + ext).write_bytes(b"tokens")
+        return types.SimpleNamespace(documents=3, tokens=12345)
+
+    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    monkeypatch.chdir(tmp_path)
+    assert corpus.main(["--output-prefix", "ds", "--workers", "2"]) == 0
+    assert calls == [(str(tmp_path / "ds"), 2)]
+    assert capsys.readouterr().out == (
+        "default dataset: 3 documents, 12,345 tokens\n"
+        f"  --data-path {tmp_path / 'ds'}\n"
+        f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {DEFAULT_TOKENIZER_DIR}\n"
+    )
+
+
+def test_default_corpus_sequences_skips_blank_documents_as_the_preprocessor_does(monkeypatch):
+    """A document whose text is empty or only whitespace is no sequence (``preprocess_jsonl``
+    keeps only texts with ``text.strip()``)."""
+    from megatron_latentmoe.data import corpus
+
+    monkeypatch.setattr(corpus, "iter_corpus_texts", lambda: iter(["a", "", " \n\t", "b "]))
+    assert corpus.default_corpus_sequences() == 2
 
 
 @pytest.mark.parametrize(
