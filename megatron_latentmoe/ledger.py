@@ -203,9 +203,7 @@ _TABLE_NAMES = {
 
 
 def _first_k_dense_from_layer_freq(freq: Any, num_layers: int) -> int:
-    if isinstance(freq, int) and not isinstance(freq, bool):
-        if freq == 1:
-            return 0
+    if isinstance(freq, int) and not isinstance(freq, bool):  # 1 is handled by the caller
         raise ValueError(
             f"moe_layer_freq={freq}: the ledger needs the first-k-dense layout: "
             "moe_layer_freq 1 (with first_k_dense_replace) or [0]*k + [1]*rest"
