@@ -34,7 +34,7 @@ EXIT_VERIFY_FAILED = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it; SIGTERM exits with 143
 
 
-VERIFY_DEFAULTS = {
+VERIFY_DEFAULTS = {  # the parser's defaults are None: a value given without --verify is refused
     "--verify-atol": DEFAULT_ATOL,
     "--verify-tokens": DEFAULT_VERIFY_TOKENS,
     "--verify-seq-len": DEFAULT_VERIFY_SEQ_LEN,
@@ -53,7 +53,6 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     p.add_argument(
         "--verify-atol",
         type=float,
-        default=VERIFY_DEFAULTS["--verify-atol"],
         help=f"max |delta logits| allowed (fp32 both sides; default {DEFAULT_ATOL:g})",
     )
     for flag, what in (
@@ -61,13 +60,8 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
         ("--verify-seq-len", "prompt length in tokens"),
         ("--verify-batch", "prompts"),
     ):
-        default = VERIFY_DEFAULTS[flag]
-        p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
-    p.add_argument(
-        "--verify-text",
-        default=VERIFY_DEFAULTS["--verify-text"],
-        help="prompt text (default: the shipped corpus)",
-    )
+        p.add_argument(flag, type=int, help=f"{what} (default {VERIFY_DEFAULTS[flag]})")
+    p.add_argument("--verify-text", help="prompt text (default: the shipped corpus)")
 
 
 IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
@@ -201,12 +195,15 @@ def _check_options(args) -> None:
     from .errors import ConversionError
     from .verify import check_hf_dir, check_verify_options
 
-    if args.command != "verify" and not args.verify:
-        for flag, default in VERIFY_DEFAULTS.items():
-            value = getattr(args, flag[2:].replace("-", "_"))
-            if value != default:  # a forgotten --verify: the comparison would not run
-                raise not_allowed(flag, value, "only with --verify", ConversionError)
-    if args.command == "verify" or args.verify:
+    verifying = args.command == "verify" or args.verify
+    for flag, default in VERIFY_DEFAULTS.items():
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, default)
+        elif not verifying:  # a forgotten --verify: the comparison would not run
+            raise not_allowed(flag, value, "only with --verify", ConversionError)
+    if verifying:
         check_verify_options(
             atol=args.verify_atol,
             new_tokens=args.verify_tokens,

@@ -697,6 +697,8 @@ def test_cli_refuses_verify_options_without_verify(recorders, command, capsys):
         (["--verify-atol", "0.5"], "--verify-atol=0.5"),
         (["--verify-seq-len", "5"], "--verify-seq-len=5"),
         (["--verify-batch", "3"], "--verify-batch=3"),
+        # the default's own value is refused too: it was given, so --verify was forgotten
+        (["--verify-batch", str(cli.VERIFY_DEFAULTS["--verify-batch"])], "--verify-batch=2"),
     ):
         assert cli.main([command, *src, "--output", "out", *flags]) == cli.EXIT_BAD_INPUT
         assert capsys.readouterr().err == f"error: {shown} is not allowed: only with --verify\n"
