@@ -215,3 +215,23 @@ def test_a_wrong_backend_or_config_is_refused_by_every_builder(backend, config, 
         with pytest.raises(ValueError) as err:
             build(cfg, backend)
         assert str(err.value) == message
+
+
+def test_building_a_spec_installs_the_sp_capable_torch_norm():
+    """A script that builds specs without the training entry point (which applies the core
+    shims itself) still gets the torch RMSNorm that accepts sequence parallelism: Megatron's own
+    asserts ``not config.sequence_parallel`` (MoE with TP>1 needs SP)."""
+    from megatron_latentmoe.compat import core, registry
+
+    was_applied = registry.is_applied(core.GROUP)
+    registry.revert(core.GROUP)
+    try:
+        get_stable_latentmoe_mlp_spec(tiny_config())
+        assert registry.is_applied(core.GROUP)
+        cfg = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+        norm = WrappedTorchNorm(cfg, 64)
+        assert [p.sequence_parallel for p in norm.parameters()] == [True]
+    finally:
+        registry.revert(core.GROUP)
+        if was_applied:
+            core.apply_core_compat()
