@@ -66,6 +66,11 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
     assert dataclasses.replace(explicit, hidden_size=128).moe_layer_freq == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="first_k_dense_replace=1 is not allowed"):
         dataclasses.replace(explicit, first_k_dense_replace=1)
+    # also when it equals the pattern first_k derives: given, not derived, so not derived again
+    same = tiny_config(num_layers=4, first_k_dense_replace=1, moe_layer_freq=[0, 1, 1, 1])
+    assert dataclasses.replace(same, first_k_dense_replace=0).moe_layer_freq == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="first_k_dense_replace=2 is not allowed"):
+        dataclasses.replace(same, first_k_dense_replace=2)
     # a replace that gives its own pattern keeps it (not the one derived from first_k)
     mine = dataclasses.replace(cfg, first_k_dense_replace=0, moe_layer_freq=[0, 1, 0, 1])
     assert mine.moe_layer_freq == [0, 1, 0, 1]
@@ -73,6 +78,24 @@ def test_a_replaced_config_derives_the_layer_pattern_again():
     full = k3_full_scale_config()
     assert full.moe_layer_freq == [0] + [1] * 92
     assert (full.moe_latent_size, full.num_moe_experts, full.moe_router_topk) == (3584, 896, 16)
+
+
+def test_the_full_scale_config_is_a_qb_sigmoid_router_without_biases():
+    """SPEC §3-§5: QB balances (no aux loss), sigmoid scores in fp32, no linear biases."""
+    full = k3_full_scale_config()
+    assert full.moe_router_load_balancing_type == QUANTILE_HISTOGRAM
+    assert full.uses_quantile_balancing
+    assert (full.moe_router_score_function, full.moe_router_dtype) == ("sigmoid", "fp32")
+    assert (full.moe_aux_loss_coeff, full.add_bias_linear) == (0.0, False)
+
+
+def test_the_tiny_config_runs_without_dropout_or_biases():
+    """SMALL_RUN: the small fp32 configs compare bit for bit, so nothing random in a forward."""
+    cfg = tiny_config()
+    assert (cfg.hidden_dropout, cfg.attention_dropout) == (0.0, 0.0)
+    assert (cfg.add_bias_linear, cfg.moe_aux_loss_coeff) == (False, 0.0)
+    assert (cfg.moe_router_score_function, cfg.moe_token_dispatcher_type) == ("sigmoid", "alltoall")
+    assert (cfg.use_cpu_initialization, cfg.init_method_std) == (True, 0.02)
 
 
 @pytest.mark.parametrize(
