@@ -169,3 +169,120 @@ def test_sign_update_counts_stay_exact_in_a_bf16_model():
     for name in ("expert_bias", "local_tokens_per_expert"):
         assert bufs[name][0] == torch.float32, (name, bufs[name][0])
     assert torch.equal(bufs["local_tokens_per_expert"][1].to(torch.int64), bufs["step_loads_E"][1])
+
+
+def _run_router_edges(rank, world_size):
+    """Megatron's own QB given a padding mask; the sign update under no_grad; the fp32 buffers
+    of the global aux loss and of Megatron's QB through a bf16 cast of the layer."""
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    out = {}
+
+    def layer_of(name):
+        torch.manual_seed(5)
+        cfg = tiny_config(**BALANCERS[name])
+        layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
+        return layer.train()
+
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    padding[:, -3:] = True
+    try:
+        layer_of("megatron_qb")(x.clone().requires_grad_(), padding_mask=padding)
+        out["megatron_qb_padding"] = None
+    except Exception as err:  # Megatron's own: a bare AssertionError
+        out["megatron_qb_padding"] = (type(err).__name__, str(err))
+
+    sign = layer_of("sign_update")
+    with torch.no_grad():  # e.g. the first pass of an activation-recomputed forward
+        sign(x)
+    out["sign_loads_no_grad"] = sign.router.local_tokens_per_expert.clone()
+
+    # a value bf16 cannot hold (8 mantissa bits): kept exactly, not rounded by the cast
+    odd = 1.0 + 2.0**-12
+    kept = {}
+    for name, buffers in (
+        ("global_aux_loss", ("global_tokens_per_expert", "ga_steps")),
+        ("megatron_qb", ("qb_beta", "qb_beta_accum")),
+    ):
+        router = layer_of(name).router
+        for buf in buffers:
+            getattr(router, buf).fill_(odd)
+        router.bfloat16()
+        kept[name] = {buf: getattr(router, buf).clone() for buf in buffers}
+    out["kept"], out["odd"] = kept, odd
+    return out
+
+
+@pytest.fixture(scope="module")
+def edges():
+    (r,) = run_distributed(_run_router_edges, 1)
+    return r
+
+
+def test_megatrons_qb_refuses_a_padding_mask_naming_the_alternative(edges):
+    """Megatron-Core 0.19.2's QB asserts without a word; ours says why and what to use."""
+    assert edges["megatron_qb_padding"] == (
+        "ValueError",
+        "--moe-router-load-balancing-type quantile_balancing: Megatron-Core 0.19.2's "
+        "per-micro-batch QB cannot skip loss-masked tokens (this batch has some, e.g. "
+        "from --eod-mask-loss or pad tokens); use quantile_histogram",
+    )
+
+
+def test_sign_update_does_not_count_a_forward_without_autograd(edges):
+    assert torch.equal(edges["sign_loads_no_grad"], torch.zeros(8))
+
+
+def test_global_aux_loss_and_megatron_qb_buffers_stay_fp32_through_a_bf16_cast(edges):
+    """The global aux loss's token counts (bf16: inexact above 256) and Megatron's QB bias keep
+    their fp32 values, not a bf16 rounding of them."""
+    for name, buffers in edges["kept"].items():
+        for buf, value in buffers.items():
+            assert value.dtype == torch.float32, (name, buf)
+            assert torch.all(value == edges["odd"]), (name, buf, value)
+
+
+class _Group:
+    """A stand-in process group: only its size is read."""
+
+    def __init__(self, name, size=2):
+        self.name, self._size = name, size
+
+    def size(self):
+        return self._size
+
+
+@pytest.mark.parametrize(
+    "sp, tp_size, dp_cp, expected",
+    [
+        (True, 2, "dp_cp", "tp_dp_cp"),  # SP splits the sequence over TP: TP ranks too
+        (False, 2, "dp_cp", "dp_cp"),  # without SP the TP ranks route the same tokens
+        (False, 2, None, "parallel_state dp_cp"),  # Megatron's MoE default collection
+    ],
+)
+def test_the_loads_are_summed_over_the_ranks_that_route_different_tokens(
+    monkeypatch, sp, tp_size, dp_cp, expected
+):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_latentmoe.moe.router import token_parallel_group
+
+    groups = {n: _Group(n) for n in ("tp", "dp_cp", "tp_dp_cp", "parallel_state dp_cp")}
+    monkeypatch.setattr(
+        parallel_state,
+        "get_data_parallel_group",
+        lambda with_context_parallel=False: (
+            groups["parallel_state dp_cp"] if with_context_parallel else None
+        ),
+    )
+    pgs = SimpleNamespace(tp=_Group("tp", tp_size), tp_dp_cp=groups["tp_dp_cp"])
+    if dp_cp:
+        pgs.dp_cp = groups[dp_cp]
+    config = SimpleNamespace(sequence_parallel=sp)
+    assert token_parallel_group(config, pgs) is groups[expected]
