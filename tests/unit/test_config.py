@@ -559,3 +559,48 @@ def test_build_gpt_model_gives_rope_its_rotary_base(plain_moe_model):
     d = PLAIN_MOE["hidden_size"] // PLAIN_MOE["num_attention_heads"]
     expected = 1.0 / ROTARY_BASE ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     torch.testing.assert_close(inv_freq, expected)
+
+
+def test_build_gpt_model_passes_every_argument_on(monkeypatch):
+    """The stage (pre/post process, virtual stage), the backend, tied embeddings and the process
+    groups reach the block spec and ``GPTModel``, which the training provider, the converter and
+    the pipeline tests rely on (the provider's own test stubs ``build_gpt_model`` out)."""
+    from megatron_latentmoe import model
+
+    specs, models = [], []
+    monkeypatch.setattr(
+        model,
+        "get_stable_latentmoe_block_spec",
+        lambda config, backend, **kw: specs.append((config, backend, kw)) or "block spec",
+    )
+    monkeypatch.setattr(model, "GPTModel", lambda **kw: models.append(kw) or "model")
+    config, pgs = tiny_config(), object()
+    built = model.build_gpt_model(
+        config,
+        vocab_size=96,
+        max_sequence_length=32,
+        backend="te",
+        pre_process=False,
+        post_process=False,
+        share_embeddings_and_output_weights=True,
+        rotary_base=ROTARY_BASE,
+        vp_stage=1,
+        pg_collection=pgs,
+    )
+    assert built == "model"
+    assert specs == [(config, "te", dict(vp_stage=1))]
+    assert models == [
+        dict(
+            config=config,
+            transformer_layer_spec="block spec",
+            vocab_size=96,
+            max_sequence_length=32,
+            pre_process=False,
+            post_process=False,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            rotary_base=ROTARY_BASE,
+            vp_stage=1,
+            pg_collection=pgs,
+        )
+    ]
