@@ -127,3 +127,82 @@ def test_batched_activation_equals_sequential_mlp():
     # bf16: the batched path's output is bf16 and Megatron's within bf16 rounding (2^-8)
     assert r["half_batched"] and r["half_dtypes"] == [torch.bfloat16] * 2, r
     assert r["half_out"] < 2**-8, r
+
+
+def _fallbacks(rank, world_size):
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.specs import get_stable_latentmoe_mlp_spec
+
+    initialize_parallel_cpu()
+    cfg = tiny_config()
+    experts = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1).experts
+    c, missing = experts.config, object()
+
+    def flipped(obj, name, value, predicate):
+        """predicate() with obj.name = value, then obj.name restored (or removed)."""
+        old = getattr(obj, name, missing)
+        setattr(obj, name, value)
+        try:
+            return predicate()
+        finally:
+            if old is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+    batched = {
+        name: flipped(c, name, value, experts._batched)
+        for name, value in (
+            ("use_te_activation_func", False),  # a bare function, applied with GLU by the MLP
+            ("fp8", "e4m3"),
+            ("fp4", "e2m1"),
+            ("add_bias_linear", True),
+            ("moe_apply_probs_on_input", True),
+        )
+    }
+    # one local expert: Megatron's forward calls it without reading tokens_per_expert on the host
+    batched["one_local_expert"] = flipped(experts, "num_local_experts", 1, experts._batched)
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+    bare = {"cpu_offloading": flipped(c, "cpu_offloading", True, experts._bare_gemms)}
+    for label, linear in (
+        ("fc1", experts.local_experts[5].linear_fc1),
+        ("fc2", experts.local_experts[2].linear_fc2),
+    ):
+        for name, value in (
+            ("bias", torch.nn.Parameter(torch.zeros(linear.weight.shape[0]))),
+            ("gtp_remat_size", 2),
+            ("gather_output", True),
+            ("tp_group", TwoRanks()),  # TP > 1 without explicit expert comm: the module reduces
+        ):
+            bare[f"{label}.{name}"] = flipped(linear, name, value, experts._bare_gemms)
+        # with explicit expert comm the dispatcher communicates: still a bare GEMM
+        bare[f"{label}.tp_group+explicit_comm"] = flipped(
+            linear,
+            "explicit_expert_comm",
+            True,
+            lambda linear=linear: flipped(linear, "tp_group", TwoRanks(), experts._bare_gemms),
+        )
+    return dict(
+        batched=batched,
+        bare=bare,
+        default=(experts._batched(), experts._bare_gemms()),
+    )
+
+
+def test_each_condition_sends_the_experts_back_to_megatrons_forward():
+    """Every case the module docstring lists leaves the batched path (``_batched``: an activation
+    that is not a module, FP8 / FP4 padding, linear biases, probs on the input, one local expert)
+    or the bare GEMMs (``_bare_gemms``: CPU offloading, and on any single fc1 / fc2: a bias, GTP
+    weight sharding, gather_output, a TP group of 2 ranks without explicit expert comm), each
+    flipped alone on the tiny config's experts; TP with explicit expert comm stays bare."""
+    (r,) = run_distributed(_fallbacks, 1)
+    assert r["default"] == (True, True), r
+    assert not any(r["batched"].values()), r
+    explicit = {k: v for k, v in r["bare"].items() if k.endswith("+explicit_comm")}
+    assert explicit == {"fc1.tp_group+explicit_comm": True, "fc2.tp_group+explicit_comm": True}, r
+    assert len(r["bare"]) == 11 and not any(v for k, v in r["bare"].items() if k not in explicit), r
