@@ -113,7 +113,6 @@ def _compare(rank, world_size):
 
 def test_batched_activation_equals_sequential_mlp():
     (r,) = run_distributed(_compare, 1)
-    print(r)
     assert r["out"] < TOL and r["dx"] < TOL and r["params"] < TOL, r
     assert r["bias"] == (None, None) and r["n_params"] == 2 * len(COUNTS), r
     assert r["empty_expert_grad_zero"], r
