@@ -616,6 +616,23 @@ def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path
         run()
 
 
+@pytest.mark.parametrize("initialized", [True, False])
+def test_main_ends_with_a_barrier_and_destroys_the_process_group(
+    monkeypatch, tmp_path, initialized
+):
+    """After Megatron's loop the ranks meet at a barrier and the process group is destroyed
+    (a rank that exits first leaves gloo / NCCL peers waiting); without a group, nothing."""
+    import torch
+
+    run = _Run(monkeypatch, tmp_path)
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    assert run() == 0
+    assert calls == (["barrier", "destroy"] if initialized else [])
+
+
 @pytest.mark.parametrize(
     "logging_rank, history, printed", [(True, [1], True), (False, [1], False), (True, [], False)]
 )
