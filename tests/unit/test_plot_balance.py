@@ -336,6 +336,67 @@ def test_a_layer_entry_missing_a_field_is_left_out_of_the_picture(tmp_path, monk
     assert heat[1].images[0].get_array().tolist() == [pytest.approx(want)]
 
 
+def test_first_heatmap_is_the_first_iteration_that_recorded_loads(tmp_path, monkeypatch):
+    """With --balance-log-loads-interval most records carry no loads: the left heatmap is the
+    first record that has them, not an empty panel for the run's first iteration."""
+    pytest.importorskip("matplotlib")
+    records = [_record(1, 2.5, 1), _record(2, 0.8, 0), _record(3, 1.2, 0)]
+    del records[0]["layers"][0]["loads"]
+    records[2]["layers"][0]["loads"] = [8, 0, 0, 0]
+    figures = _drawn(monkeypatch)
+    plot_balance.plot(records, str(tmp_path / "p.png"), window=1)
+    (fig,) = figures
+    heat = [ax for ax in fig.axes if ax.get_ylabel() == "layer"]
+    assert [ax.get_title() for ax in heat] == [
+        "expert load / mean load — iteration 2",
+        "expert load / mean load — mean of iterations 3-3",
+    ]
+    assert heat[0].images[0].get_array().tolist() == [pytest.approx([9 / 5, 3 / 5, 4 / 5, 4 / 5])]
+    assert heat[1].images[0].get_array().tolist() == [[4.0, 0.0, 0.0, 0.0]]
+
+
+def test_maxvio_panel_with_two_layers(tmp_path, monkeypatch):
+    """The dead-expert curve is a fraction of all layers' experts (2 layers x 4 experts); a
+    balanced layer's MaxVio 0 is drawn at the log axis' floor 1e-3 (log scale drops a 0); the
+    fractions' axis spans 0-1."""
+    pytest.importorskip("matplotlib")
+
+    def record(it, vio, dead):
+        base = _record(it, vio, dead)
+        base["layers"] = [dict(base["layers"][0], layer=n) for n in (2, 3)]
+        return base
+
+    records = [record(1, 0.0, 1), record(2, 0.5, 2)]
+    figures = _drawn(monkeypatch)
+    plot_balance.plot(records, str(tmp_path / "p.png"), window=1)
+    (fig,) = figures
+    (vio,) = [ax for ax in fig.axes if ax.get_title().startswith("load balance per iteration")]
+    thin = [line for line in vio.lines if line.get_label().startswith("_")]
+    assert [list(t.get_ydata()) for t in thin] == [[1e-3, 0.5], [1e-3, 0.5]]
+    (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "fraction of experts"]
+    assert list(twin.lines[1].get_ydata()) == [1 / 8, 2 / 8]
+    assert twin.get_ylim() == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("experts, ticks", [(32, list(range(32))), (33, None)])
+def test_heatmap_labels_every_expert_up_to_32(tmp_path, monkeypatch, experts, ticks):
+    pytest.importorskip("matplotlib")
+    record = _record(1, 0.5, 0)
+    record["layers"][0]["loads"] = [1 + e % 3 for e in range(experts)]
+    figures = _drawn(monkeypatch)
+    plot_balance.plot([record], str(tmp_path / "p.png"), window=1)
+    heat = [ax for ax in figures[0].axes if ax.get_ylabel() == "layer"]
+    for ax in heat:
+        got = [int(t) for t in ax.get_xticks()]
+        assert got == ticks if ticks else len(got) < experts, got
+
+
+def test_a_boolean_layer_number_is_not_a_layer():
+    """``"layer": true`` is not read as layer 1 (as an iteration ``true`` is refused)."""
+    record = {"layers": [{"layer": True, "max_vio": 1.0}, {"layer": 2, "max_vio": 0.5}, 3]}
+    assert list(plot_balance._layers(record)) == [{"layer": 2, "max_vio": 0.5}]
+
+
 def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
     """--out without an extension gets matplotlib's default format appended (what savefig
     does); the extension's case does not matter; a folder (with or without the extension
@@ -345,6 +406,9 @@ def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
     records = plot_balance.read_records(str(_balance_file(tmp_path)))
     assert plot_balance.plot(records, str(tmp_path / "pic"), 2) == str(tmp_path / "pic.png")
     assert (tmp_path / "pic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a trailing dot is dropped before the format is appended, as savefig does
+    assert plot_balance.plot(records, str(tmp_path / "dot."), 2) == str(tmp_path / "dot.png")
+    assert (tmp_path / "dot.png").is_file() and not (tmp_path / "dot..png").exists()
     assert plot_balance.check_out(str(tmp_path / "P.PNG")) is None
     os.makedirs(tmp_path / "dir.png")
     for folder in (str(tmp_path), f"{tmp_path}/", str(tmp_path / "dir.png"), str(tmp_path / "dir")):
