@@ -616,6 +616,32 @@ def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path
         run()
 
 
+def test_main_with_cuda_skips_the_cpu_world(monkeypatch, tmp_path, capsys):
+    """With CUDA: Megatron-Core's compat only (no CPU shims, no gloo world, no QB gloo
+    all-reduce), and the flag check is told CUDA is there."""
+    import torch
+
+    run = _Run(monkeypatch, tmp_path)
+    run.cpu_notes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run() == 0
+    assert [e[0] for e in run.events] == [
+        "apply_core_compat",
+        "begin_run",
+        "checked_args",
+        "set_global_variables",
+        "_make_balance_logger",
+        "set_balance_logger",
+        "set_batch_recorder",
+        "install_finalize_hook",
+        "exclude_from_step_time",
+        "pretrain",
+    ]
+    assert run.named("checked_args") == [(True,)]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("[pretrain_stable_latentmoe] done in ")
+
+
 @pytest.mark.parametrize("initialized", [True, False])
 def test_main_ends_with_a_barrier_and_destroys_the_process_group(
     monkeypatch, tmp_path, initialized
