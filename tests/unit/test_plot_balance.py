@@ -353,6 +353,8 @@ def test_first_heatmap_is_the_first_iteration_that_recorded_loads(tmp_path, monk
     ]
     assert heat[0].images[0].get_array().tolist() == [pytest.approx([9 / 5, 3 / 5, 4 / 5, 4 / 5])]
     assert heat[1].images[0].get_array().tolist() == [[4.0, 0.0, 0.0, 0.0]]
+    # one colour scale for both panels, 1.0 (balanced) in its middle
+    assert [ax.images[0].get_clim() for ax in heat] == [(0.0, 2.0), (0.0, 2.0)]
 
 
 def test_maxvio_panel_with_two_layers(tmp_path, monkeypatch):
