@@ -350,6 +350,26 @@ def test_main_runs_with_its_argv_and_puts_sys_argv_back(monkeypatch):
     ]
 
 
+MAIN_STEPS = (
+    "apply_core_compat",
+    "apply_cpu_compat",
+    "begin_run",
+    "checked_args",
+    "set_global_variables",
+    "init_cpu_world",
+    "apply_qb_gloo_compat",
+    "_make_balance_logger",
+    "set_balance_logger",
+    "set_batch_recorder",
+    "install_finalize_hook",
+    "exclude_from_step_time",
+    "pretrain",
+)
+"""What ``main`` does, in order, on a machine without CUDA."""
+CPU_ONLY_STEPS = {"apply_cpu_compat", "init_cpu_world", "apply_qb_gloo_compat"}
+"""The steps ``main`` leaves out where CUDA is available."""
+
+
 class _Run:
     """``pretrain._main`` with everything heavy faked (the flag check, Megatron's globals, its
     training loop, the CPU world, the loggers): what it wires, in order, in ``events``."""
@@ -473,21 +493,7 @@ def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, t
     assert run() == 0
     container = ("container", ("model config", "transformer config"))
     provider = run.fstep.train_valid_test_datasets_provider
-    assert [e[0] for e in run.events] == [
-        "apply_core_compat",
-        "apply_cpu_compat",
-        "begin_run",
-        "checked_args",
-        "set_global_variables",
-        "init_cpu_world",
-        "apply_qb_gloo_compat",
-        "_make_balance_logger",
-        "set_balance_logger",
-        "set_batch_recorder",
-        "install_finalize_hook",
-        "exclude_from_step_time",
-        "pretrain",
-    ]
+    assert [e[0] for e in run.events] == list(MAIN_STEPS)
     assert run.named("checked_args") == [(False,)]
     assert run.named("set_global_variables") == run.named("init_cpu_world") == [(run.args,)]
     assert run.named("_make_balance_logger") == [(run.args, "balance.jsonl")]
@@ -625,18 +631,7 @@ def test_main_with_cuda_skips_the_cpu_world(monkeypatch, tmp_path, capsys):
     run.cpu_notes = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run() == 0
-    assert [e[0] for e in run.events] == [
-        "apply_core_compat",
-        "begin_run",
-        "checked_args",
-        "set_global_variables",
-        "_make_balance_logger",
-        "set_balance_logger",
-        "set_batch_recorder",
-        "install_finalize_hook",
-        "exclude_from_step_time",
-        "pretrain",
-    ]
+    assert [e[0] for e in run.events] == [e for e in MAIN_STEPS if e not in CPU_ONLY_STEPS]
     assert run.named("checked_args") == [(True,)]
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("[pretrain_stable_latentmoe] done in ")
