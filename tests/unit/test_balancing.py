@@ -570,6 +570,34 @@ def test_sign_update_loads_and_maxvio():
     assert torch.all(biased.gather(1, idx) >= alpha[:, None])  # routes beat the cutoff
 
 
+def test_reference_helpers_refuse_bad_input_and_keep_the_bias_of_an_empty_batch():
+    """The exact reference and the sign update check what the histogram checks (an inf bias,
+    logits instead of scores, a mask or loads of the wrong shape, a negative or NaN rate); a rate
+    of 0 is allowed (no update), and a batch of padding only leaves the bias as it is (not
+    mean-centred)."""
+    n, k = 4, 2
+    s = router_scores(6, n, 95)
+    bias = torch.tensor([0.0, 0.5, -0.5, 1.0])
+    with pytest.raises(ValueError, match="^bias_E contains NaN or inf; allowed: finite values$"):
+        exact_quantile_bias(s, torch.full((n,), float("inf")), k)
+    logits = s.clone()
+    logits[0, 0], logits[5, 3] = -0.5, 1.5
+    with pytest.raises(ValueError, match=r"^scores_ME has values in \[-0.5, 1.5\]; allowed: \[0"):
+        exact_quantiles(logits, bias, k)
+    with pytest.raises(ValueError, match="valid_M.shape"):
+        topk_loads(s, bias, k, torch.ones(5, dtype=torch.bool))
+    loads = torch.tensor([10, 2, 6, 6])
+    assert torch.equal(sign_update_bias(loads, bias, 0.0), bias)
+    for rate in (-0.01, float("nan")):
+        with pytest.raises(ValueError, match=f"^rate={rate!r}; allowed: finite float >= 0$"):
+            sign_update_bias(loads, bias, rate)
+    with pytest.raises(ValueError, match=r"^loads_E.shape=\(3,\); allowed: bias_E.shape=\(4,\)$"):
+        sign_update_bias(loads[:3], bias, 0.01)
+    padding = torch.zeros(6, dtype=torch.bool)
+    assert torch.equal(exact_quantiles(s, bias, k, padding), bias)
+    assert torch.equal(exact_quantile_bias(s, bias, k, padding), bias)
+
+
 # ----------------------------------------------------------------------------- mutation-audit gaps
 def test_int32_bound_and_token_split_constants():
     """The int32 bound is the int32 maximum, and the split token header stays inside int32 when
