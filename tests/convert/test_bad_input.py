@@ -562,6 +562,68 @@ def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _tiny_hf_export(path):
+    """A small random model saved as an export is (config, weights, remote code, tokenizer),
+    without the workspace's training run; returns the model (eval, fp32)."""
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
+    from megatron_latentmoe.hf import StableLatentMoEForCausalLM, copy_remote_code
+    from tests.unit.test_hf_modeling import randomize_, tiny_config
+
+    cfg = tiny_config(vocab_size=4096, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = StableLatentMoEForCausalLM(cfg).eval()
+    randomize_(model, std=0.3, seed=5)
+    model.save_pretrained(path)
+    copy_remote_code(path)
+    for name in os.listdir(default_tokenizer_dir()):
+        shutil.copy(os.path.join(default_tokenizer_dir(), name), path / name)
+    return model
+
+
+def test_generate_tool_prints_the_greedy_continuation_or_a_seeded_sample(tmp_path, capsys):
+    """Greedy by default: the prompt plus exactly --max-new-tokens argmax tokens (special tokens
+    left out); --sample draws at temperature 0.8 from seed 0, the same text on every run."""
+    from transformers import AutoTokenizer
+
+    from tools import generate_hf
+
+    hf = tmp_path / "hf"
+    model = _tiny_hf_export(hf)
+    tokenizer = AutoTokenizer.from_pretrained(hf, trust_remote_code=True)
+    prompt = "<|endoftext|>In the beginning"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0] == tokenizer.eos_token_id
+
+    def continuation(pick):
+        out = ids
+        with torch.no_grad():
+            for _ in range(5):
+                nxt = pick(model(out, use_cache=False).logits[0, -1].double())
+                assert nxt != 0, "the tiny model chose EOS: pick another seed"
+                out = torch.cat([out, torch.tensor([[nxt]])], dim=1)
+        return tokenizer.decode(out[0], skip_special_tokens=True)
+
+    greedy = continuation(lambda logits: int(logits.argmax()))
+    torch.manual_seed(0)
+    sample = continuation(lambda logits: int(torch.multinomial((logits / 0.8).softmax(-1), 1)))
+    assert greedy != sample and greedy.startswith("In the beginning")
+    for flags, expected in (([], greedy), (["--sample"], sample), (["--sample"], sample)):
+        argv = [str(hf), "--prompt", prompt, "--max-new-tokens", "5", *flags]
+        assert generate_hf.main(argv) == 0
+        assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_tool_refuses_a_folder_without_config(tmp_path, capsys):
+    from tools import generate_hf
+
+    hf = tmp_path / "hf"
+    _tiny_hf_export(hf)
+    (hf / "config.json").unlink()
+    capsys.readouterr()
+    assert generate_hf.main([str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: model_dir={str(hf)!r} has no config.json (an HF export is expected)\n"
+
+
 def test_a_model_folder_as_tokenizer_ships_only_its_tokenizer_files(workspace, tmp_path):
     """A run's --tokenizer-model is often a whole HF model folder: its config, index and weights
     must not overwrite the export's."""
