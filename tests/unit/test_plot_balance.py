@@ -259,6 +259,25 @@ def test_a_true_iteration_is_refused_not_read_as_iteration_1(tmp_path):
         plot_balance.read_records(str(path))
 
 
+def test_records_come_in_iteration_order_and_a_field_that_is_not_a_number_is_left_out(tmp_path):
+    """Lines out of order (files joined, a run resumed from an older checkpoint) are read in
+    iteration order; a text or list where a number belongs (a hand-edited or foreign file) is left
+    out of the means like a missing field, not a crash."""
+    path = tmp_path / "b.jsonl"
+    rows = [
+        dict(iteration=3, loss=1.0, maxvio_mean="n/a", tokens_per_s=[5]),
+        dict(iteration=1, loss=3.0, maxvio_mean=0.5, tokens_per_s=10.0),
+        dict(iteration=2, loss="?", maxvio_mean=0.25),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = plot_balance.read_records(str(path))
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    s = plot_balance.summarize(records, window=1)
+    assert (s["iterations"], s["loss_first"], s["loss_last"]) == ((1, 3), 3.0, 1.0)
+    assert s["maxvio_first"] == s["maxvio_worst"] == 0.5 and math.isnan(s["maxvio_last"])
+    assert math.isnan(s["tokens_per_s_last"])
+
+
 def test_load_matrix_is_the_mean_load_over_mean_per_layer():
     """The heatmap's numbers: per layer, load / mean load averaged over the records that carry
     loads for it; a layer without loads, or with none routed (mean 0), is left out."""
