@@ -299,6 +299,13 @@ def test_reference_reexports_the_modeling_code():
     assert hf_pkg.StableLatentMoEForCausalLM is modeling.StableLatentMoEForCausalLM
 
 
+def test_a_star_import_of_reference_gives_the_config_and_all_of_the_modeling_code():
+    namespace = {}
+    exec("from megatron_latentmoe.reference import *", namespace)
+    assert namespace["StableLatentMoEConfig"] is StableLatentMoEConfig
+    assert all(namespace[name] is getattr(modeling, name) for name in modeling.__all__)
+
+
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
     allowed_top = {"torch", "transformers", "__future__", "dataclasses", "functools", "typing"}
     for name in REMOTE_CODE_FILES:
