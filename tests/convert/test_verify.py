@@ -155,6 +155,12 @@ def test_hf_greedy_equals_full_re_forward_argmax():
     assert new.tolist() == seq[:, 4:].tolist()
     assert margins == pytest.approx(ref, abs=1e-5)
     assert min(ref) > 1e-3  # not decided by a near-tie
+    # the model's own eos neither stops the generation nor is held back: Megatron's greedy
+    # re-forward knows no eos, so HF must not either
+    eos = int(seq[0, 5])
+    model.generation_config.eos_token_id = model.config.eos_token_id = eos
+    again, _ = verify.hf_greedy(model, tokens, 4)
+    assert again.tolist() == seq[:, 4:].tolist() and eos in again[0].tolist()
 
 
 class FakeHF:
@@ -256,14 +262,77 @@ def test_verify_option_refusals_and_the_smallest_allowed_values():
         assert refusal(atol=value) == (
             f"atol (--verify-atol)={value!r} is not allowed: a positive finite number"
         )
-    assert refusal(text="") == (
-        "text (--verify-text)='' is not allowed: a non-empty text (default: the corpus)"
-    )
+    for value in ("", " \n"):
+        assert refusal(text=value) == (
+            f"text (--verify-text)={value!r} is not allowed: a non-empty text (default: the corpus)"
+        )
     # the library entry point checks them too, and the HF directory, before opening anything
     with pytest.raises(ConversionError, match=r"^batch \(--verify-batch\)=0 is not allowed"):
         verify.verify_export("no-ck", "no-hf", batch=0)
     with pytest.raises(ConversionError, match="^HF directory 'no-hf' has no config.json"):
         verify.verify_export("no-ck", "no-hf")
+
+
+def test_each_side_is_rounded_to_the_dtype_the_other_side_stores(tmp_path):
+    """``match_stored_precision`` on a tiny model's real files, with fp32 parameters standing in
+    for both models: an fp32 checkpoint and its bf16 export round the Megatron weights to bf16,
+    a bf16 checkpoint and an fp32 HF directory the HF weights; the other side and the fp32
+    expert bias are left as they are; fp32 on both sides rounds nothing. ``load_hf_model`` gives
+    the bf16 export in fp32 (transformers' default would be the config's bf16)."""
+    from megatron_latentmoe.convert import export_checkpoint, import_checkpoint
+    from megatron_latentmoe.convert.names import iter_tensor_maps
+    from tests.convert.test_export_units import TINY, write_hf_dir
+
+    arch = ModelArch(**TINY)
+    write_hf_dir(tmp_path / "hf", arch)
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg", progress=False)
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg_bf16", dtype="bf16", progress=False)
+    export_checkpoint(
+        tmp_path / "mg", tmp_path / "hf_bf16", dtype="bf16", tokenizer_dir=None, progress=False
+    )
+    maps = list(iter_tensor_maps(arch))
+    bias = [tm for tm in maps if tm.fp32]
+    assert len(bias) == 1
+    g = torch.Generator().manual_seed(0)
+
+    def match(mg_dir, hf_dir):
+        shapes = [
+            {tm.megatron: tm.shape for tm in maps},
+            {name: shape for tm in maps for name, shape in tm.hf},
+        ]
+        params = [
+            {n: torch.nn.Parameter(torch.randn(s, generator=g)) for n, s in side.items()}
+            for side in shapes
+        ]
+        before = [{n: p.detach().clone() for n, p in side.items()} for side in params]
+        mg, hf = (SimpleNamespace(named_parameters=side.items) for side in params)
+        text = verify.match_stored_precision(
+            mg, hf, arch, DistCheckpointReader(mg_dir), hf_dir, mxfp4_experts=False
+        )
+        return text, params, before
+
+    fixed = {bias[0].megatron, *bias[0].hf_names}
+    for mg_dir, hf_dir, rounded_side, text in (
+        ("mg", "hf_bf16", 0, "Megatron weights rounded to bfloat16 (as the HF files store them)"),
+        (
+            "mg_bf16",
+            "hf",
+            1,
+            "HF weights rounded to bfloat16 (as the Megatron checkpoint stores them)",
+        ),
+        ("mg", "hf", None, ""),
+    ):
+        got, params, before = match(tmp_path / mg_dir, tmp_path / hf_dir)
+        assert got == text
+        for side in (0, 1):
+            for name, p in params[side].items():
+                want = before[side][name]
+                if side == rounded_side and name not in fixed:
+                    want = want.bfloat16().float()
+                    assert not torch.equal(want, before[side][name]), name  # it did round
+                assert torch.equal(p.detach(), want), (mg_dir, hf_dir, side, name)
+    model = verify.load_hf_model(tmp_path / "hf_bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_expert_qat_follows_the_exports_quantization_config(tmp_path):
