@@ -29,9 +29,12 @@ from megatron_latentmoe.convert.export import (
     cast_checked,
     check_expert_dtype,
     export_checkpoint,
+    match_checkpoint,
     parse_dtype,
     parse_size,
+    prepare_hf_metadata,
     tokenizer_files,
+    write_hf_metadata,
 )
 from megatron_latentmoe.convert.importer import import_checkpoint
 from megatron_latentmoe.convert.names import iter_tensor_maps
@@ -273,7 +276,11 @@ def test_fp16_cast_refuses_only_finite_values_beyond_its_range():
     assert torch.equal(
         cast_checked("x", top, torch.float16, "fp16"), torch.tensor([-65504.0, 1.0]).half()
     )
-    for t in (torch.tensor([float("inf"), -1.0]), torch.tensor([float("-inf")])):
+    for t in (
+        torch.tensor([float("inf"), -1.0]),
+        torch.tensor([float("-inf")]),
+        torch.tensor([65504.0, float("inf")]),  # fp16's largest itself fits
+    ):
         assert torch.equal(cast_checked("x", t, torch.float16, "fp16"), t.half())  # inf was there
     assert cast_checked("x", torch.tensor([1e30]), torch.bfloat16, "bf16").item() == pytest.approx(
         1e30, 0.01
@@ -296,6 +303,21 @@ def test_expected_stacked_axes_of_checkpoint_keys():
     assert _expected_lead("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", arch) == (5,)
     assert _expected_lead("decoder.layers.mlp.experts.experts.linear_fc2.weight", arch) == (3, 5)
     assert _expected_lead("decoder.layers.1.mlp.experts.experts.0.linear_fc1.weight", arch) == ()
+
+
+def test_checkpoint_tensors_must_be_floating_point(tiny, monkeypatch):
+    """A model tensor stored as integers (of the right shape) is refused by name: an export would
+    write values that are not the weights."""
+    reader = DistCheckpointReader(tiny.root / "mg")
+    assert match_checkpoint(reader, tiny.arch, "ck") == N_MEGATRON_TENSORS
+    key, stored = "embedding.word_embeddings.weight", reader.dtype
+    monkeypatch.setattr(reader, "dtype", lambda k: torch.int64 if k == key else stored(k))
+    with pytest.raises(ConversionError) as info:
+        match_checkpoint(reader, tiny.arch, "ck")
+    assert str(info.value) == (
+        "checkpoint 'ck' does not match the model config:\n  shape mismatch (1):\n    "
+        "embedding.word_embeddings.weight: dtype torch.int64 is not floating point"
+    )
 
 
 def test_read_batches_fill_up_to_the_budget():
@@ -342,6 +364,33 @@ def test_only_tokenizer_files_are_shipped(tmp_path):
         "tokenizer_config.json",
         "vocab.json",
     ]
+
+
+def test_hf_metadata_keeps_each_token_id_in_its_place(tmp_path):
+    """A tokenizer of exactly ``vocab_size`` tokens fits (one more token does not); config.json
+    and generation_config.json carry the model description's bos / eos / pad ids, each under
+    its own key (the tiny model's bos == eos could not tell them apart)."""
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
+
+    ids = dict(bos_token_id=5, eos_token_id=6, pad_token_id=7)
+    arch = ModelArch(**dict(TINY, vocab_size=4096, **ids))
+    config, kept, files = prepare_hf_metadata(arch, torch.bfloat16, default_tokenizer_dir())
+    assert kept == arch
+    write_hf_metadata(tmp_path, config, kept, files)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    for saved in (cfg, gen):
+        assert {k: saved[k] for k in ids} == ids
+    assert (cfg["vocab_size"], cfg["dtype"]) == (4096, "bfloat16")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["config.json", "generation_config.json", *REMOTE_CODE_FILES, *(p.name for p in files)]
+    )
+    with pytest.raises(ConversionError) as info:
+        prepare_hf_metadata(ModelArch(**dict(TINY, vocab_size=4095)), F32, default_tokenizer_dir())
+    assert str(info.value) == (
+        f"tokenizer {default_tokenizer_dir()!r} has 4096 tokens, more than the model's "
+        "vocab_size=4095"
+    )
 
 
 # ------------------------------------------------------------------------- export end to end
@@ -461,6 +510,44 @@ def test_fp16_export_keeps_the_expert_bias_fp32_and_one_read_batch_per_tensor(ti
     assert (s.extra["dtype"], s.extra["shards"], s.bytes_written) == ("float16", 1, 41_584)
     assert s.largest_tensor_bytes == LARGEST * 4  # the fp32 checkpoint tensor, not the fp16 one
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_token_ids_of_a_megatron_training_checkpoint(tiny, tmp_path, monkeypatch):
+    """A megatron.training checkpoint (common state: its args, no model description) takes bos /
+    eos / pad from the tokenizer it ships; described by ``config_file``, that file's ids stay."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_latentmoe.convert import export as export_module
+
+    words = ["<unk>", "a", "<s>", "</s>", "<pad>"]
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>")),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    ).save_pretrained(tmp_path / "tok")
+    opened = export_module.open_checkpoint
+
+    def trained_by_megatron(checkpoint, config_file):
+        reader, arch, source, _ = opened(checkpoint, config_file)
+        args = SimpleNamespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None)
+        return reader, arch, source, {"args": args}
+
+    monkeypatch.setattr(export_module, "open_checkpoint", trained_by_megatron)
+    config = tiny.root / "out" / "config.json"
+    for name, config_file, ids in (("a", None, (2, 3, 4)), ("b", str(config), (0, 0, 1))):
+        export_checkpoint(
+            tiny.root / "mg",
+            tmp_path / name,
+            config_file=config_file,
+            tokenizer_dir=str(tmp_path / "tok"),
+            progress=False,
+        )
+        for file in ("config.json", "generation_config.json"):
+            saved = json.loads((tmp_path / name / file).read_text())
+            assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == ids
 
 
 # ------------------------------------------------------------------------------ export refusals
