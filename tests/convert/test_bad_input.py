@@ -512,7 +512,9 @@ def test_default_tokenizer_is_the_one_the_run_trained_with(tmp_path):
         return {"args": Namespace(tokenizer_type=kind, tokenizer_model=model)}
 
     assert resolve_tokenizer_dir("default", {}) == shipped  # converter-written: no args
+    assert resolve_tokenizer_dir("default", args(None, None)) == shipped  # args, no tokenizer
     assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", str(mine))) == str(mine)
+    assert resolve_tokenizer_dir("default", args(None, str(mine))) == str(mine)  # type unset
     other_clone = "/elsewhere/clone/megatron_latentmoe/data/assets/tokenizer"
     assert resolve_tokenizer_dir("default", args("HuggingFaceTokenizer", other_clone)) == shipped
     assert resolve_tokenizer_dir(str(mine), args("GPT2BPETokenizer", None)) == str(
@@ -644,7 +646,7 @@ def test_a_model_folder_as_tokenizer_ships_only_its_tokenizer_files(workspace, t
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
 
 
-def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoints():
+def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoints(tmp_path):
     from megatron_latentmoe.convert.export import default_tokenizer_dir, prepare_hf_metadata
 
     from ._workers import arch
@@ -666,3 +668,12 @@ def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoint
         0,
         1,
     )  # the tokenizer's
+    # a tokenizer without a pad token: its bos / eos, and the model description's pad id
+    no_pad = tmp_path / "no_pad"
+    shutil.copytree(default_tokenizer_dir(), no_pad)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        cfg = json.loads((no_pad / name).read_text())
+        del cfg["pad_token"]
+        (no_pad / name).write_text(json.dumps(cfg))
+    _, adopted, _ = prepare_hf_metadata(own_ids, torch.float32, str(no_pad), adopt_token_ids=True)
+    assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (0, 0, 7)
