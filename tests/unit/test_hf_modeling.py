@@ -831,6 +831,7 @@ def test_config_defaults_are_the_k3_values():
         # torch's normal_ refused these at model construction, a traceback naming no key
         ("initializer_range", -0.02, "a finite number >= 0"),
         ("initializer_range", "0.02", "a finite number >= 0"),
+        ("initializer_range", float("inf"), "a finite number >= 0"),  # torch filled inf weights
         ("max_position_embeddings", 0, "a positive integer"),
         # a truthy string was taken as True
         ("use_cache", "no", "a bool"),
