@@ -114,6 +114,13 @@ def test_the_tiny_config_runs_without_dropout_or_biases():
         (dict(num_moe_experts=4, moe_router_topk=4), "moe_router_topk=4", "[1, num_moe_experts=4)"),
         (dict(activation_situ_beta=0.0), "activation_situ_beta=0.0", "positive"),
         (dict(activation_situ_linear_beta=-1.0), "activation_situ_linear_beta=-1.0", "positive"),
+        # inf softcaps / absorption: the row kinds say "finite" (a NaN loss, not a message)
+        (
+            dict(activation_situ_beta=float("inf")),
+            "activation_situ_beta=inf",
+            "a positive finite number",
+        ),
+        (dict(moe_qb_absorb_coeff=float("inf")), "moe_qb_absorb_coeff=inf", "a finite number >= 0"),
         (
             dict(moe_latent_size=None, latent_moe_use_norm=True),
             "latent_moe_use_norm=True",

@@ -257,6 +257,27 @@ def test_the_converter_runs_the_configs_rules(change, message):
     assert str(err.value) == f"model config: {message}"
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # a negative id passed (token ids index the vocabulary)
+        (dict(pad_token_id=-1), "pad_token_id=-1 is not allowed: None or an integer >= 0"),
+        # an infinite RoPE base passed: inv_freq 0 for every pair but the first
+        (
+            dict(rotary_base=float("inf")),
+            "rotary_base=inf is not allowed: a positive finite number",
+        ),
+    ],
+)
+def test_the_converter_checks_each_rows_kind(change, message):
+    """Every row's kind is checked (not only the added rows' of the config's rules)."""
+    from megatron_latentmoe.convert.errors import ConversionError
+
+    with pytest.raises(ConversionError) as err:
+        ModelArch(**dict(SMALL, **change))
+    assert str(err.value) == f"model config: {message}"
+
+
 def test_the_balancing_types_are_megatrons_choices_and_ours():
     """fields.MEGATRON_BALANCERS is megatron-core's own list (its --moe-router-load-balancing-type
     choices): a megatron-core upgrade that adds or drops a type fails here, not silently."""
