@@ -278,6 +278,18 @@ def test_the_converter_checks_each_rows_kind(change, message):
     assert str(err.value) == f"model config: {message}"
 
 
+def test_an_hf_config_with_a_null_size_or_an_eos_list():
+    """A required key written as null is missing (not the K3 default); a list of eos ids (as
+    transformers allows) becomes its first id."""
+    from megatron_latentmoe.convert.errors import ConversionError
+
+    given = dict(model_type="stable_latentmoe", **ModelArch(**SMALL).to_hf_config_kwargs())
+    with pytest.raises(ConversionError) as err:
+        ModelArch.from_hf_config(dict(given, hidden_size=None))
+    assert str(err.value) == "config.json: missing key(s) ['hidden_size']"
+    assert ModelArch.from_hf_config(dict(given, eos_token_id=[5, 3])).eos_token_id == 5
+
+
 def test_the_balancing_types_are_megatrons_choices_and_ours():
     """fields.MEGATRON_BALANCERS is megatron-core's own list (its --moe-router-load-balancing-type
     choices): a megatron-core upgrade that adds or drops a type fails here, not silently."""
