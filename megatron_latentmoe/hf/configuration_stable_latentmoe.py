@@ -181,7 +181,7 @@ class StableLatentMoEConfig(PretrainedConfig):
                 "no RoPE scaling (rope_type 'default'): the model applies plain RoPE",
             )
         theta = params.get("rope_theta")
-        if theta is not None and float(theta) != float(self.rope_theta):
+        if theta is not None and not (_is_number(theta) and float(theta) == float(self.rope_theta)):
             raise _bad(
                 "rope_parameters",
                 params,
