@@ -154,6 +154,16 @@ def test_a_megatron_config_without_the_optional_fields_means_the_same_everywhere
             assert getattr(shape, ours) == getattr(from_dict, name), ours
 
 
+def test_megatrons_none_for_a_width_means_megatrons_default():
+    """kv_channels None: hidden_size / num_attention_heads (not / num_query_groups, which GQA
+    makes differ); moe_ffn_hidden_size None: ffn_hidden_size (not hidden_size)."""
+    fields = {BY_NAME[k].megatron: v for k, v in SMALL.items() if BY_NAME[k].megatron}
+    builder = {BY_NAME[k].builder: v for k, v in SMALL.items() if BY_NAME[k].builder}
+    fields.update(kv_channels=None, moe_ffn_hidden_size=None)
+    arch = ModelArch.from_megatron_config(fields, builder)
+    assert (arch.kv_channels, arch.moe_ffn_hidden_size) == (64 // 4, 96)
+
+
 @pytest.mark.parametrize(
     "change",
     [
