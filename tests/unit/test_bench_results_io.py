@@ -2,6 +2,7 @@
 result is never half-written; the two folder benchmarks refuse a file name for ``--out``."""
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_io import RESULTS, folder_refusal, json_path, write_json  # noqa: E402
+from benchmarks.results_io import (  # noqa: E402
+    RESULTS,
+    folder_refusal,
+    json_path,
+    write_json,
+    write_png,
+)
 
 
 def test_out_is_a_file_or_a_folder(tmp_path):
@@ -31,6 +38,45 @@ def test_write_json_replaces_whole_or_not_at_all(tmp_path):
         write_json(str(path), {"a": object()})  # fails mid-dump
     assert json.loads(path.read_text()) == {"a": 1}  # the old result, intact
     assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]  # no temporary left
+
+
+def test_a_folder_benchmark_refuses_a_picture_or_an_existing_file_for_out(tmp_path):
+    """``--out x.png`` or an existing file: os.makedirs would fail with a traceback after the
+    whole run, or make a folder named like a picture."""
+    existing = tmp_path / "results"
+    existing.write_text("")
+    for out in (str(tmp_path / "x.png"), str(existing)):
+        assert folder_refusal(out, "b.json and b.png") == (
+            f"--out {out}: a folder is needed (this benchmark writes b.json and b.png there)"
+        )
+
+
+def test_write_json_passes_the_dump_options(tmp_path):
+    """The race writes strict JSON (``allow_nan=False``): a NaN is refused, nothing written."""
+    path = tmp_path / "r.json"
+    with pytest.raises(ValueError, match="JSON compliant"):
+        write_json(str(path), {"a": float("nan")}, allow_nan=False)
+    assert not list(tmp_path.iterdir())
+    write_json(str(path), {"a": 1}, indent=1)
+    assert path.read_text() == '{\n "a": 1\n}'
+
+
+def test_write_png_at_90_dpi(tmp_path):
+    """The README's pictures: figure inches x 90 pixels, written whole."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(2, 1))
+    path = tmp_path / "sub" / "p.png"
+    write_png(fig, str(path))
+    plt.close(fig)
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", head[16:24]) == (180, 90)  # IHDR: width, height
+    assert [p.name for p in path.parent.iterdir()] == ["p.png"]
 
 
 def _run(script, *argv):

@@ -3,10 +3,13 @@ iteration and the mean over seeds are the figures the README's table quotes; a f
 cannot give (the window after iteration 50 of a 40-iteration run, tokens/s without timings)
 is null in the JSON and "-" in the table, never NaN (which strict JSON readers refuse)."""
 
+import argparse
 import importlib.util
 import json
 import statistics
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,6 +54,40 @@ def test_windows_worst_and_mean_over_seeds():
     assert abs(row["final_loss"] - 4.5895) < 1e-9  # 4 + mean(i 80..99)/1000, 5 + the same
 
 
+def test_tokens_per_s_after_the_warm_up_and_every_figure_averaged_over_seeds():
+    a = _records([1.0] * 60)
+    for r in a:
+        r["tokens_per_s"] = 10.0 * r["iteration"]  # iterations 1-5 (the warm-up) left out
+    a = race.summarize("m", a)
+    b = race.summarize("m", _records([9.0] * 60, loss=5.0, tokens_per_s=500.0))
+    assert a["tokens_per_s"] == 330.0  # the median of iterations 6-60
+    assert b["curve_maxvio_max"] == [18.0] * 60 and b["iterations_with_dead_expert"] == 60
+    row = race.combine([b, a])
+    assert row["maxvio_worst"] == 9.0  # the worst run's, also when it is not the last
+    assert row["iterations_with_dead_expert"] == 30.0 and row["tokens_per_s"] == 415.0
+    assert row["curve_maxvio"] == [5.0] * 60 and row["curve_maxvio_max"] == [10.0] * 60
+    assert row["curve_loss"][-1] == pytest.approx(4.5 + 59e-3)
+    assert row["final_loss"] == pytest.approx(4.5 + 49.5e-3)
+    assert row["final_loss_sd"] == pytest.approx(0.5**0.5)  # the sample SD of two runs 1 apart
+
+
+def test_table_columns_line_up_for_long_names_and_missing_figures():
+    full = race.summarize("none", _records([1.0] * 60))
+    full["tokens_per_s_rel"] = 1.0
+    long_name = max(race.METHODS, key=len)
+    short = race.summarize(long_name, _records([1.0] * 40, tokens_per_s=float("nan")))
+    short["tokens_per_s_rel"] = None
+    header, *rows = race.table_rows([full, short])
+    assert len(long_name) > 34
+    assert [len(r) for r in rows] == [len(header)] * 2
+    assert rows[1].startswith(long_name + " ") and rows[1].endswith(" -")
+
+
+def test_loss_curve_is_a_running_mean():
+    assert race._running_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert race._running_mean([3.0, 6.0, 0.0, 3.0], 3) == [3.0, 4.5, 3.0, 3.0]
+
+
 def test_a_missing_figure_is_null_and_a_dash():
     short = race.summarize("short run", _records([1.0] * 40, tokens_per_s=float("nan")))
     assert short["maxvio_51_end"] is None and short["tokens_per_s"] is None
@@ -82,14 +119,28 @@ def test_loss_panel_shows_every_final_loss():
         (["--methods"], "--methods: give at least one"),
         (["--args-file", "/nonexistent/args.sh"], "--args-file /nonexistent/args.sh: no such file"),
         (["--side-by-side-steps", "-1"], "--side-by-side-steps -1: an integer >= 0"),
+        (["--iters", "50"], "--iters 50: must be > 50 (the windows are 1-50 and 51-end)"),
+        (["--out", "{tmp}/x.json"], "--out {tmp}/x.json: a folder is needed"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_written(argv, message, capsys, tmp_path):
+    argv = [w.format(tmp=tmp_path) for w in argv]
     with pytest.raises(SystemExit) as exc:
-        race.main([*argv, "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")])
+        race.main(["--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs"), *argv])
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no run, no result (the headline JSON was wiped)
+
+
+def test_a_relative_args_file_is_made_absolute_and_on_request_methods_left_out(monkeypatch):
+    """The runs start in the repository, not where the user typed the path."""
+    monkeypatch.chdir(REPO / "examples")
+    p = argparse.ArgumentParser()
+    race.add_model_and_method_args(p)
+    args = p.parse_args(["--args-file", "args/k3_sparse_tiny.sh"])
+    race.check_model_and_method_args(p, args)
+    assert args.args_file == race.DEFAULT_ARGS_FILE
+    assert args.methods[0] == "none" and not set(args.methods) & set(race.ON_REQUEST)
 
 
 def test_other_args_files_write_beside_the_races_results():
@@ -97,23 +148,33 @@ def test_other_args_files_write_beside_the_races_results():
     assert race.results_dir(race.DEFAULT_ARGS_FILE) == race.RESULTS
     wide = str(REPO / "examples" / "args" / "k3_sparse_wide.sh")
     assert race.results_dir(wide) == str(Path(race.RESULTS) / "k3_sparse_wide")
+    assert race.race_workdir(wide) == str(REPO / "runs" / "training_balance" / "k3_sparse_wide")
 
 
-def test_a_finished_run_is_reused_only_with_the_flags_that_trained_it(
-    tmp_path, monkeypatch, capsys
-):
-    """The race reused any JSONL with enough iterations: after a method's flags, the args file,
-    --iters or the seed changed, it reported the old run as the new one."""
+def test_the_race_trains_the_args_files_model_with_the_seed_asked(tmp_path):
+    """The last occurrence of a flag wins (an args file that sources another and overrides it);
+    seed 0 is a seed."""
+    tiny = race.model_shape(race.DEFAULT_ARGS_FILE)
+    assert tiny[:2] == (128, 4)
     args_file = tmp_path / "model.sh"
-    args_file.write_text(
-        'source "%s"\nARGS+=(--lr 1e-3)\n' % (REPO / "examples" / "args" / "k3_sparse_tiny.sh")
-    )
-    trained = []
+    args_file.write_text(f'source "{race.DEFAULT_ARGS_FILE}"\nARGS+=(--num-experts 16)\n')
+    assert race.model_shape(str(args_file)) == (16, *tiny[1:])
+    args = SimpleNamespace(args_file=str(args_file), iters=60)
+    cmd = race.race_command(["--x"], args, "r.jsonl", seed=0)
+    assert cmd[-3:] == ["--x", "--seed", "0"] and "--seed" not in race.race_command([], args, "r")
 
-    def fake_run(name, flags, args, jsonl, seed=None):  # a run that trains instantly
-        trained.append(name)
+
+@pytest.fixture
+def instant_race(monkeypatch):
+    """The race with runs that train instantly (``tokens_per_s``: a method's figure, 1000 by
+    default), no token floor and no picture; ``trained``: the runs trained."""
+    race_ = SimpleNamespace(trained=[], tokens_per_s={})
+
+    def fake_run(name, flags, args, jsonl, seed=None):
+        race_.trained.append(name)
+        speed = race_.tokens_per_s.get(name, 1000.0)
         with open(jsonl, "w") as f:
-            for r in _records([1.0] * args.iters):
+            for r in _records([1.0] * args.iters, tokens_per_s=speed):
                 f.write(json.dumps(r) + "\n")
         race.save_record(jsonl, race.race_command(flags, args, jsonl, seed))
         return 0.0
@@ -125,6 +186,19 @@ def test_a_finished_run_is_reused_only_with_the_flags_that_trained_it(
         lambda *a: dict(experts_over_topk=32, mean=0.0, max=0.0, most_frequent_token=0),
     )
     monkeypatch.setattr(race, "plot", lambda *a: None)
+    return race_
+
+
+def test_a_finished_run_is_reused_only_with_the_flags_that_trained_it(
+    tmp_path, monkeypatch, capsys, instant_race
+):
+    """The race reused any JSONL with enough iterations: after a method's flags, the args file,
+    --iters or the seed changed, it reported the old run as the new one."""
+    args_file = tmp_path / "model.sh"
+    args_file.write_text(
+        'source "%s"\nARGS+=(--lr 1e-3)\n' % (REPO / "examples" / "args" / "k3_sparse_tiny.sh")
+    )
+    trained = instant_race.trained
     base = ["--args-file", str(args_file), "--methods", "none", "--side-by-side-steps", "0"]
     base += ["--iters", "60", "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
 
@@ -147,3 +221,95 @@ def test_a_finished_run_is_reused_only_with_the_flags_that_trained_it(
     (tmp_path / "runs" / "none.cmd.json").unlink()
     assert race_with() == ["none"]  # a run without its record is not trusted
     assert "no record of the flags" in capsys.readouterr().out
+    (tmp_path / "runs" / "none.cmd.json").write_text("[")  # a record cut short
+    assert race_with() == ["none"]
+    assert "no record of the flags" in capsys.readouterr().out
+    jsonl = tmp_path / "runs" / "none.jsonl"
+    jsonl.write_text("".join(jsonl.read_text().splitlines(keepends=True)[:-1]))  # killed at 59
+    assert race_with() == ["none"]
+    assert "not run to the end" in capsys.readouterr().out
+
+
+def test_tokens_per_s_relative_to_none_and_side_by_side_without_partial_rescoring(
+    tmp_path, monkeypatch, instant_race
+):
+    """tokens/s of the runs is relative to ``none``'s; the side-by-side bench is asked only for
+    methods that rescore every iteration or none (a 1-50 window would mix two step costs)."""
+    window = "QB centered + seq_aux_loss + rescore 1-50 (ours)"
+    every = "QB centered + rescore (ours)"
+    instant_race.tokens_per_s.update({"aux_loss": 800.0, every: 500.0, window: 400.0})
+    asked = []
+
+    def side_by_side(args, methods):
+        asked.append(methods)
+        return {
+            m: dict(
+                ratio_vs_none_paired=0.9,
+                ratio_vs_none_paired_ci95=[0.8, 1.0],
+                router_s_median=0.1,
+                step_s_median=0.4,
+            )
+            for m in methods
+        }
+
+    monkeypatch.setattr(race, "side_by_side_tokens_per_s", side_by_side)
+    methods = ["none", "aux_loss", every, window]
+    race.main(
+        ["--methods", *methods, "--iters", "60", "--side-by-side-steps", "3"]
+        + ["--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    )
+    assert asked == [methods[:3]]
+    rows = json.loads((tmp_path / "out" / "training_balance.json").read_text())["methods"]
+    assert [r["tokens_per_s_rel"] for r in rows] == [1.0, 0.8, 0.5, 0.4]
+    assert [r.get("router_share_side_by_side") for r in rows] == [0.25, 0.25, 0.25, None]
+
+
+def test_side_by_side_is_reused_only_for_the_same_methods_steps_and_model(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_bench(cmd, **kwargs):  # bench_step_balancers.py: its JSON, numbered by call
+        calls.append(cmd)
+        value = lambda flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+        methods = cmd[cmd.index("--methods") + 1 :]
+        args = dict(methods=methods, steps=int(value("--steps")), args_file=value("--args-file"))
+        results = {m: len(calls) for m in methods}
+        Path(value("--out")).write_text(json.dumps(dict(args=args, results=results)))
+
+    monkeypatch.setattr(race.subprocess, "run", fake_bench)
+    args = SimpleNamespace(
+        workdir=str(tmp_path), side_by_side_steps=3, args_file=race.DEFAULT_ARGS_FILE, fresh=False
+    )
+    assert race.side_by_side_tokens_per_s(args, ["none"]) == {"none": 1}
+    assert race.side_by_side_tokens_per_s(args, ["none"]) == {"none": 1}  # reused
+    assert race.side_by_side_tokens_per_s(args, ["none", "aux_loss"])["none"] == 2
+    args.side_by_side_steps = 4
+    assert race.side_by_side_tokens_per_s(args, ["none", "aux_loss"])["none"] == 3
+    args.fresh = True
+    assert race.side_by_side_tokens_per_s(args, ["none", "aux_loss"])["none"] == 4
+
+
+def test_a_failed_run_leaves_no_record_and_no_stale_result(tmp_path, monkeypatch):
+    """A run's flags are recorded only once it finished; the previous run's JSONL and record go
+    before it starts (a failed re-run must not leave the old run to be reused)."""
+    real_run = subprocess.run
+    exit_code = [3]
+
+    def fake_training(cmd, **kwargs):
+        if not cmd[1].endswith("run_torchrun.sh"):
+            return real_run(cmd, **kwargs)  # the args file's flags
+        assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "m.cmd.json").exists()
+        kwargs["stdout"].write("training log\n")
+        return subprocess.CompletedProcess(cmd, exit_code[0])
+
+    monkeypatch.setattr(race.subprocess, "run", fake_training)
+    args = SimpleNamespace(args_file=race.DEFAULT_ARGS_FILE, iters=60)
+    jsonl = str(tmp_path / "m.jsonl")
+    for stale in ("m.jsonl", "m.cmd.json"):
+        (tmp_path / stale).write_text("[]")
+    with pytest.raises(RuntimeError, match=r"(?s)^m: exit 3; log .*m\.log:\ntraining log\n$"):
+        race.run_method("m", ["--x"], args, jsonl)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.log"]
+    exit_code[0] = 0
+    race.run_method("m", ["--x"], args, jsonl)
+    record = race.run_record(race.race_command(["--x"], args, jsonl))
+    assert json.loads((tmp_path / "m.cmd.json").read_text()) == record and record[-1] == "--x"
