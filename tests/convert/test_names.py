@@ -821,3 +821,40 @@ def test_megatron_side_refusals_and_fallbacks():
         ns = a.megatron_args_namespace()
         ns.moe_layer_freq = freq
         assert ModelArch.from_megatron_args(ns) == a
+
+
+def test_megatron_values_the_converter_passes_on_or_refuses(tmp_path):
+    """Zero experts or latent width is refused like None; an int ``moe_layer_freq`` is Megatron's
+    "layer i is MoE when i % freq == 0" (4 on 4 layers: only layer 0 MoE, refused); the args an
+    import stores say GQA only when the groups differ from the heads; the builder keywords carry
+    the RoPE base; an aux-loss model verifies without its aux loss; a ``.yml`` file is YAML."""
+    cfg = _workers.MEGATRON_CFG
+
+    def refusal(**change):
+        with pytest.raises(ConversionError) as info:
+            ModelArch.from_megatron_config(dict(cfg, **change), cfg)
+        return str(info.value)
+
+    for key in ("num_moe_experts", "moe_latent_size"):
+        assert refusal(**{key: 0}) == (
+            f"Megatron config: {key}=0 is not allowed: a positive integer (a Stable LatentMoE "
+            "model)"
+        )
+    assert refusal(moe_layer_freq=4, first_k_dense_replace=0) == (
+        "Megatron config: moe_layer_freq=4 is not allowed: 1 or [0] * k + [1] * (4 - k) "
+        "(num_layers=4): only the first layers may be dense, as in the HF model"
+    )
+    assert small_arch().megatron_args_namespace().group_query_attention is True  # 3 groups
+    assert small_arch(num_query_groups=6).megatron_args_namespace().group_query_attention is False
+    assert small_arch(rotary_base=5e5).builder_kwargs() == dict(
+        vocab_size=96, max_sequence_length=256, rotary_base=5e5,
+        share_embeddings_and_output_weights=False,
+    )  # fmt: skip
+    aux = _workers.arch("no_bias")
+    assert aux.moe_router_load_balancing_type == "aux_loss"
+    assert aux.to_megatron_config().moe_router_load_balancing_type == "none"
+    assert _workers.arch().to_megatron_config().moe_router_load_balancing_type == (
+        "quantile_histogram"
+    )
+    (tmp_path / "c.yml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items()))
+    assert arch_from_config_file(tmp_path / "c.yml") == _workers.arch()
