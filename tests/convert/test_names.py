@@ -858,3 +858,17 @@ def test_megatron_values_the_converter_passes_on_or_refuses(tmp_path):
     )
     (tmp_path / "c.yml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items()))
     assert arch_from_config_file(tmp_path / "c.yml") == _workers.arch()
+
+
+def test_attention_shapes_when_heads_times_head_dim_is_not_hidden_size():
+    """K3's attention is wider than d (64 heads x 128 > 7168): o_proj is [d, heads * head_dim],
+    q/k/v follow the head dim, not d / heads (every other test model has heads x hd == d)."""
+    a = small_arch(kv_channels=10)  # 6 heads x 10 = 60, d = 48, 3 query groups
+    shapes = {name: shape for tm in iter_tensor_maps(a) for name, shape in tm.hf}
+    attn = "model.layers.0.self_attn."
+    assert {k.removeprefix(attn): v for k, v in shapes.items() if k.startswith(attn)} == {
+        "q_proj.weight": (60, 48),
+        "k_proj.weight": (30, 48),
+        "v_proj.weight": (30, 48),
+        "o_proj.weight": (48, 60),
+    }
