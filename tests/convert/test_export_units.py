@@ -856,24 +856,25 @@ def test_import_refuses_hf_directories_that_do_not_match_their_config(tmp_path):
     arch = ModelArch(**TINY)
     missing = tmp_path / "nothing"
     _import_fails(missing, tmp_path / "mg", f"HF model directory {str(missing)!r} does not exist")
-    hf = tmp_path / "hf"
-    write_hf_dir(hf, arch, extra={"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
-    _import_fails(
-        hf,
-        tmp_path / "mg",
-        f"HF checkpoint {str(hf)!r} does not match its config.json:\n  unexpected tensor(s) not "
-        "described by config.json (1): ['model.layers.9.mlp.up_proj.weight']",
-    )
-    # a tensor of the wrong shape is named with both shapes, before anything is written
-    hf_shape = tmp_path / "hf_shape"
-    write_hf_dir(hf_shape, arch, extra={"model.norm.weight": torch.zeros(17)})
-    _import_fails(
-        hf_shape,
-        tmp_path / "mg",
-        f"HF checkpoint {str(hf_shape)!r} does not match its config.json:\n  {str(hf_shape)}: "
-        "tensor 'model.norm.weight' shape=(17,) is not allowed: (16,), what the model config "
-        "implies",
-    )
+    # a tensor the config does not describe, or one of the wrong shape (named with both shapes)
+    for name, extra, problem in (
+        (
+            "hf",
+            {"model.layers.9.mlp.up_proj.weight": torch.zeros(1)},
+            "unexpected tensor(s) not described by config.json (1): "
+            "['model.layers.9.mlp.up_proj.weight']",
+        ),
+        (
+            "hf_shape",
+            {"model.norm.weight": torch.zeros(17)},
+            f"{tmp_path / 'hf_shape'}: tensor 'model.norm.weight' shape=(17,) is not allowed: "
+            "(16,), what the model config implies",
+        ),
+    ):
+        hf = tmp_path / name
+        write_hf_dir(hf, arch, extra=extra)
+        message = f"HF checkpoint {str(hf)!r} does not match its config.json:\n  {problem}"
+        _import_fails(hf, tmp_path / "mg", message)
     save_file({"x": torch.zeros(1)}, str(hf / "model.safetensors"))
     with pytest.raises(ConversionError) as info:
         import_checkpoint(hf, tmp_path / "mg", progress=False)
