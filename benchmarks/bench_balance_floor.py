@@ -114,6 +114,8 @@ def parse_args(argv=None):
     if a.load and len(a.seeds) > 1:
         p.error(f"--load with --seeds {' '.join(map(str, a.seeds))}: allowed: the run's one seed")
     a.load = a.load and os.path.abspath(a.load)
+    if a.nproc < 1:
+        p.error(f"--nproc {a.nproc}: an integer >= 1")
     gbs = a.global_batch_size
     if gbs is not None and (gbs < a.nproc or gbs % a.nproc):
         p.error(f"--global-batch-size {gbs}: allowed: a positive multiple of --nproc {a.nproc}")

@@ -61,6 +61,7 @@ def test_balancing_bias_balances_the_tokens_it_is_solved_on():
         (["--solver-iters", "1"], "--solver-iters 1: must be >= 2"),
         (["--global-batch-size", "3"], "--global-batch-size 3: allowed: a positive multiple of"),
         (["--global-batch-size", "0"], "--global-batch-size 0: allowed: a positive multiple of"),
+        (["--global-batch-size", "4", "--nproc", "0"], "--nproc 0: an integer >= 1"),
     ],
 )
 def test_flag_errors_name_flag_and_value(argv, message, tmp_path, capsys):

@@ -93,6 +93,7 @@ def test_a_missing_figure_is_null_and_a_dash():
     assert short["maxvio_51_end"] is None and short["tokens_per_s"] is None
     row = race.combine([short, short])
     assert row["maxvio_51_end"] is None and row["maxvio_worst_51_end"] is None
+    assert race._of_all(max, [1.0, None]) is None and race._of_all(max, [None, 1.0]) is None
     short["tokens_per_s_rel"] = None  # `none` not in the race
     json.dumps([short, row], allow_nan=False)  # raises on NaN
     line = race.table_rows([short])[1]
@@ -123,8 +124,12 @@ def test_loss_panel_shows_every_final_loss():
         (["--out", "{tmp}/x.json"], "--out {tmp}/x.json: a folder is needed"),
     ],
 )
-def test_bad_options_are_refused_before_anything_is_written(argv, message, capsys, tmp_path):
+def test_bad_options_are_refused_before_anything_is_written(
+    argv, message, capsys, tmp_path, monkeypatch
+):
     argv = [w.format(tmp=tmp_path) for w in argv]
+    # an option let through must fail here, not start the race's real training
+    monkeypatch.setattr(race, "run_method", lambda *a, **k: pytest.fail("it trained"))
     with pytest.raises(SystemExit) as exc:
         race.main(["--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs"), *argv])
     assert exc.value.code == 2
