@@ -945,6 +945,34 @@ def test_mxfp4_export_reads_back_in_the_dense_dtype(tiny, tmp_path):
     assert torch.equal(reader.read(fc1)[2, :32], dense)  # w1 is the first half of fc1
 
 
+def test_mxfp4_import_of_an_fp32_export_and_of_a_pair_missing_half(tiny, tmp_path):
+    """An fp32 MXFP4 export is read back in fp32 (no other dense dtype to follow); a
+    ``weight_packed`` without its ``weight_scale`` (or the reverse) is one error naming it."""
+    from megatron_latentmoe.convert import mxfp4
+
+    hf = tmp_path / "hf"
+    export_checkpoint(
+        tiny.root / "mg", hf, expert_dtype="mxfp4", tokenizer_dir=None, progress=False
+    )
+    import_checkpoint(hf, tmp_path / "mg", progress=False)
+    back = hf_tensors(hf)
+    w1 = "model.layers.1.block_sparse_moe.experts.2.w1"
+    fc1 = DistCheckpointReader(tmp_path / "mg").read(
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight", (2,)
+    )
+    assert fc1.dtype == F32 and torch.equal(fc1[:32], mxfp4.unpack(f"{w1}.weight", back, F32))
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors") or f == INDEX_FILE:
+            os.remove(hf / f)
+    for dropped in ("weight_scale", "weight_packed"):
+        kept = {k: v for k, v in back.items() if k != f"{w1}.{dropped}"}
+        save_file(kept, str(hf / "model.safetensors"))
+        missing = f"{w1}.weight_scale"  # the packed tensor's pair, or the scale left alone
+        _import_fails(
+            hf, tmp_path / "mg2", f"{str(hf)!r}: MXFP4 tensors without their pair: {[missing]!r}"
+        )
+
+
 def test_fp16_import_of_values_beyond_its_range_is_refused(tmp_path):
     """``import --dtype fp16`` of an HF weight beyond fp16's 65504: one error naming the option,
     the tensor and its largest value, and no output (it was written as inf, silently); bf16

@@ -683,6 +683,22 @@ def test_reader_common_state_is_unpickled_safely(tmp_path):
     assert (reader.path, arch, common) == (tmp_path / "b", _workers.arch(), {})
 
 
+def test_reader_unreadable_metadata_is_a_clear_error(tmp_path):
+    """A '.metadata' that is not DCP's pickle (corrupt, or empty after a crash): one error naming
+    the checkpoint and the cause, not a traceback."""
+    save_dcp(tmp_path, {"decoder.a": torch.ones(2)})
+    for data, cause in (
+        (b"\x80\x04garbage", "UnpicklingError: pickle data was truncated"),
+        (b"", "EOFError: Ran out of input"),
+    ):
+        (tmp_path / ".metadata").write_bytes(data)
+        with pytest.raises(ConversionError) as info:
+            DistCheckpointReader(tmp_path)
+        assert (
+            str(info.value) == f"checkpoint {str(tmp_path)!r}: '.metadata' cannot be read ({cause})"
+        )
+
+
 def test_reader_truncated_data_is_a_clear_error(tmp_path):
     r = save_dcp(tmp_path / "ck", {"decoder.a": torch.arange(1000.0)})
     data = tmp_path / "ck" / "__0_0.distcp"
