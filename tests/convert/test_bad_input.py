@@ -568,14 +568,13 @@ def _tiny_hf_export(path):
     """A small random model saved as an export is (config, weights, remote code, tokenizer),
     without the workspace's training run; returns the model (eval, fp32)."""
     from megatron_latentmoe.data.corpus import default_tokenizer_dir
-    from megatron_latentmoe.hf import StableLatentMoEForCausalLM, copy_remote_code
-    from tests.unit.test_hf_modeling import randomize_, tiny_config
+    from megatron_latentmoe.hf import StableLatentMoEForCausalLM
+    from tests.unit.test_hf_modeling import _save_with_code, randomize_, tiny_config
 
     cfg = tiny_config(vocab_size=4096, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     model = StableLatentMoEForCausalLM(cfg).eval()
     randomize_(model, std=0.3, seed=5)
-    model.save_pretrained(path)
-    copy_remote_code(path)
+    _save_with_code(model, path)
     for name in os.listdir(default_tokenizer_dir()):
         shutil.copy(os.path.join(default_tokenizer_dir(), name), path / name)
     return model

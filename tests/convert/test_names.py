@@ -767,10 +767,17 @@ def test_megatron_side_refusals_and_fallbacks():
             f"Megatron config: {key}={value!r} is not allowed: {allowed}"
         )
     for key in ("num_moe_experts", "moe_latent_size"):
-        assert refusal(**{key: None}) == (
-            f"Megatron config: {key}=None is not allowed: a positive integer (a Stable LatentMoE "
-            "model)"
-        )
+        for value in (None, 0):  # 0 is refused like None, with the same words
+            assert refusal(**{key: value}) == (
+                f"Megatron config: {key}={value} is not allowed: a positive integer (a Stable "
+                "LatentMoE model)"
+            )
+    # an int moe_layer_freq is Megatron's "layer i is MoE when i % freq == 0": 4 on 4 layers
+    # makes only layer 0 MoE
+    assert refusal(moe_layer_freq=4, first_k_dense_replace=0) == (
+        "Megatron config: moe_layer_freq=4 is not allowed: 1 or [0] * k + [1] * (4 - k) "
+        "(num_layers=4): only the first layers may be dense, as in the HF model"
+    )
     assert refusal(moe_layer_freq=[0, 1, 0, 1], first_k_dense_replace=0) == (
         "Megatron config: moe_layer_freq=[0, 1, 0, 1] is not allowed: 1 or [0] * k + [1] * "
         "(4 - k) (num_layers=4): only the first layers may be dense, as in the HF model"
@@ -823,27 +830,11 @@ def test_megatron_side_refusals_and_fallbacks():
         assert ModelArch.from_megatron_args(ns) == a
 
 
-def test_megatron_values_the_converter_passes_on_or_refuses(tmp_path):
-    """Zero experts or latent width is refused like None; an int ``moe_layer_freq`` is Megatron's
-    "layer i is MoE when i % freq == 0" (4 on 4 layers: only layer 0 MoE, refused); the args an
-    import stores say GQA only when the groups differ from the heads; the builder keywords carry
-    the RoPE base; an aux-loss model verifies without its aux loss; a ``.yml`` file is YAML."""
+def test_megatron_values_the_converter_passes_on(tmp_path):
+    """The args an import stores say GQA only when the groups differ from the heads; the builder
+    keywords carry the RoPE base; an aux-loss model verifies without its aux loss; a ``.yml``
+    file is YAML."""
     cfg = _workers.MEGATRON_CFG
-
-    def refusal(**change):
-        with pytest.raises(ConversionError) as info:
-            ModelArch.from_megatron_config(dict(cfg, **change), cfg)
-        return str(info.value)
-
-    for key in ("num_moe_experts", "moe_latent_size"):
-        assert refusal(**{key: 0}) == (
-            f"Megatron config: {key}=0 is not allowed: a positive integer (a Stable LatentMoE "
-            "model)"
-        )
-    assert refusal(moe_layer_freq=4, first_k_dense_replace=0) == (
-        "Megatron config: moe_layer_freq=4 is not allowed: 1 or [0] * k + [1] * (4 - k) "
-        "(num_layers=4): only the first layers may be dense, as in the HF model"
-    )
     assert small_arch().megatron_args_namespace().group_query_attention is True  # 3 groups
     assert small_arch(num_query_groups=6).megatron_args_namespace().group_query_attention is False
     assert small_arch(rotary_base=5e5).builder_kwargs() == dict(
