@@ -15,6 +15,8 @@ import os
 import time
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from tests.parallel.launcher import run_distributed
 
@@ -27,6 +29,16 @@ LAYOUTS_2 = {
 }
 LAYOUTS_4 = {"tp2ep2": dict(tp=2, pp=1, ep=2, etp=1)}
 MAX_SHARD = "300KB"  # several safetensors shards even for the tiny model
+
+
+def hf_tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in an HF directory, by name."""
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, f), framework="pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
 
 
 class Workspace:

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -25,7 +24,6 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from megatron_latentmoe.convert import ModelArch
 from megatron_latentmoe.convert.arch import ARCH_STATE_KEY
@@ -33,19 +31,10 @@ from megatron_latentmoe.convert.dist_reader import DistCheckpointReader
 from megatron_latentmoe.convert.names import iter_tensor_maps
 
 from . import _workers
-from .conftest import LAYOUTS_2, LAYOUTS_4, MAX_SHARD
+from .conftest import LAYOUTS_2, LAYOUTS_4, MAX_SHARD, hf_tensors
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load_hf_tensors(directory: str) -> dict:
-    out = {}
-    for f in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
 
 
 def assert_bit_identical(a: dict, b: dict, what: str) -> None:
@@ -61,10 +50,8 @@ def assert_bit_identical(a: dict, b: dict, what: str) -> None:
 # --------------------------------------------------------------------------------------- layouts
 @pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
 def test_every_layout_exports_bit_identical_hf_tensors(workspace, layout):
-    main = load_hf_tensors(workspace.path("hf_main"))
-    assert_bit_identical(
-        main, load_hf_tensors(workspace.path(f"hf_{layout}")), f"export of ck_{layout}"
-    )
+    main = hf_tensors(workspace.path("hf_main"))
+    assert_bit_identical(main, hf_tensors(workspace.path(f"hf_{layout}")), f"export of ck_{layout}")
 
 
 def test_layout_checkpoints_really_differ_in_sharding(workspace):
@@ -81,7 +68,7 @@ def test_hf_export_matches_the_model_weights(workspace):
     """The HF tensors are the Megatron weights, re-laid-out (checked against the in-memory state
     dict of the model, independently of the reader)."""
     full = torch.load(workspace.path("full.pt"))
-    hf = load_hf_tensors(workspace.path("hf_main"))
+    hf = hf_tensors(workspace.path("hf_main"))
     a = _workers.arch("main")
     for tm in iter_tensor_maps(a):
         for name, t in tm.to_hf(full[tm.megatron]).items():
@@ -173,7 +160,7 @@ def test_homogeneous_model_round_trip(workspace):
     cfg = json.load(open(workspace.path("hf_homog", "config.json")))
     assert cfg["tie_word_embeddings"] is True and cfg["hidden_act"] == "silu"
     assert cfg["routed_scaling_factor"] == 2.5 and cfg["first_k_dense_replace"] == 0
-    assert "lm_head.weight" not in load_hf_tensors(workspace.path("hf_homog"))
+    assert "lm_head.weight" not in hf_tensors(workspace.path("hf_homog"))
     r = DistCheckpointReader(workspace.path("ck_homog"))
     assert "decoder.layers.self_attention.linear_qkv.weight" in r.tensors  # stacked keys
 
@@ -245,7 +232,7 @@ def test_export_directory_contents(workspace):
     ) in per_shard.items():  # only a single tensor bigger than the cap may exceed it
         if len(names_in) > 1:
             assert os.path.getsize(os.path.join(d, shard)) < 300_000 + 16_000, shard
-    tensors = load_hf_tensors(d)
+    tensors = hf_tensors(d)
     assert index["metadata"]["total_size"] == sum(
         t.numel() * t.element_size() for t in tensors.values()
     )
@@ -260,11 +247,11 @@ def test_bf16_export(workspace, tmp_path):
     export_checkpoint(workspace.path("ck_single"), tmp_path / "cast", dtype="bf16", progress=False)
     export_checkpoint(workspace.path("ck_bf16"), tmp_path / "native", progress=False)
     cast, native = (
-        load_hf_tensors(str(tmp_path / "cast")),
-        load_hf_tensors(str(tmp_path / "native")),
+        hf_tensors(str(tmp_path / "cast")),
+        hf_tensors(str(tmp_path / "native")),
     )
     assert_bit_identical(cast, native, "bf16 exports")
-    fp32 = load_hf_tensors(workspace.path("hf_main"))
+    fp32 = hf_tensors(workspace.path("hf_main"))
     for k, t in cast.items():
         if k.endswith("e_score_correction_bias"):
             assert t.dtype == torch.float32 and torch.equal(t, fp32[k])
@@ -329,8 +316,8 @@ def test_singleton_local_shards_checkpoint_exports_identically(workspace):
         progress=False,
     )
     assert_bit_identical(
-        load_hf_tensors(workspace.path("hf_main")),
-        load_hf_tensors(workspace.path("hf_singleton")),
+        hf_tensors(workspace.path("hf_main")),
+        hf_tensors(workspace.path("hf_singleton")),
         "export of the singleton-local-shards checkpoint",
     )
 
@@ -390,7 +377,7 @@ def test_router_without_expert_bias_exports_a_zero_bias(workspace, tmp_path):
     export_checkpoint(
         workspace.path("ck_no_bias"), hf_dir, max_shard_size=MAX_SHARD, progress=False
     )
-    main, no_bias = load_hf_tensors(workspace.path("hf_main")), load_hf_tensors(hf_dir)
+    main, no_bias = hf_tensors(workspace.path("hf_main")), hf_tensors(hf_dir)
     assert sorted(no_bias) == sorted(main)
     biases = [k for k in main if k.endswith("gate.e_score_correction_bias")]
     assert len(biases) == 3

@@ -40,6 +40,7 @@ from megatron_latentmoe.convert.importer import import_checkpoint
 from megatron_latentmoe.convert.names import iter_tensor_maps
 
 from . import _workers
+from .conftest import hf_tensors
 
 TINY = dict(
     _workers.TEST_ARCH,
@@ -62,15 +63,6 @@ LARGEST = 2 * 32 * 32  # elements of a routed expert's linear_fc1 (its w1 and w3
 
 def no_leftovers(parent) -> bool:
     return not [n for n in os.listdir(parent) if ".partial-" in n or ".old-" in n]
-
-
-def hf_tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def write_hf_dir(directory, arch: ModelArch, dtype=torch.float32, extra=None) -> dict:

@@ -19,6 +19,7 @@ from megatron_latentmoe.convert.errors import ConversionError
 from tests.parallel.launcher import run_distributed
 
 from . import _workers
+from .conftest import hf_tensors
 
 
 def _make(rank, world, out_dir):
@@ -78,20 +79,9 @@ def ws(tmp_path_factory):
     return out
 
 
-def _tensors(path):
-    from safetensors import safe_open
-
-    out = {}
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    for f in sorted(set(index["weight_map"].values())):
-        with safe_open(str(path / f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
 def test_export_writes_packed_experts_and_nothing_else_changes(ws):
     root = ws["root"]
-    mx, plain = _tensors(root / "hf_mx"), _tensors(root / "hf_fp32")
+    mx, plain = hf_tensors(root / "hf_mx"), hf_tensors(root / "hf_fp32")
     experts = [k for k in plain if ".block_sparse_moe.experts." in k]
     assert len(experts) == 3 * 8 * 3  # 3 MoE layers x 8 experts x w1, w3, w2
     for k in experts:
@@ -154,8 +144,8 @@ def test_import_reads_mxfp4_back_and_re_export_is_identical(ws, tmp_path):
         progress=False,
         tokenizer_dir=None,
     )
-    assert _tensors(tmp_path / "hf_again").keys() == _tensors(root / "hf_mx").keys()
-    again, first = _tensors(tmp_path / "hf_again"), _tensors(root / "hf_mx")
+    assert hf_tensors(tmp_path / "hf_again").keys() == hf_tensors(root / "hf_mx").keys()
+    again, first = hf_tensors(tmp_path / "hf_again"), hf_tensors(root / "hf_mx")
     assert all(torch.equal(again[k], first[k]) for k in first)
 
 
@@ -185,7 +175,7 @@ def test_compressed_tensors_decompresses_the_export(ws):
     )
     scheme = config.config_groups["group_0"]
     compressor = BaseCompressor.get_value_from_registry(config.format)
-    mx, plain = _tensors(root / "hf_mx"), _tensors(root / "hf_fp32")
+    mx, plain = hf_tensors(root / "hf_mx"), hf_tensors(root / "hf_fp32")
     from megatron_latentmoe.ops.mxfp4 import mxfp4_round_trip
 
     for k in (k for k in plain if ".block_sparse_moe.experts." in k):
@@ -300,9 +290,9 @@ def test_bf16_export_quantizes_the_checkpoint_values_not_their_bf16_cast(ws, tmp
         root / "ck", tmp_path / "hf", dtype="bf16", expert_dtype="mxfp4", progress=False
     )
     bf16, fp32, plain = (
-        _tensors(tmp_path / "hf"),
-        _tensors(root / "hf_mx"),
-        _tensors(root / "hf_fp32"),
+        hf_tensors(tmp_path / "hf"),
+        hf_tensors(root / "hf_mx"),
+        hf_tensors(root / "hf_fp32"),
     )
     experts = [k for k in plain if ".block_sparse_moe.experts." in k]
     packed = [n for k in experts for n in mxfp4.names(k)]
