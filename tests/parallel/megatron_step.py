@@ -16,6 +16,8 @@ RTOL = 1e-5  # relative, fp32; what is measured is printed by the tests (typical
 GLOBAL_BATCH, SEQ, VOCAB = 4, 32, 128
 BINS = 1000
 DISPATCHERS = ("allgather", "alltoall")
+# Megatron activation recomputation of every layer: a layout option of the parallel tests.
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def batch():

@@ -29,6 +29,7 @@ import pytest
 from .launcher import run_distributed, shard_state_dict_for_rank
 from .megatron_step import (
     DISPATCHERS,
+    RECOMPUTE,
     SEQ,
     VOCAB,
     check_layouts,
@@ -43,7 +44,6 @@ pytestmark = pytest.mark.slow
 # Keyword arguments of _build: tp/pp/ep/etp sizes (etp defaults to tp), distopt (Megatron's
 # distributed optimizer), overlap (overlapped grad reduce / param gather), anything else goes to
 # the TransformerConfig.
-RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 LAYOUTS_2 = {
     "EP2": dict(ep=2),
     "TP2+SP": dict(tp=2),

@@ -29,6 +29,7 @@ from .launcher import run_distributed, shard_state_dict_for_rank
 from .megatron_step import (
     BINS,
     DISPATCHERS,
+    RECOMPUTE,
     build,
     check_layouts,
     grad_error,
@@ -38,7 +39,6 @@ from .megatron_step import (
 
 pytestmark = pytest.mark.slow
 
-RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 LAYOUTS_2 = {
     "TP2+SP": dict(tp=2, pp=1, ep=1, etp=2),
     "EP2": dict(tp=1, pp=1, ep=2, etp=1),
