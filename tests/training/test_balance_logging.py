@@ -48,6 +48,9 @@ def test_time_outside_training_is_not_counted(monkeypatch):
     assert after_save["tokens_per_s"] == pytest.approx(500.0)
     clock.now += 3.0  # not excluded (data loading, optimizer step): it counts
     assert step(1.0)["step_time_s"] == pytest.approx(4.0)
+    logger.excluded(save_checkpoint)()
+    logger.excluded(save_checkpoint)()  # a save and an evaluation between two steps: both out
+    assert step(2.0)["step_time_s"] == pytest.approx(2.0)
 
 
 class FakeWriter:
@@ -114,6 +117,54 @@ def test_scalars_go_to_tensorboard_and_wandb_at_the_tensorboard_interval():
     assert tb.scalars["balance/maxvio_layer_3"][0] == (2, 1.5)
     assert tb.scalars["balance/num_dead"][0] == (2, 1)
     assert "balance/maxvio_layer_1" not in tb.scalars  # a dense layer has no router
+
+
+def test_each_balance_tag_gets_the_steps_number_and_an_unmeasured_step_writes_none(
+    monkeypatch, tmp_path
+):
+    """The six ``balance/`` tags and ``throughput/tokens_per_s`` by name, each with its number over
+    the layers (mean MaxVio, max MaxVio, least / most loaded expert, mean fraction under half the
+    mean, dead experts summed); a step that measured none of them (no MoE layer, no step time)
+    writes no scalar, not a 0 / NaN / None (TensorBoard's add_scalar takes no None). The JSONL
+    layer entry keeps its keys in order with integer counts (``4``, not ``4.0``)."""
+    clock = FakeClock()
+    monkeypatch.setattr(balance_logging.time, "time", clock.time)
+    tb, path, iteration = FakeWriter(), tmp_path / "balance.jsonl", {"n": 1}
+    logger = balance_logging.BalanceLogger(
+        num_layers=2,
+        num_experts=4,
+        tokens_per_step=30,
+        iteration_fn=lambda: iteration["n"],
+        log_interval=1000,
+        jsonl_path=str(path),
+        writer_fn=lambda: tb,
+        is_logging_rank=True,
+    )
+    logger.on_step_end([], routers=[])  # no MoE layer, no forward marked: nothing measured
+    assert tb.scalars == {}
+    iteration["n"] = 2
+    clock.now += 3.0
+    routers = [FakeRouter(1, 1.5, [0, 1, 9, 10]), FakeRouter(2, 0.5, [2, 3, 3, 4])]
+    logger.on_step_end([], routers=routers)
+    assert tb.scalars == {
+        "balance/maxvio_mean": [(2, 1.0)],
+        "balance/maxvio_max": [(2, 1.5)],
+        "balance/min_load": [(2, 0)],
+        "balance/max_load": [(2, 10)],
+        "balance/frac_under_half": [(2, 0.25)],
+        "balance/num_dead": [(2, 1)],
+        "throughput/tokens_per_s": [(2, 10.0)],
+    }
+    assert (
+        path.read_text()
+        .splitlines()[1]
+        .endswith(
+            '"layers": [{"layer": 1, "max_vio": 1.5, "min_load": 0, "max_load": 10, '
+            '"frac_under_half": 0.5, "num_dead": 1, "num_tokens": 10, "loads": [0, 1, 9, 10]}, '
+            '{"layer": 2, "max_vio": 0.5, "min_load": 2, "max_load": 4, "frac_under_half": 0.0, '
+            '"num_dead": 0, "num_tokens": 6, "loads": [2, 3, 3, 4]}]}'
+        )
+    )
 
 
 def test_pretrain_hands_megatron_wandb_writer_to_the_logger(monkeypatch):
@@ -360,6 +411,11 @@ def test_the_stdout_line_says_n_a_for_what_a_step_did_not_measure():
     assert format_record(record) == (
         " [balance] iteration       7 | lm loss (this iteration) 2.5000 | tokens/s 1,235 | "
         "MaxVio mean 0.250 max 0.500 | load min/max 3/40 | under-half 0.125 | dead 1"
+    )
+    balanced = dict(record, loss=0.0, **dict.fromkeys(list(record)[3:], 0))
+    assert format_record(balanced) == (  # zeros keep their format: a perfectly balanced step
+        " [balance] iteration       7 | lm loss (this iteration) 0.0000 | tokens/s 1,235 | "
+        "MaxVio mean 0.000 max 0.000 | load min/max 0/0 | under-half 0.000 | dead 0"
     )
     empty = dict(record, loss=float("nan"), **dict.fromkeys(list(record)[3:]))
     assert format_record(empty) == (
