@@ -226,3 +226,58 @@ def test_qat_refuses_experts_of_other_linears_naming_them(fc1, fc2):
         "moe_expert_weight_qat='mxfp4' is not allowed: 'none' for experts built from "
         f"{linears[fc1].__name__} / {linears[fc2].__name__}"
     )
+
+
+def test_te_expert_linears_fake_quantize_their_weights(monkeypatch):
+    """The TE subclasses, built here without Transformer Engine (Megatron's four TE linears
+    replaced by stand-ins handing their weights on as TE's ``_get_weight_tensors`` does): the GEMM
+    gets every weight's MXFP4 round trip with a straight-through gradient, fused wgrad
+    accumulation is off, TE's single grouped weight is refused by name, and the builder keeps its
+    other arguments. (On CPU nothing else reaches this code: the GPU twin needs TE.)"""
+    from functools import partial
+
+    import megatron.core.extensions.transformer_engine as te_ext
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.moe import qat
+    from megatron_latentmoe.ops.mxfp4 import mxfp4_round_trip
+
+    class StandIn:
+        def __init__(self, weights, single_grouped_weight=False):
+            self.weights, self.single_grouped_weight = weights, single_grouped_weight
+            self.fuse_wgrad_accumulation = True
+
+        def _get_weight_tensors(self):
+            return list(self.weights)
+
+    names = ("ColumnParallelGroupedLinear", "RowParallelGroupedLinear")
+    names += ("ColumnParallelLinear", "RowParallelLinear")
+    bases = {name: type(f"TE{name}", (StandIn,), {}) for name in names}
+    for name, base in bases.items():
+        monkeypatch.setattr(te_ext, f"TE{name}", base)
+    monkeypatch.setattr(qat, "HAVE_TE", True)
+    cfg = tiny_config(moe_ffn_hidden_size=64, moe_latent_size=64, moe_expert_weight_qat="mxfp4")
+    for fc1, fc2 in (names[:2], names[2:]):
+        sub = MLPSubmodules(linear_fc1=bases[fc1], linear_fc2=bases[fc2])
+        built = qat.with_expert_weight_qat(partial(dict, 8, submodules=sub, extra=1), cfg)
+        assert (built.func, built.args, built.keywords["extra"]) == (dict, (8,), 1)
+        sub = built.keywords["submodules"]
+        got = [(c.__name__, c.__bases__[1]) for c in (sub.linear_fc1, sub.linear_fc2)]
+        assert got == [(f"MXFP4TE{fc1}", bases[fc1]), (f"MXFP4TE{fc2}", bases[fc2])]
+    torch.manual_seed(0)
+    weights = [torch.randn(4, 64, requires_grad=True) for _ in range(2)]
+    linear = sub.linear_fc2(weights)
+    assert linear.fuse_wgrad_accumulation is False
+    seen = linear._get_weight_tensors()
+    for w, q in zip(weights, seen, strict=True):
+        assert torch.equal(q, mxfp4_round_trip(w.detach())) and not torch.equal(q, w)
+    upstream = torch.randn(4, 64)
+    (seen[1] * upstream).sum().backward()
+    assert torch.equal(weights[1].grad, upstream)  # straight through
+    with pytest.raises(ValueError) as err:
+        sub.linear_fc1(weights, single_grouped_weight=True)
+    assert str(err.value) == (
+        "moe_expert_weight_qat='mxfp4' is not allowed: 'none' with TE's single grouped weight "
+        "(one weight tensor per expert needed)"
+    )

@@ -192,13 +192,15 @@ def test_round_trip_is_idempotent_and_exact_in_dtype(dtype):
     assert (err <= s * 2 + 1e-30).all() and (err > 0).any()
 
 
-def test_straight_through_gradient():
-    w = torch.randn(6, 64, requires_grad=True)
-    upstream = torch.randn(6, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_straight_through_gradient(dtype):
+    """In the weight's dtype (the GEMM takes it with bf16 activations), gradient unchanged."""
+    w = torch.randn(6, 64, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(6, 64, dtype=dtype)
     out = fake_quantize_mxfp4(w)
-    assert torch.equal(out.detach(), mxfp4_round_trip(w.detach()))
+    assert out.dtype == dtype and torch.equal(out.detach(), mxfp4_round_trip(w.detach()))
     out.backward(upstream)
-    assert torch.equal(w.grad, upstream)
+    assert w.grad.dtype == dtype and torch.equal(w.grad, upstream)
 
 
 def test_dequantize_rejects_bad_tensors():
