@@ -24,7 +24,7 @@ from megatron_latentmoe.data.corpus import (
     iter_corpus_texts,
     prepare_default_dataset,
 )
-from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
+from megatron_latentmoe.data.indexed import PreprocessError, load_tokenizer, preprocess_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -538,6 +538,77 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
     assert s.tokens == sum(s.per_key_tokens.values())
 
 
+def test_skipped_empty_counts_the_blank_texts_of_every_key(tmp_path, hf_tok):
+    """With several keys, skipped_empty counts each (document, key) pair whose text is blank,
+    across keys (was only the last key's count per batch), and each key's dataset holds only its
+    non-blank texts."""
+    objs = [{"a": "x y", "b": ""}, {"a": " ", "b": "z"}, {"a": "", "b": "\t"}, {"a": "w", "b": "v"}]
+    src = _write_jsonl(tmp_path / "in.jsonl", objs)
+    s = preprocess_jsonl(src, tmp_path / "p", json_keys=["a", "b"], progress=False)
+    assert (s.documents, s.skipped_empty) == (4, 4)
+    want = {k: _expected_ids(hf_tok, [o[k] for o in objs]) for k in ("a", "b")}
+    assert s.per_key_tokens == {k: sum(map(len, w)) for k, w in want.items()}
+    assert s.tokens == s.per_key_tokens["a"] + s.per_key_tokens["b"]
+
+
+def test_added_tokens_count_for_the_dtype_as_in_megatron(tmp_path):
+    """The .bin dtype comes from len(tokenizer), added tokens included, as Megatron's
+    HuggingFaceTokenizer.vocab_size: 65,499 base ids + 1 added token = 65,500 ids is int32 in
+    Megatron's DType.optimal_dtype (uint16 holds < 65,500), not the uint16 of vocab_size."""
+    _mcore_quiet()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"</s>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(65_497)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    tok.add_tokens(["added"])
+    assert (tok.vocab_size, len(tok)) == (65_499, 65_500)
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "w5 added w65496"}])
+    s = preprocess_jsonl(src, tmp_path / "o", tokenizer=tok, progress=False)
+    assert s.dtype == "int32"
+    idx = (tmp_path / "o.idx").read_bytes()
+    assert struct.unpack_from("<B", idx, 17) == (4,)  # Megatron's DType code 4: int32
+    ds = IndexedDataset(str(tmp_path / "o"))  # held: its items are views of its mmap
+    assert ds[0].tolist() == [7, 65_499, 65_498, 0]
+
+
+def test_a_rerun_drops_megatrons_stale_sample_index_cache(tmp_path):
+    """Megatron caches its sample indices in <prefix>/cache/ (no --data-cache-path), keyed by
+    path, not contents: rewriting the dataset removes that cache and the then empty <prefix>/
+    folder, and leaves a <prefix>/ folder that holds anything else."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a b"}])
+    (tmp_path / "ds" / "cache" / "GPTDataset_indices").mkdir(parents=True)
+    (tmp_path / "ds" / "cache" / "GPTDataset_indices" / "x.npy").write_bytes(b"stale")
+    preprocess_jsonl(src, tmp_path / "ds", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "in.jsonl"]
+    (tmp_path / "ds" / "cache").mkdir(parents=True)
+    (tmp_path / "ds" / "notes.txt").write_text("mine")
+    preprocess_jsonl(src, tmp_path / "ds", progress=False)
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["notes.txt"]
+
+
+def test_a_trusted_tokenizer_that_fails_is_not_told_to_trust_it(tmp_path, monkeypatch):
+    """With trust_remote_code=True a loading error that mentions trust_remote_code is the plain
+    "cannot load" error, not the advice to pass --trust-remote-code that was already given."""
+    import transformers
+
+    def fail(path, **kwargs):
+        raise ValueError(f"trust_remote_code={kwargs['trust_remote_code']}: remote code failed")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(PreprocessError) as e:
+        load_tokenizer(tmp_path, trust_remote_code=True)
+    assert str(e.value) == (
+        f"cannot load the tokenizer in {tmp_path}: trust_remote_code=True: remote code failed"
+    )
+    with pytest.raises(PreprocessError) as e:
+        load_tokenizer(tmp_path, trust_remote_code=False)
+    assert str(e.value).startswith(f"the tokenizer {str(tmp_path)!r} runs its own Python code")
+
+
 @pytest.mark.parametrize(
     "lines, match",
     [
@@ -557,6 +628,7 @@ def test_library_options_gz_keys_no_eod(tmp_path, hf_tok):
         (['{"text": null}'], r"in\.jsonl:1: JSON key 'text' holds null, expected a string$"),
         (['{"text": ["a"]}'], r"in\.jsonl:1: JSON key 'text' holds array, expected a string$"),
         (['{"text": true}'], r"in\.jsonl:1: JSON key 'text' holds boolean, expected a string$"),
+        (["{}"], r"in\.jsonl:1: missing JSON key 'text' \(keys present: none\)$"),
         (['["a list"]'], r"in\.jsonl:1: expected a JSON object, got array$"),
         (['"a string"'], r"in\.jsonl:1: expected a JSON object, got string$"),
         # valid JSON, but a lone UTF-16 surrogate is no Unicode text (cut emoji in scraped data):
@@ -1127,6 +1199,28 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     (out / "default_corpus.idx").unlink()
     monkeypatch.setattr(corpus, "_file_lock", another_process_builds_it)
     assert rebuilds() == 0
+
+
+def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path, monkeypatch):
+    """The record's sha256 hashes the corpus, then the tokenizer files in sorted name order: a
+    folder listed in another order (another file system, a copy) is the same tokenizer, not a
+    rebuild."""
+    import hashlib
+
+    from megatron_latentmoe.data import corpus
+
+    (tmp_path / "tok").mkdir()
+    for name, data in (("b.json", b"2"), ("a.json", b"1"), ("c.txt", b"3")):
+        (tmp_path / "tok" / name).write_bytes(data)
+    (tmp_path / "tok" / "sub").mkdir()  # folders are not hashed
+    (tmp_path / "c.jsonl").write_bytes(b"corpus")
+    listing = Path.iterdir
+    seen = []
+    for order in (sorted, lambda ps: sorted(ps, reverse=True)):
+        monkeypatch.setattr(Path, "iterdir", lambda self, o=order: iter(o(listing(self))))
+        seen.append(corpus._fingerprint(tmp_path / "c.jsonl", tmp_path / "tok"))
+    want = hashlib.sha256(b"c.jsonlcorpusa.json1b.json2c.txt3").hexdigest()
+    assert seen == [{"format": corpus._FORMAT_VERSION, "sha256": want}] * 2
 
 
 def test_default_dataset_cli_prints_the_absolute_data_path(tmp_path, monkeypatch, capsys):
