@@ -193,6 +193,11 @@ def document_texts(raw: bytes, lineno: int, name: str, keys: Sequence[str]) -> l
         raise PreprocessError(
             f"{name}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
         ) from None
+    except RecursionError:  # json's decoder recurses once per nested array/object
+        raise PreprocessError(
+            f"{name}:{lineno}: JSON nested too deeply to read (deeper than Python's recursion "
+            f"limit {sys.getrecursionlimit()})"
+        ) from None
     if not isinstance(obj, dict):
         raise PreprocessError(
             f"{name}:{lineno}: expected a JSON object, got {_JSON_TYPES[type(obj)]}"
@@ -385,6 +390,10 @@ def preprocess_jsonl(
         raise PreprocessError(f"input file not found: {input_path}")
     if not input_path.is_file():
         raise PreprocessError(f"input is not a file: {input_path}")
+    if isinstance(json_keys, str):  # list("text") would be the keys 't', 'e', 'x', 't'
+        raise PreprocessError(
+            f"json_keys={json_keys!r}: expected a list of keys, e.g. [{json_keys!r}]"
+        )
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PreprocessError(f"json_keys must be distinct and not empty: {keys}")

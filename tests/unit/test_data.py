@@ -629,6 +629,12 @@ def test_a_trusted_tokenizer_that_fails_is_not_told_to_trust_it(tmp_path, monkey
         (['{"text": ["a"]}'], r"in\.jsonl:1: JSON key 'text' holds array, expected a string$"),
         (['{"text": true}'], r"in\.jsonl:1: JSON key 'text' holds boolean, expected a string$"),
         (["{}"], r"in\.jsonl:1: missing JSON key 'text' \(keys present: none\)$"),
+        # nesting beyond the recursion limit was a RecursionError traceback
+        (
+            ['{"text": "ok"}', '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+            r"in\.jsonl:2: JSON nested too deeply to read \(deeper than Python's recursion limit "
+            r"\d+\)$",
+        ),
         (['["a list"]'], r"in\.jsonl:1: expected a JSON object, got array$"),
         (['"a string"'], r"in\.jsonl:1: expected a JSON object, got string$"),
         # valid JSON, but a lone UTF-16 surrogate is no Unicode text (cut emoji in scraped data):
@@ -708,6 +714,8 @@ def test_missing_input_and_tokenizer(tmp_path):
     [
         (dict(input="{d}"), "input is not a file: {d}"),
         (dict(json_keys=[]), "json_keys must be distinct and not empty: []"),
+        # a string was split into its characters: "missing JSON key 'b'" for json_keys="body"
+        (dict(json_keys="body"), "json_keys='body': expected a list of keys, e.g. ['body']"),
         (
             dict(json_keys=["text", "text"]),
             "json_keys must be distinct and not empty: ['text', 'text']",
