@@ -164,6 +164,71 @@ def test_megatrons_none_for_a_width_means_megatrons_default():
     assert (arch.kv_channels, arch.moe_ffn_hidden_size) == (64 // 4, 96)
 
 
+def test_megatrons_none_for_the_ffn_width_and_the_query_groups():
+    """ffn_hidden_size None: Megatron's 4 * hidden_size (and the unset expert width follows it);
+    num_query_groups None: one group per head (no GQA)."""
+    fields = {BY_NAME[k].megatron: v for k, v in SMALL.items() if BY_NAME[k].megatron}
+    builder = {BY_NAME[k].builder: v for k, v in SMALL.items() if BY_NAME[k].builder}
+    fields.update(ffn_hidden_size=None, num_query_groups=None, moe_ffn_hidden_size=None)
+    arch = ModelArch.from_megatron_config(fields, builder)
+    assert (arch.ffn_hidden_size, arch.moe_ffn_hidden_size, arch.num_query_groups) == (256, 256, 4)
+
+
+def test_the_builder_and_args_names_are_megatrons():
+    """builder_kwargs are build_gpt_model's own keywords (the defaults: its RoPE base and untied
+    embeddings), and the vocabulary is stored as megatron.training's padded_vocab_size."""
+    from megatron_latentmoe.model import build_gpt_model
+
+    a = ModelArch(**SMALL)
+    params = inspect.signature(build_gpt_model).parameters
+    kwargs = a.builder_kwargs()
+    assert set(kwargs) == {
+        "vocab_size",
+        "max_sequence_length",
+        "rotary_base",
+        "share_embeddings_and_output_weights",
+    }
+    assert set(kwargs) <= set(params)
+    for name in ("rotary_base", "share_embeddings_and_output_weights"):
+        assert kwargs[name] == params[name].default, name
+    assert a.megatron_args_namespace().padded_vocab_size == 128
+
+
+def test_the_token_id_defaults_are_the_shipped_tokenizers():
+    """bos / eos / pad default to the ids of the tokenizer shipped in data/assets/tokenizer."""
+    import json
+
+    tokenizer = HF_FILE.parents[1] / "data/assets/tokenizer/tokenizer_config.json"
+    config = json.loads(tokenizer.read_text())
+    ids = {token["content"]: int(i) for i, token in config["added_tokens_decoder"].items()}
+    for name in ("bos", "eos", "pad"):
+        assert BY_NAME[f"{name}_token_id"].default == ids[config[f"{name}_token"]], name
+
+
+def test_hidden_act_swiglu_is_silu_in_hf_and_an_unknown_one_is_refused():
+    """HF calls SwiGLU 'silu' (both ways); a hidden_act the model has not is refused by name,
+    not read as SiTU-GLU."""
+    from megatron_latentmoe.convert.errors import ConversionError
+
+    swiglu = ModelArch(**SMALL, hidden_act="swiglu")
+    given = dict(model_type="stable_latentmoe", **swiglu.to_hf_config_kwargs())
+    assert given["hidden_act"] == "silu"
+    assert ModelArch.from_hf_config(given).hidden_act == "swiglu"
+    with pytest.raises(ConversionError) as err:
+        ModelArch.from_hf_config(dict(given, hidden_act="gelu"))
+    assert str(err.value) == (
+        "config.json: hidden_act='gelu' is not allowed: one of ('situ', 'swiglu')"
+    )
+
+
+def test_a_bool_row_refuses_an_int():
+    from megatron_latentmoe.convert.errors import ConversionError
+
+    with pytest.raises(ConversionError) as err:
+        ModelArch(**SMALL, tie_embeddings=1)
+    assert str(err.value) == "model config: tie_embeddings=1 is not allowed: True or False"
+
+
 @pytest.mark.parametrize(
     "change",
     [
