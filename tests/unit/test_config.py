@@ -339,6 +339,44 @@ def test_a_query_group_count_below_one_is_refused(groups):
     assert str(err.value) == f"num_query_groups={groups} is not allowed: a positive integer"
 
 
+def test_a_bool_is_no_count():
+    """True is an int to Python: the count rows refuse it all the same."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(moe_qb_calibrate_batches=True)
+    assert str(err.value) == "moe_qb_calibrate_batches=True is not allowed: an integer >= 0"
+
+
+def test_several_qb_solves_per_rescored_step_are_accepted_with_rescoring():
+    cfg = tiny_config(moe_qb_rescore_iters=50, moe_qb_rescore_solves=3)
+    assert (cfg.moe_qb_rescore_iters, cfg.moe_qb_rescore_solves) == (50, 3)
+
+
+def test_a_dense_model_splits_its_ffn_over_tensor_parallel_ranks():
+    """No experts: every layer is dense, so ffn_hidden_size is split over TP."""
+    with pytest.raises(ConfigError) as err:
+        StableLatentMoETransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=127,
+            tensor_model_parallel_size=2,
+        )
+    assert str(err.value) == (
+        "ffn_hidden_size=127 is not allowed: a multiple of tensor_model_parallel_size=2"
+    )
+
+
+def test_a_zero_glu_clamp_is_refused_with_situ():
+    """Only unset (None) is off: a clamp of 0.0 is still Megatron's GLU option."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(activation_func_clamp_value=0.0)
+    assert str(err.value) == (
+        "activation_func_clamp_value=0.0 is not allowed: unset (None) with hidden_act='situ' "
+        "(Megatron's GLU option; SiTU-GLU is bounded by its softcaps, activation_situ_beta / "
+        "activation_situ_linear_beta)"
+    )
+
+
 def test_widths_that_tensor_parallelism_splits_evenly_are_accepted():
     cfg = tiny_config(
         num_layers=3,
