@@ -407,7 +407,9 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         if allowed:
             raise ConfigError(f.name, get(f.name), allowed)
     num_layers, k_dense = get("num_layers"), get("first_k_dense_replace")
-    if not k_dense < max(num_layers, 1):
+    if not (_is_int(num_layers) and num_layers > 0):  # 0: a ZeroDivisionError in Megatron's init
+        raise ConfigError("num_layers", num_layers, "a positive integer")
+    if not k_dense < num_layers:
         raise ConfigError(
             "first_k_dense_replace",
             k_dense,

@@ -193,6 +193,10 @@ CASES = {
         ["--num-query-groups", "3"],
         ["--num-query-groups 3 is not allowed", "a divisor of --num-attention-heads 4"],
     ),
+    "num_layers_zero": (  # else a ZeroDivisionError in Megatron's weight init
+        ["--num-layers", "0", "--first-k-dense-replace", "0"],
+        ["--num-layers 0 is not allowed", "a positive integer"],
+    ),
     "expert_width_zero": (  # else trains experts of width 0: a routed branch of zeros
         ["--moe-ffn-hidden-size", "0"],
         ["--moe-ffn-hidden-size 0 is not allowed", "a positive integer"],

@@ -330,6 +330,15 @@ def test_wrong_values_name_field_value_and_allowed(overrides, field, allowed):
     assert field in str(err.value) and allowed in str(err.value)
 
 
+@pytest.mark.parametrize("layers", [0, -1])
+def test_a_layer_count_below_one_is_refused(layers):
+    """0 (Megatron's own default) passed the config and failed as a ZeroDivisionError in
+    Megatron's weight init."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(num_layers=layers, first_k_dense_replace=0)
+    assert str(err.value) == f"num_layers={layers} is not allowed: a positive integer"
+
+
 @pytest.mark.parametrize("groups", [0, -2])
 def test_a_query_group_count_below_one_is_refused(groups):
     """0 passed the config and failed as a ZeroDivisionError while building the attention; -2
