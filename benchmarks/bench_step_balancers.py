@@ -76,7 +76,8 @@ def parse_args(argv=None):
             p.error(f"{flag} {value}: an integer >= {least}")
     a.out = json_path(a.out or results_dir(a.args_file) + os.sep, "bench_step_balancers.json")
     if "none" not in a.methods:
-        p.error("--methods must include 'none' (the ratios are to it)")
+        given = " ".join(map(repr, a.methods))
+        p.error(f"--methods {given}: must include 'none' (the ratios are to it)")
     return a
 
 
@@ -239,6 +240,30 @@ def bootstrap_ci95(ratios, resamples: int = 2000, seed: int = 0) -> tuple[float,
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def round_order(methods, step) -> list:
+    """The order the methods step in round ``step``: rotated by one each round, so that none of
+    them always steps first (or right after the same one)."""
+    return methods[step % len(methods) :] + methods[: step % len(methods)]
+
+
+def summarize(times, router_times, global_tokens) -> dict:
+    """Per method, from its timed step seconds (``times``, one per round) and seconds of balancer
+    work (``router_times``): the figures the table and JSON give; ratios are ``none``'s time over
+    the method's (above 1: faster than ``none``)."""
+    rows = {}
+    for m, t in times.items():
+        rows[m] = dict(
+            step_s_median=statistics.median(t),
+            step_s_min=min(t),
+            tokens_per_s=global_tokens / statistics.median(t),
+            ratio_vs_none=statistics.median(times["none"]) / statistics.median(t),
+            ratio_vs_none_paired=statistics.median(paired(times["none"], t)),
+            ratio_vs_none_paired_ci95=bootstrap_ci95(paired(times["none"], t)),
+            router_s_median=statistics.median(router_times[m]),
+        )
+    return rows
+
+
 def micro_batches(tokens, args, step, rank, world):
     """This DP rank's micro-batches of global batch ``step`` (the same for every method)."""
     import numpy as np
@@ -304,7 +329,7 @@ def run_rank(a):
     for step in range(a.warmup + a.steps):
         batches = micro_batches(tokens, first, step, rank, world)
         lr = first.lr * min(1.0, (step + 1) / warm_lr)
-        order = a.methods[step % len(a.methods) :] + a.methods[: step % len(a.methods)]
+        order = round_order(a.methods, step)
         for m in order:
             dist.barrier()
             t0, r0 = time.perf_counter(), router_s[0]
@@ -317,18 +342,7 @@ def run_rank(a):
             print(f"[bench_step] round {step + 1}/{a.warmup + a.steps}", flush=True)
     if rank != 0:
         return
-    rows = {}
-    for m in a.methods:
-        t = times[m]
-        rows[m] = dict(
-            step_s_median=statistics.median(t),
-            step_s_min=min(t),
-            tokens_per_s=global_tokens / statistics.median(t),
-            ratio_vs_none=statistics.median(times["none"]) / statistics.median(t),
-            ratio_vs_none_paired=statistics.median(paired(times["none"], t)),
-            ratio_vs_none_paired_ci95=bootstrap_ci95(paired(times["none"], t)),
-            router_s_median=statistics.median(router_times[m]),
-        )
+    rows = summarize(times, router_times, global_tokens)
     print(
         f"\nwhole training steps, {os.path.relpath(a.args_file, REPO)}, "
         f"EP{first.expert_model_parallel_size} on {world} CPU processes, "
