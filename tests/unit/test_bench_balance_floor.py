@@ -156,3 +156,131 @@ def test_pooled_bias_layers_before_route_with_their_bias():
     biases = [floor._pool_bias(solved, 1, pool, i, g[i]) for i in range(3)]
     assert [b.tolist() for b in biases] == [[0.5] * 4, [0.0] * 4, [0.0] * 4]
     assert len(pool) == 1 and pool[0] is g[1]
+
+
+def test_global_scores_are_every_ranks_sigmoid_scores_without_padding(monkeypatch):
+    """Rank 0's tokens then rank 1's, fp32 sigmoid of the logits, padded tokens dropped."""
+    floors = floor.Floors.__new__(floor.Floors)
+    floors.world, floors.group = 2, None
+    logits = torch.tensor([[[0.0, 1.0]], [[2.0, -1.0]], [[-3.0, 0.5]]], dtype=torch.bfloat16)
+    padding = torch.tensor([[False], [True], [False]])  # [seq, batch]: token 1 is padding
+    rank_1 = torch.tensor([[0.25, 0.75, 1.0], [0.5, 0.5, 0.0], [0.1, 0.9, 1.0]])  # 1: padding
+
+    def all_gather(parts, mine, group=None):
+        assert group is None and len(parts) == 2
+        parts[0].copy_(mine)
+        parts[1].copy_(rank_1)
+
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    g = floors._global_scores(logits, padding)
+    expected = torch.sigmoid(torch.tensor([[0.0, 1.0], [-3.0, 0.5]]))
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, torch.cat([expected, torch.tensor([[0.25, 0.75], [0.1, 0.9]])]))
+    unpadded = floors._global_scores(logits, None)  # no mask: every token of this rank counts
+    assert unpadded.shape == (5, 2)
+    torch.testing.assert_close(unpadded[1], torch.sigmoid(torch.tensor([2.0, -1.0])))
+
+
+def _built_flags(monkeypatch, *argv):
+    """The flags ``build`` checks as the race's entry point would (it stops there)."""
+    import bench_step_balancers
+
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()  # as run_rank does before build imports megatron.training
+
+    class Checked(Exception):
+        pass
+
+    def checked(flags):
+        raise Checked(flags)
+
+    monkeypatch.setattr(bench_step_balancers, "checked", checked)
+    a = floor.parse_args(list(argv))
+    a.seed = 7
+    with pytest.raises(Checked) as got:
+        floor.build(a)
+    return got.value.args[0]
+
+
+def _value(flags, name):
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]  # the last occurrence wins
+
+
+def test_build_routes_the_races_qb_model_and_data(monkeypatch, tmp_path):
+    import bench_training_balance as race
+
+    flags = _built_flags(monkeypatch, "--batches", "20")
+    base = race.args_file_flags(race.DEFAULT_ARGS_FILE)
+    assert flags[: len(base)] == base  # the args file's model, then the QB method's flags
+    assert (
+        flags[len(base) : len(base) + len(race.METHODS["QB centered (ours)"])]
+        == (race.METHODS["QB centered (ours)"])
+    )
+    # the race's --iters size Megatron's dataset (its sample order), also for fewer batches
+    assert _value(flags, "--train-iters") == "300" and _value(flags, "--seed") == "7"
+    assert "--load" not in flags and _value(flags, "--global-batch-size") == _value(
+        base, "--global-batch-size"
+    )
+    flags = _built_flags(monkeypatch, "--batches", "400", "--global-batch-size", "12")
+    assert _value(flags, "--train-iters") == "400"
+    assert (_value(flags, "--global-batch-size"), _value(flags, "--micro-batch-size")) == (
+        "12",
+        "6",  # one micro-batch per rank of the 2
+    )
+    flags = _built_flags(monkeypatch, "--load", str(tmp_path), "--ckpt-step", "150")
+    at = flags.index("--load")
+    assert flags[at:] == [
+        "--load",
+        str(tmp_path),
+        "--no-load-optim",
+        "--no-load-rng",
+        "--ckpt-step",
+        "150",
+    ]
+
+
+def test_run_rank_writes_each_variants_maxvio_and_the_batch_1_check(monkeypatch, tmp_path):
+    import megatron_latentmoe.compat as compat
+
+    for name in ("apply_python311_compat", "apply_core_compat", "apply_cpu_compat"):
+        monkeypatch.setattr(compat, name, lambda: None)
+    args = SimpleNamespace(global_batch_size=4, seq_length=8)
+    monkeypatch.setattr(floor, "build", lambda a: (args, "config", "model", ["b1", "b2"], 150))
+    routed = []
+
+    class FakeFloors:
+        def __init__(self, a, config, model, batches):
+            assert (config, model, batches) == ("config", "model", ["b1", "b2"])
+
+        def pooled_biases(self):
+            return "pooled biases"
+
+        def run_variant(self, name, pooled):
+            routed.append((name, pooled))
+            return [[len(name)], [0.5]], [[1, 3]]
+
+    monkeypatch.setattr(floor, "Floors", FakeFloors)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    race = [None]
+    monkeypatch.setattr(floor, "race_iteration_1", lambda a: race[0])
+
+    def result(*variants):
+        part = tmp_path / "r.part"
+        a = floor.parse_args(["--variants", *variants])
+        a.seed, a.part = 1, str(part)
+        routed.clear()
+        floor.run_rank(a)
+        return json.loads(part.read_text())
+
+    r = result("none", "previous")
+    assert routed == [("none", None), ("previous", None)]  # nothing pooled unless asked
+    assert (r["tokens_per_batch"], r["loaded_iteration"]) == (32, 150)
+    assert r["none"] == [[4], [0.5]] and r["previous"] == [[8], [0.5]]
+    assert r["batch_1_loads"] == [[1, 3]] and r["matches_race_iteration_1"] is None
+    race[0] = [[1, 3]]
+    assert result("none")["matches_race_iteration_1"] is True
+    race[0] = [[2, 2]]
+    assert result("none")["matches_race_iteration_1"] is False
+    r = result("pooled")
+    assert routed == [("pooled", "pooled biases")] and "batch_1_loads" not in r

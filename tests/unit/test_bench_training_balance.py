@@ -318,3 +318,42 @@ def test_a_failed_run_leaves_no_record_and_no_stale_result(tmp_path, monkeypatch
     race.run_method("m", ["--x"], args, jsonl)
     record = race.run_record(race.race_command(["--x"], args, jsonl))
     assert json.loads((tmp_path / "m.cmd.json").read_text()) == record and record[-1] == "--x"
+
+
+def test_corpus_tokens_are_every_document_in_order_as_int64(monkeypatch):
+    import numpy as np
+    from megatron.core.datasets import indexed_dataset
+
+    from megatron_latentmoe.data import corpus
+
+    docs = [np.array([5, 6], dtype=np.uint16), np.array([7], dtype=np.uint16), np.array([8, 9])]
+    monkeypatch.setattr(corpus, "prepare_default_dataset", lambda: "the prefix")
+    monkeypatch.setattr(indexed_dataset, "IndexedDataset", lambda prefix: docs)
+    tokens = race.corpus_tokens()
+    assert tokens.tolist() == [5, 6, 7, 8, 9] and tokens.dtype == np.int64
+
+
+def test_token_floor_is_the_most_frequent_tokens_share_times_n_over_k(monkeypatch):
+    """MaxVio >= f·n/k - 1 for a token with share f of the batch, never below 0; mean and max
+    over the batches, and the token that most often sets it (decoded)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
+
+    vocab = Tokenizer.from_file(str(Path(default_tokenizer_dir()) / "tokenizer.json"))
+    corpus = [np.full(100, 7)]
+    monkeypatch.setattr(race, "corpus_tokens", lambda: corpus[0])
+    one_token = race.token_floor(8, 2, seq_length=4, global_batch=3, batches=5)
+    assert one_token == dict(
+        mean=3.0, max=3.0, experts_over_topk=4.0, most_frequent_token=vocab.decode([7])
+    )
+    corpus[0] = np.arange(1000)  # every token once per window: f = 1/8, 1/8·4/2 - 1 < 0
+    assert race.token_floor(4, 2, seq_length=4, global_batch=2, batches=5)["max"] == 0.0
+    # 7 sets most batches' floor, 9 some; their floors vary from batch to batch
+    corpus[0] = np.random.default_rng(5).choice([7, 9, 11], size=300, p=[0.6, 0.3, 0.1])
+    mixed = race.token_floor(8, 2, seq_length=4, global_batch=1, batches=40)
+    assert mixed["max"] == 3.0 and 0 < mixed["mean"] < 3.0
+    assert mixed["most_frequent_token"] == vocab.decode([7]) != vocab.decode([9])
+    assert race.token_floor(8, 2, seq_length=4, global_batch=1, batches=40) == mixed  # seeded
+    assert race.token_floor(8, 2, 4, 1, batches=40, seed=1)["mean"] != mixed["mean"]
