@@ -24,6 +24,10 @@ spec.loader.exec_module(bench)
         (["--nproc", "0"], "--nproc 0: an integer >= 1"),
         (["--steps", "0"], "--steps 0: an integer >= 1"),
         (["--methods", "aux_loss"], "--methods 'aux_loss': must include 'none'"),
+        (
+            ["--methods", "none", "aux_loss", "none"],
+            "--methods 'none' 'aux_loss' 'none': each method at most once",
+        ),
     ],
 )
 def test_bad_options_name_the_option_value_and_what_is_allowed(argv, message, capsys, tmp_path):
