@@ -108,3 +108,13 @@ def test_table_figures_are_ratios_of_the_measured_times(monkeypatch, tmp_path):
         swiglu["saved_bytes"] / rows[0]["saved_bytes"]
     )
     assert rows[0]["saved_vs_situ_glu"] == 1.0
+
+
+def test_copy_bandwidth_counts_the_read_and_the_write(monkeypatch):
+    """Each clone timed at 2 s (a fake clock): 2 x 24 bytes (read + write) over 2 s."""
+    clock = iter(range(0, 1000, 2))
+    x = torch.zeros(2, 3)
+    with monkeypatch.context() as patched:  # the fake clock only around the call
+        patched.setattr(bench.time, "perf_counter", lambda: next(clock))
+        bytes_per_s = bench.copy_bytes_per_s(x, reps=3)
+    assert bytes_per_s == 2 * 24 / 2
