@@ -179,17 +179,17 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     from megatron_latentmoe.training.arguments import one_line_errors
 
-    from .indexed import PreprocessError
+    from .indexed import PreprocessError, check_output_prefix
 
     one_line_errors(p)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"argument --workers: expected an integer >= 1, got {args.workers}")
-    if args.output_prefix:
-        out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
-    else:
-        out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
+    out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
     try:
+        if args.output_prefix:  # "DIR/" is refused as by tools/preprocess_data.py (not DIR.bin)
+            check_output_prefix(args.output_prefix)
+            out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
         prefix = prepare_default_dataset(
             out_dir, name, force=args.force, progress=True, workers=args.workers
         )

@@ -306,15 +306,21 @@ def _batches(raw: io.BufferedReader, gz: bool, name: str) -> Iterator[tuple[int,
         yield first, batch
 
 
-def _check_output_names(output_prefix: str, keys: Sequence[str]) -> None:
-    """Refuse an output prefix that names a folder and, with several keys, a key that would put
-    a path separator into its file name ``<prefix>_<key>.bin`` (both were a FileNotFoundError
-    traceback from the builder)."""
+def check_output_prefix(output_prefix: str) -> None:
+    """Refuse an output prefix that names a folder (``out/``): the builder's FileNotFoundError
+    traceback here, ``out.bin`` beside the folder after a path normalisation elsewhere."""
     if not os.path.basename(output_prefix):
         raise PreprocessError(
             f"output_prefix={output_prefix!r} names a folder, not a file-name prefix: give e.g. "
             f"{os.path.join(output_prefix, 'my_corpus')!r} (writes my_corpus.bin / my_corpus.idx)"
         )
+
+
+def _check_output_names(output_prefix: str, keys: Sequence[str]) -> None:
+    """:func:`check_output_prefix`, and with several keys refuse a key that would put a path
+    separator into its file name ``<prefix>_<key>.bin`` (a FileNotFoundError traceback from the
+    builder)."""
+    check_output_prefix(output_prefix)
     if len(keys) > 1:
         for k in keys:
             sep = next((s for s in (os.sep, os.altsep) if s and s in k), None)

@@ -1284,12 +1284,19 @@ def test_default_corpus_sequences_skips_blank_documents_as_the_preprocessor_does
             1,
             "error: output_dir='{d}/afile': cannot create it (File exists)",
         ),
+        (  # was written as {d}/out.bin beside the folder
+            ["--output-prefix", "{d}/out/"],
+            1,
+            "error: output_prefix='{d}/out/' names a folder, not a file-name prefix: give e.g. "
+            "'{d}/out/my_corpus' (writes my_corpus.bin / my_corpus.idx)",
+        ),
     ],
 )
 def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, code, message):
-    """python -m megatron_latentmoe.data.corpus: a bad flag, --workers 0 or an output folder that
-    is a file is one line (they were the usage text, a PreprocessError traceback and a
-    FileExistsError traceback); nothing written."""
+    """python -m megatron_latentmoe.data.corpus: a bad flag, --workers 0, an output folder that
+    is a file or a prefix that names a folder is one line (they were the usage text, a
+    PreprocessError traceback, a FileExistsError traceback and DIR.bin written beside DIR/);
+    nothing written."""
     from megatron_latentmoe.data import corpus
 
     (tmp_path / "afile").write_text("a file where the folder should go")
