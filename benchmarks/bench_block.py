@@ -73,7 +73,20 @@ def parse_args():
     for name in ("warmup", "shared_ffn"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 0")
+    if megatron_expert_ffn(a) < 1:  # Megatron refuses experts of width 0 deep in its build
+        p.error(
+            f"--hidden {a.hidden} --latent {a.latent} --expert-ffn {a.expert_ffn} --topk {a.topk}: "
+            "Megatron's layer at equal activated parameters gets expert width 0; allowed: "
+            "2*(k*3*l*m_e + 2*d*l) > 3*d*k (a width >= 1)"
+        )
     return a
+
+
+def megatron_expert_ffn(a):
+    """Megatron's full-width expert width m' for equal activated parameters per token:
+    k·3·d·m' = k·3·l·m_e + 2·d·l, rounded."""
+    activated = a.topk * 3 * a.latent * a.expert_ffn + 2 * a.hidden * a.latent
+    return round(activated / (3 * a.hidden * a.topk))
 
 
 def init_single_process():
@@ -134,8 +147,7 @@ def build_variants(a, dtype):
         )
         notes["megatron_moe"] = "Megatron MoELayer with moe_latent_size (TE)"
     else:
-        activated = a.topk * 3 * a.latent * a.expert_ffn + 2 * a.hidden * a.latent
-        wide_ffn = round(activated / (3 * a.hidden * a.topk))
+        wide_ffn = megatron_expert_ffn(a)
         cfg = tiny_config(
             **common,
             moe_ffn_hidden_size=wide_ffn,

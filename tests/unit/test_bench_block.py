@@ -150,6 +150,15 @@ def test_table_ratios_from_fixed_times(monkeypatch, tmp_path):
         (["--experts", "4", "--topk", "4"], "--topk 4: an integer below --experts 4"),
         (["--warmup", "-1"], "--warmup -1: an integer >= 0"),
         (["--dtype", "fp16"], "--dtype: invalid choice: 'fp16'"),
+        (  # m' = (64·3·1·1 + 2·4096·1) / (3·4096·64) = 0.011 -> 0: Megatron refuses it deep inside
+            "--hidden 4096 --latent 1 --expert-ffn 1 --topk 64 --experts 128".split(),
+            "--hidden 4096 --latent 1 --expert-ffn 1 --topk 64: Megatron's layer at equal "
+            "activated parameters gets expert width 0; allowed: 2*(k*3*l*m_e + 2*d*l) > 3*d*k",
+        ),
+        (  # m' = (2·3·1·1 + 2·6·1) / (3·6·2) = 0.5 exactly, which round() takes to 0
+            ["--hidden", "6", "--latent", "1", "--expert-ffn", "1", "--topk", "2"],
+            "--hidden 6 --latent 1 --expert-ffn 1 --topk 2: Megatron's layer",
+        ),
     ],
 )
 def test_bad_options_name_the_option_value_and_what_is_allowed(
@@ -167,3 +176,10 @@ def test_smallest_shape_allowed(monkeypatch, tmp_path):
     a = bench.parse_args()
     assert (a.experts, a.topk, a.shared_ffn, a.warmup, a.iters) == (2, 1, 0, 0, 1)
     assert a.out == str(tmp_path / "bench_block.json")
+
+
+def test_narrowest_megatron_width_allowed(monkeypatch, tmp_path):
+    argv = ["--hidden", "4", "--latent", "1", "--expert-ffn", "1", "--topk", "1"]
+    monkeypatch.setattr(sys, "argv", ["bench_block.py", *argv, "--out", str(tmp_path)])
+    a = bench.parse_args()
+    assert bench.megatron_expert_ffn(a) == 1  # (1·3·1·1 + 2·4·1) / (3·4·1) = 0.92 -> 1
