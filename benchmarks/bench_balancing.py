@@ -219,10 +219,6 @@ def build_methods(args, m_step, with_sign=True, with_megatron=True):
 
 def drift_run(args):
     n, k = args.experts, args.topk
-    if (args.micro_batch * k) % n:
-        raise SystemExit(
-            f"--micro-batch {args.micro_batch}: m_mb*k % n must be 0 for megatron-core QB"
-        )
     m_step = args.micro_batch * args.micro_batches
     router = DriftingRouter(n, args.hidden, args.clusters, args.seed, args.drift)
     methods = build_methods(args, m_step)
@@ -261,7 +257,7 @@ def stationary_run(args):
     return out, batch.shape[0]
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -320,6 +316,48 @@ def main(argv=None):
         p.error(f"--topk {args.topk}: an integer below --experts {args.experts} (QB's top-(k+1))")
     if min(args.bins) < 2:
         p.error(f"--bins {' '.join(map(str, args.bins))}: each an integer >= 2")
+    if not 0.0 <= args.drift <= 1.0:  # the weights keep sqrt(1 - drift^2) of themselves
+        p.error(f"--drift {args.drift:g}: a number in [0, 1]")
+    if not 0.0 <= args.sign_rate < math.inf:
+        p.error(f"--sign-rate {args.sign_rate:g}: a finite number >= 0")
+    # megatron-core's qb_dual_update asserts m_mb*k % n == 0 (before timing, not in the run)
+    sizes = [("micro_batch", args.micro_batch)]
+    if args.stationary_iters > 0:
+        sizes.append(("stationary_micro_batch", args.stationary_micro_batch))
+    for name, m_mb in sizes:
+        if (m_mb * args.topk) % args.experts:
+            p.error(
+                f"--{name.replace('_', '-')} {m_mb}: a multiple of --experts / gcd(--experts, "
+                f"--topk) = {args.experts // math.gcd(args.experts, args.topk)} "
+                f"(megatron-core QB needs m_mb*k % n == 0)"
+            )
+    return args
+
+
+def summary_rows(methods, plain, stationary, steps):
+    """One JSON row per method: mean MaxVio of the last min(20, steps) next batches, mean
+    estimator error, router time over the plain top-k's (above 1: slower than plain), bytes."""
+    last = min(20, steps)
+    rows = []
+    for meth in methods:
+        rows.append(
+            {
+                "method": meth.name,
+                "maxvio_next_mean_last20": sum(meth.curve[-last:]) / last,
+                "maxvio_next_curve": meth.curve,
+                "mean_abs_bias_err_vs_exact": (sum(meth.est_err) / len(meth.est_err))
+                if meth.est_err
+                else None,
+                "router_time_ratio": meth.seconds / plain.seconds,
+                "bytes_per_step_per_layer": meth.bytes_per_step,
+                "stationary_final_maxvio": stationary.get(meth.name, [None])[-1],
+            }
+        )
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
 
@@ -343,22 +381,7 @@ def main(argv=None):
 
     n, k = args.experts, args.topk
     q = m_step * k / n
-    last = min(20, args.steps)
-    rows = []
-    for meth in methods:
-        rows.append(
-            {
-                "method": meth.name,
-                "maxvio_next_mean_last20": sum(meth.curve[-last:]) / last,
-                "maxvio_next_curve": meth.curve,
-                "mean_abs_bias_err_vs_exact": (sum(meth.est_err) / len(meth.est_err))
-                if meth.est_err
-                else None,
-                "router_time_ratio": meth.seconds / plain.seconds,
-                "bytes_per_step_per_layer": meth.bytes_per_step,
-                "stationary_final_maxvio": stationary.get(meth.name, [None])[-1],
-            }
-        )
+    rows = summary_rows(methods, plain, stationary, args.steps)
     notes = [
         "MaxVio = (max load - mean load)/mean load of step t's GLOBAL batch routed with the bias "
         "computed from steps < t.",
@@ -367,9 +390,9 @@ def main(argv=None):
         f"re-centred; micro-batches sized so m_mb*k % n == 0 ({args.micro_batch}*{k} % {n} == 0), "
         "as it asserts.",
         "bytes = size of the per-layer per-step collective buffer (ring all-reduce moves ~2x on "
-        "the wire): ours/centred one int32 SUM all-reduce of n*B + 7 words; exact = all fp32 "
-        "margins m*n gathered; megatron-core one fp32 [n] AVG all-reduce; sign one [n] load "
-        "all-reduce.",
+        f"the wire): ours/centred one int32 SUM all-reduce of n*B + {len(HEADER_FIELDS)} words; "
+        "exact = all fp32 margins m*n gathered; megatron-core one fp32 [n] AVG all-reduce; sign "
+        "one [n] load all-reduce.",
         "router time = all per-micro-batch routing work + step-end update, relative to a plain "
         "biased top-k on the same micro-batches; process CPU time, 1 thread, indicative only (a "
         "GPU differs).",
