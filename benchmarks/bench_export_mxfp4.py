@@ -45,7 +45,7 @@ VARIANTS = {
 }
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=3, help="1 dense + (layers - 1) MoE layers")
     ap.add_argument("--workdir", default=None)
@@ -55,10 +55,58 @@ def main() -> None:
         dest="out",
         help="JSON file or folder (default: benchmarks/results/bench_export_mxfp4.json)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers}: an integer >= 2 (the dense first layer + >= 1 MoE)")
     args.out = json_path(args.out, "bench_export_mxfp4.json")
+    return args
+
+
+def summarize(rows, params):
+    """(table, routed-expert bytes bf16 / mxfp4, MXFP4 tensor-loop seconds / bf16's) from the two
+    exports' summaries (``rows``: variant name -> dict(summary=..., hf_bytes=...))."""
+    header = (
+        "export",
+        "routed-expert MB",
+        "HF MB",
+        "s",
+        "stream s",
+        "ckpt MB read/s (stream)",
+        "M params/s (stream)",
+        "RSS growth MiB",
+    )
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for name, r in rows.items():
+        s, x = r["summary"], r["summary"]["extra"]
+        lines.append(
+            " | ".join(
+                [
+                    name,
+                    f"{x['routed_expert_bytes'] / 1e6:.1f}",
+                    f"{r['hf_bytes'] / 1e6:.1f}",
+                    f"{s['seconds']:.1f}",
+                    f"{x['stream_seconds']:.1f}",
+                    f"{s['bytes_read'] / 1e6 / x['stream_seconds']:.0f}",
+                    f"{params / 1e6 / x['stream_seconds']:.0f}",
+                    f"{s['max_rss_growth_bytes'] / 2**20:.0f}",
+                ]
+            )
+        )
+    bf16, mx = (rows[k]["summary"]["extra"]["routed_expert_bytes"] for k in VARIANTS)
+    ratio = bf16 / mx
+    slowdown = (
+        rows["bf16 + mxfp4 experts"]["summary"]["extra"]["stream_seconds"]
+        / rows["bf16"]["summary"]["extra"]["stream_seconds"]
+    )
+    table = "\n".join(lines) + (
+        f"\nrouted experts bf16 / mxfp4 = {ratio:.4f} (16 / 4.25 = 3.7647); "
+        f"MXFP4 tensor loop {slowdown:.2f}x the bf16 one"
+    )
+    return table, ratio, slowdown
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     load_before = os.getloadavg()
     work = args.workdir or tempfile.mkdtemp(prefix="bench_mxfp4_")
     ck = os.path.join(work, "ck")
@@ -97,43 +145,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     params = made["params"]
-    header = (
-        "export",
-        "routed-expert MB",
-        "HF MB",
-        "s",
-        "stream s",
-        "ckpt MB read/s (stream)",
-        "M params/s (stream)",
-        "RSS growth MiB",
-    )
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
-    for name, r in rows.items():
-        s, x = r["summary"], r["summary"]["extra"]
-        lines.append(
-            " | ".join(
-                [
-                    name,
-                    f"{x['routed_expert_bytes'] / 1e6:.1f}",
-                    f"{r['hf_bytes'] / 1e6:.1f}",
-                    f"{s['seconds']:.1f}",
-                    f"{x['stream_seconds']:.1f}",
-                    f"{s['bytes_read'] / 1e6 / x['stream_seconds']:.0f}",
-                    f"{params / 1e6 / x['stream_seconds']:.0f}",
-                    f"{s['max_rss_growth_bytes'] / 2**20:.0f}",
-                ]
-            )
-        )
-    bf16, mx = (rows[k]["summary"]["extra"]["routed_expert_bytes"] for k in VARIANTS)
-    ratio = bf16 / mx
-    slowdown = (
-        rows["bf16 + mxfp4 experts"]["summary"]["extra"]["stream_seconds"]
-        / rows["bf16"]["summary"]["extra"]["stream_seconds"]
-    )
-    table = "\n".join(lines) + (
-        f"\nrouted experts bf16 / mxfp4 = {ratio:.4f} (16 / 4.25 = 3.7647); "
-        f"MXFP4 tensor loop {slowdown:.2f}x the bf16 one"
-    )
+    table, ratio, slowdown = summarize(rows, params)
     print(table)
 
     result = dict(
