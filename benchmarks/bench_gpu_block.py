@@ -70,7 +70,38 @@ def parse_args(argv=None):
     )
     a = p.parse_args(argv)
     a.out = json_path(a.out, "bench_gpu_block.json")
+    for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
+    if a.topk >= a.experts:
+        p.error(f"--topk {a.topk}: an integer below --experts {a.experts}")
+    for name in ("warmup", "shared_ffn"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 0")
     return a
+
+
+def tokens_per_expert(a):
+    """T*k/n: the rows of each expert's GEMM (K3's 146 at the defaults)."""
+    return a.tokens * a.topk / a.experts
+
+
+def bf16_rows(seconds, tokens):
+    """ms, tokens/s and tokens/s over Megatron's latent layer's (above 1: faster) per variant."""
+    rows = {name: dict(ms=1e3 * sec, tokens_per_s=tokens / sec) for name, sec in seconds.items()}
+    base = rows["megatron_latent_moe"]["tokens_per_s"]
+    for r in rows.values():
+        r["ratio_vs_megatron_latent_moe"] = r["tokens_per_s"] / base
+    return rows
+
+
+def fp8_row(seconds, recipe):
+    """One FP8 recipe's ms beside bf16's, and bf16's seconds over its (above 1: FP8 faster)."""
+    return dict(
+        ms=1e3 * seconds[recipe],
+        bf16_ms=1e3 * seconds["bf16"],
+        speedup_vs_bf16=seconds["bf16"] / seconds[recipe],
+    )
 
 
 def skip_reason() -> str | None:
@@ -169,17 +200,13 @@ def main(argv=None):
         torch.manual_seed(0)
         x = torch.randn(a.tokens, 1, a.hidden, device="cuda", dtype=torch.bfloat16)
         grad = torch.randn_like(x)
-        rows, fp8_rows, skipped = {}, {}, {}
+        fp8_rows, skipped = {}, {}
         bf16 = {
             "megatron_latent_moe": build(a, megatron=True),
             "stable": build(a),
             "stable_no_norm_swiglu": build(a, latent_moe_use_norm=False, hidden_act="swiglu"),
         }
-        for name, sec in time_side_by_side(bf16, x, grad, a.iters, a.warmup).items():
-            rows[name] = dict(ms=1e3 * sec, tokens_per_s=a.tokens / sec)
-        base = rows["megatron_latent_moe"]["tokens_per_s"]
-        for r in rows.values():
-            r["ratio_vs_megatron_latent_moe"] = r["tokens_per_s"] / base
+        rows = bf16_rows(time_side_by_side(bf16, x, grad, a.iters, a.warmup), a.tokens)
         stable_bf16 = bf16.pop("stable")
         del bf16
         gc.collect()
@@ -201,11 +228,7 @@ def main(argv=None):
             layer.load_state_dict(weights, strict=False)
             pair = {"bf16": stable_bf16, recipe: (layer, cfg)}
             sec = time_side_by_side(pair, x, grad, a.iters, a.warmup)
-            fp8_rows[recipe] = dict(
-                ms=1e3 * sec[recipe],
-                bf16_ms=1e3 * sec["bf16"],
-                speedup_vs_bf16=sec["bf16"] / sec[recipe],
-            )
+            fp8_rows[recipe] = fp8_row(sec, recipe)
             del layer, pair
             gc.collect()
             torch.cuda.empty_cache()
@@ -214,7 +237,7 @@ def main(argv=None):
             torch=torch.__version__,
             te=__import__("transformer_engine").__version__,
             args=vars(a),
-            tokens_per_expert=a.tokens * a.topk / a.experts,
+            tokens_per_expert=tokens_per_expert(a),
             bf16=rows,
             fp8=fp8_rows,
             fp8_skipped=skipped,
