@@ -65,6 +65,19 @@ def parse_args():
     )
     a = p.parse_args()
     a.out = json_path(a.out, "bench_block.json")
+    check_block_options(p, a)
+    if megatron_expert_ffn(a) < 1:  # Megatron refuses experts of width 0 deep in its build
+        p.error(
+            f"--hidden {a.hidden} --latent {a.latent} --expert-ffn {a.expert_ffn} --topk {a.topk}: "
+            "Megatron's layer at equal activated parameters gets expert width 0; allowed: "
+            "2*(k*3*l*m_e + 2*d*l) > 3*d*k (a width >= 1)"
+        )
+    return a
+
+
+def check_block_options(p, a) -> None:
+    """The block's shape and timing options (this benchmark's and ``bench_gpu_block.py``'s):
+    ``p.error`` (one line, exit 2) naming the option, its value and what is allowed."""
     for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
@@ -73,13 +86,6 @@ def parse_args():
     for name in ("warmup", "shared_ffn"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 0")
-    if megatron_expert_ffn(a) < 1:  # Megatron refuses experts of width 0 deep in its build
-        p.error(
-            f"--hidden {a.hidden} --latent {a.latent} --expert-ffn {a.expert_ffn} --topk {a.topk}: "
-            "Megatron's layer at equal activated parameters gets expert width 0; allowed: "
-            "2*(k*3*l*m_e + 2*d*l) > 3*d*k (a width >= 1)"
-        )
-    return a
 
 
 def megatron_expert_ffn(a):

@@ -28,6 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_block import check_block_options  # noqa: E402
 from benchmarks.results_io import json_path, write_json  # noqa: E402
 from megatron_latentmoe.fields import hf_defaults, read_hf  # noqa: E402
 
@@ -70,14 +71,7 @@ def parse_args(argv=None):
     )
     a = p.parse_args(argv)
     a.out = json_path(a.out, "bench_gpu_block.json")
-    for name in ("hidden", "latent", "expert_ffn", "experts", "topk", "tokens", "iters"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 1")
-    if a.topk >= a.experts:
-        p.error(f"--topk {a.topk}: an integer below --experts {a.experts}")
-    for name in ("warmup", "shared_ffn"):
-        if getattr(a, name) < 0:
-            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: an integer >= 0")
+    check_block_options(p, a)
     return a
 
 
