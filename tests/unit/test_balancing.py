@@ -763,3 +763,97 @@ def test_exact_quantile_when_the_target_load_is_whole(m, n, k):
     expected = r.sort(dim=0).values[big_q - 1]
     assert torch.equal(exact_quantiles(scores, bias, k), expected)
     assert not torch.equal(expected, r.sort(dim=0).values[big_q])  # the two candidates differ
+
+
+def test_cutoff_route_adds_the_bias_in_fp32_to_half_precision_scores():
+    """The router may pass bf16 scores: the k routes and alpha are still those of fp32 ``s + b``
+    (a bias of 0.3 * randn is not representable in bf16; adding it in bf16 moves the cutoffs by
+    up to half a bf16 ulp of 1, ~2e-3, a third of a B = 1000 bin)."""
+    m, n, k = 200, 64, 6
+    scores = router_scores(m, n, 23).bfloat16()
+    bias = 0.3 * torch.randn(n, generator=gen(23))
+    idx, alpha = cutoff_route(scores, bias, k)
+    ranked = (scores.float() + bias).sort(dim=1, descending=True)
+    assert alpha.dtype == torch.float32
+    assert torch.equal(alpha, ranked.values[:, k])
+    assert torch.equal(idx, ranked.indices[:, :k])
+
+
+def test_a_global_total_of_exactly_int32_max_tokens_is_solved_exactly():
+    """2**31 - 1 global tokens is the largest total allowed (one more raises): it unpacks, and the
+    int32 cumulative counts find the exact crossing bin. n = 2, k = 1, two bins [-1, 0), [0, 1]
+    (zero bias): Q = 2**30; row 0 holds Q tokens in bin 0 (answer: its right edge, 0), row 1 holds
+    Q - 1 (the crossing is the first token of bin 1: 0 + 1 / 2**30 of the bin)."""
+    n, k, nb = 2, 1, 2
+    half = 2**30
+    bias = torch.zeros(n)
+    buf = torch.tensor(
+        [half, half - 1, half - 1, half] + [0] * len(HEADER_FIELDS), dtype=torch.int32
+    )
+    head = -len(HEADER_FIELDS)
+    buf[head + HEADER_FIELDS.index("ranks")] = 1
+    buf[head + HEADER_FIELDS.index("tokens_lo")] = INT32_MAX % 65536
+    buf[head + HEADER_FIELDS.index("tokens_hi")] = INT32_MAX // 65536
+    h = QuantileHistogram(n, k, nb)
+    h.unpack_(buf.clone())
+    assert int(h.num_tokens) == INT32_MAX
+    assert h.raw_quantiles(bias).tolist() == [0.0, 2.0**-30]
+    new, checks = QuantileHistogram(n, k, nb).solve_packed(buf.clone(), bias)
+    QuantileHistogram.check_packed(checks.tolist())
+    assert new.tolist() == [-(2.0**-31), 2.0**-31]
+    buf[head + HEADER_FIELDS.index("tokens_lo")] += 1  # 2**31: refused, naming the total
+    buf[1] += 1
+    buf[3] += 1
+    with pytest.raises(OverflowError, match="^global tokens this step = 2147483648; allowed"):
+        QuantileHistogram(n, k, nb).unpack_(buf)
+
+
+def test_header_rank_count_bounds():
+    """The summed header's rank count is allowed in [1, MAX_RANKS] (both ends), refused outside
+    with the header and the bound in the message."""
+    from megatron_latentmoe.balancing import MAX_RANKS
+
+    n, k, nb = 4, 1, 2
+    h = QuantileHistogram(n, k, nb)
+    h.observe(torch.full((1, n), 0.5), torch.zeros(n))
+    at = -len(HEADER_FIELDS) + HEADER_FIELDS.index("ranks")
+    for ranks, ok in ((1, True), (MAX_RANKS, True), (MAX_RANKS + 1, False), (0, False)):
+        buf = h.pack()
+        buf[at] = ranks
+        reader = QuantileHistogram(n, k, nb)
+        if ok:
+            reader.unpack_(buf)
+            assert reader._reduced["ranks"] == ranks
+        else:
+            with pytest.raises(
+                ValueError, match=f"'ranks': {ranks},.*allowed: 1 <= ranks <= 32767"
+            ):
+                reader.unpack_(buf)
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_a_bias_change_of_one_ulp_is_flagged(cls):
+    """The window's bias is compared exactly: one expert's bias moved by one fp32 ulp between two
+    observe() calls is a bias change (counted in the header, raised by solve)."""
+    n, k = 32, 4
+    s = router_scores(50, n, 73)
+    b = 0.1 * torch.randn(n, generator=gen(73))
+    h = cls(n, k)
+    h.observe(s, b)
+    b1 = b.clone()
+    b1[7] = torch.nextafter(b[7], torch.tensor(1.0))
+    h.observe(s, b1)
+    assert h.pack()[-len(HEADER_FIELDS) + HEADER_FIELDS.index("bias_changes")].item() == 1
+    with pytest.raises(ValueError, match="^bias_E differs from the bias of the accumulation"):
+        h.solve(b1)
+
+
+def test_centred_histogram_refuses_odd_bins_and_a_sigma_outside_0_1():
+    """The centred bins need an even B (the bias is the edge between the two middle bins) and a
+    sigma in (0, 1] (0 would divide by zero in the asinh map); both ends of (0, 1] are checked."""
+    with pytest.raises(ValueError, match=r"^num_bins=999; allowed: even int >= 2$"):
+        CenteredQuantileHistogram(4, 1, 999)
+    for sigma in (0.0, -0.005, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=rf"^sigma={sigma!r}; allowed: float in \(0, 1\]$"):
+            CenteredQuantileHistogram(4, 1, 10, sigma=sigma)
+    assert CenteredQuantileHistogram(4, 1, 10, sigma=1.0).sigma == 1.0
