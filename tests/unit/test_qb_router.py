@@ -247,6 +247,77 @@ def _run(rank, world_size):
         kept=(kept, (r.step_loads_E.clone(), r.step_tokens.clone(), r.step_input_sum_D.clone())),
     )
 
+    # 11. the step end's mean router input divides by the ranks that ROUTED tokens: an emulated
+    # two-rank all-reduce (the idle rank's words added to the busy rank's) where one rank's
+    # micro-batch was all padding leaves the busy rank's mean input, not half of it
+    import megatron_latentmoe.moe.balance_step as balance_step
+
+    sum_over_ranks = balance_step._sum_over_ranks
+    idle, _ = _layer()
+    busy, _ = _layer()
+    busy.load_state_dict(idle.state_dict())
+    captured = []
+    try:
+        balance_step._sum_over_ranks = lambda packed, group: captured.extend(packed) or packed
+        idle.train()
+        y, _ = idle(
+            x.clone().requires_grad_(), padding_mask=torch.ones(BATCH, SEQ, dtype=torch.bool)
+        )
+        y.sum().backward()
+        update_balance([idle])
+        balance_step._sum_over_ranks = lambda packed, group: sum_over_ranks(
+            [p + q for p, q in zip(packed, captured, strict=True)], group
+        )
+        busy.train()
+        y, _ = busy(x.clone().requires_grad_())
+        y.sum().backward()
+        update_balance([busy])
+    finally:
+        balance_step._sum_over_ranks = sum_over_ranks
+    out["idle_rank"] = (
+        busy.router.qb_mean_input.clone(),
+        x.reshape(-1, 64).mean(dim=0),
+        busy.router.last_balance.num_tokens,
+    )
+
+    # 12. the next training forward applies the armed drift correction by itself (no checkpoint
+    # save in between): b - (shift - mean shift) at the step's mean input
+    lay, _ = _layer()
+    lay.train()
+    y, _ = lay(x.clone().requires_grad_())
+    y.sum().backward()
+    update_balance([lay])
+    solved, mean_in = lay.router.expert_bias.clone(), lay.router.qb_mean_input.clone()
+    w_old = lay.router.weight.detach().clone()
+    with torch.no_grad():
+        lay.router.weight.add_(0.05 * torch.randn_like(lay.router.weight))
+    shift = torch.sigmoid(lay.router.weight.detach() @ mean_in) - torch.sigmoid(w_old @ mean_in)
+    y, _ = lay(x.clone().requires_grad_())
+    out["drift_by_forward"] = (
+        lay.router.expert_bias.clone(),
+        solved - (shift - shift.mean()),
+        solved,
+    )
+
+    # 13. the weights of the routed experts: the RAW scores (the bias only selects), renormalised
+    # over the k when k > 1 (k = 1: the raw score itself), times the scaling factor (SPEC §3)
+    probs = {}
+    for k in (2, 1):
+        lay, cfg = _layer(moe_router_topk=k)
+        lay.router.expert_bias.copy_(0.3 * torch.randn(cfg.num_moe_experts))
+        lay.eval()
+        with torch.no_grad():
+            logits = x.reshape(-1, 64) @ lay.router.weight.T
+            got, _ = lay.router.routing(logits.view(SEQ, BATCH, -1))
+            s = torch.sigmoid(logits)
+            idx = (s + lay.router.expert_bias).topk(k, dim=1).indices
+            w = s.gather(1, idx)
+            if k > 1:
+                w = w / w.sum(dim=1, keepdim=True)
+            w = w * (cfg.moe_router_topk_scaling_factor or 1.0)
+            probs[k] = (got, torch.zeros_like(s).scatter(1, idx, w))
+    out["probs"] = probs
+
     return out
 
 
@@ -416,3 +487,29 @@ def test_router_buffers_stay_fp32_in_a_half_precision_model(half_precision_resul
     assert torch.isfinite(res["mean_input"]).all()
     # the input is summed in fp32, not in the model dtype; the mean travels in fixed point 2**-12
     torch.testing.assert_close(res["mean_input"], res["true_mean_input"], rtol=0, atol=2.5e-4)
+
+
+def test_an_idle_ranks_words_do_not_dilute_the_mean_router_input(result):
+    """A rank whose micro-batches were all padding sends 'routed tokens' = 0: the summed mean
+    router input is divided by 1 rank, not 2 (which would halve it)."""
+    mean_input, want, tokens = result["idle_rank"]
+    assert tokens == SEQ * BATCH and want.abs().max() > 0.05
+    torch.testing.assert_close(mean_input, want, rtol=0, atol=2.5e-4)
+
+
+def test_the_next_forward_applies_the_drift_correction(result):
+    """Armed at the step end, applied by the next forward itself (not only by a checkpoint save):
+    the bias moves by minus the centred score shift at the step's mean router input."""
+    got, want, solved = result["drift_by_forward"]
+    assert (want - solved).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 1])
+def test_routed_weights_are_the_raw_scores_renormalised_when_k_above_1(result, k):
+    """SPEC §3: p_j = s_j / sum_S s_l over the k selected (selection by s + b), with a non-zero
+    bias; for k = 1 the weight is the raw score (Megatron and the HF model renormalise k > 1
+    only)."""
+    got, want = result["probs"][k]
+    assert int((got != 0).sum(dim=1).min()) == k
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
