@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_latentmoe.hf import StableLatentMoEBlock, StableLatentMoEForCausalLM  # noqa: E402
+from megatron_latentmoe.hf import modeling_stable_latentmoe as modeling  # noqa: E402
 from tests.unit.test_hf_modeling import randomize_, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,3 +92,43 @@ def test_half_precision_model_routes_with_fp32_router_math(dtype):
     expected = torch.topk(biased, cfg.num_experts_per_token, dim=-1).indices
     differ = (routing.topk_indices.sort(-1).values != expected.sort(-1).values).any(-1)
     assert int(differ.sum()) == 0, f"{int(differ.sum())} of {len(differ)} tokens"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_combines_the_experts_in_fp32(dtype):
+    """The latent combine ``u = sum_j p_j E_j(z)`` accumulates in fp32 and rounds once: with every
+    expert the identity and renormalised weights (sum 1 to ~1e-7), u is z bit for bit. Rounding
+    the weights or the partial sums to half precision moves u by up to an ulp per term."""
+    cfg = tiny_config(num_experts=8, num_experts_per_token=4)
+    torch.manual_seed(0)
+    block = StableLatentMoEBlock(cfg)
+    randomize_(block, std=0.3)
+    block = block.to(dtype)
+    block.experts = torch.nn.ModuleList(torch.nn.Identity() for _ in range(cfg.num_experts))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, cfg.hidden_size, generator=gen).to(dtype)
+    z = (1.0 + torch.rand(64, cfg.routed_expert_hidden_size, generator=gen)).to(dtype)
+    with torch.no_grad():
+        routing = block.gate(x)
+        u = block.moe_infer(z, routing.topk_indices, routing.topk_probs)
+    assert routing.topk_probs.dtype == torch.float32
+    assert float((routing.topk_probs.sum(-1) - 1).abs().max()) < 1e-6
+    assert u.dtype == dtype
+    assert torch.equal(u, z), f"{int((u != z).sum())} of {z.numel()} latent values differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_angles_are_fp32_math_for_half_precision_models(dtype):
+    """cos / sin for a half-precision model are computed in fp32 and rounded once: bf16 cannot
+    hold positions above 256 exactly (599 -> 600), so half-precision angles would be off by up to
+    whole radians. Compared with fp64 within one half-precision ulp of values in [-1, 1]."""
+    positions = torch.arange(0, 1200)[None]
+    head_dim, theta = 8, 10000.0
+    cos, sin = modeling.rope_cos_sin(positions, head_dim, theta, dtype)
+    assert cos.dtype == sin.dtype == dtype and cos.shape == (1, 1200, head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions[0, :, None].double() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[None]
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    torch.testing.assert_close(cos.double(), angles.cos(), rtol=0, atol=ulp)
+    torch.testing.assert_close(sin.double(), angles.sin(), rtol=0, atol=ulp)

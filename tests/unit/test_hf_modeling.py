@@ -257,6 +257,22 @@ def test_block_record_routing_and_bf16():
     assert rel < 5e-2
 
 
+def test_recorded_routing_is_detached_from_the_graph():
+    """``last_routing`` keeps no autograd graph alive between training steps; the routing that
+    ``return_routing=True`` returns still carries the gradients of p and the router logits."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    block = StableLatentMoEBlock(cfg)
+    block.record_routing = True
+    x = torch.randn(5, cfg.hidden_size, requires_grad=True)
+    _, routing = block(x, return_routing=True)
+    assert routing.topk_probs.requires_grad and routing.router_logits.requires_grad
+    kept = block.last_routing
+    grads = {name: getattr(kept, name).requires_grad for name in kept._fields}
+    assert grads == dict.fromkeys(kept._fields, False)
+    assert torch.equal(kept.topk_probs, routing.topk_probs.detach())
+
+
 def test_rms_norm_formula_and_precision():
     gen = torch.Generator().manual_seed(3)
     x = 3.0 * torch.randn(4, 16, generator=gen, dtype=torch.float64)
