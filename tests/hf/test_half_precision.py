@@ -132,3 +132,28 @@ def test_rope_angles_are_fp32_math_for_half_precision_models(dtype):
     ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     torch.testing.assert_close(cos.double(), angles.cos(), rtol=0, atol=ulp)
     torch.testing.assert_close(sin.double(), angles.sin(), rtol=0, atol=ulp)
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda m: m.half(),
+        lambda m: m.bfloat16(),
+        lambda m: m.to(torch.float16),
+        lambda m: m.to(dtype=torch.bfloat16),
+    ],
+    ids=["half", "bfloat16", "to_fp16", "to_bf16"],
+)
+def test_selection_bias_stays_fp32_bit_exact_through_half_precision_casts(cast):
+    """SPEC §6: the QB bias is fp32. Rounding it to fp16 / bf16 moves it by up to ~1e-3 relative,
+    enough to flip near-tied selections; every half-precision cast must leave it untouched."""
+    cfg = tiny_config(num_experts=8)
+    block = StableLatentMoEBlock(cfg)
+    bias = torch.linspace(-0.3, 0.3, 8) + 1e-6
+    assert not torch.equal(bias.half().float(), bias) and not torch.equal(bias.bfloat16(), bias)
+    block.gate.e_score_correction_bias.copy_(bias)
+    block = cast(block)
+    assert block.gate.weight.dtype in (torch.float16, torch.bfloat16)
+    kept = block.gate.e_score_correction_bias
+    assert kept.dtype == torch.float32
+    assert torch.equal(kept, bias)
