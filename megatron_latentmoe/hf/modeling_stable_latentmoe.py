@@ -723,8 +723,9 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
       ``torch.compile`` (a graph break, no recompilation per routing); compiling without
       fullgraph works;
     * context parallelism: not declared (never exercised here);
-    * static cache and custom 4D masks (boolean, or additive float) have no flag in transformers
-      5.x; they are tested like the rest.
+    * static cache and custom 4D masks (boolean, or additive float: 0 = attend, any negative
+      value = not; the mask is made boolean, so soft additive biases are not supported) have no
+      flag in transformers 5.x; they are tested like the rest.
     """
 
     config_class = StableLatentMoEConfig
@@ -894,8 +895,10 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
         mask_builder = None
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask
-            if not mask.dtype == torch.bool:  # additive float mask: 0 = attend, very negative = not
-                mask = mask > torch.finfo(mask.dtype).min / 2
+            if not mask.dtype == torch.bool:
+                # additive float mask: 0 = attend, negative = not (finfo.min, -inf, or the -1e4 /
+                # -1e9 of other conventions, which a finfo.min / 2 threshold would let through)
+                mask = mask >= 0
             mask = mask | ~mask.any(dim=-1, keepdim=True)  # keep fully masked rows finite
         else:
             padding_mask = attention_mask

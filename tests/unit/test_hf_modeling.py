@@ -448,6 +448,22 @@ def fp64_model():
     return model
 
 
+@pytest.mark.parametrize("blocked", [-math.inf, -1.7976931348623157e308, -1e9, -1e4])
+def test_additive_4d_mask_blocks_every_negative_value(fp64_model, blocked):
+    """A float 4D mask is additive: 0 = attend, negative = not. The -1e4 / -1e9 of other
+    conventions mask as finfo.min does (before, anything above finfo.min / 2 let the future in)."""
+    model = fp64_model
+    ids = _token_ids(model.config.vocab_size, (2, 6), seed=8)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(2, 1, 6, 6)
+    additive = torch.zeros(2, 1, 6, 6, dtype=torch.float64).masked_fill(~causal, blocked)
+    with torch.no_grad():
+        by_bool = model(ids, attention_mask=causal, use_cache=False).logits
+        by_float = model(ids, attention_mask=additive, use_cache=False).logits
+        plain = model(ids, use_cache=False).logits
+    torch.testing.assert_close(by_bool, plain, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(by_float, by_bool, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_left_padded_batch_equals_each_sequence_alone(fp64_model, impl):
     """A left-padded batch (no position_ids, and with generate()'s position_ids from the mask)
