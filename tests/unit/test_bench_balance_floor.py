@@ -2,7 +2,6 @@
 or under the target; 'previous' has no batch 1), the balancing bias it solves, and the flags'
 errors (``--load`` routes at one run's weights, so one seed)."""
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,14 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks import bench_balance_floor as floor
 from megatron_latentmoe.balancing_reference import exact_quantile_bias
-
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_balance_floor", REPO / "benchmarks" / "bench_balance_floor.py"
-)
-floor = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(floor)
 
 
 def test_summary_of_batches_over_seeds():

@@ -4,14 +4,13 @@ method's collective carries, the quantiles the methods compute (exact: the Q-th 
 megatron-core: its per-micro-batch (Q+1)-th, averaged) and, on a tiny end-to-end run, the MaxVio
 curve of the NEXT batch (routed with the bias computed before it)."""
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from benchmarks import bench_balancing as bench
 from megatron_latentmoe.balancing import HEADER_FIELDS, QuantileHistogram, cutoff_route
 from megatron_latentmoe.balancing_reference import (
     exact_quantiles,
@@ -19,13 +18,6 @@ from megatron_latentmoe.balancing_reference import (
     sign_update_bias,
     topk_loads,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_balancing", REPO / "benchmarks" / "bench_balancing.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 # n=8, k=2: m_mb*k % n == 0 for m_mb a multiple of 4
 TINY = ["--experts", "8", "--topk", "2", "--micro-batch", "4", "--micro-batches", "2"]

@@ -3,19 +3,14 @@ equal activated parameters, our block with one thing switched per variant), the 
 SiTU-GLU forced only around its own step, and the table's ratios from fixed times (a ratio above 1
 is faster than Megatron's layer; a share is the time a feature adds to our block)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_block", REPO / "benchmarks" / "bench_block.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_block as bench
 
 NAMES = [
     "megatron_moe",

@@ -2,7 +2,6 @@
 MoE one, a failed conversion is one error naming it, and the table's units (GB = 1e9 bytes for
 checkpoints, GiB for memory, MiB for the largest tensor) from fixed conversion summaries."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,12 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_convert", REPO / "benchmarks" / "bench_convert.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_convert as bench
 
 
 def test_layers_below_two_are_refused(monkeypatch, capsys, tmp_path):

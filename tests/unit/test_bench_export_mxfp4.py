@@ -4,19 +4,12 @@ seconds) and its two ratios (routed experts bf16 / mxfp4 bytes: 16 / 4.25 expect
 seconds over bf16's: above 1 is slower) from fixed export summaries, and the flags each export
 gets."""
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_export_mxfp4", REPO / "benchmarks" / "bench_export_mxfp4.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_export_mxfp4 as bench
 
 MX = "bf16 + mxfp4 experts"
 

@@ -3,19 +3,12 @@ ones refused in one line before any work), the table's ratios from fixed times (
 Megatron's latent layer's: above 1 is faster; an FP8 recipe's speed-up is bf16's time over its)
 and which Transformer Engine check decides each FP8 recipe (a fake TE module)."""
 
-import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_gpu_block", REPO / "benchmarks" / "bench_gpu_block.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_gpu_block as bench
 
 
 @pytest.mark.parametrize(

@@ -3,21 +3,15 @@ as the model and the HF reference (gate first, the model's betas), the eager var
 op's eager math only inside it, the bytes autograd keeps count each storage once, and the table's
 figures are the right ratios of the times it measured (fixed here)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import bench_situ as bench
 from megatron_latentmoe.hf.modeling_stable_latentmoe import situ_glu
-
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_situ", REPO / "benchmarks" / "bench_situ.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 
 def test_the_compared_variants_compute_the_models_functions():

@@ -2,19 +2,12 @@
 step over the method's: above 1 means the method is faster), their seeded bootstrap interval and
 the micro-batches every method trains on (the same windows for every method, split over ranks)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_step_balancers", REPO / "benchmarks" / "bench_step_balancers.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import bench_step_balancers as bench
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ cannot give (the window after iteration 50 of a 40-iteration run, tokens/s witho
 is null in the JSON and "-" in the table, never NaN (which strict JSON readers refuse)."""
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -13,12 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import bench_training_balance as race
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_training_balance", REPO / "benchmarks" / "bench_training_balance.py"
-)
-race = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(race)
 
 
 def _records(vio, loss=4.0, tokens_per_s=1000.0):
