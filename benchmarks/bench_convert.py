@@ -65,6 +65,8 @@ def make_checkpoint(path: str, num_layers: int) -> dict:
     from megatron_latentmoe.convert.arch import ModelArch, arch_common_state
     from megatron_latentmoe.model import build_gpt_model
 
+    # the file store's folder must exist (else init waits out its 5-minute timeout)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{path}.store", rank=0, world_size=1)
     initialize_parallel_cpu(seed=0)
     arch = ModelArch(num_layers=num_layers, **WIDE_ARCH)
@@ -85,6 +87,21 @@ def make_checkpoint(path: str, num_layers: int) -> dict:
     dist.destroy_process_group()
     os.remove(f"{path}.store") if os.path.exists(f"{path}.store") else None
     return dict(params=params, build_s=build_s, save_s=save_s)
+
+
+def make_in_child(path: str, num_layers: int) -> dict:
+    """:func:`make_checkpoint` in a child process (its memory stays out of the figures measured
+    here): the child's JSON line; its output as the error if it fails."""
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_make", path, str(num_layers)],
+        cwd=REPO,
+        env=dict(os.environ, NO_VCS_VERSION="1"),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout + proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def dir_bytes(path: str) -> int:
@@ -170,16 +187,7 @@ def main() -> None:
             ck, hf, mg = (os.path.join(work, f"{k}_{layers}") for k in ("ck", "hf", "mg"))
             for p in (ck, hf, mg):
                 shutil.rmtree(p, ignore_errors=True)
-            proc = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--_make", ck, str(layers)],
-                cwd=REPO,
-                env=dict(os.environ, NO_VCS_VERSION="1"),
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise SystemExit(proc.stdout + proc.stderr)
-            made = json.loads(proc.stdout.strip().splitlines()[-1])
+            made = make_in_child(ck, layers)
             ck_bytes = dir_bytes(ck)
             ex = run_cli(
                 ["export", "--checkpoint", ck, "--output", hf], os.path.join(work, "ex.json")

@@ -19,10 +19,8 @@ in) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -34,6 +32,7 @@ from bench_convert import (  # noqa: E402 (needs sys.path above)
     WIDE_ARCH,
     dir_bytes,
     machine,
+    make_in_child,
     run_cli,
 )
 
@@ -112,23 +111,7 @@ def main(argv=None) -> None:
     ck = os.path.join(work, "ck")
     try:
         shutil.rmtree(ck, ignore_errors=True)
-        proc = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(HERE, "bench_convert.py"),
-                "--_make",
-                ck,
-                str(args.layers),
-            ],
-            cwd=REPO,
-            env=dict(os.environ, NO_VCS_VERSION="1"),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise SystemExit(proc.stdout + proc.stderr)
-        made = json.loads(proc.stdout.strip().splitlines()[-1])
+        made = make_in_child(ck, args.layers)
         ck_bytes = dir_bytes(ck)
         rows = {}
         for name, flags in VARIANTS.items():

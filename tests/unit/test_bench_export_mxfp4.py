@@ -5,7 +5,6 @@ seconds over bf16's: above 1 is slower) from fixed export summaries, and the fla
 gets."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -62,8 +61,7 @@ def test_main_exports_once_per_variant_and_writes_the_ratios(monkeypatch, tmp_pa
         calls.append(args)
         return ROWS[MX if "mxfp4" in args else "bf16"]["summary"]
 
-    made = SimpleNamespace(returncode=0, stdout='{"params": 12000000}\n', stderr="")
-    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=lambda *a, **k: made))
+    monkeypatch.setattr(bench, "make_in_child", lambda path, layers: {"params": 12000000})
     monkeypatch.setattr(bench, "run_cli", run_cli)
     monkeypatch.setattr(bench, "dir_bytes", lambda path: 7)
     monkeypatch.setattr(bench, "machine", lambda load: {})
