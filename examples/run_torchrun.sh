@@ -2,7 +2,7 @@
 # Pretrain Stable LatentMoE on ONE machine with torchrun.
 #
 #   bash examples/run_torchrun.sh ARGS_FILE [extra Megatron / Stable LatentMoE flags...]
-#   bash examples/run_torchrun.sh examples/args/tiny.sh --train-iters 50 --save runs/tiny
+#   bash examples/run_torchrun.sh examples/args/tiny.sh --train-iters 50 --save runs/tiny --save-interval 50
 #
 # ARGS_FILE is a bash file that defines the array ARGS (examples/args/*.sh); extra flags are
 # appended (argparse: the last occurrence of a flag wins).

@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import time
 
 import pytest
 
-from . import ENTRY, PYTHON, REPO, environment, scratch_dir, tiny_args
+from . import ENTRY, PYTHON, REPO, args_file_args, environment, scratch_dir, tiny_args
 
 PLAIN_GPT_CHECKPOINT = "<plain GPT checkpoint>"  # _argv: the one _plain_gpt_checkpoint writes
 WORLD_SIZE = "2"  # what examples/run_torchrun.sh gives its flag check (tiny.sh is EP2)
@@ -559,6 +561,20 @@ def test_a_shared_width_the_export_refuses_trains_with_a_warning():
         "--moe-ffn-hidden-size 64"
     )
     assert proc.stdout.count(warning) == 1, proc.stdout[-3000:]
+
+
+def test_the_launch_scripts_example_passes_the_flag_check():
+    """examples/run_torchrun.sh's header command, as printed, passes the check the script makes
+    before it starts the ranks (its ``--save`` without ``--save-interval`` was refused)."""
+    header = (REPO / "examples" / "run_torchrun.sh").read_text(encoding="utf-8")
+    (command,) = re.findall(
+        r"^#   bash examples/run_torchrun\.sh (examples/\S+) (--.*)$", header, re.M
+    )
+    args_file, flags = command
+    proc = _run(
+        [str(ENTRY), "--check-flags", *args_file_args(REPO / args_file), *shlex.split(flags)]
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 def test_help_lists_our_flags():
