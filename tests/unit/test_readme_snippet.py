@@ -1,11 +1,20 @@
-"""The README's "Using the block from Megatron-Core" snippet runs as printed (docs do not rot).
+"""The README's "Using the block from Megatron-Core" snippet runs as printed, and its commands and
+flags are accepted by their programs (docs do not rot).
 
-It is executed in a 1-process gloo world with Megatron's parallel state (what the README says it
-needs); the model it builds must hold the README's Stable LatentMoE layers and the QB hook.
+The snippet is executed in a 1-process gloo world with Megatron's parallel state (what the README
+says it needs); the model it builds must hold the README's Stable LatentMoE layers and the QB
+hook. The commands are parsed by their programs' own parsers, not run.
 """
 
+import argparse
+import contextlib
+import io
 import re
+import runpy
+import shlex
+import sys
 from pathlib import Path
+from unittest import mock
 
 from tests.parallel.launcher import run_distributed
 
@@ -44,3 +53,156 @@ def test_readme_snippet_builds_the_model_it_describes():
     assert out["moe_layers"] == 3 and out["qb_routers"] == 3
     assert tuple(out["latent"][0]) == (512, 1024)
     assert out["hook"]
+
+
+# ---- the README's commands and flags: every one is accepted by the program it is given to ----
+
+REPO = README.parent
+FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
+# a command of this repository: its program (the rest of the span is its arguments)
+PROGRAM = re.compile(
+    r"^(?P<run>bash |python )?(?P<prog>examples/run_torchrun\.sh \S+|-m megatron_latentmoe\.convert"
+    r"|(?:tools|benchmarks|scripts|examples)/\w+\.(?:py|sh))(?P<args>.*)$"
+)
+# flags the README names for programs that are not this repository's (pip, pytest)
+FOREIGN_FLAGS = {"--no-deps", "--ignore-requires-python", "--durations"}
+
+
+class _Parsed(Exception):
+    """Raised by a patched ``ArgumentParser.parse_args``: the parser a script built."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _parser_of(script: str) -> argparse.ArgumentParser:
+    """The argument parser ``script``'s main builds (the script stops where it would parse)."""
+
+    def caught(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    saved = sys.argv
+    sys.argv = [script]
+    try:
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", caught):
+            runpy.run_path(str(REPO / script), run_name="__main__")
+    except _Parsed as parsed:
+        return parsed.parser
+    finally:
+        sys.argv = saved
+    raise AssertionError(f"{script} parsed no arguments")
+
+
+def _pretrain_parser() -> argparse.ArgumentParser:
+    """The entry point's parser: Megatron's flags and ours (``compat.training``)."""
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # as Megatron's parse_args makes it
+    return add_stable_latentmoe_args(add_megatron_arguments(parser))
+
+
+def _parser_for(program: str) -> argparse.ArgumentParser | None:
+    """The parser of a README program; None for a shell script without one (its file is
+    checked instead)."""
+    if program.startswith("examples/run_torchrun.sh"):
+        return _pretrain_parser()
+    if program == "-m megatron_latentmoe.convert":
+        from megatron_latentmoe.convert.cli import build_parser
+
+        return build_parser()
+    return _parser_of(program) if program.endswith(".py") else None
+
+
+def _argv(text: str) -> list[list[str]]:
+    """A documented argument list as command lines: ``[--optional flags]`` kept, other
+    ``[placeholders]``, ``...`` and a shell comment dropped, a placeholder in capitals (``N``,
+    ``SAVE_DIR``) given the value 1, and ``a | b`` (a flag's alternatives) one command line per
+    alternative."""
+    text = re.sub(r"\[([^]]*)\]", lambda m: m[1] if m[1].startswith("-") else "", text)
+    text = re.sub(r"(^|\s)#.*", "", text).replace("...", " ")
+    words = ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in shlex.split(text)]
+    if "|" not in words:
+        return [words]
+    start = words.index("|") - 1
+    choices = " ".join(words[start:]).split(" | ")
+    return [words[:start] + choice.split() for choice in choices]
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """``(program, arguments)`` of every command in the README: the lines of its code blocks and
+    its inline code that runs a program of this repository or starts with a flag (a flag alone
+    is the entry point's, as the README's prose gives it)."""
+    text = README.read_text(encoding="utf-8")
+    spans = [line for block in FENCE.findall(text) for line in block.splitlines()]
+    spans += [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", FENCE.sub("", text))]
+    commands = []
+    for span in spans:
+        span = span.strip()
+        match = PROGRAM.match(span)
+        if match and (match["run"] or match["args"]):  # not a file named alone
+            commands.append((match["prog"], match["args"].strip()))
+        elif span.startswith("--") and " " in span and span.split()[0] not in FOREIGN_FLAGS:
+            commands.append(("examples/run_torchrun.sh examples/args/tiny.sh", span))
+    return commands
+
+
+def test_every_readme_command_is_accepted_by_its_program():
+    commands = readme_commands()
+    programs = {program for program, _ in commands}
+    # the README's commands, found (a change of its wording must not empty this test)
+    assert {
+        "examples/run_torchrun.sh examples/args/tiny.sh",
+        "-m megatron_latentmoe.convert",
+        "tools/generate_hf.py",
+        "benchmarks/bench_training_balance.py",
+        "tools/gpu_checks.sh",
+    } <= programs and len(commands) >= 30
+    parsers = {program: _parser_for(program) for program in programs}
+    refused = []
+    for program, args in commands:
+        if not program.startswith("-m"):  # the script and its args file exist
+            assert all((REPO / path).is_file() for path in program.split()), program
+        parser = parsers[program]
+        for argv in _argv(args):
+            if parser is None:  # a shell script: its flags are in it
+                refused += [
+                    f"{program} {f}"
+                    for f in argv
+                    if f.startswith("--")
+                    if f not in (REPO / program).read_text(encoding="utf-8")
+                ]
+                continue
+            try:
+                with contextlib.redirect_stderr(io.StringIO()) as err:
+                    parser.parse_args(argv)
+            except SystemExit:
+                refused.append(f"{program} {shlex.join(argv)}: {err.getvalue().strip()}")
+    assert refused == []
+
+
+def test_every_flag_the_readme_names_is_one_of_its_programs():
+    """Every ``--flag`` in the README, prose included (``--split``, ``--eod-mask-loss``), is one
+    of the entry point's or of another README program's (``--check``, ``--out``, and
+    ``--split-sentences``, which tools/preprocess_data.py refuses by name), or pip's / pytest's."""
+    programs = {program for program, _ in readme_commands()} | {
+        "tools/preprocess_data.py",
+        "tools/plot_balance.py",
+    }
+    known = set(FOREIGN_FLAGS)
+    for program in programs:
+        parser = _parser_for(program)
+        if parser is None:
+            known |= set(re.findall(r"--[a-z][a-z0-9-]*", (REPO / program).read_text("utf-8")))
+            continue
+        known |= set(parser._option_string_actions)
+        for action in parser._actions:  # a command's subcommands (the converter's)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    known |= set(sub._option_string_actions)
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README.read_text(encoding="utf-8")))
+    assert sorted(named - known) == []
