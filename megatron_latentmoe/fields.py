@@ -710,6 +710,13 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             True,
             f"False with {qb}: sigmoid scores, renormalised over the k chosen experts (SPEC §3)",
         )
+    if get("moe_router_fusion"):
+        raise ConfigError(  # else silently ignored: the QB router routes with its own top-(k+1)
+            "moe_router_fusion",
+            True,
+            f"False with {qb}: its top-(k+1) routing and cutoffs have no fused kernel "
+            "(Megatron's own quantile_balancing refuses it too)",
+        )
     coeff = get("moe_aux_loss_coeff")
     coeffs = balancer_list(coeff)  # Megatron takes one coefficient or one per balancing type
     if len(balancers) == 1 and any(coeffs):  # None: not set

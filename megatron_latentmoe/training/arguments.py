@@ -406,6 +406,12 @@ def validate_stable_latentmoe_args(
     if args.moe_grouped_gemm and impl != "transformer_engine":
         raise FlagError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
     args.moe_grouped_gemm = impl == "transformer_engine"  # the TE spec uses grouped-GEMM experts
+    if args.moe_router_fusion and not (have_te and has_cuda):
+        # else megatron-core 0.19.2's router raises at the first forward, on every rank
+        raise FlagError(
+            "--moe-router-fusion needs Transformer Engine and a CUDA GPU (its fused top-k "
+            "routing kernels); allowed without them: off"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         # Megatron's combined 1F1B schedule asks forward_step for a schedule plan that splits
         # the MoE layer into its own nodes: ours returns the model output and the Stable

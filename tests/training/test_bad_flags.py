@@ -876,14 +876,34 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
             None,
         ),
         (["--fp8-format", "e4m3"], True, True, None),  # TE chosen by default on a GPU with TE
+        *(  # else megatron-core 0.19.2's router raises at the first forward, on every rank
+            (
+                ["--moe-router-load-balancing-type", "aux_loss", "--moe-router-fusion"],
+                has_cuda,
+                have_te,
+                "--moe-router-fusion needs Transformer Engine and a CUDA GPU (its fused top-k "
+                "routing kernels); allowed without them: off",
+            )
+            for has_cuda, have_te in ((True, False), (False, True))
+        ),
+        (["--moe-router-load-balancing-type", "aux_loss", "--moe-router-fusion"], True, True, None),
+        (  # where the kernels are, too: QB's own routing would silently leave them unused
+            ["--moe-router-fusion"],
+            True,
+            True,
+            "--moe-router-fusion is not allowed: False with quantile_histogram balancing: its "
+            "top-(k+1) routing and cutoffs have no fused kernel (Megatron's own "
+            "quantile_balancing refuses it too)",
+        ),
     ],
 )
 def test_refusals_that_depend_on_a_gpu_with_transformer_engine(
     flags, has_cuda, have_te, refusal, monkeypatch
 ):
     """The flag check on machines these tests cannot be (a GPU, TE installed), in one process:
-    FP8 with the local layers, and the layernorm recompute without TE, are refused by name; the
-    same flags pass where the machine allows them."""
+    FP8 with the local layers, the layernorm recompute and the router fusion without TE (or a
+    GPU, for the fusion), are refused by name; the same flags pass where the machine allows
+    them."""
     import sys
     import warnings
 

@@ -154,6 +154,11 @@ def test_the_tiny_config_runs_without_dropout_or_biases():
             "quantile_histogram",
         ),
         (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True", "False with quantile"),
+        (  # else silently ignored: the QB router's routing is its own, unfused
+            dict(moe_router_fusion=True),
+            "moe_router_fusion=True",
+            "False with quantile_histogram balancing: its top-(k+1) routing",
+        ),
         (dict(moe_qb_rescore_iters=-1), "moe_qb_rescore_iters=-1", "an integer >= 0"),
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_rescore_iters=50),
