@@ -86,6 +86,32 @@ HF_FIXED = {
 }
 """HF config keys with the one value the Megatron model implements (SPEC §3)."""
 
+MEGATRON_FIXED = {
+    "qk_layernorm": (False, "False (the HF model has no q/k norms)"),
+    "add_bias_linear": (False, "False (bias-free linears)"),
+    "add_qkv_bias": (False, "False"),
+    "normalization": ("RMSNorm", "'RMSNorm'"),
+    "rotary_interleaved": (False, "False (rotate-half RoPE)"),
+    "rotary_percent": (1.0, "1.0"),
+    "position_embedding_type": ("rope", "'rope'"),
+    "apply_residual_connection_post_layernorm": (False, "False"),
+    "layernorm_zero_centered_gamma": (False, "False"),
+    "moe_router_score_function": ("sigmoid", "'sigmoid' (SPEC §3)"),
+    "moe_router_num_groups": (1, "None or 1 (SPEC §3)"),
+    "multi_latent_attention": (False, "False (GQA attention only)"),
+    "moe_shared_expert_gate": (False, "False (the HF model's shared experts have no gate)"),
+    "moe_router_force_load_balancing": (
+        False,
+        "False (benchmark-only random routing; the HF model routes by the router's scores)",
+    ),
+    "moe_router_force_biased": (
+        None,
+        "None (benchmark-only biased random routing; the HF model routes by the router's scores)",
+    ),
+}
+"""Megatron fields whose other values the HF model does not implement (None: Megatron's default):
+(the value, what is allowed). ``check_hf_exportable`` refuses any other value."""
+
 
 class _Sentinel:
     def __init__(self, name: str):
@@ -607,6 +633,10 @@ def _expert_width(get: Callable[[str], Any]) -> Any:
 def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
+    for name, (want, allowed) in MEGATRON_FIXED.items():
+        value = get(name)
+        if value is not None and value != want:
+            raise ConfigError(name, value, allowed)
     shared, expert = get("moe_shared_expert_intermediate_size"), _expert_width(get)
     if _is_int(shared) and _is_int(expert) and expert > 0 and shared % expert:
         raise ConfigError(

@@ -38,6 +38,7 @@ from megatron_latentmoe.fields import (
     BY_NAME,
     FIELDS,
     HF_FIXED,
+    MEGATRON_FIXED,
     QUANTILE_HISTOGRAM,
     ConfigError,
     ModelField,
@@ -61,22 +62,6 @@ BUILDER_KEYS = tuple(f.builder for f in FIELDS if f.builder)
 
 LEGACY_NAMES = {"routed_scaling_factor": "moe_router_topk_scaling_factor"}
 """Old ``ModelArch`` field names, as stored in checkpoints' common state -> today's."""
-
-MEGATRON_FIXED = {
-    "qk_layernorm": (False, "False (the HF model has no q/k norms)"),
-    "add_bias_linear": (False, "False (bias-free linears)"),
-    "add_qkv_bias": (False, "False"),
-    "normalization": ("RMSNorm", "'RMSNorm'"),
-    "rotary_interleaved": (False, "False (rotate-half RoPE)"),
-    "rotary_percent": (1.0, "1.0"),
-    "position_embedding_type": ("rope", "'rope'"),
-    "apply_residual_connection_post_layernorm": (False, "False"),
-    "layernorm_zero_centered_gamma": (False, "False"),
-    "moe_router_score_function": ("sigmoid", "'sigmoid' (SPEC §3)"),
-    "moe_router_num_groups": (1, "None or 1 (SPEC §3)"),
-    "multi_latent_attention": (False, "False (GQA attention only)"),
-}
-"""Megatron fields whose other values the HF model does not implement (None: Megatron's default)."""
 
 
 @dataclass(frozen=True)
@@ -207,10 +192,10 @@ class ModelArch:
         (both None when absent). The fields the HF model cannot express are refused; so is a
         dense/MoE layer pattern other than the first ``first_k_dense_replace`` layers dense
         (``moe_layer_freq`` ``[0] * k + [1] * rest`` alone means ``first_k_dense_replace=k``)."""
-        for key, (want, allowed) in MEGATRON_FIXED.items():
-            value = raw(key)
-            if value is not None and value != want:
-                raise not_allowed(f"{source}: {key}", value, allowed, ConversionError)
+        try:
+            check_hf_exportable(raw)  # MEGATRON_FIXED, on the fields as Megatron names them
+        except ConfigError as err:
+            raise ConversionError(f"{source}: {err}") from None
         for name in (
             "num_experts",
             "moe_latent_size",

@@ -574,6 +574,33 @@ def test_megatron_args_without_our_fields_are_refused():
         ModelArch.from_megatron_args(ns)
 
 
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("moe_shared_expert_gate", True, "False (the HF model's shared experts have no gate)"),
+        (
+            "moe_router_force_load_balancing",
+            True,
+            "False (benchmark-only random routing; the HF model routes by the router's scores)",
+        ),
+        (
+            "moe_router_force_biased",
+            0.5,
+            "None (benchmark-only biased random routing; the HF model routes by the router's "
+            "scores)",
+        ),
+    ],
+)
+def test_megatron_options_the_hf_model_lacks_are_refused_by_name(name, value, allowed):
+    """A shared-expert gate was refused only later, as three unexpected gate_weight tensors; a
+    run routed at random was exported as if routed by its scores."""
+    ns = _workers.arch().megatron_args_namespace()
+    setattr(ns, name, value)
+    with pytest.raises(ConversionError) as err:
+        ModelArch.from_megatron_args(ns)
+    assert str(err.value) == f"checkpoint args: {name}={value!r} is not allowed: {allowed}"
+
+
 def test_dense_first_layers_given_by_moe_layer_freq(tmp_path):
     """Megatron's own way to make the first k layers dense, ``--moe-layer-freq
     "([0]*k+[1]*rest)"`` (first_k_dense_replace left at 0), builds the same model as

@@ -414,13 +414,43 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
 
     cfg = tiny_config(moe_shared_expert_intermediate_size=72)  # moe_ffn_hidden_size 48
     with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=48"):
-        check_hf_exportable(lambda name: getattr(cfg, name))
-    check_hf_exportable(lambda name: getattr(tiny_config(), name))  # 96 = 2 x 48
+        check_hf_exportable(lambda name: getattr(cfg, name, None))
+    check_hf_exportable(lambda name: getattr(tiny_config(), name, None))  # 96 = 2 x 48
     # flags not yet through Megatron's config: an unset expert width is ffn_hidden_size's
     unset = dict(moe_shared_expert_intermediate_size=96, moe_ffn_hidden_size=None)
     with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=128"):
         check_hf_exportable({**unset, "ffn_hidden_size": 128}.get)
     check_hf_exportable({**unset, "ffn_hidden_size": 48}.get)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(moe_shared_expert_gate=True),
+            "moe_shared_expert_gate=True is not allowed: False (the HF model's shared experts "
+            "have no gate)",
+        ),
+        (
+            dict(moe_router_force_load_balancing=True),
+            "moe_router_force_load_balancing=True is not allowed: False (benchmark-only random "
+            "routing; the HF model routes by the router's scores)",
+        ),
+        (
+            dict(moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax"),
+            "moe_router_score_function='softmax' is not allowed: 'sigmoid' (SPEC §3)",
+        ),
+    ],
+)
+def test_megatron_options_the_hf_model_cannot_express_train(overrides, message):
+    """Megatron trains them on the block; the converter refuses their checkpoints by name and
+    training warns at start-up (both through ``check_hf_exportable``)."""
+    from megatron_latentmoe.fields import check_hf_exportable
+
+    cfg = tiny_config(**overrides)
+    with pytest.raises(ConfigError) as err:
+        check_hf_exportable(lambda name: getattr(cfg, name, None))
+    assert str(err.value) == message
 
 
 def test_swiglu_keeps_megatrons_glu_clamp_and_offset():
