@@ -34,6 +34,9 @@ BALANCERS = {
     ),
     "qb_uniform": dict(moe_qb_binning="uniform"),
     "qb_centered": dict(moe_qb_binning="centered"),
+    # the MoE layer's activation recompute (--moe-layer-recompute): the first pass runs without
+    # autograd and is not counted, the recompute in backward is, so every token counts once
+    "qb_moe_recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
     "qb_seq_aux_loss": dict(  # QB with Megatron's seq aux loss beside it
         moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
         moe_aux_loss_coeff=[0.0, 1e-2],
@@ -98,6 +101,7 @@ def _run(rank, world_size):
                 recount=recount,
                 sign_loads=sign_loads,
                 tokens=tokens,
+                router_passes=len(seen),
             )
     return out
 
@@ -116,6 +120,7 @@ def test_metrics_equal_recount_from_routing_map(result, latent, name):
     assert torch.equal(r["loads"], r["recount"])
     assert r["metrics"] == r["expected"]
     assert r["metrics"].num_tokens == r["tokens"]
+    assert r["router_passes"] == (4 if "recompute" in name else 2)  # 2 micro-batches
     if "capacity" in name:  # capacity 1.0: some copies dropped, none above the capacity
         assert r["tokens"] < int(r["loads"].sum()) < r["tokens"] * 2
     else:
