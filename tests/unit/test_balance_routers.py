@@ -37,6 +37,8 @@ BALANCERS = {
     # the MoE layer's activation recompute (--moe-layer-recompute): the first pass runs without
     # autograd and is not counted, the recompute in backward is, so every token counts once
     "qb_moe_recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "qb_z_loss": dict(moe_z_loss_coeff=1e-2),  # Megatron's router z-loss, with QB and without
+    "none_z_loss": dict(moe_router_load_balancing_type="none", moe_z_loss_coeff=1e-2),
     "qb_seq_aux_loss": dict(  # QB with Megatron's seq aux loss beside it
         moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
         moe_aux_loss_coeff=[0.0, 1e-2],
@@ -145,6 +147,15 @@ def test_aux_loss_beside_qb_equals_megatrons(result, latent):
         rtol=1e-6,
     )
     assert result[(latent, "qb_centered")]["aux"] == {}  # QB alone: no aux loss
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "megatron_moe"])
+def test_z_loss_with_qb_equals_megatrons(result, latent):
+    """--moe-z-loss-coeff: the QB router adds Megatron's z-loss of the same logits."""
+    with_qb, alone = result[(latent, "qb_z_loss")], result[(latent, "none_z_loss")]
+    assert set(with_qb["aux"]) == set(alone["aux"]) == {"z_loss"}
+    assert float(with_qb["aux"]["z_loss"].sum()) > 0
+    assert torch.allclose(with_qb["aux"]["z_loss"], alone["aux"]["z_loss"], rtol=1e-6)
 
 
 def _run_sign_update_bf16(rank, world_size):
