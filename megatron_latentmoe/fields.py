@@ -583,6 +583,15 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
                     "None with moe_latent_size (gate and up stay two halves of fc1, as the HF "
                     "export and SiTU-GLU read them)",
                 )
+    score = get("moe_router_score_function")
+    if get("moe_router_pre_softmax") and score != "softmax":
+        raise ConfigError(  # else silently ignored: Megatron applies it to softmax scores only
+            "moe_router_pre_softmax",
+            True,
+            "False with {moe_router_score_function} (Megatron's pre-softmax applies to softmax "
+            "scores only; sigmoid scores are renormalised over the k chosen experts, SPEC §3)",
+            moe_router_score_function=score,
+        )
     lb = get("moe_router_load_balancing_type")  # None: not set (Megatron's default)
     balancers = [] if lb is None else balancer_list(lb)
     ok = set(AUX_LOSSES) | {QUANTILE_HISTOGRAM} if len(balancers) > 1 else set(BALANCERS)
@@ -733,12 +742,6 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             True,
             "False with quantile_histogram: the QB router owns expert_bias and "
             "Megatron's sign update would fight it",
-        )
-    if get("moe_router_pre_softmax"):
-        raise ConfigError(  # else silently ignored: sigmoid scores have no softmax to move
-            "moe_router_pre_softmax",
-            True,
-            f"False with {qb}: sigmoid scores, renormalised over the k chosen experts (SPEC §3)",
         )
     if get("moe_router_fusion"):
         raise ConfigError(  # else silently ignored: the QB router routes with its own top-(k+1)

@@ -189,7 +189,10 @@ CASES = {
     ),
     "pre_softmax_with_qb": (  # else silently ignored by the sigmoid router
         ["--moe-router-pre-softmax"],
-        ["--moe-router-pre-softmax is not allowed", "False with quantile_histogram"],
+        [
+            "--moe-router-pre-softmax is not allowed",
+            "False with --moe-router-score-function sigmoid",
+        ],
     ),
     "query_groups_not_dividing_heads": (  # else a RuntimeError in the first forward
         ["--num-query-groups", "3"],

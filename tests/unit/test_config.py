@@ -153,7 +153,14 @@ def test_the_tiny_config_runs_without_dropout_or_biases():
             "moe_qb_absorb_coeff=0.3",
             "quantile_histogram",
         ),
-        (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True", "False with quantile"),
+        *(  # else silently ignored: Megatron applies it to softmax scores only
+            (
+                dict(moe_router_pre_softmax=True, **balancer),
+                "moe_router_pre_softmax=True",
+                "False with moe_router_score_function='sigmoid' (Megatron's pre-softmax",
+            )
+            for balancer in ({}, dict(moe_router_load_balancing_type="aux_loss"))
+        ),
         (  # else silently ignored: the QB router's routing is its own, unfused
             dict(moe_router_fusion=True),
             "moe_router_fusion=True",
