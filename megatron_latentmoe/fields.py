@@ -531,6 +531,12 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
         )
     dense_then_moe = [0] * k_dense + [1] * (num_layers - k_dense)
     freq = get("moe_layer_freq")
+    if _is_int(freq) and freq < 1:  # else a ZeroDivisionError while the layers are built
+        raise ConfigError(
+            "moe_layer_freq",
+            freq,
+            "a positive integer (every N-th layer is MoE) or a list of 0 / 1, one per layer",
+        )
     if k_dense and freq not in (1, dense_then_moe):
         raise ConfigError(
             "first_k_dense_replace",
@@ -639,6 +645,14 @@ def _expert_width(get: Callable[[str], Any]) -> Any:
     return get("ffn_hidden_size") if width is None else width
 
 
+def moe_layer_pattern(freq: int | list, num_layers: int) -> list[int]:
+    """Megatron's ``moe_layer_freq`` as one entry per layer (1: MoE, 0: dense): an int N makes
+    every N-th layer from the first MoE, a list is the pattern itself."""
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    return list(freq)
+
+
 def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
@@ -646,6 +660,18 @@ def check_hf_exportable(get: Callable[[str], Any]) -> None:
         value = get(name)
         if value is not None and value != want:
             raise ConfigError(name, value, allowed)
+    freq, layers = get("moe_layer_freq"), get("num_layers")
+    if _is_int(layers) and (isinstance(freq, (list, tuple)) or (_is_int(freq) and freq > 1)):
+        pattern = moe_layer_pattern(freq, layers)
+        dense = pattern.index(1) if 1 in pattern else layers
+        if dense == layers or pattern != [0] * dense + [1] * (layers - dense):
+            raise ConfigError(
+                "moe_layer_freq",
+                freq,
+                f"1 or [0] * k + [1] * ({layers} - k) ({{num_layers}}): only the first layers "
+                "may be dense, as in the HF model",
+                num_layers=layers,
+            )
     shared, expert = get("moe_shared_expert_intermediate_size"), _expert_width(get)
     if _is_int(shared) and _is_int(expert) and expert > 0 and shared % expert:
         raise ConfigError(

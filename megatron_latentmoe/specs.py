@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_latentmoe.compat.core import apply_core_compat
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
-from megatron_latentmoe.fields import not_allowed
+from megatron_latentmoe.fields import moe_layer_pattern, not_allowed
 from megatron_latentmoe.moe.experts import BatchedActivationSequentialMLP
 from megatron_latentmoe.moe.latent_projection import LatentProjection
 from megatron_latentmoe.moe.layer import StableLatentMoELayer, StableLatentMoESubmodules
@@ -194,9 +194,7 @@ def get_stable_latentmoe_layer_specs(
             mlp=get_stable_latentmoe_mlp_spec(config, backend),
         ),
     )
-    pattern = config.moe_layer_freq
-    if isinstance(pattern, int):
-        pattern = [1 if i % pattern == 0 else 0 for i in range(config.num_layers)]
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
     return [moe if is_moe else dense for is_moe in pattern]
 
 

@@ -46,6 +46,7 @@ from megatron_latentmoe.fields import (
     check_hf_exportable,
     check_stable_latentmoe,
     megatron_values,
+    moe_layer_pattern,
     not_allowed,
     read_hf,
     read_megatron,
@@ -216,26 +217,17 @@ class ModelArch:
             QUANTILE_HISTOGRAM if QUANTILE_HISTOGRAM in lb else lb[0]
         )
         freq = raw("moe_layer_freq")
-        if freq not in (None, 1):
+        if freq not in (None, 1):  # [0] * k + [1] * rest (check_hf_exportable refuses others)
             n, k = values["num_layers"], values["first_k_dense_replace"]
-            pattern = (
-                [1 if i % freq == 0 else 0 for i in range(n)]
-                if isinstance(freq, int)
-                else list(freq)
-            )
-            # Megatron's own way to make the first layers dense ([0] * k + [1] * rest, what
-            # first_k_dense_replace=k builds): the model of first_k_dense_replace=k
-            dense = next((i for i, p in enumerate(pattern) if p), len(pattern))
-            if pattern != [0] * (k or dense) + [1] * (n - (k or dense)):
-                allowed = (
-                    f"1 or {[0] * k + [1] * (n - k)} (first_k_dense_replace={k})"
-                    if k
-                    else f"1 or [0] * k + [1] * ({n} - k) (num_layers={n})"
-                )
+            # Megatron's own way to make the first layers dense (what first_k_dense_replace=k
+            # builds): the model of first_k_dense_replace=k
+            dense = moe_layer_pattern(freq, n).index(1)
+            if k and dense != k:
                 raise not_allowed(
                     f"{source}: moe_layer_freq",
                     freq,
-                    f"{allowed}: only the first layers may be dense, as in the HF model",
+                    f"1 or {[0] * k + [1] * (n - k)} (first_k_dense_replace={k}): only the first "
+                    "layers may be dense, as in the HF model",
                     ConversionError,
                 )
             values["first_k_dense_replace"] = dense

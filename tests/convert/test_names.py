@@ -617,7 +617,7 @@ def test_dense_first_layers_given_by_moe_layer_freq(tmp_path):
     assert ModelArch.from_megatron_args(ns) == ModelArch(
         **dict(_workers.TEST_ARCH, first_k_dense_replace=2)
     )
-    for freq, k in (([1, 0, 1, 1], 0), ([0, 1, 0, 1], 0), (2, 0), ([0, 0, 1, 1], 1)):
+    for freq, k in (([1, 0, 1, 1], 0), ([0, 1, 0, 1], 0), (2, 0), ([0, 0, 1, 1], 1), ([0] * 4, 0)):
         ns.moe_layer_freq, ns.first_k_dense_replace = freq, k
         with pytest.raises(ConversionError, match=r"moe_layer_freq=.* is not allowed"):
             ModelArch.from_megatron_args(ns)

@@ -329,6 +329,11 @@ def test_the_tiny_config_runs_without_dropout_or_biases():
             "0 when moe_layer_freq=2 is set",
         ),
         (dict(moe_router_topk=0), "moe_router_topk=0", "an integer in [1, num_moe_experts=8)"),
+        (  # else a ZeroDivisionError while the layers are built
+            dict(moe_layer_freq=0, first_k_dense_replace=0),
+            "moe_layer_freq=0",
+            "a positive integer (every N-th layer is MoE) or a list of 0 / 1, one per layer",
+        ),
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_qb_calibrate_batches=4),
             "moe_qb_calibrate_batches=4",
@@ -446,6 +451,14 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
         (
             dict(moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax"),
             "moe_router_score_function='softmax' is not allowed: 'sigmoid' (SPEC §3)",
+        ),
+        *(
+            (
+                dict(moe_layer_freq=freq, first_k_dense_replace=0),
+                f"moe_layer_freq={freq!r} is not allowed: 1 or [0] * k + [1] * (2 - k) "
+                "(num_layers=2): only the first layers may be dense, as in the HF model",
+            )
+            for freq in ([1, 0], 2)
         ),
     ],
 )
