@@ -43,8 +43,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: needed for TP/SP comm orderin
 export NO_VCS_VERSION=1                # megatron.core.package_info: skip `git rev-parse`
 export PYTHONUNBUFFERED=1
 # Check the flags once, before spawning ranks: a bad flag is one line on stderr and exit 2
-# (rather than one error per rank and torchrun's ChildFailedError traceback).
+# (rather than one error per rank and torchrun's ChildFailedError traceback). Its stdout (the
+# argument table, notes, warnings) is dropped: rank 0 prints the same once the run starts.
 WORLD_SIZE="$nproc" RANK=0 LOCAL_RANK=0 \
-  "$PYTHON" "$repo/examples/pretrain_stable_latentmoe.py" --check-flags "${ARGS[@]}" "$@" || exit $?
+  "$PYTHON" "$repo/examples/pretrain_stable_latentmoe.py" --check-flags "${ARGS[@]}" "$@" >/dev/null || exit $?
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
   "$repo/examples/pretrain_stable_latentmoe.py" "${ARGS[@]}" "$@"

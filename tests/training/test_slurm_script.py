@@ -88,6 +88,10 @@ def test_sbatch_script_trains_through_its_torchrun_rendezvous():
     assert "[slurm] 1 nodes x 2 GPUs" in proc.stdout
     assert proc.stdout.count("[balance] iteration") == 3, proc.stdout[-3000:]
     assert "expert_model_parallel_size ...................... 2" in proc.stdout  # tiny.sh's EP2
+    # the flag check before srun prints nothing: the argument table and notes come once, from
+    # rank 0 (they came twice)
+    assert proc.stdout.count("end of arguments") == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("tokenizer: the shipped one") == 1, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize(
