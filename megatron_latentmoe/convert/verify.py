@@ -128,6 +128,7 @@ def load_megatron_model(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_latentmoe.model import build_gpt_model
+    from megatron_latentmoe.moe.layer import use_legacy_names_of
 
     reader = DistCheckpointReader(checkpoint)
     path = reader.path
@@ -136,8 +137,9 @@ def load_megatron_model(
     )
     model = build_gpt_model(config, **arch.builder_kwargs())
     model.eval()
-    sharded = model.sharded_state_dict()
     present = set(reader.metadata.state_dict_metadata)
+    use_legacy_names_of(model, present)  # a checkpoint from before the latent norm's rename
+    sharded = model.sharded_state_dict()
     for name, sh in list(sharded.items()):
         # local-spec linears' extra state is None (not saved); a TE save has its own
         if isinstance(sh, ShardedObject) and sh.unique_key not in present:

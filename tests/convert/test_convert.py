@@ -136,7 +136,9 @@ def test_import_is_layout_free(workspace):
 def test_checkpoint_with_the_old_norm_name_loads_and_exports(workspace, tmp_path):
     """A checkpoint from before mlp.latent_norm became mlp.routed_expert_norm: training resume
     (the model builder reads the checkpoint's keys) loads it exactly; export gives the same HF
-    files as today's checkpoint of the same weights."""
+    files as today's checkpoint of the same weights, and verify loads it too (it built the
+    Megatron side under today's names: KeyError 'mlp.routed_expert_norm.weight ... not in state
+    dict', a traceback after the export)."""
     ref = workspace.results["reference"]
     assert ref["old_names_keys"] == [
         f"decoder.layers.{i}.mlp.latent_norm.weight" for i in (1, 2, 3)
@@ -152,6 +154,10 @@ def test_checkpoint_with_the_old_norm_name_loads_and_exports(workspace, tmp_path
         assert (tmp_path / "hf" / f).read_bytes() == open(
             workspace.path("hf_main", f), "rb"
         ).read(), f
+    report = run_verify(
+        workspace.path("ck_old_names"), str(tmp_path / "hf"), str(tmp_path / "verify.json")
+    )
+    assert report["max_abs_diff"] <= 1e-4 and report["greedy_identical"], report
 
 
 def test_homogeneous_model_round_trip(workspace):
