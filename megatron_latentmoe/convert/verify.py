@@ -35,7 +35,7 @@ from megatron_latentmoe.fields import not_allowed
 from .arch import ModelArch
 from .dist_reader import DistCheckpointReader, open_checkpoint
 from .errors import ConversionError
-from .names import iter_tensor_maps
+from .names import TRAINING_STATE_SUFFIXES, iter_tensor_maps
 from .options import (
     DEFAULT_ATOL,
     DEFAULT_VERIFY_BATCH,
@@ -145,6 +145,10 @@ def load_megatron_model(
         if isinstance(sh, ShardedObject) and sh.unique_key not in present:
             if name.endswith("_extra_state"):
                 del sharded[name]
+        # training state (QB rescoring's mean router input): unused here, and checkpoints
+        # written before it was saved lack it
+        elif name.endswith(TRAINING_STATE_SUFFIXES):
+            del sharded[name]
     loaded = dist_checkpointing.load(sharded, str(path))
     own = set(model.state_dict())
     loaded = {k: v for k, v in loaded.items() if k in own}  # drop the common state (args, ...)
