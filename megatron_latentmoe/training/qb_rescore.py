@@ -112,9 +112,9 @@ class QBRescore:
                 router.set_drift_reference()
 
     def _warn_if_resumed(self, model, iteration: int) -> None:
-        """A run resumed inside the rescoring window from a checkpoint written without rescoring:
-        it has no ``router.qb_mean_input``, so the first rescored step runs without the armed
-        drift correction."""
+        """A run resumed inside the rescoring window from a checkpoint written without rescoring
+        (or before rescoring's state was checkpointed): it has no ``router.qb_mean_input``, so
+        the first rescored step runs without the armed drift correction."""
         self._warned = True
         if not all(_known_mean_inputs(self._qb_routers(model))):
             import torch.distributed as dist
@@ -123,7 +123,8 @@ class QBRescore:
                 print(
                     f"WARNING: resumed at iteration {iteration}, inside --moe-qb-rescore-iters "
                     f"{self.iters}, from a checkpoint without the QB routers' mean router input "
-                    "(router.qb_mean_input: written without --moe-qb-rescore-iters): the first "
+                    "(router.qb_mean_input: written without --moe-qb-rescore-iters, or by a "
+                    "version of this package from before it was checkpointed): the first "
                     "rescored step runs without the armed drift correction",
                     flush=True,
                 )

@@ -223,7 +223,8 @@ def test_a_run_resumed_inside_the_rescoring_window_warns_once(monkeypatch, capsy
     assert capsys.readouterr().out == (
         "WARNING: resumed at iteration 3, inside --moe-qb-rescore-iters 5, from a checkpoint "
         "without the QB routers' mean router input (router.qb_mean_input: written without "
-        "--moe-qb-rescore-iters): the first rescored step runs without the armed drift "
+        "--moe-qb-rescore-iters, or by a version of this package from before it was "
+        "checkpointed): the first rescored step runs without the armed drift "
         "correction\n"
     )
     _, _, _, run = _rescore_setup(monkeypatch, iters=5, mean_inputs_known=(True, True))
