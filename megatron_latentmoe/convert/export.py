@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_latentmoe.data import is_shipped_tokenizer
 from megatron_latentmoe.data.corpus import default_tokenizer_dir
 from megatron_latentmoe.fields import not_allowed
 
@@ -368,11 +369,6 @@ def _hf_config_class():
     return module.StableLatentMoEConfig
 
 
-def _shipped_tokenizer_suffix() -> tuple[str, ...]:
-    """The package-relative path of the shipped tokenizer (to recognise it from another clone)."""
-    return Path(default_tokenizer_dir()).resolve().parts[-4:]
-
-
 def resolve_tokenizer_dir(tokenizer_dir: str | None, common_state: dict) -> str | None:
     """The tokenizer directory to ship: an explicit one, None, or for ``"default"`` the training
     run's (see the module docstring). Raises :class:`ConversionError` if it cannot be told."""
@@ -385,7 +381,7 @@ def resolve_tokenizer_dir(tokenizer_dir: str | None, common_state: dict) -> str 
     if kind in (None, "HuggingFaceTokenizer") and model:
         if Path(model).is_dir():
             return str(model)
-        if Path(model).parts[-4:] == _shipped_tokenizer_suffix():
+        if is_shipped_tokenizer(model):
             return default_tokenizer_dir()  # the package's tokenizer, trained in another clone
         raise ConversionError(
             f"the checkpoint was trained with --tokenizer-model {model!r}, which is not a "

@@ -9,3 +9,10 @@ from pathlib import Path
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_CORPUS_PATH = ASSETS_DIR / "default_corpus.jsonl.gz"
 DEFAULT_TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+
+
+def is_shipped_tokenizer(path: str) -> bool:
+    """``path`` is the shipped tokenizer of some install of this package (its package-relative
+    path), e.g. the ``--tokenizer-model`` a checkpoint recorded in a clone since moved or
+    deleted: this install's :data:`DEFAULT_TOKENIZER_DIR` holds the same files."""
+    return Path(path).parts[-4:] == DEFAULT_TOKENIZER_DIR.parts[-4:]

@@ -38,6 +38,7 @@ import traceback
 import warnings
 from collections.abc import Iterable
 
+from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
 from megatron_latentmoe.fields import (
     ADDED,
     BY_NAME,
@@ -476,6 +477,9 @@ def validate_stable_latentmoe_args(
             "other only by failing at the first evaluation); allowed: both, or neither"
         )
     if args.tokenizer_model is not None and args.tokenizer_type in (None, "HuggingFaceTokenizer"):
+        if not os.path.exists(args.tokenizer_model) and is_shipped_tokenizer(args.tokenizer_model):
+            # e.g. a checkpoint's args (--use-checkpoint-args) from a clone moved or deleted since
+            args.tokenizer_model = str(DEFAULT_TOKENIZER_DIR)
         if not os.path.exists(args.tokenizer_model):
             raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")
     if args.seq_length is None:

@@ -580,6 +580,19 @@ def test_the_launch_scripts_example_passes_the_flag_check():
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
+def test_the_shipped_tokenizer_of_a_moved_clone_is_this_installs():
+    """A checkpoint's args (``--use-checkpoint-args``) name the shipped tokenizer by the path of
+    the clone that trained it; a clone moved or deleted since reads this install's copy (the
+    same files, as the converter does) instead of refusing a folder that is gone."""
+    from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR
+
+    gone = "/moved/clone/megatron_latentmoe/data/assets/tokenizer"
+    proc = _run([str(ENTRY), "--check-flags", *tiny_args(), "--tokenizer-model", gone])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("  tokenizer_model ")]
+    assert line.split()[-1] == str(DEFAULT_TOKENIZER_DIR), line
+
+
 def test_help_lists_our_flags():
     """``--help`` works (megatron-core 0.19.2 alone crashes on a bare '%' in one help string)."""
     proc = _run([str(ENTRY), "--help"])
