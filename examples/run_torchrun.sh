@@ -47,5 +47,7 @@ export PYTHONUNBUFFERED=1
 # argument table, notes, warnings) is dropped: rank 0 prints the same once the run starts.
 WORLD_SIZE="$nproc" RANK=0 LOCAL_RANK=0 \
   "$PYTHON" "$repo/examples/pretrain_stable_latentmoe.py" --check-flags "${ARGS[@]}" "$@" >/dev/null || exit $?
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+# torchrun through launch.py: a rank's refusal ends in one line, not torchrun's traceback
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -m megatron_latentmoe.training.launch --standalone --nproc-per-node "$nproc" \
   "$repo/examples/pretrain_stable_latentmoe.py" "${ARGS[@]}" "$@"
