@@ -763,10 +763,12 @@ def expert_layout_refusal(args) -> str | None:
     return _grid_refusal(args.world_size, sizes, ", or a smaller --expert-model-parallel-size")
 
 
-def megatron_refusal(args, err: AssertionError) -> str:
+def megatron_refusal(args, err: Exception) -> str:
     """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
     (a process count that the model-parallel layout or the batch does not divide) the flags and
-    what is allowed."""
+    what is allowed. A ``ValueError`` / ``RuntimeError`` it raises carries its own sentence."""
+    if not isinstance(err, AssertionError):
+        return f"Megatron's validate_args refused these flags: {err}"
     refusal = "world size" in str(err) and _grid_refusal(
         args.world_size, _model_parallel_sizes(args)
     )

@@ -343,7 +343,7 @@ def _checked(args, has_cuda: bool):
         raise FlagError(refusal)
     try:
         validate_args(args, {})
-    except AssertionError as err:  # megatron.training checks its flags with bare asserts
+    except (AssertionError, ValueError, RuntimeError) as err:  # mostly bare asserts
         raise FlagError(megatron_refusal(args, err)) from None
     config = transformer_config_from_args(args)
     refusal = interleaved_schedule_refusal(args, config.microbatch_group_size_per_vp_stage)

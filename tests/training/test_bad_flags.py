@@ -354,6 +354,13 @@ CASES = {
             "pool is the last N global batches of the run's sample order)"
         ],
     ),
+    "megatron_value_error": (  # validate_args' ValueError, as one line (a traceback before)
+        ["--step-batch-size-schedule", "0:8 4096:16"],
+        [
+            "Megatron's validate_args refused these flags: Cannot specify both "
+            "--step-batch-size-schedule and --global-batch-size"
+        ],
+    ),
     "megatron_assert_with_a_message": (  # validate_args' assert, as one line with its text
         ["--fp16-lm-cross-entropy", "--save-interval", "1000"],
         [
