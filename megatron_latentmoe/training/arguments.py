@@ -492,12 +492,55 @@ def validate_stable_latentmoe_args(
             "sequence over the tensor-parallel ranks)"
         )
     _check_pipeline_split(args)
+    _check_checkpointing_and_schedule(args, has_cuda)
     if args.balance_log_loads_interval < 1:
         raise FlagError(
             f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "
             "an integer >= 1"
         )
     _check_qb_calibration(args)
+
+
+def _have_nvrx() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
+def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
+    """Megatron flags that megatron-core 0.19.2 accepts and then ignores, or fails on only at the
+    first checkpoint save (after the run has trained)."""
+    if args.rampup_batch_size:
+        # TrainingConfig still parses it, but no code path hands it to the micro-batch
+        # calculator: every step trains --global-batch-size from iteration 1
+        raise FlagError(
+            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} is not allowed: "
+            "megatron-core 0.19.2 parses it but never ramps (every step would train "
+            "--global-batch-size); allowed: --step-batch-size-schedule 'THRESHOLD:BATCH ...' "
+            "without --global-batch-size"
+        )
+    if not args.async_save:
+        return
+    if args.ckpt_format == "torch":
+        raise FlagError(
+            "--async-save is not allowed with --ckpt-format torch: megatron-core 0.19.2 has no "
+            "asynchronous save of the legacy format (NotImplementedError at the first save); "
+            "allowed: --ckpt-format torch_dist or torch_dcp"
+        )
+    if not args.use_persistent_ckpt_worker:
+        return  # Megatron's validate_args warns and saves synchronously
+    if not has_cuda:
+        raise FlagError(
+            "--async-save --use-persistent-ckpt-worker needs a CUDA GPU: megatron-core 0.19.2's "
+            "checkpoint worker process selects one, dies without, and the run hangs at its "
+            "first save; allowed without a GPU: no --use-persistent-ckpt-worker (synchronous "
+            "saves)"
+        )
+    if args.async_strategy == "nvrx" and not _have_nvrx():
+        raise FlagError(
+            "--async-strategy nvrx (the default with --async-save) needs nvidia-resiliency-ext, "
+            "which is not installed; allowed: --async-strategy mcore"
+        )
 
 
 _PIPELINE_SPLIT = (
@@ -592,7 +635,7 @@ def interleaved_schedule_refusal(args, microbatch_group: int | None) -> str | No
     or larger than the step's micro-batches (training, and evaluation when it runs). None when
     the schedule can run (or there are no virtual stages)."""
     vpp, pp = args.virtual_pipeline_model_parallel_size, args.pipeline_model_parallel_size
-    if not vpp or vpp == 1 or args.rampup_batch_size:
+    if not vpp or vpp == 1 or args.step_batch_size_schedule:
         return None
     group = microbatch_group or pp
     if group < pp:
@@ -635,10 +678,10 @@ def _check_qb_calibration(args) -> None:
             f"--moe-qb-calibrate-batches {n}: allowed 0 to --train-iters - 1 = "
             f"{args.train_iters - 1} (iteration 1's batch must stay out of the pool)"
         )
-    if args.rampup_batch_size:
+    if args.step_batch_size_schedule:
         raise FlagError(
-            f"--moe-qb-calibrate-batches {n} does not support --rampup-batch-size (the pool "
-            "is N batches of the final global batch size)"
+            f"--moe-qb-calibrate-batches {n} does not support --step-batch-size-schedule (the "
+            "pool is N batches of one fixed global batch size)"
         )
     if args.dataloader_type not in (None, "single"):
         raise FlagError(

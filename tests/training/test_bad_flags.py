@@ -340,18 +340,19 @@ CASES = {
         ["--data-args-path", "/nonexistent/data_args.txt"],
         ["--data-args-path /nonexistent/data_args.txt: no such file"],
     ),
-    "calibration_with_batch_rampup": (  # the pool is N batches of the final size
-        ["--moe-qb-calibrate-batches", "4", "--rampup-batch-size", "4", "4", "100"],
+    "calibration_with_a_batch_size_schedule": (  # the pool is N batches of one size
+        ["--moe-qb-calibrate-batches", "4", "--step-batch-size-schedule", "0:8"],
         [
-            "--moe-qb-calibrate-batches 4 does not support --rampup-batch-size (the pool is N "
-            "batches of the final global batch size)"
+            "--moe-qb-calibrate-batches 4 does not support --step-batch-size-schedule (the pool "
+            "is N batches of one fixed global batch size)"
         ],
     ),
-    "calibration_with_a_cyclic_loader": (
-        ["--moe-qb-calibrate-batches", "4", "--dataloader-type", "cyclic"],
+    "batch_rampup": (  # megatron-core 0.19.2 parses it and never ramps: silently ignored
+        ["--rampup-batch-size", "8", "8", "32"],
         [
-            "--moe-qb-calibrate-batches 4 with --dataloader-type cyclic: allowed: single (the "
-            "pool is the last N global batches of the run's sample order)"
+            "--rampup-batch-size 8 8 32 is not allowed: megatron-core 0.19.2 parses it but never "
+            "ramps (every step would train --global-batch-size); allowed: "
+            "--step-batch-size-schedule 'THRESHOLD:BATCH ...' without --global-batch-size"
         ],
     ),
     "megatron_value_error": (  # validate_args' ValueError, as one line (a traceback before)
@@ -359,6 +360,29 @@ CASES = {
         [
             "Megatron's validate_args refused these flags: Cannot specify both "
             "--step-batch-size-schedule and --global-batch-size"
+        ],
+    ),
+    "async_save_of_legacy_checkpoints": (  # else NotImplementedError at the first save
+        ["--async-save", "--ckpt-format", "torch", "--save-interval", "1000"],
+        [
+            "--async-save is not allowed with --ckpt-format torch: megatron-core 0.19.2 has no "
+            "asynchronous save of the legacy format (NotImplementedError at the first save); "
+            "allowed: --ckpt-format torch_dist or torch_dcp"
+        ],
+    ),
+    "persistent_checkpoint_worker_without_a_gpu": (  # else the run hangs at its first save
+        ["--async-save", "--use-persistent-ckpt-worker", "--save-interval", "1000"],
+        [
+            "--async-save --use-persistent-ckpt-worker needs a CUDA GPU: megatron-core 0.19.2's "
+            "checkpoint worker process selects one, dies without, and the run hangs at its first "
+            "save; allowed without a GPU: no --use-persistent-ckpt-worker (synchronous saves)"
+        ],
+    ),
+    "calibration_with_a_cyclic_loader": (
+        ["--moe-qb-calibrate-batches", "4", "--dataloader-type", "cyclic"],
+        [
+            "--moe-qb-calibrate-batches 4 with --dataloader-type cyclic: allowed: single (the "
+            "pool is the last N global batches of the run's sample order)"
         ],
     ),
     "megatron_assert_with_a_message": (  # validate_args' assert, as one line with its text
@@ -450,6 +474,14 @@ CASES = {
 # would go on into heavy work, so these are not run there
 WITHOUT_TE = {"fp8_without_te_or_gpu", "fp4_without_te_or_gpu", "transformer_engine_not_installed"}
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+WITHOUT_GPU = {"persistent_checkpoint_worker_without_a_gpu"}  # refusals only without a GPU
+
+
+def _runs_here(name: str) -> bool:
+    import torch
+
+    return not (HAS_TE and name in WITHOUT_TE or torch.cuda.is_available() and name in WITHOUT_GPU)
+
 
 HEAVY_MARKERS = (
     "initializing torch distributed",
@@ -527,7 +559,7 @@ def outcomes():
     """{name: (returncode, output, seconds)} of every case, run by main() in one process."""
     from megatron_latentmoe.data.indexed import preprocess_jsonl
 
-    run = [name for name in CASES if not (HAS_TE and name in WITHOUT_TE)]
+    run = [name for name in CASES if _runs_here(name)]
     for name in run:
         (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
     docs = scratch_dir() / "small_corpus.jsonl"
@@ -547,7 +579,7 @@ def outcomes():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fails_fast_naming_the_flag(outcomes, name):
     if name not in outcomes:
-        pytest.skip("Transformer Engine is installed here: the flag is accepted")
+        pytest.skip("Transformer Engine or a GPU is here: the flag is accepted")
     returncode, output, seconds = outcomes[name]
     _check(name, returncode, output, seconds)
 
@@ -732,12 +764,12 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
 
     from megatron_latentmoe.training.arguments import interleaved_schedule_refusal
 
-    def run(global_batch=2, eval_batch=2, eval_iters=0, vpp=2, rampup=None):
+    def run(global_batch=2, eval_batch=2, eval_iters=0, vpp=2, schedule=None):
         return SimpleNamespace(
             num_layers=4,
             pipeline_model_parallel_size=2,
             virtual_pipeline_model_parallel_size=vpp,
-            rampup_batch_size=rampup,
+            step_batch_size_schedule=schedule,
             data_parallel_size=1,
             global_batch_size=global_batch,
             micro_batch_size=1,
@@ -748,7 +780,7 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
 
     for ok, group in ((run(), None), (run(eval_iters=1), 2), (run(1, vpp=None), None)):
         assert interleaved_schedule_refusal(ok, group) is None
-    assert interleaved_schedule_refusal(run(1, rampup=["1", "1", "10"]), None) is None
+    assert interleaved_schedule_refusal(run(1, schedule="0:1 10:2"), None) is None
     assert interleaved_schedule_refusal(run(eval_batch=1), None) is None  # no evaluation
     assert interleaved_schedule_refusal(run(), 1) == (
         "--microbatch-group-size-per-virtual-pipeline-stage 1 is not allowed with "
@@ -951,3 +983,28 @@ def test_refusals_that_depend_on_a_gpu_with_transformer_engine(
         with pytest.raises(FlagError) as err:
             validate_stable_latentmoe_args(args, has_cuda=has_cuda, have_te=have_te)
         assert str(err.value) == refusal
+
+
+def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
+    """On a GPU, ``--async-strategy nvrx`` (Megatron's default) without nvidia-resiliency-ext:
+    one line at start-up (else a ModuleNotFoundError traceback on every rank)."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training import arguments
+
+    monkeypatch.setattr(arguments, "_have_nvrx", lambda: False)
+    args = SimpleNamespace(
+        rampup_batch_size=None,
+        async_save=True,
+        ckpt_format="torch_dist",
+        use_persistent_ckpt_worker=True,
+        async_strategy="nvrx",
+    )
+    with pytest.raises(arguments.FlagError) as err:
+        arguments._check_checkpointing_and_schedule(args, has_cuda=True)
+    assert str(err.value) == (
+        "--async-strategy nvrx (the default with --async-save) needs nvidia-resiliency-ext, "
+        "which is not installed; allowed: --async-strategy mcore"
+    )
+    args.async_strategy = "mcore"
+    arguments._check_checkpointing_and_schedule(args, has_cuda=True)
