@@ -64,7 +64,8 @@ class BalanceLogger:
     Args:
         num_layers: total transformer layers of the model (all pipeline stages).
         num_experts: routed experts per MoE layer.
-        tokens_per_step: global batch tokens (global batch size x sequence length).
+        tokens_per_step: global batch tokens (global batch size x sequence length), or a
+            callable returning those of the step being finalised (a batch-size schedule).
         iteration_fn: returns the iteration number of the step being finalised (1-based, the
             number Megatron prints for it).
         log_interval: stdout interval; tensorboard_log_interval: TensorBoard interval.
@@ -83,7 +84,7 @@ class BalanceLogger:
         *,
         num_layers: int,
         num_experts: int,
-        tokens_per_step: int,
+        tokens_per_step: int | Callable[[], int],
         iteration_fn: Callable[[], int],
         log_interval: int = 1,
         tensorboard_log_interval: int = 1,
@@ -213,9 +214,8 @@ class BalanceLogger:
         loss_sum, loss_count = float(table[-1, 1]), float(table[-1, 2])
         loss = loss_sum / loss_count if loss_count > 0 else float("nan")
         vios = [entry["max_vio"] for entry in layers]
-        tokens_per_s = (
-            self.tokens_per_step / step_time if step_time and step_time > 0 else float("nan")
-        )
+        tokens = self.tokens_per_step() if callable(self.tokens_per_step) else self.tokens_per_step
+        tokens_per_s = tokens / step_time if step_time and step_time > 0 else float("nan")
         record = {
             "iteration": iteration,
             "loss": loss,

@@ -499,6 +499,7 @@ def _main(check_only: bool = False) -> int:
 
 def _make_balance_logger(args, jsonl_path):
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
     from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
     from megatron_latentmoe.training.balance_logging import BalanceLogger
@@ -508,7 +509,8 @@ def _make_balance_logger(args, jsonl_path):
     return BalanceLogger(
         num_layers=args.num_layers,
         num_experts=args.num_experts,
-        tokens_per_step=args.global_batch_size * args.seq_length,
+        # the step's own batch: --step-batch-size-schedule changes it during the run
+        tokens_per_step=lambda: get_current_global_batch_size() * args.seq_length,
         iteration_fn=lambda: get_args().curr_iteration + 1,
         log_interval=args.log_interval,
         tensorboard_log_interval=args.tensorboard_log_interval,

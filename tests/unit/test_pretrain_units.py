@@ -671,8 +671,9 @@ def test_main_prints_the_balance_summary_on_the_logging_rank(
 @pytest.mark.parametrize("rank, made", [("1", True), ("0", False)])
 def test_the_balance_logger_follows_the_flags(monkeypatch, tmp_path, rank, made):
     """The last rank (it writes the JSONL records) makes the file's folder; the logger counts
-    global batch x sequence tokens per step and numbers steps from Megatron's iteration + 1."""
-    from megatron.core import parallel_state
+    the step's global batch x sequence tokens (Megatron's current batch: a
+    --step-batch-size-schedule changes it) and numbers steps from Megatron's iteration + 1."""
+    from megatron.core import num_microbatches_calculator, parallel_state
 
     writers = SimpleNamespace(
         get_args=lambda: SimpleNamespace(curr_iteration=6),
@@ -692,10 +693,16 @@ def test_the_balance_logger_follows_the_flags(monkeypatch, tmp_path, rank, made)
         balance_log_loads_interval=9,
         moe_per_layer_logging=True,
     )
+    batch = [4]
+    monkeypatch.setattr(
+        num_microbatches_calculator, "get_current_global_batch_size", lambda: batch[0]
+    )
     path = tmp_path / "logs" / "balance.jsonl"
     logger = pretrain._make_balance_logger(args, str(path))
     assert path.parent.is_dir() is made and not path.exists()
-    assert (logger.num_layers, logger.num_experts, logger.tokens_per_step) == (3, 8, 64)
+    assert (logger.num_layers, logger.num_experts, logger.tokens_per_step()) == (3, 8, 64)
+    batch[0] = 8
+    assert logger.tokens_per_step() == 128
     assert (logger.log_interval, logger.tensorboard_log_interval, logger.loads_interval) == (
         5,
         7,
