@@ -346,6 +346,9 @@ def _checked(args, has_cuda: bool):
     except (AssertionError, ValueError, RuntimeError) as err:  # mostly bare asserts
         raise FlagError(megatron_refusal(args, err)) from None
     config = transformer_config_from_args(args)
+    # the layer pattern the model builds (--first-k-dense-replace's dense layers): Megatron's
+    # FLOPs count (--log-throughput) reads it from the args, where it would say "all MoE"
+    args.moe_layer_freq = config.moe_layer_freq
     refusal = interleaved_schedule_refusal(args, config.microbatch_group_size_per_vp_stage)
     if refusal:
         raise FlagError(refusal)

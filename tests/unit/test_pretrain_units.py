@@ -787,7 +787,7 @@ class _Checked:
             "megatron.training.arguments",
             SimpleNamespace(validate_args=validate_args),
         )
-        config = SimpleNamespace(microbatch_group_size_per_vp_stage=3)
+        config = SimpleNamespace(microbatch_group_size_per_vp_stage=3, moe_layer_freq=[0, 1, 1])
         monkeypatch.setitem(
             sys.modules,
             "megatron_latentmoe.training.model_provider",
@@ -808,6 +808,7 @@ def test_checked_args_complete_a_cpu_run_with_the_shipped_corpus_and_tokenizer(m
     assert (args, config, cpu_notes) == (checked.args, checked.config, ["fused kernels"])
     assert default_data_dir == "/home/cache"
     assert args.data_path == ["/home/cache/default_corpus"] and args.split == "98,2,0"
+    assert args.moe_layer_freq == [0, 1, 1]  # the model's layers, for Megatron's FLOPs count
     assert checked.events == [
         ("parse", add_stable_latentmoe_args),
         ("validate ours", False),
