@@ -55,11 +55,28 @@ def _print0(*parts) -> None:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
+AUTO_FORMAT = "auto"
+"""The ``ckpt_format`` of a run with ``--auto-detect-ckpt-format``: each folder's own."""
+
+
+def load_format(args) -> str:
+    """The checkpoint format ``--load`` reads: ``--ckpt-format``, or each folder's own with
+    ``--auto-detect-ckpt-format`` (:data:`AUTO_FORMAT`)."""
+    return AUTO_FORMAT if getattr(args, "auto_detect_ckpt_format", False) else args.ckpt_format
+
+
 def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     """A checkpoint folder a run can load: Megatron's distributed checkpoint (``torch_dist``)
     writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
     ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
-    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist)."""
+    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist).
+    :data:`AUTO_FORMAT`: a folder of ``mp_rank_0*`` entries is a legacy ``torch`` one (as
+    Megatron tells them apart), any other needs torch DCP's ``.metadata``."""
+    if ckpt_format == AUTO_FORMAT:
+        if not os.path.isdir(path):
+            return False
+        legacy = any(entry.name.startswith("mp_rank_0") for entry in os.scandir(path))
+        ckpt_format = "torch" if legacy else "torch_dcp"
     if ckpt_format == "torch_dist":
         return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
             os.path.join(path, ".metadata")
@@ -202,7 +219,7 @@ def load_checkpoint_args(args) -> set[str]:
         if getattr(args, load_arg) is None:
             continue
         load_args_from_checkpoint(args, load_arg=load_arg)
-        saved = saved_args(getattr(args, load_arg), args.ckpt_format, release=True)
+        saved = saved_args(getattr(args, load_arg), load_format(args), release=True)
         for f in ADDED:
             value = getattr(saved, f.name, None) if f.hf else None
             if value is not None:
@@ -430,9 +447,9 @@ def _main(check_only: bool = False) -> int:
 
         apply_qb_gloo_compat()
     if args.load and _rank() == 0:
-        repair_checkpoint_tracker(args.load, args.ckpt_format)
+        repair_checkpoint_tracker(args.load, load_format(args))
     if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
-        saved = saved_args(args.load, args.ckpt_format)
+        saved = saved_args(args.load, load_format(args))
         if saved is not None and _layout_changed(args, saved):
             _plan_layout_change(args, saved)
 

@@ -72,6 +72,32 @@ def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
     assert pretrain._complete_checkpoint(str(path), "torch")
 
 
+def test_auto_detected_formats_are_each_complete_by_their_own_rule(tmp_path):
+    """--auto-detect-ckpt-format: a run that saved torch_dist and then legacy torch checkpoints
+    resumes from the newest, a legacy one; a torch_dist save cut before its .metadata is not
+    complete. Before, --ckpt-format's torch_dist rule made 6 incomplete and the tracker was
+    rewritten to 3: a silent resume three iterations back."""
+    _checkpoints(tmp_path, [3])
+    (tmp_path / iteration_dir_name(6) / "mp_rank_00_000").mkdir(parents=True)
+    (tmp_path / iteration_dir_name(9)).mkdir()
+    (tmp_path / iteration_dir_name(9) / "__0_0.distcp").write_text("shard")  # killed mid-save
+    (tmp_path / TRACKER_FILE).write_text("6")
+    auto = pretrain.AUTO_FORMAT
+    assert [
+        pretrain._complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
+        for i in (3, 6, 9, 12)
+    ] == [True, True, False, False]
+    assert pretrain.repair_checkpoint_tracker(str(tmp_path), auto) == 6
+    assert (tmp_path / TRACKER_FILE).read_text() == "6"
+    assert pretrain.load_format(SimpleNamespace(ckpt_format="torch_dist")) == "torch_dist"
+    assert (
+        pretrain.load_format(
+            SimpleNamespace(ckpt_format="torch_dist", auto_detect_ckpt_format=True)
+        )
+        == pretrain.AUTO_FORMAT
+    )
+
+
 def _checkpoints(root, iterations, tracker=None, files=(".metadata", "metadata.json")):
     for iteration in iterations:
         (root / iteration_dir_name(iteration)).mkdir()
@@ -604,6 +630,10 @@ def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
     run = _Run(monkeypatch, tmp_path)  # no --load
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == run.named("saved_args") == []
+    run = _Run(monkeypatch, tmp_path, load="ckpt", auto_detect_ckpt_format=True)
+    assert run() == 0
+    assert run.named("repair_checkpoint_tracker") == [("ckpt", pretrain.AUTO_FORMAT)]
+    assert run.named("saved_args") == [("ckpt", pretrain.AUTO_FORMAT)]
 
 
 def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path, capsys):
