@@ -133,8 +133,9 @@ def run_entry(extra: list[str], nproc: int = 2, timeout: float = 300.0) -> Run:
     return Run(proc.returncode, output, time.time() - start)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants at once, like a node dying.
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """SIGKILL ``pid`` and all its descendants at once, like a node dying (or send them ``sig``,
+    e.g. the SIGTERM a scheduler sends before its time limit), and wait up to 30 s for them.
 
     torchrun starts each worker in its own session, so killing torchrun's process group alone
     would leave the ranks running (and finishing the very save we mean to interrupt)."""
@@ -147,17 +148,22 @@ def kill_tree(pid: int) -> None:
         return
     for victim in victims:
         try:
-            victim.send_signal(signal.SIGKILL)
+            victim.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(victims, timeout=30)
 
 
 def run_and_kill(
-    extra: list[str], should_kill: Callable[[str], bool], nproc: int = 2, timeout: float = 300.0
+    extra: list[str],
+    should_kill: Callable[[str], bool],
+    nproc: int = 2,
+    timeout: float = 300.0,
+    sig: int = signal.SIGKILL,
 ) -> Run:
     """Run under torchrun and SIGKILL torchrun and every rank as soon as ``should_kill(line)``
-    is true for an output line. Returns the output up to then."""
+    is true for an output line. Returns the output up to then; with another ``sig`` (SIGTERM),
+    the output until the processes have exited."""
     start = time.time()
     proc = subprocess.Popen(
         command(extra, nproc),
@@ -174,8 +180,10 @@ def run_and_kill(
         for line in proc.stdout:
             lines.append(line)
             if should_kill(line):
-                kill_tree(proc.pid)
+                kill_tree(proc.pid, sig)
                 killed = True
+                if sig != signal.SIGKILL:
+                    lines += proc.stdout  # what the ranks printed while they exited
                 break
             if time.time() - start > timeout:
                 break

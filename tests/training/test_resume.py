@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import signal
 import time
 
 import pytest
@@ -148,6 +149,38 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
     assert len(biases) == 3 and any(k.startswith("optimizer.state.exp_avg.") for k in mine)
     different = [k for k in mine if not mine[k].equal(theirs[k])]
     assert not different, different
+
+
+def test_sigterm_with_the_exit_signal_handler_saves_and_resumes_exactly():
+    """``--exit-signal-handler``: SIGTERM to torchrun and both ranks (a scheduler's time limit)
+    mid-run; Megatron finishes the step, saves it and exits. The resume continues with the
+    uninterrupted run's losses and per-expert loads, and its checkpoint at 40 -- weights, QB
+    biases, Adam moments -- is bit-identical to the uninterrupted one."""
+    ref = reference_run()
+    ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "sigterm", upto=30)
+    jsonl = scratch_dir() / "sigterm.jsonl"
+    args = REF_ARGS + ["--save", str(ckpt), "--load", str(ckpt), "--balance-log-file", str(jsonl)]
+    args += ["--exit-signal-handler"]
+    run = run_and_kill(args, lambda line: "[balance] iteration      32" in line, sig=signal.SIGTERM)
+    assert "exiting program after receiving SIGTERM" in run.output, run.output[-3000:]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 32 <= saved < 40 and (iter_dir(ckpt, saved) / "metadata.json").exists()
+
+    run_entry(args).check()
+    chain = read_jsonl(jsonl)
+    assert sorted(chain) == list(range(31, 41)), sorted(chain)
+    for i in chain:
+        assert chain[i]["loss"] == ref.records[i]["loss"], i
+        assert [e["loads"] for e in chain[i]["layers"]] == [
+            e["loads"] for e in ref.records[i]["layers"]
+        ], i
+    mine, theirs = (
+        checkpoint_tensors(iter_dir(ckpt, 40)),
+        checkpoint_tensors(iter_dir(ref.ckpt, 40)),
+    )
+    assert sorted(mine) == sorted(theirs)
+    assert len([k for k in mine if k.endswith("router.expert_bias")]) == 3
+    assert not [k for k in mine if not mine[k].equal(theirs[k])]
 
 
 def _load_resharded(name, layout, nproc):
