@@ -107,12 +107,13 @@ def prepare_default_dataset(
 
     The prefix ``<output_dir>/<name>`` names ``<prefix>.bin`` and ``<prefix>.idx`` (Megatron's
     ``--data-path <prefix>``); a ``<prefix>.json`` beside them records what they were built from.
-    If both exist and that record matches the shipped corpus and tokenizer, nothing is done (a
-    few milliseconds). Safe to call from several processes at once (a file lock serialises them)
-    and safe to kill (files are written under temporary names and renamed at the end).
+    If both exist, pass ``indexed.check_indexed_dataset`` and that record matches the shipped
+    corpus and tokenizer, nothing is done (a few milliseconds). Safe to call from several
+    processes at once (a file lock serialises them) and safe to kill (files are written under
+    temporary names and renamed at the end).
     """
     # lazy: keeps `import corpus` light (numpy, Megatron)
-    from .indexed import PreprocessError, preprocess_jsonl
+    from .indexed import PreprocessError, check_indexed_dataset, preprocess_jsonl
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
     try:
@@ -130,7 +131,8 @@ def prepare_default_dataset(
             return False
         try:
             have = json.loads(stamp.read_text())
-        except (OSError, ValueError):
+            check_indexed_dataset(str(prefix))  # e.g. a .bin cut by a copy of the cache
+        except (OSError, ValueError, PreprocessError):
             return False
         return all(have.get(k) == v for k, v in want.items())
 

@@ -28,6 +28,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -350,6 +351,91 @@ def _drop_stale_index_cache(prefix: str) -> None:
         shutil.rmtree(cache, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(prefix)  # only if now empty
+
+
+# ------------------------------------------------------------------------------- Reading a dataset
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_INDEX_HEADER = struct.Struct("<QBQQ")  # after the magic: version, dtype code, sequences, documents
+_INDEX_HEADER_SIZE = len(INDEX_MAGIC) + _INDEX_HEADER.size  # 34
+_REBUILD = "copy it again, or rebuild the pair with tools/preprocess_data.py"
+
+
+def read_index_header(prefix: str) -> tuple[int, int, int, int]:
+    """``(version, dtype code, sequences, documents)`` from the header of ``prefix.idx``;
+    :class:`PreprocessError` ``"<prefix>.idx is not a Megatron index file"`` when it does not
+    start with Megatron's magic and a whole header."""
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(_INDEX_HEADER_SIZE)
+    if len(head) < _INDEX_HEADER_SIZE or not head.startswith(INDEX_MAGIC):
+        raise PreprocessError(f"{prefix}.idx is not a Megatron index file")
+    return _INDEX_HEADER.unpack_from(head, len(INDEX_MAGIC))
+
+
+def check_indexed_dataset(prefix: str) -> int:
+    """The sequences of the Megatron indexed dataset ``prefix`` (``.idx`` + ``.bin``), after the
+    checks that cost a few reads whatever its size: the header megatron-core 0.19.2 reads
+    (version 1, a known token dtype), the ``.idx`` long enough for the arrays its header
+    announces, its first and last sequence pointers and document indices in place, and the
+    ``.bin`` exactly as long as its last sequence ends. What they catch (a ``.bin`` or ``.idx``
+    cut short, another format, a pair from two different writes) otherwise fails in the
+    middle of training, in a batch read, with a numpy traceback. A corruption inside the arrays
+    passes: finding it reads the whole ``.idx`` (12 bytes a sequence), on every rank.
+    :class:`PreprocessError` names the file, what is wrong and what to do."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    version, code, sequences, documents = read_index_header(prefix)
+    if version != 1:
+        raise PreprocessError(
+            f"{idx}: index format version {version}; megatron-core 0.19.2 reads version 1 only "
+            f"({_REBUILD})"
+        )
+    if code not in {d.value for d in DType}:
+        raise PreprocessError(
+            f"{idx}: token dtype code {code} is none of megatron-core's DType codes "
+            f"{sorted(d.value for d in DType)}: the file is corrupt ({_REBUILD})"
+        )
+    lengths_at = _INDEX_HEADER_SIZE
+    pointers_at = lengths_at + 4 * sequences
+    documents_at = pointers_at + 8 * sequences
+    needed = documents_at + 8 * documents
+    size = os.path.getsize(idx)
+    if size < needed:
+        raise PreprocessError(
+            f"{idx} is cut short: {size} bytes, where its header ({sequences} sequences, "
+            f"{documents} documents) needs {needed} ({_REBUILD})"
+        )
+
+    def read(f, offset: int, dtype, count: int = 1) -> numpy.ndarray:
+        f.seek(offset)
+        return numpy.frombuffer(f.read(numpy.dtype(dtype).itemsize * count), dtype=dtype)
+
+    if sequences == 0:
+        raise PreprocessError(f"{idx} holds no sequence: an empty dataset, nothing to train on")
+    with open(idx, "rb") as f:
+        bounds = [int(read(f, at, numpy.int64)[0]) for at in (documents_at, needed - 8)]
+        if documents == 0 or bounds != [0, sequences]:
+            raise PreprocessError(
+                f"{idx} is corrupt: its document indices do not run from 0 to its {sequences} "
+                f"sequences ({_REBUILD})"
+            )
+        first = int(read(f, pointers_at, numpy.int64)[0])
+        last = int(read(f, documents_at - 8, numpy.int64)[0])
+        length = int(read(f, pointers_at - 4, numpy.int32)[0])
+        if first != 0 or last < 0 or length < 0:
+            raise PreprocessError(
+                f"{idx} is corrupt: its sequence pointers do not start at 0 ({_REBUILD})"
+            )
+    expected = last + length * DType.size(code)
+    size = os.path.getsize(bin_)
+    if size != expected:
+        what = "is cut short" if size < expected else "does not belong to its .idx"
+        raise PreprocessError(
+            f"{bin_} {what}: {size} bytes, where {idx} ends its last sequence at byte "
+            f"{expected} ({_REBUILD})"
+        )
+    return sequences
 
 
 # -------------------------------------------------------------------------------------- Main entry

@@ -33,12 +33,16 @@ import math
 import os
 import re
 import shlex
-import struct
 import traceback
 import warnings
 from collections.abc import Iterable
 
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
+from megatron_latentmoe.data.indexed import (
+    PreprocessError,
+    check_indexed_dataset,
+    read_index_header,
+)
 from megatron_latentmoe.fields import (
     ADDED,
     BY_NAME,
@@ -200,6 +204,10 @@ def _check_data_paths(args) -> None:
                     ".bin/.idx pair (tools/preprocess_data.py writes one), or leave --data-path "
                     "out to train on the shipped corpus."
                 )
+            try:
+                check_indexed_dataset(prefix)
+            except PreprocessError as err:
+                raise FlagError(f"{flag} {prefix}: {err}") from None
     for dest in _DATA_ARGS_FILES:
         path = getattr(args, dest)
         if path is not None and not os.path.isfile(path):
@@ -211,13 +219,12 @@ MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
 
 
 def _sequence_count(prefix: str) -> int:
-    """Sequences in the Megatron indexed dataset ``prefix`` (what Megatron's GPT datasets split):
-    the ``.idx`` header is a 9-byte magic, a <Q version, a <B dtype code, then <Q sequences."""
-    with open(prefix + ".idx", "rb") as f:
-        header = f.read(26)
-    if len(header) < 26 or header[:9] != b"MMIDIDX\x00\x00":
-        raise FlagError(f"--data-path {prefix}: {prefix}.idx is not a Megatron index file")
-    return struct.unpack("<Q", header[18:26])[0]
+    """Sequences in the Megatron indexed dataset ``prefix`` (what Megatron's GPT datasets split),
+    from its ``.idx`` header."""
+    try:
+        return read_index_header(prefix)[2]
+    except PreprocessError as err:
+        raise FlagError(f"--data-path {prefix}: {err}") from None
 
 
 def _check_split(args, datasets: list[tuple[str, int]] | None = None) -> None:

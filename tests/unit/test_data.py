@@ -390,6 +390,95 @@ def test_bin_and_idx_match_an_independent_reading(tmp_path, hf_tok):
     )
 
 
+def _corrupt_copies(tmp_path) -> tuple[str, dict[str, str]]:
+    """A good dataset of 3 sequences (3 of SAMPLES' texts + EOD, uint16), and copies with one
+    thing wrong each, by name: {name: prefix}."""
+    import shutil
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"text": SAMPLES[i]}) for i in (0, 1, 3)) + "\n")
+    good = str(tmp_path / "good")
+    preprocess_jsonl(src, good, progress=False)
+    idx, size = Path(good + ".idx").read_bytes(), Path(good + ".bin").stat().st_size
+    cases = {
+        "bin_cut": (idx, size - 2),
+        "bin_long": (idx, size + 2),
+        "idx_cut": (idx[:-1], size),
+        "idx_version": (idx[:9] + struct.pack("<Q", 2) + idx[17:], size),
+        "idx_dtype": (idx[:17] + bytes([99]) + idx[18:], size),
+        "idx_magic": (b"NOTMEGA!!" + idx[9:], size),
+        "documents": (idx[:-8] + struct.pack("<q", 2), size),  # last document index 2, not 3
+        "empty": (idx[:18] + struct.pack("<QQq", 0, 1, 0), 0),  # Megatron's builder: no text
+    }
+    out = {}
+    for name, (index, bin_size) in cases.items():
+        prefix = str(tmp_path / name)
+        Path(prefix + ".idx").write_bytes(index)
+        shutil.copy(good + ".bin", prefix + ".bin")
+        os.truncate(prefix + ".bin", bin_size)
+        out[name] = prefix
+    return good, out
+
+
+def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path):
+    """A .bin or .idx cut short, another format version or dtype, a pair from two writes or an
+    empty dataset: one sentence naming the file (megatron-core failed on each in the middle of
+    training with a numpy / assert traceback, or trained on a .bin longer than its .idx says)."""
+    from megatron_latentmoe.data.indexed import check_indexed_dataset
+
+    good, bad = _corrupt_copies(tmp_path)
+    assert check_indexed_dataset(good) == 3
+    n = Path(good + ".bin").stat().st_size
+    redo = "copy it again, or rebuild the pair with tools/preprocess_data.py"
+    whole = 34 + 12 * 3 + 8 * 4  # header, 3 sequences, 4 document indices
+
+    def expected(name: str, p: str) -> str:
+        return {
+            "bin_cut": f"{p}.bin is cut short: {n - 2} bytes, where {p}.idx ends its last "
+            f"sequence at byte {n} ({redo})",
+            "bin_long": f"{p}.bin does not belong to its .idx: {n + 2} bytes, where {p}.idx ends "
+            f"its last sequence at byte {n} ({redo})",
+            "idx_cut": f"{p}.idx is cut short: {whole - 1} bytes, where its header (3 sequences, "
+            f"4 documents) needs {whole} ({redo})",
+            "idx_version": f"{p}.idx: index format version 2; megatron-core 0.19.2 reads version "
+            f"1 only ({redo})",
+            "idx_dtype": f"{p}.idx: token dtype code 99 is none of megatron-core's DType codes "
+            f"[1, 2, 3, 4, 5, 6, 7, 8]: the file is corrupt ({redo})",
+            "idx_magic": f"{p}.idx is not a Megatron index file",
+            "documents": f"{p}.idx is corrupt: its document indices do not run from 0 to its 3 "
+            f"sequences ({redo})",
+            "empty": f"{p}.idx holds no sequence: an empty dataset, nothing to train on",
+        }[name]
+
+    assert len(bad) == 8
+    for name, prefix in bad.items():
+        with pytest.raises(PreprocessError) as err:
+            check_indexed_dataset(prefix)
+        assert str(err.value) == expected(name, prefix), name
+
+
+def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
+    """``--data-path`` (each prefix of a blend) and ``--train-data-path`` are checked before any
+    rank starts: the flag, the prefix, then what is wrong."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+
+    good, bad = _corrupt_copies(tmp_path)
+    paths = dict(data_path=None, train_data_path=None, valid_data_path=None, test_data_path=None)
+    args = dict(paths, data_args_path=None, per_split_data_args_path=None)
+    _check_data_paths(SimpleNamespace(**dict(args, data_path=["0.5", good, "0.5", good])))
+    for flag, value in (
+        ("data_path", ["0.5", good, "0.5", bad["bin_cut"]]),
+        ("train_data_path", [bad["bin_cut"]]),
+    ):
+        with pytest.raises(FlagError) as err:
+            _check_data_paths(SimpleNamespace(**dict(args, **{flag: value})))
+        assert str(err.value).startswith(
+            f"--{flag.replace('_', '-')} {bad['bin_cut']}: {bad['bin_cut']}.bin is cut short: "
+        ), str(err.value)
+
+
 def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     """--workers 2 (batches of 256 lines tokenized out of order in 2 processes) writes .bin/.idx
     byte-identical to --workers 1, for each of two keys: 1000 corpus documents = 4 batches, as
@@ -1158,18 +1247,23 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     """prepare_default_dataset's reuse rule, the tokenizing replaced by a spy: it rebuilds when
     forced, when the .idx is gone, when the record's format version is another, when a tokenizer
     file changed (other ids for the same corpus), and not when another process built the dataset
-    while this one waited for the lock (every rank of a torchrun calls it)."""
+    while this one waited for the lock (every rank of a torchrun calls it); a dataset that fails
+    ``check_indexed_dataset`` is rebuilt."""
     import contextlib
     import shutil
 
     from megatron_latentmoe.data import corpus, indexed
 
     builds = []
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"text": SAMPLES[0]}) + "\n")
+    pair = {ext: str(tmp_path / f"one{ext}") for ext in (".bin", ".idx")}
+    preprocess_jsonl(src, tmp_path / "one", progress=False)  # a valid dataset for the spy
 
     def spy(input, output_prefix, **kwargs):
         builds.append(kwargs["tokenizer"])
         for ext in (".bin", ".idx"):
-            Path(output_prefix + ext).write_bytes(b"tokens")
+            shutil.copy(pair[ext], output_prefix + ext)
         return types.SimpleNamespace(documents=1, tokens=2)
 
     monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
@@ -1199,9 +1293,13 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     (tokenizer / "special_tokens_map.json").rename(tokenizer / "special_tokens_map.json.bak")
     assert (rebuilds(), rebuilds()) == (1, 0)
 
+    # a .bin cut short (a copy of the cache folder cut by a full disk): rebuilt
+    os.truncate(out / "default_corpus.bin", 1)
+    assert (rebuilds(), rebuilds()) == (1, 0)
+
     @contextlib.contextmanager
     def another_process_builds_it(path):
-        (out / "default_corpus.idx").write_bytes(b"tokens")
+        shutil.copy(pair[".idx"], out / "default_corpus.idx")
         yield
 
     (out / "default_corpus.idx").unlink()
