@@ -57,6 +57,13 @@ def default_cache_dir() -> Path:
     return Path(root) / "data"
 
 
+DEFAULT_CACHE_ORIGIN = (
+    "the shipped corpus's cache folder ($MEGATRON_LATENTMOE_CACHE/data, else "
+    "$XDG_CACHE_HOME or ~/.cache /megatron_latentmoe/data; --data-cache-path names another)"
+)
+"""How a message names :func:`default_cache_dir`'s folder."""
+
+
 def iter_corpus_texts(path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
     """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default), each line
     checked as the preprocessor checks it (``indexed.iter_jsonl_texts``)."""

@@ -11,7 +11,8 @@ Order of work (everything that can be wrong about the command line fails before 
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
    (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
 5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired
-   (:func:`repair_checkpoint_tracker`);
+   (:func:`repair_checkpoint_tracker`); a damaged checkpoint is refused at step 1, one of
+   another model shape here (:mod:`.file_checks`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging).
@@ -322,6 +323,7 @@ def _checked(args, has_cuda: bool):
 
     from megatron_latentmoe.compat.training import apply_cpu_training_compat, cpu_training_defaults
     from megatron_latentmoe.data.corpus import (
+        DEFAULT_CACHE_ORIGIN,
         DEFAULT_DATASET_NAME,
         default_cache_dir,
         default_tokenizer_dir,
@@ -335,6 +337,7 @@ def _checked(args, has_cuda: bool):
         uses_default_data,
         validate_stable_latentmoe_args,
     )
+    from megatron_latentmoe.training.file_checks import folder_refusal, load_refusal
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
 
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
@@ -345,6 +348,15 @@ def _checked(args, has_cuda: bool):
             if args.data_cache_path
             else str(default_cache_dir())
         )
+    for refusal in (
+        load_refusal(args.load, load_format(args)),
+        folder_refusal("--save", args.save),
+        folder_refusal("--data-cache-path", args.data_cache_path),
+        None if args.data_cache_path else folder_refusal(DEFAULT_CACHE_ORIGIN, default_data_dir),
+    ):
+        if refusal:
+            raise FlagError(refusal)
+    if default_data_dir is not None:
         args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
         if args.split is None:
             args.split = "98,2,0"
@@ -394,6 +406,7 @@ def _main(check_only: bool = False) -> int:
     if not has_cuda:
         apply_cpu_compat()
     from megatron_latentmoe.data.corpus import DEFAULT_DATASET_NAME, prepare_default_dataset
+    from megatron_latentmoe.data.indexed import PreprocessError
     from megatron_latentmoe.training.arguments import FlagError
 
     begin_run()
@@ -415,7 +428,13 @@ def _main(check_only: bool = False) -> int:
         )
 
     if default_data_dir is not None:
-        prefix = prepare_default_dataset(default_data_dir, DEFAULT_DATASET_NAME)
+        try:
+            prefix = prepare_default_dataset(default_data_dir, DEFAULT_DATASET_NAME)
+        except PreprocessError as err:  # e.g. a read-only file system, a full disk
+            print(
+                f"{PROG}: error: the shipped corpus's dataset: {err}", file=sys.stderr, flush=True
+            )
+            return 2
         _print0(f"[{PROG}] data: the shipped corpus ({prefix}.bin/.idx)")
 
     from megatron.core.enums import ModelType
@@ -448,9 +467,16 @@ def _main(check_only: bool = False) -> int:
         apply_qb_gloo_compat()
     if args.load and _rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
-    if args.load and not args.finetune and not (args.no_load_optim and args.no_load_rng):
+    if args.load:
+        from megatron_latentmoe.training.file_checks import shape_refusal
+
         saved = saved_args(args.load, load_format(args))
-        if saved is not None and _layout_changed(args, saved):
+        refusal = shape_refusal(args.load, args, saved)
+        if refusal:
+            print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
+            return 2
+        restores = not args.finetune and not (args.no_load_optim and args.no_load_rng)
+        if restores and saved is not None and _layout_changed(args, saved):
             _plan_layout_change(args, saved)
 
     balance_logger = _make_balance_logger(args, default_jsonl_path(args))

@@ -616,9 +616,22 @@ def test_main_plans_a_layout_change_when_it_resumes_from_another_layout(
         run.saved = SimpleNamespace(**{**dict.fromkeys(pretrain.LAYOUT_FIELDS, 1), **saved_layout})
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == [("ckpt", "torch_dcp")]
-    reads = [] if flags.get("finetune") or len(flags) == 2 else [("ckpt", "torch_dcp")]
-    assert run.named("saved_args") == reads
+    assert run.named("saved_args") == [("ckpt", "torch_dcp")]  # read for the shape check too
     assert run.named("_plan_layout_change") == ([(run.args, run.saved)] if planned else [])
+
+
+def test_main_refuses_a_checkpoint_of_another_model_shape(monkeypatch, tmp_path, capsys):
+    """Before: megatron-core's load failed on every rank with a CheckpointException traceback
+    ("Global shape mismatch ..."); now one line naming the flags, exit 2, before the loop."""
+    run = _Run(monkeypatch, tmp_path, load="ckpt", hidden_size=128)
+    run.saved = SimpleNamespace(hidden_size=64)
+    assert run() == 2
+    assert run.named("pretrain") == []
+    assert capsys.readouterr().err == (
+        "pretrain_stable_latentmoe: error: --load ckpt: the checkpoint is of another model shape: "
+        "--hidden-size 64 (this run: 128). Give the checkpoint's model flags, or "
+        "--use-checkpoint-args to take them from it\n"
+    )
 
 
 def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
@@ -763,12 +776,15 @@ class _Checked:
     def __init__(self, monkeypatch, **flags):
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
-        from megatron_latentmoe.training import arguments
+        from megatron_latentmoe.training import arguments, file_checks
 
         self.events = []
         event = self.events.append
         self.args = SimpleNamespace(
             use_checkpoint_args=False,
+            load=None,
+            save=None,
+            ckpt_format="torch_dist",
             data_cache_path=None,
             split=None,
             tokenizer_model=None,
@@ -806,6 +822,7 @@ class _Checked:
                 event(("interleaved", group)) or self.interleaved_refusal
             ),
             (arguments, "megatron_refusal"): lambda args, err: f"refused: {err}",
+            (file_checks, "folder_refusal"): lambda flag, path: None,  # tests/training/
             (pretrain, "load_checkpoint_args"): lambda args: (
                 event(("checkpoint args",)) or {"expert_model_parallel_size"}
             ),  # what the checkpoint changed

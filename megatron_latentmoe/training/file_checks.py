@@ -1,0 +1,164 @@
+"""The files and folders a run reads and writes, checked before any rank starts.
+
+``--save`` and ``--data-cache-path`` (:func:`folder_refusal`): megatron-core 0.19.2 fails on a
+folder it cannot create or write only when it first writes there (the first checkpoint, after
+the iterations before it; the dataset index cache), with a traceback.
+
+``--load``: what is wrong with the folder, found before any rank loads it.
+
+megatron-core 0.19.2 meets each of these in the middle of its load, on every rank, as a Python
+traceback (``FileNotFoundError`` for a tracker naming a folder that is not there; torch DCP's
+``CheckpointException`` around an ``EOFError`` or an ``UnpicklingError`` for a shard file or
+``.metadata`` cut short; a ``JSONDecodeError`` for a cut ``metadata.json``), or not at all: a
+Hugging Face export given to ``--load`` trains from random weights after one warning line.
+:func:`load_refusal` reads only the tracker, ``metadata.json``, torch DCP's ``.metadata`` and the
+shard files' sizes (no tensor), so the flag check can afford it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+
+HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SAVE_ROOT"
+
+
+def folder_refusal(flag: str, path: str | None) -> str | None:
+    """One line when ``path`` cannot become a folder this process writes in: it, or the
+    nearest of its parents that exists, is not a folder or not writable (None: it can, or no
+    path). Nothing is created. As root every folder is writable to ``os.access``: a read-only
+    file system is found only when written."""
+    if not path:
+        return None
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return None
+    return f"{flag} {path}: {why}; give a folder this run can create or write in"
+
+
+def _is_hf_export(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _torch_dist_refusal(path: Path) -> str | None:
+    """A complete-looking ``torch_dist`` folder (``metadata.json`` and ``.metadata`` present)
+    whose metadata cannot be read, or whose shard files are missing or shorter than
+    ``.metadata`` says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        return f"{path / 'metadata.json'} cannot be read ({e})"
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any unpickling / IO problem of a cut or corrupt file
+        return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"shard file {shard} is missing"
+        if shard.stat().st_size < end:
+            return (
+                f"shard file {shard} is cut short: {shard.stat().st_size} bytes, where .metadata "
+                f"has data up to byte {end}"
+            )
+    return None
+
+
+def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
+    """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
+    wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
+    Megatron does). Looks at the checkpoint the run would resume from after
+    ``pretrain.repair_checkpoint_tracker``; checks its files for ``torch_dist`` only."""
+    from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
+
+    if not load_dir or not os.path.isdir(load_dir):
+        return None
+    root = Path(load_dir)
+    if _is_hf_export(root) and not (root / TRACKER_FILE).exists():
+        return (
+            f"--load {load_dir} is a Hugging Face export (config.json, *.safetensors), not a "
+            f"Megatron checkpoint: Megatron would start from random weights. Import it first "
+            f"({HF_IMPORT.format(path=load_dir)}) and give --load SAVE_ROOT"
+        )
+    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    if iteration is None:
+        tracker = root / TRACKER_FILE
+        try:
+            text = tracker.read_text().strip() if tracker.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        if text.isdecimal() and not (root / iteration_dir_name(int(text))).is_dir():
+            return (
+                f"--load {load_dir}: {tracker} names iteration {int(text)}, but "
+                f"{root / iteration_dir_name(int(text))} is not there and no other complete "
+                f"checkpoint is: give --load the folder that holds it, or delete {tracker} to "
+                "start from scratch"
+            )
+        return None
+    if ckpt_format != "torch_dist":
+        return None
+    path = root / iteration_dir_name(iteration)
+    problem = _torch_dist_refusal(path)
+    if problem is None:
+        return None
+    return (
+        f"--load {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
+        f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
+        f"{path.name} (the run then resumes from the newest complete one)"
+    )
+
+
+# The model flags that set a tensor's shape (the vocabulary: the tokenizer's, padded), as the
+# checkpoint's args and this run's args hold them.
+SHAPE_ARGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "num_experts": "--num-experts",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_latent_size": "--moe-latent-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "first_k_dense_replace": "--first-k-dense-replace",
+    "padded_vocab_size": "the padded vocabulary",
+}
+
+
+def shape_refusal(load_dir: str, args, saved) -> str | None:
+    """One line naming the model flags whose values in the checkpoint's args (``saved``; None:
+    nothing to load) differ from this run's: megatron-core's load fails on the first tensor
+    of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``)."""
+    if saved is None:
+        return None
+    differ = [
+        f"{flag} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
+        for dest, flag in SHAPE_ARGS.items()
+        if getattr(saved, dest, None) is not None
+        and getattr(args, dest, None) is not None
+        and getattr(saved, dest) != getattr(args, dest)
+    ]
+    if not differ:
+        return None
+    return (
+        f"--load {load_dir}: the checkpoint is of another model shape: {', '.join(differ)}. Give "
+        "the checkpoint's model flags, or --use-checkpoint-args to take them from it"
+    )
