@@ -261,6 +261,19 @@ def _check_split(args, datasets: list[tuple[str, int]] | None = None) -> None:
         datasets = [
             (f"--data-path {p}", _sequence_count(p)) for p in _data_prefixes(args.data_path)
         ]
+        evaluated = [
+            part for part, bounds in zip(("validation", "test"), matrix[1:], strict=True) if bounds
+        ]
+        if len(datasets) > 1 and evaluated and not args.eval_iters and not args.full_validation:
+            # megatron-core 0.19.2 sizes each blend part by its samples: --eval-iters 0 asks
+            # the validation / test blend for 0, and its data loader asserts 'no sample to
+            # consume: 0' on every rank (one dataset is sized by the split instead and passes)
+            raise FlagError(
+                f"--data-path with {len(datasets)} datasets (a blend), --eval-iters 0 and a "
+                f"{evaluated[0]} part in --split {split.replace(' ', '')}: megatron-core 0.19.2 "
+                "builds that part's blend with 0 samples and fails at start; allowed: "
+                "--eval-iters N > 0, or a --split with no validation or test part (e.g. 100,0,0)"
+            )
     for name, n in datasets:
         for part, bounds in zip(("train", "validation", "test"), matrix, strict=True):
             if bounds is not None and round(bounds[1] * n) <= round(bounds[0] * n):

@@ -444,6 +444,16 @@ CASES = {
         ],
         ["Megatron's default 969,30,1", "test part none of the 50 sequences", "98,2,0"],
     ),
+    "blend_with_an_unsampled_validation_part": (  # else 'no sample to consume: 0', every rank
+        ["--data-path", "0.5", str(SMALL_CORPUS), "0.5", str(SMALL_CORPUS), "--split", "98,2,0"]
+        + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+        + [os.path.join(REPO, "megatron_latentmoe", "data", "assets", "tokenizer")],
+        [
+            "--data-path with 2 datasets (a blend), --eval-iters 0 and a validation part in "
+            "--split 98,2,0",
+            "--eval-iters N > 0, or a --split with no validation or test part (e.g. 100,0,0)",
+        ],
+    ),
     "pipeline_layout_with_the_wrong_layer_count": (  # Megatron's bare assert: a traceback
         ["--expert-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
         + ["--pipeline-model-parallel-layout", "Et|tL", "--save-interval", "1000"],
