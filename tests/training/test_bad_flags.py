@@ -692,10 +692,21 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
         open(prefix + ".idx", "wb").write(header)
         return prefix
 
+    def args(split, paths, eval_iters=10):
+        return SimpleNamespace(
+            split=split, data_path=paths, eval_iters=eval_iters, full_validation=False
+        )
+
     small, large = dataset("small", 400), dataset("large", 600)
     ok = [(None, [large]), ("98,2,0", [small]), ("99,1,0", [small]), ("1", [small])]
     for split, paths in ok:
-        _check_split(SimpleNamespace(split=split, data_path=paths))
+        _check_split(args(split, paths))
+    # a blend with --eval-iters 0: only a split without validation and test parts
+    _check_split(args("100,0,0", ["0.5", large, "0.5", small], eval_iters=0))
+    with pytest.raises(
+        FlagError, match=r"^--data-path with 2 datasets \(a blend\), --eval-iters 0 "
+    ):
+        _check_split(args("98,2,0", ["0.5", large, "0.5", small], eval_iters=0))
     # 969,30,1 at 400 sequences: the test part is [round(399.6), round(400)) = [400, 400)
     bad = [
         (None, [small], "test"),
@@ -706,7 +717,7 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     ]
     for split, paths, part in bad:
         with pytest.raises(FlagError, match=rf"gives the {part} part none" if part else "--split"):
-            _check_split(SimpleNamespace(split=split, data_path=paths))
+            _check_split(args(split, paths))
 
 
 def test_linear_biases_from_a_checkpoint_are_refused():
