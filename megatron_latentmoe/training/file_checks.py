@@ -125,22 +125,22 @@ def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
     )
 
 
-# The model flags that set a tensor's shape (the vocabulary: the tokenizer's, padded), as the
-# checkpoint's args and this run's args hold them.
-SHAPE_ARGS = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "num_query_groups": "--num-query-groups",
-    "kv_channels": "--kv-channels",
-    "num_experts": "--num-experts",
-    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "moe_latent_size": "--moe-latent-size",
-    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-    "first_k_dense_replace": "--first-k-dense-replace",
-    "padded_vocab_size": "the padded vocabulary",
-}
+SHAPE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "padded_vocab_size",
+)
+"""The args that set a tensor's shape, as the checkpoint's args and this run's hold them (the
+vocabulary: the tokenizer's, padded; every other is named by its flag)."""
 
 
 def shape_refusal(load_dir: str, args, saved) -> str | None:
@@ -149,9 +149,14 @@ def shape_refusal(load_dir: str, args, saved) -> str | None:
     of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``)."""
     if saved is None:
         return None
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    def name(dest: str) -> str:
+        return "the padded vocabulary" if dest == "padded_vocab_size" else flag_for_field(dest)
+
     differ = [
-        f"{flag} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
-        for dest, flag in SHAPE_ARGS.items()
+        f"{name(dest)} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
+        for dest in SHAPE_ARGS
         if getattr(saved, dest, None) is not None
         and getattr(args, dest, None) is not None
         and getattr(saved, dest) != getattr(args, dest)
