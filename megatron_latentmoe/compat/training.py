@@ -9,8 +9,8 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
   groups, seeded RNG tracker);
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
 * per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time`,
-  :func:`wrap_train_step`, :func:`install_layout_change_load` and
-  :func:`load_optional_checkpoint_keys`.
+  :func:`wrap_train_step`, :func:`install_layout_change_load`,
+  :func:`load_optional_checkpoint_keys` and :func:`load_distributed_checkpoint_as_such`.
 """
 
 from __future__ import annotations
@@ -180,6 +180,43 @@ def install_layout_change_load(args, load_optim: bool, on_load: Callable) -> Non
         on_load(iteration, opt_param_scheduler)
         return iteration, flops
 
+    _patch_run(mtraining, "load_checkpoint", load_checkpoint)
+
+
+def load_distributed_checkpoint_as_such(args) -> None:
+    """``--auto-detect-ckpt-format`` with another ``--ckpt-format`` (``torch``): a distributed
+    (``torch_dist``) checkpoint is loaded as one, and the run saves in its own format.
+
+    megatron-core 0.19.2's ``load_checkpoint`` detects the folder's format, then builds the state
+    dict it loads into from ``args.ckpt_format``, the run's: a plain one, which
+    ``dist_checkpointing.load`` fills with nothing, and the load fails with ``KeyError: 'model'``.
+    Here ``args.ckpt_format`` is ``torch_dist`` from the detection (its first
+    ``_load_base_checkpoint``, rank 0's common state) to the end of the load, the run's again
+    afterwards, after a failed load too. A legacy (``torch``) checkpoint Megatron loads as it is.
+    """
+    import megatron.training.checkpointing as checkpointing
+    import megatron.training.training as mtraining
+
+    original_load, original_base = mtraining.load_checkpoint, checkpointing._load_base_checkpoint
+    requested = args.ckpt_format
+    distributed = (checkpointing.CheckpointType.GLOBAL, checkpointing.CheckpointType.LOCAL)
+    loading = []
+
+    def _load_base_checkpoint(*a, **kw):
+        result = original_base(*a, **kw)
+        if loading and kw.get("rank0") and result[3] in distributed:
+            args.ckpt_format = "torch_dist"
+        return result
+
+    def load_checkpoint(*a, **kw):
+        loading.append(True)
+        try:
+            return original_load(*a, **kw)
+        finally:
+            loading.clear()
+            args.ckpt_format = requested
+
+    _patch_run(checkpointing, "_load_base_checkpoint", _load_base_checkpoint)
     _patch_run(mtraining, "load_checkpoint", load_checkpoint)
 
 

@@ -392,6 +392,7 @@ def _main(check_only: bool = False) -> int:
         begin_run,
         exclude_from_step_time,
         init_cpu_world,
+        load_distributed_checkpoint_as_such,
         load_optional_checkpoint_keys,
         wrap_train_step,
     )
@@ -465,6 +466,8 @@ def _main(check_only: bool = False) -> int:
         from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
 
         apply_qb_gloo_compat()
+    if load_format(args) == AUTO_FORMAT and args.ckpt_format != "torch_dist":
+        load_distributed_checkpoint_as_such(args)
     if args.load and _rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
     if args.load:

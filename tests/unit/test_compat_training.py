@@ -251,7 +251,7 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
     entry point's earlier checks); MEGATRON_LATENTMOE_ALLOW_UNTESTED_MCORE=1 warns and patches."""
     import megatron.core
 
-    args = types.SimpleNamespace(no_load_optim=False, no_load_rng=False)
+    args = types.SimpleNamespace(no_load_optim=False, no_load_rng=False, ckpt_format="torch")
     applies = (
         ctraining.apply_cpu_training_compat,
         lambda: ctraining.parse_with_our_flags(lambda parser: parser),
@@ -259,6 +259,7 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
         lambda: ctraining.wrap_train_step(lambda fn: fn),
         lambda: ctraining.install_layout_change_load(args, True, lambda *a: None),
         lambda: ctraining.load_optional_checkpoint_keys((".qb_mean_input",)),
+        lambda: ctraining.load_distributed_checkpoint_as_such(args),
     )
     monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(megatron.core, "__version__", "0.18.0")
@@ -271,4 +272,4 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
     for apply in applies:
         with pytest.warns(RuntimeWarning, match="found 0.18.0"):
             apply()
-    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 5]
+    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 7]
