@@ -163,21 +163,120 @@ def _layout_changed(args, saved) -> bool:
     return any(getattr(saved, f, None) not in (None, getattr(args, f, None)) for f in fields)
 
 
+def legacy_layout_refusal(args, saved, non_persistent: str | None = None) -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (its args ``saved``; see
+    :func:`resumed_checkpoint` for ``non_persistent``) is a legacy
+    ``torch`` one of another tensor / pipeline / expert layout: megatron-core 0.19.2 keeps one
+    file per (TP, PP, EP) rank of that layout and does not reshard it; it looked for this run's
+    rank files, printed "could not load the checkpoint" and exited 0 on every rank, having
+    trained nothing (EP1 -> EP2, measured). Its distributed (``torch_dist``) checkpoint does
+    reshard: the line says how to get one."""
+    if saved is None:
+        return None
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    differ = [
+        f"{flag_for_field(f)} {getattr(saved, f)} (this run: {getattr(args, f)})"
+        for f in LAYOUT_FIELDS[:4]
+        if getattr(saved, f, None) not in (None, getattr(args, f, None))
+    ]
+    path = differ and resumed_checkpoint(
+        args.load, load_format(args), non_persistent=non_persistent
+    )
+    if checkpoint_format(path or None) != "torch":
+        return None
+    return (
+        f"--load {args.load}: {path} is a legacy torch checkpoint of another parallel layout: "
+        f"{', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout it was saved "
+        "with. Resume once in that layout with --ckpt-format torch_dist "
+        "--auto-detect-ckpt-format (it then saves a torch_dist checkpoint, which loads into "
+        "another layout), or pass that layout"
+    )
+
+
 # Both runs need these for megatron-core 0.19.2 to reshard the Adam moments on a layout change.
 RESHARDABLE_OPTIM_FLAGS = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
 
 
-def saved_args(load_dir: str, ckpt_format: str = "torch_dist", *, release: bool = False):
-    """The arguments of the checkpoint a run will resume from (None: nothing to load); with
-    ``release``, those of a ``release`` checkpoint too (one a run starts from)."""
+def checkpoint_format(path: str | None) -> str | None:
+    """The format of the checkpoint folder ``path`` as megatron-core 0.19.2's
+    ``_get_checkpoint_format`` tells it on load (``metadata.json``: ``torch_dist``; ``mp_rank_0*``
+    entries: a legacy ``torch`` one; torch DCP's ``.metadata``: ``torch_dcp``); None: not a
+    folder, or none of these."""
+    if not path or not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return "torch_dist"
+    names = os.listdir(path)
+    if any(name.startswith("mp_rank_0") for name in names):
+        return "torch"
+    return "torch_dcp" if ".metadata" in names else None
+
+
+def non_persistent_dir(args) -> str | None:
+    """The folder of the run's global non-persistent checkpoints (``--non-persistent-ckpt-type
+    global``: ``--non-persistent-global-ckpt-dir``, else ``non_persistent`` in ``--load``, as
+    Megatron's load looks for them); None for any other type."""
+    if getattr(args, "non_persistent_ckpt_type", None) != "global" or not args.load:
+        return None
+    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR
+
+    return args.non_persistent_global_ckpt_dir or os.path.join(
+        args.load, _NON_PERSISTENT_CKPT_SUBDIR
+    )
+
+
+def resumed_checkpoint(
+    load_dir: str,
+    ckpt_format: str = "torch_dist",
+    *,
+    release: bool = False,
+    non_persistent: str | None = None,
+) -> str | None:
+    """The folder of the checkpoint a run will resume from (None: nothing to load); with
+    ``release``, a ``release`` checkpoint too (one a run starts from). ``non_persistent``
+    (:func:`non_persistent_dir`): Megatron resumes from the newest global non-persistent
+    checkpoint there where it is as new as the persistent one, or newer."""
     iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
-    path = os.path.join(load_dir, iteration_dir_name(iteration))
+    newer = (
+        repair_checkpoint_tracker(non_persistent, "torch_dist", write=False)
+        if non_persistent
+        else None
+    )
+    if newer is not None and (iteration is None or newer >= iteration):
+        return os.path.join(non_persistent, iteration_dir_name(newer))
     if iteration is None:
         try:
             tracked = tracked_checkpoint_dir(load_dir)
         except ValueError:  # an unreadable tracker: Megatron will report it
             tracked = None
         if not (release and tracked is not None and tracked.name == RELEASE):
+            return None
+    return os.path.join(load_dir, iteration_dir_name(iteration))
+
+
+def saved_args(
+    load_dir: str,
+    ckpt_format: str = "torch_dist",
+    *,
+    release: bool = False,
+    non_persistent: str | None = None,
+):
+    """The arguments of the checkpoint a run will resume from (:func:`resumed_checkpoint`; None:
+    nothing to load, or not readable): a distributed checkpoint's common state, a legacy
+    ``torch`` one's rank-0 file (memory-mapped: its tensors are not read)."""
+    path = resumed_checkpoint(load_dir, ckpt_format, release=release, non_persistent=non_persistent)
+    if path is None:
+        return None
+    if checkpoint_format(path) == "torch":
+        import glob
+
+        import torch
+
+        files = sorted(glob.glob(os.path.join(path, "mp_rank_0*", "model_optim_rng.pt")))
+        try:
+            return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["args"]
+        except Exception:  # noqa: BLE001 - unreadable: Megatron will report it
             return None
     from megatron.core import dist_checkpointing
 
@@ -473,8 +572,11 @@ def _main(check_only: bool = False) -> int:
     if args.load:
         from megatron_latentmoe.training.file_checks import shape_refusal
 
-        saved = saved_args(args.load, load_format(args))
-        refusal = shape_refusal(args.load, args, saved)
+        non_persistent = non_persistent_dir(args)
+        saved = saved_args(args.load, load_format(args), non_persistent=non_persistent)
+        refusal = shape_refusal(args.load, args, saved) or legacy_layout_refusal(
+            args, saved, non_persistent
+        )
         if refusal:
             print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
             return 2

@@ -51,3 +51,72 @@ def test_auto_detect_loads_a_distributed_checkpoint_and_saves_in_the_requested_f
     assert [got[i]["loss"] for i in (3, 4)] == [ref[i]["loss"] for i in (3, 4)]
     assert "in torch format" in run.output
     assert [p.name for p in iter_dir(ckpt, 4).iterdir()] == ["mp_rank_00"]
+
+
+def test_a_legacy_checkpoint_of_another_layout_is_refused_with_the_way_out():
+    """A legacy ``torch`` checkpoint saved with EP1, resumed with EP2: megatron-core 0.19.2
+    printed "could not load the checkpoint" on each rank and exited 0, having trained nothing.
+    Now one line at start-up names the layout and the way out, and that way out works: resumed
+    in the saved layout with ``--ckpt-format torch_dist --auto-detect-ckpt-format``, the run
+    logs the uninterrupted run's losses and saves a torch_dist checkpoint (which reshards)."""
+    _, ref = whole_run()
+    base = scratch_dir() / "formats_legacy"
+    legacy = base / "legacy"
+    run_entry(
+        ARGS + ["--exit-interval", "2", "--ckpt-format", "torch", "--save", str(legacy)],
+        nproc=1,
+    ).check()
+    assert [p.name for p in iter_dir(legacy, 2).iterdir()] == ["mp_rank_00"]
+
+    refused = run_entry(
+        ["--train-iters", "4", "--ckpt-format", "torch", "--load", str(legacy)], nproc=2
+    )
+    assert refused.returncode != 0
+    assert (
+        f"pretrain_stable_latentmoe: error: --load {legacy}: {iter_dir(legacy, 2)} is a legacy "
+        "torch checkpoint of another parallel layout: --expert-model-parallel-size 1 (this run: 2)"
+        in refused.output
+    ), refused.output[-3000:]
+    assert "--ckpt-format torch_dist --auto-detect-ckpt-format" in refused.output
+    assert "could not load" not in refused.output  # (torchrun still prints its own traceback)
+
+    converted, jsonl = base / "converted", base / "converted.jsonl"
+    run = run_entry(
+        ARGS
+        + ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format", "--load", str(legacy)]
+        + ["--save", str(converted), "--balance-log-file", str(jsonl)],
+        nproc=1,
+    ).check()
+    assert "at iteration 2" in run.output
+    got = read_jsonl(jsonl)
+    assert [got[i]["loss"] for i in (3, 4)] == [ref[i]["loss"] for i in (3, 4)]
+    assert (iter_dir(converted, 4) / "metadata.json").is_file()
+
+
+def test_a_newer_non_persistent_checkpoint_of_another_layout_is_planned_for():
+    """``--non-persistent-ckpt-type global``: Megatron resumes from the non-persistent
+    checkpoint (``LOAD/non_persistent``) where it is as new as the persistent one or newer.
+    Here it is the only one (iteration 2 of the EP1 run; Megatron's global non-persistent save
+    is its torch_dist save into that folder), resumed with EP2: the entry point read only the
+    persistent checkpoints, found none, planned no layout change, and Megatron loaded the EP1
+    optimizer and RNG state into EP2. Now the layout change is planned and announced, and
+    iteration 3 logs the EP1 run's loss to RESHARD_RTOL (same weights and QB biases)."""
+    import shutil
+
+    whole, ref = whole_run()
+    ckpt = scratch_dir() / "formats_non_persistent"
+    shutil.copytree(iter_dir(whole, 2), iter_dir(ckpt / "non_persistent", 2))
+    (ckpt / "non_persistent" / "latest_checkpointed_iteration.txt").write_text("2")
+    jsonl = scratch_dir() / "formats_non_persistent.jsonl"
+    run = run_entry(
+        ["--train-iters", "4", "--log-interval", "1", "--exit-interval", "3"]
+        + ["--non-persistent-ckpt-type", "global", "--load", str(ckpt)]
+        + ["--balance-log-file", str(jsonl)],
+        nproc=2,
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    assert "Loading from a non-persistent checkpoint (non-persistent iter 2)" in run.output
+    assert "WARNING: checkpoint layout" in run.output and "at iteration 2" in run.output
+    got = read_jsonl(jsonl)
+    assert sorted(got) == [3], sorted(got)
+    assert abs(got[3]["loss"] / ref[3]["loss"] - 1) < 1e-5

@@ -467,11 +467,12 @@ class _Run:
             (forward_step, "set_batch_recorder"),
             (pretrain, "repair_checkpoint_tracker"),
             (pretrain, "_plan_layout_change"),
+            (pretrain, "legacy_layout_refusal"),  # reads the folder (tests/training meet it)
         ):
             monkeypatch.setattr(module, name, recorder(name))
         monkeypatch.setattr(pretrain, "checked_args", checked_args)
         monkeypatch.setattr(
-            pretrain, "saved_args", lambda *a: event(("saved_args", *a)) or self.saved
+            pretrain, "saved_args", lambda *a, **kw: event(("saved_args", *a)) or self.saved
         )
         monkeypatch.setattr(
             pretrain,
