@@ -71,13 +71,12 @@ def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
     ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
     ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist).
-    :data:`AUTO_FORMAT`: a folder of ``mp_rank_0*`` entries is a legacy ``torch`` one (as
-    Megatron tells them apart), any other needs torch DCP's ``.metadata``."""
+    :data:`AUTO_FORMAT`: a legacy ``torch`` folder by :func:`checkpoint_format` (as Megatron
+    tells them apart), any other needs torch DCP's ``.metadata``."""
     if ckpt_format == AUTO_FORMAT:
         if not os.path.isdir(path):
             return False
-        legacy = any(entry.name.startswith("mp_rank_0") for entry in os.scandir(path))
-        ckpt_format = "torch" if legacy else "torch_dcp"
+        ckpt_format = "torch" if checkpoint_format(path) == "torch" else "torch_dcp"
     if ckpt_format == "torch_dist":
         return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
             os.path.join(path, ".metadata")
