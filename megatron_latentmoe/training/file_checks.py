@@ -29,8 +29,9 @@ HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SA
 def folder_refusal(flag: str, path: str | None) -> str | None:
     """One line when ``path`` cannot become a folder this process writes in: it, or the
     nearest of its parents that exists, is not a folder or not writable (None: it can, or no
-    path). Nothing is created. As root every folder is writable to ``os.access``: a read-only
-    file system is found only when written."""
+    path). Nothing is created. A read-only file system (``statvfs``'s ``ST_RDONLY``) is named as
+    such; ``os.access`` refuses it too (access(2)'s EROFS, root included: checked on a read-only
+    tmpfs and a read-only bind mount), as "not writable"."""
     if not path:
         return None
     existing = Path(os.path.abspath(path))
@@ -38,6 +39,8 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         why = f"{existing} is not a folder"
+    elif os.statvfs(existing).f_flag & os.ST_RDONLY:
+        why = f"{existing} is on a read-only file system"
     elif not os.access(existing, os.W_OK | os.X_OK):
         why = f"{existing} is not writable"
     else:

@@ -9,6 +9,7 @@ so the whole folder stays within a few minutes on 2 cores.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -67,6 +68,24 @@ def scratch_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="latentmoe_training_tests_"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, options: str):
+    """A real tmpfs mounted at ``path`` (created) with ``options`` (``size=34m``, ``ro``) for the
+    block; the test is skipped where this process may not mount (not root, no CAP_SYS_ADMIN)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or mount.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
 
 
 def data_cache() -> str:

@@ -7,6 +7,8 @@ import os
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
 
+from . import mounted_tmpfs
+
 
 def _dcp_checkpoint(root, iteration: int):
     """A small real torch_dist folder (torch DCP's ``.metadata`` and shard file, Megatron's
@@ -113,3 +115,16 @@ def test_a_folder_a_run_cannot_write_is_refused(tmp_path):
         f"--data-cache-path {a_file}: {a_file} is not a folder; give a folder this run can "
         "create or write in"
     )
+
+
+def test_a_read_only_file_system_is_refused_before_the_run(tmp_path):
+    """Named as a read-only file system (before: "is not writable", which as root reads as a
+    permission problem that root does not have). A real read-only tmpfs mount."""
+    from megatron_latentmoe.training.file_checks import folder_refusal
+
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        assert folder_refusal("--save", str(ro / "ckpt")) == (
+            f"--save {ro / 'ckpt'}: {ro} is on a read-only file system; give a folder this run "
+            "can create or write in"
+        )
+    assert folder_refusal("--save", str(tmp_path / "ro" / "ckpt")) is None  # unmounted: writable
