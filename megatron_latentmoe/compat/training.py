@@ -10,7 +10,8 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
 * per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time`,
   :func:`wrap_train_step`, :func:`install_layout_change_load`,
-  :func:`load_optional_checkpoint_keys` and :func:`load_distributed_checkpoint_as_such`.
+  :func:`load_optional_checkpoint_keys`, :func:`load_distributed_checkpoint_as_such` and
+  :func:`on_save_error`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,29 @@ def exclude_from_step_time(wrap: Callable[[Callable], Callable]) -> None:
 
     for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
         _patch_run(mtraining, name, wrap(getattr(mtraining, name)))
+
+
+def on_save_error(handle: Callable[[BaseException, int], None]) -> None:
+    """``megatron.training.training.save_checkpoint`` (the name ``save_checkpoint_and_time`` and
+    ``pretrain``'s own saves call): an exception out of a persistent (``--save``) checkpoint's
+    save goes to ``handle(error, iteration)`` first, which may raise its own; if it returns, the
+    error is re-raised as it was. ``BaseException``: torch DCP's ``CheckpointException`` is one."""
+    import megatron.training.training as mtraining
+
+    original = mtraining.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration, *a, **kw):
+        try:
+            return original(iteration, *a, **kw)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:
+            if not kw.get("non_persistent_ckpt", False):
+                handle(err, iteration)
+            raise
+
+    _patch_run(mtraining, "save_checkpoint", save_checkpoint)
 
 
 def wrap_train_step(wrap: Callable[[Callable], Callable]) -> None:

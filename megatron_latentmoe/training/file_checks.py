@@ -4,6 +4,10 @@
 folder it cannot create or write only when it first writes there (the first checkpoint, after
 the iterations before it; the dataset index cache), with a traceback.
 
+``--save`` filling its disk during a save (:func:`disk_full`, :func:`disk_full_error`): a torch
+DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder left
+behind; the entry point makes it one line (the one check here made after the start).
+
 ``--load``: what is wrong with the folder, found before any rank loads it.
 
 megatron-core 0.19.2 meets each of these in the middle of its load, on every rank, as a Python
@@ -17,11 +21,17 @@ shard files' sizes (no tensor), so the flag check can afford it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
-from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+from megatron_latentmoe.checkpoint_layout import (
+    TRACKER_FILE,
+    iteration_dir_name,
+    tracked_checkpoint_dir,
+)
 
 HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SAVE_ROOT"
 
@@ -46,6 +56,82 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
     else:
         return None
     return f"{flag} {path}: {why}; give a folder this run can create or write in"
+
+
+def _enospc(err: BaseException | None, seen: set[int] | None = None) -> bool:
+    """``err``, what it was raised from or during, or a rank's error in a torch DCP
+    ``CheckpointException`` is an ``OSError`` ENOSPC."""
+    seen = set() if seen is None else seen
+    if err is None or id(err) in seen:
+        return False
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    failures = getattr(err, "failures", None)
+    wrapped = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
+    return any(_enospc(e, seen) for e in (err.__cause__, err.__context__, *wrapped))
+
+
+def disk_full(err: BaseException, save_dir: str) -> bool:
+    """A failed checkpoint save (``err``) ran out of space on ``save_dir``'s file system: an
+    ENOSPC in the error, or no block left there for this process (``statvfs``'s ``f_bavail``).
+
+    The second is what each rank can see: megatron-core 0.19.2's DCP writer keeps only a
+    worker error's type (``RuntimeError: Worker failure: An error is caught while starting
+    worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error instead
+    (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
+    coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs)."""
+    if _enospc(err):
+        return True
+    try:
+        return os.statvfs(save_dir).f_bavail == 0
+    except OSError:
+        return False
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _tree_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
+    """The one line for a save of ``iteration`` into ``save_dir`` that ran out of space, after
+    removing the unfinished ``iter_*`` folder (rank 0 only; every rank's writes have ended:
+    Megatron's DCP save reports a failure only after a barrier and the gather of every rank's
+    write results, and the files only rank 0 writes, ``metadata.json`` and the tracker, come
+    after that, while the other ranks wait in a barrier). The folder is kept where a resume
+    would load it (the tracker names it, or it is complete: a tracker cut by the full disk is
+    repaired at the resume)."""
+    from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
+
+    root = Path(save_dir)
+    unfinished = root / iteration_dir_name(iteration)
+    resume = repair_checkpoint_tracker(save_dir, ckpt_format, write=False)
+    try:
+        named = tracked_checkpoint_dir(root)
+    except ValueError:  # a tracker the full disk cut: names nothing
+        named = None
+    removed = ""
+    if unfinished.is_dir() and resume != iteration and named != unfinished:
+        shutil.rmtree(unfinished, ignore_errors=True)
+        removed = f", the unfinished {unfinished} removed"
+    usage = shutil.disk_usage(save_dir)
+    if resume is None:
+        then = "there is no complete checkpoint there: a resume starts from scratch"
+    else:
+        last = root / iteration_dir_name(resume)
+        then = (
+            f"a resume (--load {save_dir}) loads iteration {resume} ({last}, "
+            f"{_megabytes(_tree_size(last))})"
+        )
+    return (
+        f"--save {save_dir}: the disk filled up while saving the checkpoint of iteration "
+        f"{iteration} ({_megabytes(usage.free)} free of {_megabytes(usage.total)}{removed}); "
+        f"{then}. Free space there or give --save a folder on a larger disk"
+    )
 
 
 def _is_hf_export(path: Path) -> bool:

@@ -15,7 +15,8 @@ Order of work (everything that can be wrong about the command line fails before 
    another model shape here (:mod:`.file_checks`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
-   hook (grads -> QB bias update -> balance logging).
+   hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
+   disk ends the run with one line (:func:`_stop_if_disk_full`).
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
@@ -492,6 +493,7 @@ def _main(check_only: bool = False) -> int:
         init_cpu_world,
         load_distributed_checkpoint_as_such,
         load_optional_checkpoint_keys,
+        on_save_error,
         wrap_train_step,
     )
 
@@ -600,6 +602,8 @@ def _main(check_only: bool = False) -> int:
     fstep.set_batch_recorder(rescore)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)
+    if args.save:
+        on_save_error(partial(_stop_if_disk_full, args))
     datasets_provider = fstep.train_valid_test_datasets_provider
     if args.moe_qb_calibrate_batches:
         calibration = QBCalibration(
@@ -621,6 +625,8 @@ def _main(check_only: bool = False) -> int:
             ModelType.encoder_or_decoder,
             fstep.forward_step,
         )
+    except _DiskFull:
+        return 2
     except AssertionError as err:
         if not str(err).startswith("OptimizerParamScheduler:"):
             raise
@@ -645,6 +651,45 @@ def _main(check_only: bool = False) -> int:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
+
+
+class _DiskFull(Exception):
+    """A checkpoint save ran out of space; rank 0 has said so."""
+
+
+def _stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
+    """Megatron's save of ``iteration`` failed with ``err``: where ``--save``'s disk is full,
+    end the run (exit 2) with one line instead of every rank's traceback; otherwise return
+    (``err`` is re-raised).
+
+    torch DCP's ``CheckpointException`` reaches every rank at once (its failure is broadcast):
+    the ranks agree first (one all-reduce of :func:`.file_checks.disk_full`, before anything is
+    removed: the free space it reads is what rank 0's removal changes; measured, rank 1 then saw
+    room and raised its traceback), rank 0 removes the unfinished folder and prints the line
+    (:func:`.file_checks.disk_full_error`), and a barrier keeps the others from exiting first
+    (torchrun would SIGTERM rank 0 midway). Any other error is this rank's alone (rank 0's
+    ``metadata.json`` or tracker, the others waiting in Megatron's barrier, where a collective
+    of ours would mismatch): rank 0 says it without one and exits; torchrun ends the others."""
+    import torch
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_latentmoe.training.file_checks import disk_full, disk_full_error
+
+    full = disk_full(err, args.save)
+    every_rank = isinstance(err, CheckpointException) and torch.distributed.is_initialized()
+    if every_rank:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([int(full)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        full = bool(flag.item())
+    if not full or not (every_rank or _rank() == 0):
+        return
+    if _rank() == 0:
+        line = disk_full_error(args.save, iteration, args.ckpt_format)
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+    if every_rank:
+        torch.distributed.barrier()
+    raise _DiskFull from None
 
 
 def _make_balance_logger(args, jsonl_path):

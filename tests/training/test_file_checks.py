@@ -128,3 +128,52 @@ def test_a_read_only_file_system_is_refused_before_the_run(tmp_path):
             "can create or write in"
         )
     assert folder_refusal("--save", str(tmp_path / "ro" / "ckpt")) is None  # unmounted: writable
+
+
+def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
+    """The line a save that ran out of space ends with (rank 0; the end-to-end run on a real
+    full tmpfs is tests/training/test_disk_full.py): the unfinished folder is removed, the
+    one a resume loads is named; a complete folder the tracker does not name yet is kept."""
+    import errno
+
+    from megatron_latentmoe.training.file_checks import disk_full, disk_full_error
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    other = OSError(errno.EIO, os.strerror(errno.EIO))
+    assert disk_full(full, str(tmp_path)) and not disk_full(other, str(tmp_path))
+    from torch.distributed.checkpoint import CheckpointException
+
+    chained = RuntimeError("Worker failure")
+    chained.__context__ = full
+    assert disk_full(chained, str(tmp_path))
+    assert disk_full(CheckpointException("write", {1: (chained, None)}), str(tmp_path))
+    assert not disk_full(CheckpointException("write", {1: (other, None)}), str(tmp_path))
+
+    _dcp_checkpoint(tmp_path, 1)
+    unfinished = tmp_path / iteration_dir_name(2)
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"cut")
+    line = disk_full_error(str(tmp_path), 2, "torch_dist")
+    assert not unfinished.exists()
+    assert line.startswith(
+        f"--save {tmp_path}: the disk filled up while saving the checkpoint of iteration 2 ("
+    ), line
+    assert " free of " in line and f", the unfinished {unfinished} removed); " in line, line
+    assert line.endswith(
+        f"a resume (--load {tmp_path}) loads iteration 1 ({tmp_path / 'iter_0000001'}, 0.0 MB). "
+        "Free space there or give --save a folder on a larger disk"
+    ), line
+
+    # saved, but the tracker not written: a resume loads it (the tracker is repaired), kept
+    _dcp_checkpoint(tmp_path, 3)
+    (tmp_path / TRACKER_FILE).write_text("")
+    line = disk_full_error(str(tmp_path), 3, "torch_dist")
+    assert (tmp_path / "iter_0000003").is_dir() and "removed" not in line
+    assert f"a resume (--load {tmp_path}) loads iteration 3 " in line, line
+
+    # nothing complete: from scratch
+    empty = tmp_path / "empty"
+    (empty / "iter_0000005").mkdir(parents=True)
+    line = disk_full_error(str(empty), 5, "torch_dist")
+    assert not (empty / "iter_0000005").exists()
+    assert "there is no complete checkpoint there: a resume starts from scratch." in line, line

@@ -1,0 +1,64 @@
+"""``--save`` on a disk that fills up during a save: a real tmpfs with room for one checkpoint of
+the tiny model (22.0 MB, measured) and not two.
+
+Before, the save of iteration 2 ended every rank with torch DCP's ``CheckpointException``
+traceback (``RuntimeError: Worker failure: An error is caught while starting worker 0, error:
+<class 'OSError'>``) and left the unfinished ``iter_0000002`` on the full disk. Now rank 0 says so
+in one line (exit 2 on every rank), having removed the unfinished folder, and names the
+checkpoint a resume loads; the resume loads it and trains on with the same loss.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from . import iter_dir, mounted_tmpfs, read_jsonl, run_entry
+
+pytestmark = pytest.mark.slow
+
+TMPFS_SIZE = "34m"  # one checkpoint (22.0 MB) fits, a second does not
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_checkpoint(
+    tmp_path,
+):
+    with mounted_tmpfs(tmp_path / "disk", f"size={TMPFS_SIZE}") as disk:
+        ckpt, jsonl = disk / "ckpt", tmp_path / "balance.jsonl"
+        run = run_entry(
+            ["--train-iters", "3", "--save-interval", "1", "--save", str(ckpt)]
+            + ["--balance-log-file", str(jsonl)]
+        )
+        assert "successfully saved checkpoint from iteration       1" in run.output, run.output[
+            -3000:
+        ]  # the disk held the first checkpoint
+        errors = [line for line in run.output.splitlines() if "error: --save" in line]
+        assert len(errors) == 1, run.output[-6000:]
+        assert re.fullmatch(
+            rf"pretrain_stable_latentmoe: error: --save {ckpt}: the disk filled up while saving "
+            r"the checkpoint of iteration 2 \(\d+\.\d MB free of \d+\.\d MB, the unfinished "
+            rf"{iter_dir(ckpt, 2)} removed\); a resume \(--load {ckpt}\) loads iteration 1 "
+            rf"\({iter_dir(ckpt, 1)}, 22\.0 MB\)\. Free space there or give --save a folder on "
+            r"a larger disk",
+            errors[0],
+        ), errors[0]
+        # torchrun's summary: the first rank to exit left with 2; the other one too, or torchrun
+        # ended it (SIGTERM) as it does every rank once one has failed
+        exits = re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M)
+        assert exits[-1] == "2" and set(exits) <= {"2", "-15"}, run.output[-3000:]
+        assert "[rank0]:" not in run.output and "[rank1]:" not in run.output  # no traceback
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "iter_0000001",
+            "latest_checkpointed_iteration.txt",
+        ]
+
+        resumed_jsonl = tmp_path / "resumed.jsonl"
+        resumed = run_entry(
+            ["--train-iters", "3", "--exit-interval", "2", "--load", str(ckpt)]
+            + ["--balance-log-file", str(resumed_jsonl)]
+        ).check()
+    assert "successfully loaded checkpoint" in resumed.output
+    assert "at iteration 1" in resumed.output
+    assert sorted(read_jsonl(resumed_jsonl)) == [2]
+    assert read_jsonl(resumed_jsonl)[2]["loss"] == read_jsonl(jsonl)[2]["loss"]
