@@ -36,6 +36,14 @@ from megatron_latentmoe.checkpoint_layout import (
 HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SAVE_ROOT"
 
 
+def _nearest_existing(path: str) -> Path:
+    """``path``, or the nearest of its parents that exists (where it would be created)."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def folder_refusal(flag: str, path: str | None) -> str | None:
     """One line when ``path`` cannot become a folder this process writes in: it, or the
     nearest of its parents that exists, is not a folder or not writable (None: it can, or no
@@ -44,9 +52,7 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
     tmpfs and a read-only bind mount), as "not writable"."""
     if not path:
         return None
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(path)
     if not existing.is_dir():
         why = f"{existing} is not a folder"
     elif os.statvfs(existing).f_flag & os.ST_RDONLY:
@@ -56,6 +62,49 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
     else:
         return None
     return f"{flag} {path}: {why}; give a folder this run can create or write in"
+
+
+def checkpoint_bytes(args) -> int:
+    """A lower bound of the bytes one checkpoint of this run takes: its tensors' bytes (the
+    model's, from the converter's tensor list ``convert.names.iter_tensor_maps``, in
+    ``--params-dtype``, the QB biases in fp32; Adam's two moments and, for bf16/fp16 weights, the
+    fp32 main weights, unless ``--no-save-optim``). Not counted: the files' per-tensor overhead,
+    torch DCP's ``.metadata``, the RNG and scheduler state: the tiny model's checkpoints are
+    3.9 % (fp32), 4.3 % (--bf16) and 5.5 % (--no-save-optim) larger (measured: 22.02, 25.78
+    and 7.45 MB)."""
+    import torch
+
+    from megatron_latentmoe.convert.arch import ModelArch
+    from megatron_latentmoe.convert.names import iter_tensor_maps
+
+    arch = ModelArch.from_megatron_args(args, source="this run's flags")
+    params_dtype = getattr(args, "params_dtype", torch.float32)
+    weights = [t for t in iter_tensor_maps(arch) if not t.zeros]
+    trained = sum(t.numel() for t in weights if not t.fp32)
+    total = 4 * sum(t.numel() for t in weights if t.fp32) + trained * params_dtype.itemsize
+    if not getattr(args, "no_save_optim", False) and getattr(args, "optimizer", "") == "adam":
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            total += trained * getattr(args, name, torch.float32).itemsize
+        if params_dtype != torch.float32:
+            total += trained * getattr(args, "main_params_dtype", torch.float32).itemsize
+    return total
+
+
+def save_space_warning(args) -> str | None:
+    """One line when the free space under ``--save`` is less than one checkpoint of this run
+    (:func:`checkpoint_bytes`): the first save would fill the disk, after the iterations before
+    it. A warning, not a refusal: space may be freed meanwhile, and the size is a lower bound."""
+    if not args.save:
+        return None
+    need = checkpoint_bytes(args)
+    free = shutil.disk_usage(_nearest_existing(args.save)).free
+    if free >= need:
+        return None
+    return (
+        f"--save {args.save}: {_megabytes(free)} free there, less than one checkpoint of this "
+        f"run (at least {_megabytes(need)}: its weights and optimizer state): the first save "
+        "will likely fill the disk"
+    )
 
 
 def _enospc(err: BaseException | None, seen: set[int] | None = None) -> bool:

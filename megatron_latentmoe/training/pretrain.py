@@ -557,7 +557,13 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_calibrate import QBCalibration
     from megatron_latentmoe.training.qb_rescore import QBRescore
 
-    set_global_variables(args)
+    set_global_variables(args)  # the padded vocabulary: checkpoint_bytes reads it
+    if _rank() == 0:
+        from megatron_latentmoe.training.file_checks import save_space_warning
+
+        warning = save_space_warning(args)
+        if warning:
+            print(f"[{PROG}] WARNING: {warning}", flush=True)
     model_cfg = model_config_from_args(args, transformer_config)
     cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
 

@@ -5,20 +5,27 @@ Before, the save of iteration 2 ended every rank with torch DCP's ``CheckpointEx
 traceback (``RuntimeError: Worker failure: An error is caught while starting worker 0, error:
 <class 'OSError'>``) and left the unfinished ``iter_0000002`` on the full disk. Now rank 0 says so
 in one line (exit 2 on every rank), having removed the unfinished folder, and names the
-checkpoint a resume loads; the resume loads it and trains on with the same loss.
+checkpoint a resume loads; the resume loads it and trains on with the same loss. The start-up
+estimate of one checkpoint's size (the warning when less is free) is checked against the real one.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
+
+from megatron_latentmoe.training.file_checks import checkpoint_bytes, save_space_warning
+from megatron_latentmoe.training.pretrain import saved_args
 
 from . import iter_dir, mounted_tmpfs, read_jsonl, run_entry
 
 pytestmark = pytest.mark.slow
 
 TMPFS_SIZE = "34m"  # one checkpoint (22.0 MB) fits, a second does not
+# file_checks.checkpoint_bytes counts tensor bytes alone: the tiny model's checkpoint is 3.9 % more
+ESTIMATE_MARGIN = 0.10
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_checkpoint(
@@ -53,11 +60,32 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
             "latest_checkpointed_iteration.txt",
         ]
 
+        assert "WARNING: --save" not in run.output  # 34 MB free at the start: room for one
+
+        # the start-up estimate of one checkpoint, against the real one: a lower bound, within
+        # ESTIMATE_MARGIN; with what is free now, a run would be warned
+        saved = saved_args(str(ckpt))
+        estimate = checkpoint_bytes(saved)
+        real = sum(f.stat().st_size for f in iter_dir(ckpt, 1).iterdir())
+        assert estimate <= real <= estimate * (1 + ESTIMATE_MARGIN), (estimate, real)
+        free = shutil.disk_usage(ckpt).free
+        assert save_space_warning(saved) == (
+            f"--save {ckpt}: {free / 1e6:.1f} MB free there, less than one checkpoint of this "
+            f"run (at least {estimate / 1e6:.1f} MB: its weights and optimizer state): the first "
+            "save will likely fill the disk"
+        )
+
+        # the resume, into the same full disk: warned at the start, loads iteration 1, trains
+        # iteration 2 as the first run did, and its save (--exit-interval) fills the disk again
         resumed_jsonl = tmp_path / "resumed.jsonl"
         resumed = run_entry(
-            ["--train-iters", "3", "--exit-interval", "2", "--load", str(ckpt)]
-            + ["--balance-log-file", str(resumed_jsonl)]
-        ).check()
+            ["--train-iters", "3", "--exit-interval", "2", "--save-interval", "1000"]
+            + ["--load", str(ckpt), "--save", str(ckpt), "--balance-log-file", str(resumed_jsonl)]
+        )
+    assert f"[pretrain_stable_latentmoe] WARNING: --save {ckpt}: " in resumed.output
+    assert (
+        f"error: --save {ckpt}: the disk filled up while saving the checkpoint of iteration 2"
+    ) in resumed.output, resumed.output[-3000:]
     assert "successfully loaded checkpoint" in resumed.output
     assert "at iteration 1" in resumed.output
     assert sorted(read_jsonl(resumed_jsonl)) == [2]
