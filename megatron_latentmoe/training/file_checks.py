@@ -64,20 +64,25 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
     return f"{flag} {path}: {why}; give a folder this run can create or write in"
 
 
-def checkpoint_bytes(args) -> int:
+def checkpoint_bytes(args) -> int | None:
     """A lower bound of the bytes one checkpoint of this run takes: its tensors' bytes (the
     model's, from the converter's tensor list ``convert.names.iter_tensor_maps``, in
     ``--params-dtype``, the QB biases in fp32; Adam's two moments and, for bf16/fp16 weights, the
     fp32 main weights, unless ``--no-save-optim``). Not counted: the files' per-tensor overhead,
     torch DCP's ``.metadata``, the RNG and scheduler state: the tiny model's checkpoints are
     3.9 % (fp32), 4.3 % (--bf16) and 5.5 % (--no-save-optim) larger (measured: 22.02, 25.78
-    and 7.45 MB)."""
+    and 7.45 MB). None for a model the converter does not describe (e.g. ``--qk-layernorm``:
+    Megatron trains it, the HF model has no such tensors)."""
     import torch
 
     from megatron_latentmoe.convert.arch import ModelArch
+    from megatron_latentmoe.convert.errors import ConversionError
     from megatron_latentmoe.convert.names import iter_tensor_maps
 
-    arch = ModelArch.from_megatron_args(args, source="this run's flags")
+    try:
+        arch = ModelArch.from_megatron_args(args, source="this run's flags")
+    except ConversionError:
+        return None
     params_dtype = getattr(args, "params_dtype", torch.float32)
     weights = [t for t in iter_tensor_maps(arch) if not t.zeros]
     trained = sum(t.numel() for t in weights if not t.fp32)
@@ -98,7 +103,7 @@ def save_space_warning(args) -> str | None:
         return None
     need = checkpoint_bytes(args)
     free = shutil.disk_usage(_nearest_existing(args.save)).free
-    if free >= need:
+    if need is None or free >= need:
         return None
     return (
         f"--save {args.save}: {_megabytes(free)} free there, less than one checkpoint of this "

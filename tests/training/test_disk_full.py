@@ -75,6 +75,10 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
             "save will likely fill the disk"
         )
 
+        # a model the converter does not describe (Megatron trains it): no estimate, no warning
+        saved.qk_layernorm = True
+        assert checkpoint_bytes(saved) is None and save_space_warning(saved) is None
+
         # the resume, into the same full disk: warned at the start, loads iteration 1, trains
         # iteration 2 as the first run did, and its save (--exit-interval) fills the disk again
         resumed_jsonl = tmp_path / "resumed.jsonl"
