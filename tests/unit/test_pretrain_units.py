@@ -382,6 +382,7 @@ MAIN_STEPS = (
     "begin_run",
     "checked_args",
     "set_global_variables",
+    "save_space_warning",
     "init_cpu_world",
     "apply_qb_gloo_compat",
     "_make_balance_logger",
@@ -408,7 +409,12 @@ class _Run:
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
         from megatron_latentmoe.ops import situ
-        from megatron_latentmoe.training import balance_logging, balance_summary, forward_step
+        from megatron_latentmoe.training import (
+            balance_logging,
+            balance_summary,
+            file_checks,
+            forward_step,
+        )
 
         self.events, self.raises, self.fstep = [], None, forward_step
         event = self.events.append
@@ -417,6 +423,7 @@ class _Run:
             **layout,
             disable_jit_fuser=False,
             load=None,
+            save=None,
             finetune=False,
             no_load_optim=False,
             no_load_rng=False,
@@ -461,6 +468,8 @@ class _Run:
             (compat_training, "exclude_from_step_time"),
             (compat_training, "load_optional_checkpoint_keys"),
             (compat_training, "wrap_train_step"),
+            (compat_training, "on_save_error"),
+            (file_checks, "save_space_warning"),
             (qb_gloo, "apply_qb_gloo_compat"),
             (situ, "set_cpu_compile"),
             (forward_step, "set_balance_logger"),
@@ -534,6 +543,24 @@ def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, t
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[pretrain_stable_latentmoe] no CUDA: gloo, local spec; off on CPU: fusions"
     assert out[1].startswith("[pretrain_stable_latentmoe] done in ") and len(out) == 2
+
+
+def test_main_warns_of_a_small_save_disk_and_ends_a_full_one_with_exit_2(monkeypatch, capsys):
+    """``--save``: rank 0's start-up warning when less than a checkpoint is free, and the
+    disk-full handler on Megatron's save; a save that filled the disk (the handler raised
+    ``_DiskFull`` after rank 0 said so) ends ``main`` with exit 2 and nothing more printed."""
+    from megatron_latentmoe.training import file_checks
+
+    run = _Run(monkeypatch, None, save="ckpt")
+    monkeypatch.setattr(file_checks, "save_space_warning", lambda args: "--save ckpt: 1 MB free")
+    run.raises = pretrain._DiskFull()
+    assert run() == 2
+    assert len(run.named("on_save_error")) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "[pretrain_stable_latentmoe] WARNING: --save ckpt: 1 MB free"
+    assert not any("done in" in line for line in out)
+    run = _Run(monkeypatch, None)  # no --save: neither
+    assert run() == 0 and run.named("on_save_error") == []
 
 
 def test_main_stops_at_a_bad_flag_or_after_the_check(monkeypatch, tmp_path, capsys):
