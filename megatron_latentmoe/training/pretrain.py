@@ -430,6 +430,7 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.training.arguments import (
         FlagError,
         apply_default_tokenizer,
+        data_vocabulary_refusal,
         expert_layout_refusal,
         interleaved_schedule_refusal,
         megatron_refusal,
@@ -473,6 +474,10 @@ def _checked(args, has_cuda: bool):
         validate_args(args, {})
     except (AssertionError, ValueError, RuntimeError) as err:  # mostly bare asserts
         raise FlagError(megatron_refusal(args, err)) from None
+    # the tokenizer flags are final here; the shipped corpus is made with the shipped tokenizer
+    refusal = None if default_data_dir is not None else data_vocabulary_refusal(args)
+    if refusal:
+        raise FlagError(refusal)
     config = transformer_config_from_args(args)
     # the layer pattern the model builds (--first-k-dense-replace's dense layers): Megatron's
     # FLOPs count (--log-throughput) reads it from the args, where it would say "all MoE"

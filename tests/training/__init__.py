@@ -287,3 +287,16 @@ def reference_run() -> ReferenceRun:
     ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
     run = run_entry(REF_ARGS + ["--save", str(ckpt), "--balance-log-file", str(jsonl)]).check()
     return ReferenceRun(ckpt, jsonl, read_jsonl(jsonl), run.output, run.seconds)
+
+
+def write_dataset(prefix: Path, documents) -> str:
+    """A Megatron indexed dataset (uint16 ids, megatron-core's own builder) of ``documents``
+    (arrays of token ids, one document each); returns the prefix for ``--data-path``."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for ids in documents:
+        builder.add_document(numpy.asarray(ids, dtype=numpy.uint16), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)

@@ -20,11 +20,22 @@ import time
 
 import pytest
 
-from . import ENTRY, PYTHON, REPO, args_file_args, environment, scratch_dir, tiny_args
+from . import (
+    ENTRY,
+    PYTHON,
+    REPO,
+    args_file_args,
+    environment,
+    scratch_dir,
+    tiny_args,
+    write_dataset,
+)
 
 PLAIN_GPT_CHECKPOINT = "<plain GPT checkpoint>"  # _argv: the one _plain_gpt_checkpoint writes
 WORLD_SIZE = "2"  # what examples/run_torchrun.sh gives its flag check (tiny.sh is EP2)
 SMALL_CORPUS = scratch_dir() / "small_corpus"  # 50 documents, made by the `outcomes` fixture
+# ids up to 4999, as another tokenizer writes them (the shipped one has 4096): `outcomes` too
+OTHER_TOKENIZERS_CORPUS = scratch_dir() / "other_tokenizers_corpus"
 
 CASES = {
     "latent_not_divisible_by_tp": (
@@ -336,6 +347,17 @@ CASES = {
         ["--tokenizer-model", "/nonexistent/tokenizer"],
         ["--tokenizer-model /nonexistent/tokenizer: no such file or folder"],
     ),
+    "data_path_made_with_another_tokenizer": (  # else an IndexError traceback on every rank
+        ["--data-path", str(OTHER_TOKENIZERS_CORPUS), "--split", "100,0,0"]
+        + ["--save-interval", "1000"],
+        [
+            f"--data-path {OTHER_TOKENIZERS_CORPUS}: {OTHER_TOKENIZERS_CORPUS}.bin, in its first "
+            "1 MiB, holds token id 4999, but this run's tokenizer (HuggingFaceTokenizer "
+            f"{REPO / 'megatron_latentmoe' / 'data' / 'assets' / 'tokenizer'}) has 4096 ids "
+            "(allowed: 0..4095): the dataset was made with another tokenizer. Remake it with "
+            "tools/preprocess_data.py --tokenizer ",
+        ],
+    ),
     "missing_data_args_file": (
         ["--data-args-path", "/nonexistent/data_args.txt"],
         ["--data-args-path /nonexistent/data_args.txt: no such file"],
@@ -575,6 +597,7 @@ def outcomes():
     docs = scratch_dir() / "small_corpus.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
     preprocess_jsonl(docs, SMALL_CORPUS, progress=False)
+    write_dataset(OTHER_TOKENIZERS_CORPUS, [range(i * 100, i * 100 + 100) for i in range(50)])
     cases = {name: _argv(name) for name in run}
     proc = _run(["-c", DRIVER, str(REPO), json.dumps(cases)])
     results = {}

@@ -479,6 +479,29 @@ def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
         ), str(err.value)
 
 
+@pytest.mark.parametrize("dtype", [numpy.uint16, numpy.int32])
+def test_the_flag_check_reads_the_largest_id_of_a_bins_head_only(tmp_path, dtype):
+    """``max_token_id_in_head``: the largest id in the first N bytes of the ``.bin`` (whole
+    tokens of the dtype its ``.idx`` names), the whole file when it is shorter; an id past the
+    head is left to the batches (``forward_step.get_batch``)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_latentmoe.data.indexed import HEAD_BYTES, max_token_id_in_head
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    builder.add_document(numpy.array([5, 70, 9, 11], dtype=dtype), [4])
+    builder.add_document(numpy.array([3, 9000], dtype=dtype), [2])
+    builder.finalize(prefix + ".idx")
+    size = numpy.dtype(dtype).itemsize
+    assert max_token_id_in_head(prefix) == 9000  # the file is shorter than HEAD_BYTES
+    assert HEAD_BYTES == 1 << 20
+    assert max_token_id_in_head(prefix, nbytes=4 * size) == 70  # the first document
+    assert max_token_id_in_head(prefix, nbytes=2 * size + 1) == 70  # whole tokens only
+    assert max_token_id_in_head(prefix, nbytes=size) == 5
+    assert max_token_id_in_head(prefix, nbytes=size - 1) == -1  # no whole token: no id
+
+
 def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     """--workers 2 (batches of 256 lines tokenized out of order in 2 processes) writes .bin/.idx
     byte-identical to --workers 1, for each of two keys: 1000 corpus documents = 4 batches, as

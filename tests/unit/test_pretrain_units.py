@@ -821,6 +821,7 @@ class _Checked:
         vars(self.args).update(flags)
         self.default_data, self.default_tokenizer = True, True
         self.layout_refusal = self.interleaved_refusal = self.megatron_assert = None
+        self.vocabulary_refusal = None
 
         def validate_args(args, defaults):
             event(("validate_args", args, defaults))
@@ -846,6 +847,9 @@ class _Checked:
             (arguments, "uses_default_data"): lambda args: self.default_data,
             (arguments, "apply_default_tokenizer"): apply_default_tokenizer,
             (arguments, "expert_layout_refusal"): lambda args: self.layout_refusal,
+            (arguments, "data_vocabulary_refusal"): lambda args: (
+                event(("data vocabulary",)) or self.vocabulary_refusal
+            ),
             (arguments, "interleaved_schedule_refusal"): lambda args, group: (
                 event(("interleaved", group)) or self.interleaved_refusal
             ),
@@ -901,6 +905,8 @@ def test_checked_args_complete_a_cpu_run_with_the_shipped_corpus_and_tokenizer(m
 def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
     """A --data-cache-path holds the shipped corpus's tokens; a given --split is kept; a given
     tokenizer is not announced; on CUDA nothing of the CPU compat; --use-checkpoint-args first."""
+    from megatron_latentmoe.training.arguments import FlagError
+
     checked = _Checked(monkeypatch, data_cache_path="/scratch", split="90,10,0")
     checked.default_tokenizer = False
     args, _, cpu_notes, default_data_dir = checked(has_cuda=True)
@@ -920,6 +926,17 @@ def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
     args, _, _, default_data_dir = checked()
     assert [e[0] for e in checked.events[:3]] == ["parse", "checkpoint args", "validate ours"]
     assert default_data_dir is None and args.data_path == ["mine"] and args.split is None
+    # the given dataset's ids against the tokenizer, once its flags are final (not the shipped
+    # corpus's: the shipped tokenizer made it)
+    assert [e[0] for e in checked.events[-3:]] == [
+        "validate_args",
+        "data vocabulary",
+        "interleaved",
+    ]
+    checked.vocabulary_refusal = "--data-path mine: mine.bin, in its first 1 MiB, holds token id 9"
+    with pytest.raises(FlagError) as err:
+        checked()
+    assert str(err.value) == checked.vocabulary_refusal
 
 
 @pytest.mark.parametrize("refusal", ["layout", "megatron", "interleaved"])
