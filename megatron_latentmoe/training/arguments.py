@@ -278,6 +278,16 @@ def data_vocabulary_refusal(args) -> str | None:
     return None
 
 
+def data_description(args) -> str:
+    """The dataset flags of this run with their values, as a message names them."""
+    given = [
+        f"--{dest.replace('_', '-')} {' '.join(map(str, getattr(args, dest)))}"
+        for dest in _DATA_PATHS
+        if getattr(args, dest)
+    ]
+    return ", ".join(given) or "the data"
+
+
 MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
 """``--split`` that megatron.training 0.19.2 uses with ``--data-path`` when none is given."""
 

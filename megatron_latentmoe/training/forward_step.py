@@ -32,6 +32,15 @@ _BALANCE_LOGGER = None
 _BATCH_RECORDER = None
 
 
+_VOCABULARY = None
+_DATA = "the data"
+
+
+class OutOfVocabularyError(ValueError):
+    """A micro-batch holds a token id outside the run's vocabulary; the message is the line
+    the entry point prints (exit 2)."""
+
+
 def set_balance_logger(logger) -> None:
     """The :class:`BalanceLogger` that receives training losses (None: none)."""
     global _BALANCE_LOGGER
@@ -43,6 +52,13 @@ def set_batch_recorder(recorder) -> None:
     forward's micro-batches (None: none)."""
     global _BATCH_RECORDER
     _BATCH_RECORDER = recorder
+
+
+def set_vocabulary(vocabulary, data: str = "the data") -> None:
+    """The :class:`~megatron_latentmoe.data.indexed.Vocabulary` whose ids every micro-batch
+    must hold (None: not checked), and how a refusal names the data (``data``: its flags)."""
+    global _VOCABULARY, _DATA
+    _VOCABULARY, _DATA = vocabulary, data
 
 
 # ------------------------------------------------------------------------------------ data
@@ -97,8 +113,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args, get_tokenizer, print_rank_0
 
+    from megatron_latentmoe.training.arguments import data_description, run_vocabulary
+
     args = get_args()
-    config = gpt_dataset_config_from_args(args, get_tokenizer())
+    tokenizer = get_tokenizer()
+    config = gpt_dataset_config_from_args(args, tokenizer)
+    # the ids every micro-batch of these datasets may hold (get_batch)
+    set_vocabulary(run_vocabulary(args, tokenizer), data_description(args))
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0(f"> building train, validation, and test datasets ({dataset_type.__name__}) ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
@@ -118,6 +139,8 @@ def get_batch(batch, *, pre_process: bool, config=None):
     (True = padding)."""
     from megatron.core import parallel_state
 
+    if _VOCABULARY is not None:
+        _check_token_ids(batch)
     batch = _on_this_cp_rank(batch)
     # Decided on the loader's (host) tensor: no device sync. None == an all-False mask.
     has_padding = bool((batch["loss_mask"] == 0).any())
@@ -148,6 +171,18 @@ def get_batch(batch, *, pre_process: bool, config=None):
         rank = parallel_state.get_tensor_model_parallel_rank()
         padding_mask = padding_mask[:, rank * chunk : (rank + 1) * chunk].contiguous()
     return tokens, labels, loss_mask, attention_mask, position_ids, padding_mask
+
+
+def _check_token_ids(batch) -> None:
+    """Refuse a micro-batch holding a token id outside the run's vocabulary (the flag check
+    reads only the head of each ``.bin``): :class:`OutOfVocabularyError`, where the embedding
+    would raise ``IndexError: index out of range in self`` (or train its padding rows, or the
+    loss read a label past the logits). One max over the loader's host tensors (tokens and
+    labels): no device sync."""
+    largest = int(torch.maximum(batch["tokens"].max(), batch["labels"].max()))
+    refusal = _VOCABULARY.refusal(f"a micro-batch of {_DATA}", largest)
+    if refusal:
+        raise OutOfVocabularyError(refusal)
 
 
 CP_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

@@ -636,7 +636,10 @@ def _main(check_only: bool = False) -> int:
             ModelType.encoder_or_decoder,
             fstep.forward_step,
         )
-    except _DiskFull:
+    except _DiskFull:  # rank 0 has said so
+        return 2
+    except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except AssertionError as err:
         if not str(err).startswith("OptimizerParamScheduler:"):

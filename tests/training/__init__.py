@@ -95,11 +95,15 @@ def data_cache() -> str:
     return path
 
 
-def command(extra: list[str], nproc: int = 2) -> list[str]:
+LAUNCH = "megatron_latentmoe.training.launch"
+"""torchrun as examples/run_torchrun.sh starts it: a rank's refusal ends the run in one line."""
+
+
+def command(extra: list[str], nproc: int = 2, launcher: str = "torch.distributed.run") -> list[str]:
     return [
         PYTHON,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--standalone",
         "--nproc-per-node",
         str(nproc),
@@ -129,13 +133,19 @@ class Run:
         return self
 
 
-def run_entry(extra: list[str], nproc: int = 2, timeout: float = 300.0) -> Run:
-    """Run the entry point under torchrun to completion. A run still going after ``timeout``
-    seconds is killed with every rank (left alone, hung ranks would outlive the test and slow
-    the rest of the session) and returns exit -9 with its output and a line saying so."""
+def run_entry(
+    extra: list[str],
+    nproc: int = 2,
+    timeout: float = 300.0,
+    launcher: str = "torch.distributed.run",
+) -> Run:
+    """Run the entry point under torchrun (``launcher``: or :data:`LAUNCH`) to completion. A run
+    still going after ``timeout`` seconds is killed with every rank (left alone, hung ranks would
+    outlive the test and slow the rest of the session) and returns exit -9 with its output and a
+    line saying so."""
     start = time.time()
     proc = subprocess.Popen(
-        command(extra, nproc),
+        command(extra, nproc, launcher),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

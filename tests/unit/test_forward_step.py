@@ -61,6 +61,34 @@ def test_without_context_parallelism_the_batch_is_whole(monkeypatch):
     assert torch.equal(tokens, _batch()["tokens"]) and padding[1, -1] and padding.sum() == 1
 
 
+@pytest.mark.parametrize("key", ["tokens", "labels"])
+def test_a_batch_with_an_id_outside_the_vocabulary_is_refused(monkeypatch, key):
+    """Every micro-batch's largest id (tokens and labels, on the loader's host tensors, before
+    the CP split) is checked against the run's vocabulary: one line naming the id, the
+    tokenizer and what is allowed, where the embedding raised an IndexError traceback (a label
+    out of range: a loss of a logit that is not there)."""
+    from megatron_latentmoe.data.indexed import Vocabulary
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(fs, "_VOCABULARY", None)  # both restored after the test
+    monkeypatch.setattr(fs, "_DATA", fs._DATA)
+    vocabulary = Vocabulary(300, 384, "HuggingFaceTokenizer /tok", "Remake it.")
+    fs.set_vocabulary(vocabulary, "--data-path /data/corpus")
+    get_batch(_batch(), pre_process=True)  # ids up to 207
+    batch = _batch()
+    batch[key][1, 3] = 300
+    with pytest.raises(fs.OutOfVocabularyError) as err:
+        get_batch(batch, pre_process=True)
+    assert str(err.value) == (
+        "a micro-batch of --data-path /data/corpus holds token id 300, but this run's tokenizer "
+        "(HuggingFaceTokenizer /tok) has 300 ids (allowed: 0..299; the embedding's rows "
+        "300..383 are padding): the dataset was made with another tokenizer. Remake it."
+    )
+    fs.set_vocabulary(None)
+    get_batch(batch, pre_process=True)  # not checked
+
+
 def test_dataset_config_carries_megatrons_validation_and_loader_flags(tmp_path, monkeypatch):
     """The GPT dataset config gets the data flags that Megatron-LM's pretrain_gpt passes on.
     ``--multiple-validation-sets`` was dropped: with ``--full-validation`` the validation
@@ -467,13 +495,32 @@ def test_every_rank_builds_its_datasets(monkeypatch, mock_data):
             return "train", "valid", "test"
 
     monkeypatch.setattr(builder_module, "BlendedMegatronDatasetBuilder", Builder)
-    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(mock_data=mock_data))
-    monkeypatch.setattr(megatron.training, "get_tokenizer", lambda: "tokenizer")
+    args = SimpleNamespace(
+        mock_data=mock_data,
+        data_path=None if mock_data else ["/data/corpus"],
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model="/tok",
+        vocab_file=None,
+        vocab_size=None,
+        padded_vocab_size=4224,
+    )
+    tokenizer = SimpleNamespace(vocab_size=4100)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(megatron.training, "get_tokenizer", lambda: tokenizer)
     monkeypatch.setattr(megatron.training, "print_rank_0", lambda *a: None)
     monkeypatch.setattr(fs, "gpt_dataset_config_from_args", lambda args, tok: ("config", tok))
+    monkeypatch.setattr(fs, "_VOCABULARY", None)  # both restored after the test
+    monkeypatch.setattr(fs, "_DATA", fs._DATA)
     assert fs.train_valid_test_datasets_provider([8, 2, 1]) == ("train", "valid", "test")
     dataset_type = MockGPTDataset if mock_data else GPTDataset
     assert seen == dict(
-        type=dataset_type, sizes=[8, 2, 1], on_rank=True, config=("config", "tokenizer")
+        type=dataset_type, sizes=[8, 2, 1], on_rank=True, config=("config", tokenizer)
     )
+    # the ids the batches of these datasets may hold: the tokenizer's (get_batch checks them)
+    assert (fs._VOCABULARY.size, fs._VOCABULARY.padded) == (4100, 4224)
+    assert fs._VOCABULARY.tokenizer == "HuggingFaceTokenizer /tok"
+    assert fs._DATA == ("the data" if mock_data else "--data-path /data/corpus")
     assert fs.train_valid_test_datasets_provider.is_distributed is True

@@ -184,6 +184,7 @@ def _forward_steps(rank, world_size):
 
     from megatron_latentmoe.compat import apply_python311_compat, initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
+    from megatron_latentmoe.data.indexed import Vocabulary
     from megatron_latentmoe.model import build_gpt_model
     from megatron_latentmoe.moe.balance_step import update_balance
     from megatron_latentmoe.ops.situ import set_cpu_compile
@@ -198,6 +199,8 @@ def _forward_steps(rank, world_size):
     initialize_parallel_cpu()
     timer = types.SimpleNamespace(start=lambda **kw: None, stop=lambda **kw: None)
     args = types.SimpleNamespace(check_for_nan_in_loss_and_grad=False, rerun_mode="disabled")
+    # every batch's largest token id is checked against the vocabulary, as in a run
+    fs.set_vocabulary(Vocabulary(VOCAB, VOCAB, "the test's", "-"))
     out = {}
     for dispatcher in DISPATCHERS:
         for name in ("qb_centered", "aux_loss", "megatron_qb"):
@@ -249,12 +252,13 @@ def _forward_steps(rank, world_size):
                     num_tokens=int(num_tokens),
                 )
             fs.set_balance_logger(None)
+    fs.set_vocabulary(None)
     return out
 
 
 def test_forward_step_reads_only_the_loaders_host_batch():
-    """The only host read of ``forward_step`` is whether the loader's (host) loss mask masks
-    any token: not a device sync."""
+    """The only host reads of ``forward_step`` are whether the loader's (host) loss mask masks
+    any token and the largest token id of its (host) tokens and labels: no device sync."""
     (result,) = run_distributed(_forward_steps, 1)
     assert len(result) == 10
     for (dispatcher, name, masked), r in result.items():

@@ -693,6 +693,17 @@ def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path
         run()
 
 
+def test_main_stops_at_a_batch_outside_the_vocabulary_in_one_line(monkeypatch, tmp_path, capsys):
+    """A micro-batch's refusal (``forward_step.get_batch``) inside Megatron's loop: its line,
+    exit 2, where the embedding's IndexError was a traceback."""
+    run = _Run(monkeypatch, tmp_path)
+    run.raises = run.fstep.OutOfVocabularyError("a micro-batch of --data-path /d holds token id 9")
+    assert run() == 2
+    assert capsys.readouterr().err == (
+        "pretrain_stable_latentmoe: error: a micro-batch of --data-path /d holds token id 9\n"
+    )
+
+
 def test_main_with_cuda_skips_the_cpu_world(monkeypatch, tmp_path, capsys):
     """With CUDA: Megatron-Core's compat only (no CPU shims, no gloo world, no QB gloo
     all-reduce), and the flag check is told CUDA is there."""
