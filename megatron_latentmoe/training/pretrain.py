@@ -11,7 +11,8 @@ Order of work (everything that can be wrong about the command line fails before 
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
    (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
 5. ``--load`` given: a checkpoint tracker left broken by a kill is repaired
-   (:func:`repair_checkpoint_tracker`); a damaged checkpoint is refused at step 1, one of
+   (:func:`repair_checkpoint_tracker`); a damaged checkpoint, or one Megatron fails to load
+   with this run's ``--ckpt-format`` (:func:`format_refusal`), is refused at step 1, one of
    another model shape here (:mod:`.file_checks`);
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
@@ -191,6 +192,56 @@ def legacy_layout_refusal(args, saved, non_persistent: str | None = None) -> str
         "with. Resume once in that layout with --ckpt-format torch_dist "
         "--auto-detect-ckpt-format (it then saves a torch_dist checkpoint, which loads into "
         "another layout), or pass that layout"
+    )
+
+
+def format_refusal(args, non_persistent: str | None = None) -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (see :func:`resumed_checkpoint` for
+    ``non_persistent``; where no folder is complete by this run's format, the one the tracker
+    names, which Megatron loads as it is) is of a format megatron-core 0.19.2 fails to load with
+    this run's ``--ckpt-format``, with a traceback on every rank (measured with one rank):
+
+    - ``torch_dist`` with ``--ckpt-format torch`` without ``--auto-detect-ckpt-format``:
+      "RuntimeError: Detected load from a distributed checkpoint, but neither --use-dist-ckpt
+      nor --auto-detect-ckpt-format is set." (with it, the run loads it:
+      ``compat.training.load_distributed_checkpoint_as_such``);
+    - ``torch_dcp`` with ``--ckpt-format torch`` or ``torch_dist``, with or without
+      ``--auto-detect-ckpt-format``: "AttributeError: 'NoneType' object has no attribute
+      'items'" (its load builds the state dict to read into only for a torch_dcp run).
+
+    A legacy ``torch`` checkpoint loads with ``--ckpt-format torch_dist`` (measured; Megatron's
+    code path is the one with ``--auto-detect-ckpt-format``, whose losses
+    tests/training/test_ckpt_formats.py checks). A torch_dcp run (``--use-torch-fsdp2``) is not
+    judged: FSDP2 does not start on CPU here, so what it loads is not measured."""
+    if not args.load:
+        return None
+    path = resumed_checkpoint(
+        args.load, load_format(args), release=True, non_persistent=non_persistent
+    )
+    if path is None:
+        try:
+            tracked = tracked_checkpoint_dir(args.load)
+        except ValueError:  # an unreadable tracker: Megatron will report it
+            tracked = None
+        path = tracked and str(tracked)
+    found, run = checkpoint_format(path), args.ckpt_format
+    auto = getattr(args, "auto_detect_ckpt_format", False)
+    if found == "torch_dist" and run == "torch" and not auto:
+        ways = (
+            "--ckpt-format torch_dist, or add --auto-detect-ckpt-format (the run then saves in "
+            "--ckpt-format torch)"
+        )
+    elif found == "torch_dcp" and run in ("torch", "torch_dist"):
+        ways = (
+            "--ckpt-format torch_dcp (Megatron allows it with --use-torch-fsdp2 only); "
+            "--auto-detect-ckpt-format does not load it"
+        )
+    else:
+        return None
+    flags = f"--ckpt-format {run}" + (" --auto-detect-ckpt-format" if auto else "")
+    return (
+        f"--load {args.load}: {path} is a {found} checkpoint, which megatron-core 0.19.2 fails "
+        f"to load with {flags}; resume from it with {ways}"
     )
 
 
@@ -450,6 +501,7 @@ def _checked(args, has_cuda: bool):
         )
     for refusal in (
         load_refusal(args.load, load_format(args)),
+        format_refusal(args, non_persistent_dir(args)),
         folder_refusal("--save", args.save),
         folder_refusal("--data-cache-path", args.data_cache_path),
         None if args.data_cache_path else folder_refusal(DEFAULT_CACHE_ORIGIN, default_data_dir),

@@ -1,6 +1,6 @@
-"""Checkpoint formats on load: ``--auto-detect-ckpt-format`` with another ``--ckpt-format``, and
-the checkpoints the layout-change plan of the entry point reads (legacy ``torch``,
-non-persistent).
+"""Checkpoint formats on load: ``--auto-detect-ckpt-format`` with another ``--ckpt-format``,
+without it (refused), and the checkpoints the layout-change plan of the entry point reads
+(legacy ``torch``, non-persistent).
 
 One rank, EP1, 4 iterations with a ``torch_dist`` checkpoint at 2 and 4 (the uninterrupted run).
 """
@@ -51,6 +51,24 @@ def test_auto_detect_loads_a_distributed_checkpoint_and_saves_in_the_requested_f
     assert [got[i]["loss"] for i in (3, 4)] == [ref[i]["loss"] for i in (3, 4)]
     assert "in torch format" in run.output
     assert [p.name for p in iter_dir(ckpt, 4).iterdir()] == ["mp_rank_00"]
+
+
+def test_a_distributed_checkpoint_without_auto_detect_is_refused_with_the_ways_out():
+    """``--ckpt-format torch`` without ``--auto-detect-ckpt-format`` resuming from the torch_dist
+    checkpoint of 4: megatron-core 0.19.2 failed on every rank with "RuntimeError: Detected load
+    from a distributed checkpoint, but neither --use-dist-ckpt nor --auto-detect-ckpt-format is
+    set." Now one line at start-up (the other formats: tests/unit/test_pretrain_units.py)."""
+    whole, _ = whole_run()
+    refused = run_entry(
+        EP1 + ["--train-iters", "6", "--ckpt-format", "torch", "--load", str(whole)], nproc=1
+    )
+    assert refused.returncode != 0
+    assert (
+        f"pretrain_stable_latentmoe: error: --load {whole}: {iter_dir(whole, 4)} is a torch_dist "
+        "checkpoint, which megatron-core 0.19.2 fails to load with --ckpt-format torch; resume "
+        "from it with --ckpt-format torch_dist, or add --auto-detect-ckpt-format"
+    ) in refused.output, refused.output[-3000:]
+    assert "Detected load from a distributed checkpoint" not in refused.output
 
 
 def test_a_legacy_checkpoint_of_another_layout_is_refused_with_the_way_out():

@@ -160,6 +160,70 @@ def test_saved_args_of_a_release_checkpoint_only_with_release(tmp_path, common_s
     assert common_state == ["release", "iter_0000003"]
 
 
+def _format_refusal(root, ckpt_format, auto=False, non_persistent=None):
+    args = SimpleNamespace(load=str(root), ckpt_format=ckpt_format, auto_detect_ckpt_format=auto)
+    return pretrain.format_refusal(args, non_persistent and str(non_persistent))
+
+
+TORCH_DIST_FILES, TORCH_DCP_FILES = (".metadata", "metadata.json"), (".metadata",)
+
+
+def test_a_checkpoint_megatron_fails_to_load_in_this_runs_format_is_refused(tmp_path):
+    """torch_dist with --ckpt-format torch: megatron-core 0.19.2 failed on every rank with
+    "RuntimeError: Detected load from a distributed checkpoint, but neither --use-dist-ckpt nor
+    --auto-detect-ckpt-format is set"; a torch_dcp one (what an FSDP2 run saves) with torch or
+    torch_dist, --auto-detect-ckpt-format or not: "AttributeError: 'NoneType' object has no
+    attribute 'items'". Now one line names the folder, its format, this run's and the ways out.
+    What Megatron loads is not refused: torch_dist with --auto-detect-ckpt-format, a legacy
+    torch checkpoint with torch_dist, each format with its own, nothing to load."""
+    (tmp_path / "dist").mkdir()
+    dist = _checkpoints(tmp_path / "dist", [2], tracker=b"2", files=TORCH_DIST_FILES)
+    assert _format_refusal(dist, "torch") == (
+        f"--load {dist}: {dist}/iter_0000002 is a torch_dist checkpoint, which megatron-core "
+        "0.19.2 fails to load with --ckpt-format torch; resume from it with --ckpt-format "
+        "torch_dist, or add --auto-detect-ckpt-format (the run then saves in --ckpt-format torch)"
+    )
+    assert _format_refusal(dist, "torch", auto=True) is None
+    assert _format_refusal(dist, "torch_dist") is None
+    (tmp_path / "dcp").mkdir()
+    dcp = _checkpoints(tmp_path / "dcp", [2], tracker=b"2", files=TORCH_DCP_FILES)
+    ways = (
+        "resume from it with --ckpt-format torch_dcp (Megatron allows it with --use-torch-fsdp2 "
+        "only); --auto-detect-ckpt-format does not load it"
+    )
+    assert _format_refusal(dcp, "torch", auto=True) == (
+        f"--load {dcp}: {dcp}/iter_0000002 is a torch_dcp checkpoint, which megatron-core 0.19.2 "
+        f"fails to load with --ckpt-format torch --auto-detect-ckpt-format; {ways}"
+    )
+    # by torch_dist's rule no folder is complete: Megatron loads the tracked one as it is
+    assert _format_refusal(dcp, "torch_dist").endswith(f"with --ckpt-format torch_dist; {ways}")
+    assert _format_refusal(dcp, "torch_dcp") is None
+    (tmp_path / "legacy").mkdir()
+    legacy = _checkpoints(tmp_path / "legacy", [2], tracker=b"2", files=())
+    (tmp_path / "legacy" / iteration_dir_name(2) / "mp_rank_00").mkdir()
+    assert _format_refusal(legacy, "torch_dist") is None
+    assert _format_refusal(legacy, "torch") is None
+    assert _format_refusal(tmp_path / "new", "torch") is None
+    assert pretrain.format_refusal(SimpleNamespace(load=None, ckpt_format="torch")) is None
+
+
+def test_a_newer_non_persistent_checkpoint_is_the_one_judged(tmp_path):
+    """Megatron loads a global non-persistent checkpoint as a torch_dist one (with --ckpt-format
+    torch the same RuntimeError) where it is as new as the persistent one or newer."""
+    root = _checkpoints(tmp_path, [2], tracker=b"2", files=())
+    (tmp_path / iteration_dir_name(2) / "mp_rank_00").mkdir()
+    (tmp_path / "np").mkdir()
+    _checkpoints(tmp_path / "np", [3], tracker=b"3")
+    assert _format_refusal(root, "torch") is None
+    assert _format_refusal(root, "torch", non_persistent=tmp_path / "np").startswith(
+        f"--load {root}: {tmp_path}/np/iter_0000003 is a torch_dist checkpoint"
+    )
+    (tmp_path / TRACKER_FILE).write_text("4")
+    (tmp_path / iteration_dir_name(4)).mkdir()
+    (tmp_path / iteration_dir_name(4) / "mp_rank_00").mkdir()
+    assert _format_refusal(root, "torch", non_persistent=tmp_path / "np") is None
+
+
 def _checkpoint_args(monkeypatch, saved, **flags):
     """``load_checkpoint_args`` on ``flags`` with Megatron's loader faked (it records the
     checkpoint flag it reads, and --pretrained-checkpoint's holds 4 layers) and ``saved_args``
