@@ -264,16 +264,18 @@ def checkpoint_format(path: str | None) -> str | None:
     return "torch_dcp" if ".metadata" in names else None
 
 
-def non_persistent_dir(args) -> str | None:
+def non_persistent_dir(args, load_dir: str | None = None) -> str | None:
     """The folder of the run's global non-persistent checkpoints (``--non-persistent-ckpt-type
-    global``: ``--non-persistent-global-ckpt-dir``, else ``non_persistent`` in ``--load``, as
-    Megatron's load looks for them); None for any other type."""
-    if getattr(args, "non_persistent_ckpt_type", None) != "global" or not args.load:
+    global``: ``--non-persistent-global-ckpt-dir``, else ``non_persistent`` in ``load_dir``,
+    default ``--load``, as Megatron's ``_load_base_checkpoint`` looks for them, for the load and
+    for ``--use-checkpoint-args``); None for any other type."""
+    load_dir = load_dir or args.load
+    if getattr(args, "non_persistent_ckpt_type", None) != "global" or not load_dir:
         return None
     from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR
 
     return args.non_persistent_global_ckpt_dir or os.path.join(
-        args.load, _NON_PERSISTENT_CKPT_SUBDIR
+        load_dir, _NON_PERSISTENT_CKPT_SUBDIR
     )
 
 
@@ -345,7 +347,9 @@ def load_checkpoint_args(args) -> set[str]:
     ``--load``). The flags this package adds that the model's config holds (the ``ADDED`` rows
     of ``fields.FIELDS`` with an HF key: ``--hidden-act``, the SiTU betas, ``--moe-latent-norm``,
     ``--first-k-dense-replace``) are taken from the checkpoint too, always, as Megatron takes
-    ``--swiglu`` and ``--moe-latent-size``. Raises ``FlagError`` where Megatron asserts.
+    ``--swiglu`` and ``--moe-latent-size``, from the one Megatron reads its flags from: with
+    ``--non-persistent-ckpt-type global``, a newer non-persistent one (:func:`saved_args`).
+    Raises ``FlagError`` where Megatron asserts.
 
     Returns the dests whose values the checkpoint changed (a later refusal names them as the
     checkpoint's, not as flags the user typed)."""
@@ -370,7 +374,13 @@ def load_checkpoint_args(args) -> set[str]:
         if getattr(args, load_arg) is None:
             continue
         load_args_from_checkpoint(args, load_arg=load_arg)
-        saved = saved_args(getattr(args, load_arg), load_format(args), release=True)
+        load_dir = getattr(args, load_arg)
+        saved = saved_args(
+            load_dir,
+            load_format(args),
+            release=True,
+            non_persistent=non_persistent_dir(args, load_dir),
+        )
         for f in ADDED:
             value = getattr(saved, f.name, None) if f.hf else None
             if value is not None:

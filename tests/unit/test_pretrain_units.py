@@ -238,7 +238,7 @@ def _checkpoint_args(monkeypatch, saved, **flags):
     checkpointing = SimpleNamespace(load_args_from_checkpoint=load_args_from_checkpoint)
     monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
 
-    def saved_args(load_dir, ckpt_format, *, release):
+    def saved_args(load_dir, ckpt_format, *, release, non_persistent):
         asked.append((load_dir, ckpt_format, release))
         return saved.get(load_dir)
 
@@ -313,6 +313,50 @@ def test_use_checkpoint_args_refusals(monkeypatch, flags, message):
 
     with pytest.raises(FlagError, match=message):
         _checkpoint_args(monkeypatch, {}, **flags)
+
+
+def test_use_checkpoint_args_reads_the_checkpoint_megatron_resumes_from(monkeypatch, tmp_path):
+    """--non-persistent-ckpt-type global: Megatron's ``load_args_from_checkpoint`` (and its load)
+    read the non-persistent checkpoint where it is as new as the persistent one or newer; our
+    model flags come from that one too (--non-persistent-global-ckpt-dir, else
+    ``LOAD/non_persistent``). Before, from the persistent one: the run built a model with
+    --first-k-dense-replace 1 where the checkpoint it loads has 2."""
+    from megatron.core import dist_checkpointing
+
+    def load_common_state_dict(path):
+        return {"args": SimpleNamespace(first_k_dense_replace=2 if "non_pers" in path else 1)}
+
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    checkpointing = SimpleNamespace(
+        load_args_from_checkpoint=lambda args, load_arg: None,
+        _NON_PERSISTENT_CKPT_SUBDIR="non_persistent",
+    )
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+    monkeypatch.setenv("RANK", "0")
+    root = _checkpoints(tmp_path, [2], tracker=b"2")
+    (tmp_path / "non_persistent").mkdir()
+    _checkpoints(tmp_path / "non_persistent", [3], tracker=b"3")
+
+    def first_k(**flags):
+        args = SimpleNamespace(
+            load=root,
+            pretrained_checkpoint=None,
+            non_persistent_ckpt_type="global",
+            non_persistent_global_ckpt_dir=None,
+            ckpt_format="torch_dist",
+            first_k_dense_replace=0,
+        )
+        vars(args).update(flags)
+        assert pretrain.load_checkpoint_args(args) == {"first_k_dense_replace"}
+        return args.first_k_dense_replace
+
+    assert first_k() == 2
+    assert first_k(non_persistent_ckpt_type=None) == 1
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere")) == 1
+    (tmp_path / "non_persistent").rename(tmp_path / "elsewhere_non_pers")
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere_non_pers")) == 2
+    _checkpoints(tmp_path, [4], tracker=b"4")  # the persistent checkpoint is newer
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere_non_pers")) == 1
 
 
 def test_reshardable_optimizer_needs_both_flags():
