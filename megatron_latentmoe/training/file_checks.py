@@ -1,39 +1,28 @@
-"""The files and folders a run reads and writes, checked before any rank starts.
+"""The folders a run writes in: this module's one job (what ``--load`` resumes from is
+:mod:`.resume`'s).
 
 ``--save`` and ``--data-cache-path`` (:func:`folder_refusal`): megatron-core 0.19.2 fails on a
 folder it cannot create or write only when it first writes there (the first checkpoint, after
-the iterations before it; the dataset index cache), with a traceback.
+the iterations before it; the dataset index cache), with a traceback. Checked before any rank
+starts; so is ``--save``'s free space (:func:`save_space_warning`, a warning).
 
 ``--save`` filling its disk during a save (:func:`disk_full`, :func:`disk_full_error`): a torch
 DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder left
-behind; the entry point makes it one line (the one check here made after the start).
-
-``--load``: what is wrong with the folder, found before any rank loads it.
-
-megatron-core 0.19.2 meets each of these in the middle of its load, on every rank, as a Python
-traceback (``FileNotFoundError`` for a tracker naming a folder that is not there; torch DCP's
-``CheckpointException`` around an ``EOFError`` or an ``UnpicklingError`` for a shard file or
-``.metadata`` cut short; a ``JSONDecodeError`` for a cut ``metadata.json``), or not at all: a
-Hugging Face export given to ``--load`` trains from random weights after one warning line.
-:func:`load_refusal` reads only the tracker, ``metadata.json``, torch DCP's ``.metadata`` and the
-shard files' sizes (no tensor), so the flag check can afford it.
+behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (the one check
+here made after the start).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
-from megatron_latentmoe.checkpoint_layout import (
-    TRACKER_FILE,
-    iteration_dir_name,
-    tracked_checkpoint_dir,
-)
-
-HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SAVE_ROOT"
+from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
+from megatron_latentmoe.training.console import PROG, rank
+from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
 
 def _nearest_existing(path: str) -> Path:
@@ -159,8 +148,6 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
     after that, while the other ranks wait in a barrier). The folder is kept where a resume
     would load it (the tracker names it, or it is complete: a tracker cut by the full disk is
     repaired at the resume)."""
-    from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
-
     root = Path(save_dir)
     unfinished = root / iteration_dir_name(iteration)
     resume = repair_checkpoint_tracker(save_dir, ckpt_format, write=False)
@@ -188,125 +175,38 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
     )
 
 
-def _is_hf_export(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+class DiskFull(Exception):
+    """A checkpoint save ran out of space; rank 0 has said so."""
 
 
-def _torch_dist_refusal(path: Path) -> str | None:
-    """A complete-looking ``torch_dist`` folder (``metadata.json`` and ``.metadata`` present)
-    whose metadata cannot be read, or whose shard files are missing or shorter than
-    ``.metadata`` says."""
-    from torch.distributed.checkpoint import FileSystemReader
+def stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
+    """Megatron's save of ``iteration`` failed with ``err``: where ``--save``'s disk is full,
+    end the run (exit 2) with one line instead of every rank's traceback; otherwise return
+    (``err`` is re-raised).
 
-    try:
-        meta = json.loads((path / "metadata.json").read_text())
-        if not isinstance(meta, dict):
-            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
-    except (OSError, ValueError) as e:
-        return f"{path / 'metadata.json'} cannot be read ({e})"
-    try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - any unpickling / IO problem of a cut or corrupt file
-        return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, end in sorted(needed.items()):
-        shard = path / name
-        if not shard.is_file():
-            return f"shard file {shard} is missing"
-        if shard.stat().st_size < end:
-            return (
-                f"shard file {shard} is cut short: {shard.stat().st_size} bytes, where .metadata "
-                f"has data up to byte {end}"
-            )
-    return None
+    torch DCP's ``CheckpointException`` reaches every rank at once (its failure is broadcast):
+    the ranks agree first (one all-reduce of :func:`disk_full`, before anything is
+    removed: the free space it reads is what rank 0's removal changes; measured, rank 1 then saw
+    room and raised its traceback), rank 0 removes the unfinished folder and prints the line
+    (:func:`disk_full_error`), and a barrier keeps the others from exiting first
+    (torchrun would SIGTERM rank 0 midway). Any other error is this rank's alone (rank 0's
+    ``metadata.json`` or tracker, the others waiting in Megatron's barrier, where a collective
+    of ours would mismatch): rank 0 says it without one and exits; torchrun ends the others."""
+    import torch
+    from torch.distributed.checkpoint import CheckpointException
 
-
-def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
-    """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
-    wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
-    Megatron does). Looks at the checkpoint the run would resume from after
-    ``pretrain.repair_checkpoint_tracker``; checks its files for ``torch_dist`` only."""
-    from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
-
-    if not load_dir or not os.path.isdir(load_dir):
-        return None
-    root = Path(load_dir)
-    if _is_hf_export(root) and not (root / TRACKER_FILE).exists():
-        return (
-            f"--load {load_dir} is a Hugging Face export (config.json, *.safetensors), not a "
-            f"Megatron checkpoint: Megatron would start from random weights. Import it first "
-            f"({HF_IMPORT.format(path=load_dir)}) and give --load SAVE_ROOT"
-        )
-    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
-    if iteration is None:
-        tracker = root / TRACKER_FILE
-        try:
-            text = tracker.read_text().strip() if tracker.is_file() else ""
-        except (OSError, UnicodeDecodeError):
-            text = ""
-        if text.isdecimal() and not (root / iteration_dir_name(int(text))).is_dir():
-            return (
-                f"--load {load_dir}: {tracker} names iteration {int(text)}, but "
-                f"{root / iteration_dir_name(int(text))} is not there and no other complete "
-                f"checkpoint is: give --load the folder that holds it, or delete {tracker} to "
-                "start from scratch"
-            )
-        return None
-    if ckpt_format != "torch_dist":
-        return None
-    path = root / iteration_dir_name(iteration)
-    problem = _torch_dist_refusal(path)
-    if problem is None:
-        return None
-    return (
-        f"--load {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
-        f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
-        f"{path.name} (the run then resumes from the newest complete one)"
-    )
-
-
-SHAPE_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_latent_size",
-    "moe_shared_expert_intermediate_size",
-    "first_k_dense_replace",
-    "padded_vocab_size",
-)
-"""The args that set a tensor's shape, as the checkpoint's args and this run's hold them (the
-vocabulary: the tokenizer's, padded; every other is named by its flag)."""
-
-
-def shape_refusal(load_dir: str, args, saved) -> str | None:
-    """One line naming the model flags whose values in the checkpoint's args (``saved``; None:
-    nothing to load) differ from this run's: megatron-core's load fails on the first tensor
-    of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``)."""
-    if saved is None:
-        return None
-    from megatron_latentmoe.training.arguments import flag_for_field
-
-    def name(dest: str) -> str:
-        return "the padded vocabulary" if dest == "padded_vocab_size" else flag_for_field(dest)
-
-    differ = [
-        f"{name(dest)} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
-        for dest in SHAPE_ARGS
-        if getattr(saved, dest, None) is not None
-        and getattr(args, dest, None) is not None
-        and getattr(saved, dest) != getattr(args, dest)
-    ]
-    if not differ:
-        return None
-    return (
-        f"--load {load_dir}: the checkpoint is of another model shape: {', '.join(differ)}. Give "
-        "the checkpoint's model flags, or --use-checkpoint-args to take them from it"
-    )
+    full = disk_full(err, args.save)
+    every_rank = isinstance(err, CheckpointException) and torch.distributed.is_initialized()
+    if every_rank:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([int(full)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        full = bool(flag.item())
+    if not full or not (every_rank or rank() == 0):
+        return
+    if rank() == 0:
+        line = disk_full_error(args.save, iteration, args.ckpt_format)
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+    if every_rank:
+        torch.distributed.barrier()
+    raise DiskFull from None

@@ -262,6 +262,21 @@ def checkpoint_tensors(ckpt_iter_dir, contains: str = "") -> dict[str, object]:
     return {k: v for k, v in flatten("", state, {}).items() if contains in k}
 
 
+def dcp_checkpoint(root: Path, iteration: int) -> Path:
+    """A small real torch_dist folder (torch DCP's ``.metadata`` and shard file, Megatron's
+    ``metadata.json``) at ``root/iter_N``, the tracker naming it; returns its folder."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+
+    path = root / iteration_dir_name(iteration)
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=str(path), no_dist=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (root / TRACKER_FILE).write_text(str(iteration))
+    return path
+
+
 def iter_dir(ckpt: Path, iteration: int) -> Path:
     return Path(ckpt) / f"iter_{iteration:07d}"
 

@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from megatron_latentmoe.training.file_checks import checkpoint_bytes, save_space_warning
-from megatron_latentmoe.training.pretrain import saved_args
+from megatron_latentmoe.training.resume import saved_args
 
 from . import iter_dir, mounted_tmpfs, read_jsonl, run_entry
 

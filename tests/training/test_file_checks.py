@@ -1,5 +1,6 @@
-"""``training.file_checks``: the folders a run writes (``--save``, ``--data-cache-path``) and the
-checkpoint ``--load`` names, checked before any rank starts; one line each, naming the file."""
+"""``training.file_checks``: the folders a run writes (``--save``, ``--data-cache-path``), checked
+before any rank starts, and a save that fills ``--save``'s disk; one line each, naming the
+folder. (The checkpoint ``--load`` names: ``tests/unit/test_resume_units.py``.)"""
 
 from __future__ import annotations
 
@@ -7,95 +8,7 @@ import os
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
 
-from . import mounted_tmpfs
-
-
-def _dcp_checkpoint(root, iteration: int):
-    """A small real torch_dist folder (torch DCP's ``.metadata`` and shard file, Megatron's
-    ``metadata.json``) at ``root/iter_N``, the tracker naming it; returns its folder."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    path = root / iteration_dir_name(iteration)
-    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=str(path), no_dist=True)
-    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    (root / TRACKER_FILE).write_text(str(iteration))
-    return path
-
-
-def test_a_damaged_load_folder_is_refused_in_one_line(tmp_path):
-    """Each of these failed in megatron-core's load, on every rank, with a traceback (or, for an
-    HF export, trained from random weights); now one line naming the file and what to do."""
-    from megatron_latentmoe.training.file_checks import load_refusal
-
-    path = _dcp_checkpoint(tmp_path, 4)
-    assert load_refusal(str(tmp_path), "torch_dist") is None
-    (shard,) = path.glob("*.distcp")
-    size = shard.stat().st_size
-    damaged = f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: "
-    advice = (
-        f". Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
-        "iter_0000004 (the run then resumes from the newest complete one)"
-    )
-    os.truncate(shard, size - 1)
-    assert load_refusal(str(tmp_path), "torch_dist") == (
-        f"{damaged}shard file {shard} is cut short: {size - 1} bytes, where .metadata has data "
-        f"up to byte {size}{advice}"
-    )
-    shard.unlink()
-    assert load_refusal(str(tmp_path), "torch_dist") == (
-        f"{damaged}shard file {shard} is missing{advice}"
-    )
-    metadata = (path / ".metadata").read_bytes()
-    (path / ".metadata").write_bytes(metadata[:100])
-    refusal = load_refusal(str(tmp_path), "torch_dist")
-    assert refusal.startswith(
-        f"{damaged}{path / '.metadata'} cannot be read ("
-    ) and refusal.endswith(advice), refusal
-    (path / ".metadata").write_bytes(metadata)
-    (path / "metadata.json").write_text('{"sharded_backend": ')
-    refusal = load_refusal(str(tmp_path), "torch_dist")
-    assert refusal.startswith(f"{damaged}{path / 'metadata.json'} cannot be read (Expecting value")
-
-
-def test_a_tracker_naming_a_missing_checkpoint_and_an_hf_export_are_refused(tmp_path):
-    from megatron_latentmoe.training.file_checks import load_refusal
-
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert load_refusal(str(empty), "torch_dist") is None  # a new run: starts from scratch
-    assert load_refusal(str(tmp_path / "absent"), "torch_dist") is None
-    (empty / TRACKER_FILE).write_text("8")
-    assert load_refusal(str(empty), "torch_dist") == (
-        f"--load {empty}: {empty / TRACKER_FILE} names iteration 8, but "
-        f"{empty / 'iter_0000008'} is not there and no other complete checkpoint is: give --load "
-        f"the folder that holds it, or delete {empty / TRACKER_FILE} to start from scratch"
-    )
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
-    assert load_refusal(str(hf), "torch_dist") == (
-        f"--load {hf} is a Hugging Face export (config.json, *.safetensors), not a Megatron "
-        "checkpoint: Megatron would start from random weights. Import it first (python -m "
-        f"megatron_latentmoe.convert import --hf {hf} --output SAVE_ROOT) and give --load SAVE_ROOT"
-    )
-
-
-def test_a_checkpoint_of_another_model_shape_is_named_by_its_flags():
-    from types import SimpleNamespace
-
-    from megatron_latentmoe.training.file_checks import shape_refusal
-
-    saved = SimpleNamespace(hidden_size=64, num_layers=4, padded_vocab_size=4096, kv_channels=None)
-    run = SimpleNamespace(hidden_size=128, num_layers=4, padded_vocab_size=8192, kv_channels=32)
-    assert shape_refusal("ck", run, None) is None
-    assert shape_refusal("ck", saved, saved) is None
-    assert shape_refusal("ck", run, saved) == (
-        "--load ck: the checkpoint is of another model shape: --hidden-size 64 (this run: 128), "
-        "the padded vocabulary 4096 (this run: 8192). Give the checkpoint's model flags, or "
-        "--use-checkpoint-args to take them from it"
-    )
+from . import dcp_checkpoint, mounted_tmpfs
 
 
 def test_a_folder_a_run_cannot_write_is_refused(tmp_path):
@@ -149,7 +62,7 @@ def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
     assert disk_full(CheckpointException("write", {1: (chained, None)}), str(tmp_path))
     assert not disk_full(CheckpointException("write", {1: (other, None)}), str(tmp_path))
 
-    _dcp_checkpoint(tmp_path, 1)
+    dcp_checkpoint(tmp_path, 1)
     unfinished = tmp_path / iteration_dir_name(2)
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"cut")
@@ -165,7 +78,7 @@ def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
     ), line
 
     # saved, but the tracker not written: a resume loads it (the tracker is repaired), kept
-    _dcp_checkpoint(tmp_path, 3)
+    dcp_checkpoint(tmp_path, 3)
     (tmp_path / TRACKER_FILE).write_text("")
     line = disk_full_error(str(tmp_path), 3, "torch_dist")
     assert (tmp_path / "iter_0000003").is_dir() and "removed" not in line

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
-from megatron_latentmoe.training.pretrain import repair_checkpoint_tracker
+from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -21,3 +22,39 @@ def test_model_and_training_import_no_converter_module():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _imports_the_entry_point(node) -> bool:
+    entry = "megatron_latentmoe.training.pretrain"
+    if isinstance(node, ast.Import):
+        return any(alias.name == entry for alias in node.names)
+    if not isinstance(node, ast.ImportFrom):
+        return False
+    names = {alias.name for alias in node.names}
+    if node.level:  # relative, inside megatron_latentmoe/training/
+        return node.module == "pretrain" or (node.module is None and "pretrain" in names)
+    return node.module == entry or (
+        node.module == "megatron_latentmoe.training" and "pretrain" in names
+    )
+
+
+def test_no_package_module_imports_the_entry_point():
+    """``training/pretrain.py`` is the entry point: the modules it uses do not import it back
+    (``file_checks`` once took ``repair_checkpoint_tracker`` from it, a cycle; what ``--load``
+    resumes from is ``training/resume.py``'s)."""
+    package = os.path.join(REPO, "megatron_latentmoe")
+    entry = os.path.join(package, "training", "pretrain.py")
+    bad = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == entry:
+                continue
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            bad += [
+                f"{os.path.relpath(path, REPO)}:{n.lineno}"
+                for n in ast.walk(tree)
+                if _imports_the_entry_point(n)
+            ]
+    assert not bad, bad

@@ -1,0 +1,545 @@
+"""The checkpoint ``--load`` resumes from, and whether this run can load it: this module's one
+job (the entry point, :mod:`.pretrain`, calls it; :mod:`.file_checks` asks it what a resume
+after a full disk would load).
+
+Which checkpoint: the tracker repaired after a kill (:func:`repair_checkpoint_tracker`), the
+folder Megatron will load and its format (:func:`resumed_checkpoint`, :func:`checkpoint_format`;
+a newer global non-persistent one included), its saved args (:func:`saved_args`; with
+``--use-checkpoint-args`` the model flags come from them, :func:`load_checkpoint_args`).
+
+What is wrong with it, found before any rank loads it: megatron-core 0.19.2 meets each of these
+in the middle of its load, on every rank, as a Python traceback (``FileNotFoundError`` for a
+tracker naming a folder that is not there; torch DCP's ``CheckpointException`` around an
+``EOFError`` or an ``UnpicklingError`` for a shard file or ``.metadata`` cut short; a
+``JSONDecodeError`` for a cut ``metadata.json``: :func:`load_refusal`; a format this run's
+``--ckpt-format`` does not load: :func:`format_refusal`; another model shape:
+:func:`shape_refusal`), or not at all: a Hugging Face export given to ``--load`` trains from
+random weights after one warning line, a legacy ``torch`` checkpoint of another parallel layout
+trains nothing and exits 0 (:func:`legacy_layout_refusal`). :func:`load_refusal` reads only the
+tracker, ``metadata.json``, torch DCP's ``.metadata`` and the shard files' sizes (no tensor), so
+the flag check can afford it.
+
+A layout Megatron does reshard: what it loads and what starts over (:func:`plan_layout_change`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_latentmoe.checkpoint_layout import (
+    RELEASE,
+    TRACKER_FILE,
+    iteration_dir_name,
+    iteration_of_dir_name,
+    tracked_checkpoint_dir,
+)
+from megatron_latentmoe.training.console import PROG, print0
+
+AUTO_FORMAT = "auto"
+"""The ``ckpt_format`` of a run with ``--auto-detect-ckpt-format``: each folder's own."""
+
+
+def load_format(args) -> str:
+    """The checkpoint format ``--load`` reads: ``--ckpt-format``, or each folder's own with
+    ``--auto-detect-ckpt-format`` (:data:`AUTO_FORMAT`)."""
+    return AUTO_FORMAT if getattr(args, "auto_detect_ckpt_format", False) else args.ckpt_format
+
+
+def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
+    """A checkpoint folder a run can load: Megatron's distributed checkpoint (``torch_dist``)
+    writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
+    ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
+    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist).
+    :data:`AUTO_FORMAT`: a legacy ``torch`` folder by :func:`checkpoint_format` (as Megatron
+    tells them apart), any other needs torch DCP's ``.metadata``."""
+    if ckpt_format == AUTO_FORMAT:
+        if not os.path.isdir(path):
+            return False
+        ckpt_format = "torch" if checkpoint_format(path) == "torch" else "torch_dcp"
+    if ckpt_format == "torch_dist":
+        return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
+            os.path.join(path, ".metadata")
+        )
+    if ckpt_format in ("torch_dcp", "fsdp_dtensor"):
+        return os.path.isfile(os.path.join(path, ".metadata"))
+    return os.path.isdir(path) and any(os.scandir(path))
+
+
+def repair_checkpoint_tracker(
+    load_dir: str, ckpt_format: str = "torch_dist", *, write: bool = True
+) -> int | None:
+    """Make ``latest_checkpointed_iteration.txt`` name the newest COMPLETE checkpoint.
+
+    Megatron writes the tracker only after every rank finished a save, so a kill during a save
+    leaves it at the previous checkpoint (what we want). A kill while the tracker itself is
+    written can leave it empty or cut; then (or if it names a folder that is not complete) the
+    newest complete ``iter_*`` folder is written there, atomically. Returns the iteration the
+    tracker names afterwards, or None if there is nothing to resume from. ``write=False`` only
+    answers that question.
+    """
+    if not load_dir or not os.path.isdir(load_dir):
+        return None
+    tracker = os.path.join(load_dir, TRACKER_FILE)
+    named = None
+    if os.path.isfile(tracker):
+        try:
+            text = open(tracker).read().strip()
+        except (OSError, UnicodeDecodeError):  # unreadable or not text: repaired below
+            text = ""
+        if text == RELEASE:
+            return None
+        if text.isdecimal():  # isdigit() takes "²", which int() refuses
+            named = int(text)
+    complete = sorted(
+        iteration
+        for entry in os.listdir(load_dir)
+        if (iteration := iteration_of_dir_name(entry)) is not None
+        and _complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
+    )
+    if named is not None and named in complete:
+        return named
+    if not complete:
+        return None
+    best = (
+        complete[-1] if named is None else max([i for i in complete if i <= named] or complete[-1:])
+    )
+    if not write:
+        return best
+    tmp = f"{tracker}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(best))
+    os.replace(tmp, tracker)
+    print(
+        f"[{PROG}] {tracker} named {named if named is not None else 'nothing readable'}; "
+        f"resuming from the newest complete checkpoint, iteration {best}",
+        flush=True,
+    )
+    return best
+
+
+def checkpoint_format(path: str | None) -> str | None:
+    """The format of the checkpoint folder ``path`` as megatron-core 0.19.2's
+    ``_get_checkpoint_format`` tells it on load (``metadata.json``: ``torch_dist``; ``mp_rank_0*``
+    entries: a legacy ``torch`` one; torch DCP's ``.metadata``: ``torch_dcp``); None: not a
+    folder, or none of these."""
+    if not path or not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return "torch_dist"
+    names = os.listdir(path)
+    if any(name.startswith("mp_rank_0") for name in names):
+        return "torch"
+    return "torch_dcp" if ".metadata" in names else None
+
+
+def non_persistent_dir(args, load_dir: str | None = None) -> str | None:
+    """The folder of the run's global non-persistent checkpoints (``--non-persistent-ckpt-type
+    global``: ``--non-persistent-global-ckpt-dir``, else ``non_persistent`` in ``load_dir``,
+    default ``--load``, as Megatron's ``_load_base_checkpoint`` looks for them, for the load and
+    for ``--use-checkpoint-args``); None for any other type."""
+    load_dir = load_dir or args.load
+    if getattr(args, "non_persistent_ckpt_type", None) != "global" or not load_dir:
+        return None
+    from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR
+
+    return args.non_persistent_global_ckpt_dir or os.path.join(
+        load_dir, _NON_PERSISTENT_CKPT_SUBDIR
+    )
+
+
+def resumed_checkpoint(
+    load_dir: str,
+    ckpt_format: str = "torch_dist",
+    *,
+    release: bool = False,
+    non_persistent: str | None = None,
+) -> str | None:
+    """The folder of the checkpoint a run will resume from (None: nothing to load); with
+    ``release``, a ``release`` checkpoint too (one a run starts from). ``non_persistent``
+    (:func:`non_persistent_dir`): Megatron resumes from the newest global non-persistent
+    checkpoint there where it is as new as the persistent one, or newer."""
+    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    newer = (
+        repair_checkpoint_tracker(non_persistent, "torch_dist", write=False)
+        if non_persistent
+        else None
+    )
+    if newer is not None and (iteration is None or newer >= iteration):
+        return os.path.join(non_persistent, iteration_dir_name(newer))
+    if iteration is None:
+        try:
+            tracked = tracked_checkpoint_dir(load_dir)
+        except ValueError:  # an unreadable tracker: Megatron will report it
+            tracked = None
+        if not (release and tracked is not None and tracked.name == RELEASE):
+            return None
+    return os.path.join(load_dir, iteration_dir_name(iteration))
+
+
+def saved_args(
+    load_dir: str,
+    ckpt_format: str = "torch_dist",
+    *,
+    release: bool = False,
+    non_persistent: str | None = None,
+):
+    """The arguments of the checkpoint a run will resume from (:func:`resumed_checkpoint`; None:
+    nothing to load, or not readable): a distributed checkpoint's common state, a legacy
+    ``torch`` one's rank-0 file (memory-mapped: its tensors are not read)."""
+    path = resumed_checkpoint(load_dir, ckpt_format, release=release, non_persistent=non_persistent)
+    if path is None:
+        return None
+    if checkpoint_format(path) == "torch":
+        import glob
+
+        import torch
+
+        files = sorted(glob.glob(os.path.join(path, "mp_rank_0*", "model_optim_rng.pt")))
+        try:
+            return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["args"]
+        except Exception:  # noqa: BLE001 - unreadable: Megatron will report it
+            return None
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception:  # noqa: BLE001 - not a distributed checkpoint: Megatron will report it
+        return None
+    return common.get("args")
+
+
+def load_checkpoint_args(args) -> set[str]:
+    """``--use-checkpoint-args``: the model flags come from the checkpoint, as in Megatron's
+    ``parse_and_validate_args`` (this entry point parses and validates on its own, so it calls
+    Megatron's ``load_args_from_checkpoint`` here, for ``--pretrained-checkpoint`` and then
+    ``--load``). The flags this package adds that the model's config holds (the ``ADDED`` rows
+    of ``fields.FIELDS`` with an HF key: ``--hidden-act``, the SiTU betas, ``--moe-latent-norm``,
+    ``--first-k-dense-replace``) are taken from the checkpoint too, always, as Megatron takes
+    ``--swiglu`` and ``--moe-latent-size``, from the one Megatron reads its flags from: with
+    ``--non-persistent-ckpt-type global``, a newer non-persistent one (:func:`saved_args`).
+    Raises ``FlagError`` where Megatron asserts.
+
+    Returns the dests whose values the checkpoint changed (a later refusal names them as the
+    checkpoint's, not as flags the user typed)."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    from megatron_latentmoe.fields import ADDED
+    from megatron_latentmoe.training.arguments import FlagError
+
+    if args.load is None and args.pretrained_checkpoint is None:
+        raise FlagError(
+            "--use-checkpoint-args reads the model flags from a checkpoint: give it with --load "
+            "(or --pretrained-checkpoint)"
+        )
+    if args.non_persistent_ckpt_type == "local":
+        raise FlagError(
+            "--use-checkpoint-args with --non-persistent-ckpt-type local: not supported by "
+            "megatron-core 0.19.2 (all flags must be known before its local checkpoint manager "
+            "starts); give the model flags instead"
+        )
+    typed = dict(vars(args))
+    for load_arg in ("pretrained_checkpoint", "load"):
+        if getattr(args, load_arg) is None:
+            continue
+        load_args_from_checkpoint(args, load_arg=load_arg)
+        load_dir = getattr(args, load_arg)
+        saved = saved_args(
+            load_dir,
+            load_format(args),
+            release=True,
+            non_persistent=non_persistent_dir(args, load_dir),
+        )
+        for f in ADDED:
+            value = getattr(saved, f.name, None) if f.hf else None
+            if value is not None:
+                print0(f"Setting {f.name} to {value} from checkpoint")
+                setattr(args, f.name, value)
+    missing = object()
+    return {dest for dest, value in vars(args).items() if typed.get(dest, missing) != value}
+
+
+# ------------------------------------------------------------------------- start-up refusals
+HF_IMPORT = "python -m megatron_latentmoe.convert import --hf {path} --output SAVE_ROOT"
+
+
+def _is_hf_export(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _torch_dist_refusal(path: Path) -> str | None:
+    """A complete-looking ``torch_dist`` folder (``metadata.json`` and ``.metadata`` present)
+    whose metadata cannot be read, or whose shard files are missing or shorter than
+    ``.metadata`` says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        return f"{path / 'metadata.json'} cannot be read ({e})"
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any unpickling / IO problem of a cut or corrupt file
+        return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"shard file {shard} is missing"
+        if shard.stat().st_size < end:
+            return (
+                f"shard file {shard} is cut short: {shard.stat().st_size} bytes, where .metadata "
+                f"has data up to byte {end}"
+            )
+    return None
+
+
+def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
+    """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
+    wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
+    Megatron does). Looks at the checkpoint the run would resume from after
+    :func:`repair_checkpoint_tracker`; checks its files for ``torch_dist`` only."""
+    if not load_dir or not os.path.isdir(load_dir):
+        return None
+    root = Path(load_dir)
+    if _is_hf_export(root) and not (root / TRACKER_FILE).exists():
+        return (
+            f"--load {load_dir} is a Hugging Face export (config.json, *.safetensors), not a "
+            f"Megatron checkpoint: Megatron would start from random weights. Import it first "
+            f"({HF_IMPORT.format(path=load_dir)}) and give --load SAVE_ROOT"
+        )
+    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    if iteration is None:
+        tracker = root / TRACKER_FILE
+        try:
+            text = tracker.read_text().strip() if tracker.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        if text.isdecimal() and not (root / iteration_dir_name(int(text))).is_dir():
+            return (
+                f"--load {load_dir}: {tracker} names iteration {int(text)}, but "
+                f"{root / iteration_dir_name(int(text))} is not there and no other complete "
+                f"checkpoint is: give --load the folder that holds it, or delete {tracker} to "
+                "start from scratch"
+            )
+        return None
+    if ckpt_format != "torch_dist":
+        return None
+    path = root / iteration_dir_name(iteration)
+    problem = _torch_dist_refusal(path)
+    if problem is None:
+        return None
+    return (
+        f"--load {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
+        f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
+        f"{path.name} (the run then resumes from the newest complete one)"
+    )
+
+
+def format_refusal(args, non_persistent: str | None = None) -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (see :func:`resumed_checkpoint` for
+    ``non_persistent``; where no folder is complete by this run's format, the one the tracker
+    names, which Megatron loads as it is) is of a format megatron-core 0.19.2 fails to load with
+    this run's ``--ckpt-format``, with a traceback on every rank (measured with one rank):
+
+    - ``torch_dist`` with ``--ckpt-format torch`` without ``--auto-detect-ckpt-format``:
+      "RuntimeError: Detected load from a distributed checkpoint, but neither --use-dist-ckpt
+      nor --auto-detect-ckpt-format is set." (with it, the run loads it:
+      ``compat.training.load_distributed_checkpoint_as_such``);
+    - ``torch_dcp`` with ``--ckpt-format torch`` or ``torch_dist``, with or without
+      ``--auto-detect-ckpt-format``: "AttributeError: 'NoneType' object has no attribute
+      'items'" (its load builds the state dict to read into only for a torch_dcp run).
+
+    A legacy ``torch`` checkpoint loads with ``--ckpt-format torch_dist`` (measured; Megatron's
+    code path is the one with ``--auto-detect-ckpt-format``, whose losses
+    tests/training/test_ckpt_formats.py checks). A torch_dcp run (``--use-torch-fsdp2``) is not
+    judged: FSDP2 does not start on CPU here, so what it loads is not measured."""
+    if not args.load:
+        return None
+    path = resumed_checkpoint(
+        args.load, load_format(args), release=True, non_persistent=non_persistent
+    )
+    if path is None:
+        try:
+            tracked = tracked_checkpoint_dir(args.load)
+        except ValueError:  # an unreadable tracker: Megatron will report it
+            tracked = None
+        path = tracked and str(tracked)
+    found, run = checkpoint_format(path), args.ckpt_format
+    auto = getattr(args, "auto_detect_ckpt_format", False)
+    if found == "torch_dist" and run == "torch" and not auto:
+        ways = (
+            "--ckpt-format torch_dist, or add --auto-detect-ckpt-format (the run then saves in "
+            "--ckpt-format torch)"
+        )
+    elif found == "torch_dcp" and run in ("torch", "torch_dist"):
+        ways = (
+            "--ckpt-format torch_dcp (Megatron allows it with --use-torch-fsdp2 only); "
+            "--auto-detect-ckpt-format does not load it"
+        )
+    else:
+        return None
+    flags = f"--ckpt-format {run}" + (" --auto-detect-ckpt-format" if auto else "")
+    return (
+        f"--load {args.load}: {path} is a {found} checkpoint, which megatron-core 0.19.2 fails "
+        f"to load with {flags}; resume from it with {ways}"
+    )
+
+
+SHAPE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_latent_size",
+    "moe_shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "padded_vocab_size",
+)
+"""The args that set a tensor's shape, as the checkpoint's args and this run's hold them (the
+vocabulary: the tokenizer's, padded; every other is named by its flag)."""
+
+
+def shape_refusal(load_dir: str, args, saved) -> str | None:
+    """One line naming the model flags whose values in the checkpoint's args (``saved``; None:
+    nothing to load) differ from this run's: megatron-core's load fails on the first tensor
+    of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``)."""
+    if saved is None:
+        return None
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    def name(dest: str) -> str:
+        return "the padded vocabulary" if dest == "padded_vocab_size" else flag_for_field(dest)
+
+    differ = [
+        f"{name(dest)} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
+        for dest in SHAPE_ARGS
+        if getattr(saved, dest, None) is not None
+        and getattr(args, dest, None) is not None
+        and getattr(saved, dest) != getattr(args, dest)
+    ]
+    if not differ:
+        return None
+    return (
+        f"--load {load_dir}: the checkpoint is of another model shape: {', '.join(differ)}. Give "
+        "the checkpoint's model flags, or --use-checkpoint-args to take them from it"
+    )
+
+
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "data_parallel_size",
+)
+
+
+def legacy_layout_refusal(args, saved, non_persistent: str | None = None) -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (its args ``saved``; see
+    :func:`resumed_checkpoint` for ``non_persistent``) is a legacy
+    ``torch`` one of another tensor / pipeline / expert layout: megatron-core 0.19.2 keeps one
+    file per (TP, PP, EP) rank of that layout and does not reshard it; it looked for this run's
+    rank files, printed "could not load the checkpoint" and exited 0 on every rank, having
+    trained nothing (EP1 -> EP2, measured). Its distributed (``torch_dist``) checkpoint does
+    reshard: the line says how to get one."""
+    if saved is None:
+        return None
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    differ = [
+        f"{flag_for_field(f)} {getattr(saved, f)} (this run: {getattr(args, f)})"
+        for f in LAYOUT_FIELDS[:4]
+        if getattr(saved, f, None) not in (None, getattr(args, f, None))
+    ]
+    path = differ and resumed_checkpoint(
+        args.load, load_format(args), non_persistent=non_persistent
+    )
+    if checkpoint_format(path or None) != "torch":
+        return None
+    return (
+        f"--load {args.load}: {path} is a legacy torch checkpoint of another parallel layout: "
+        f"{', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout it was saved "
+        "with. Resume once in that layout with --ckpt-format torch_dist "
+        "--auto-detect-ckpt-format (it then saves a torch_dist checkpoint, which loads into "
+        "another layout), or pass that layout"
+    )
+
+
+# --------------------------------------------------------------------------- a layout change
+def layout_changed(args, saved) -> bool:
+    """The checkpoint (``saved``: its args) was saved with a parallel layout that Megatron does
+    not load as it is. A change of the data-parallel size alone it does: the model, the optimizer
+    state (plain or distributed) and the RNG state load, and the losses after DP2 -> DP1,
+    DP1 -> DP2 (either optimizer) and EP2 x DP4 -> EP2 x DP2 equal the uninterrupted run's to
+    fp32 rounding. Not with ``--data-parallel-random-init``: each DP rank has its own RNG state."""
+    fields = [
+        f
+        for f in LAYOUT_FIELDS
+        if f != "data_parallel_size" or getattr(args, "data_parallel_random_init", False)
+    ]
+    return any(getattr(saved, f, None) not in (None, getattr(args, f, None)) for f in fields)
+
+
+# Both runs need these for megatron-core 0.19.2 to reshard the Adam moments on a layout change.
+RESHARDABLE_OPTIM_FLAGS = ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")
+
+
+def _reshardable_optim(a) -> bool:
+    """Megatron saves (and loads) this run's optimizer state in a layout-independent form:
+    the distributed optimizer in the ``fully_reshardable`` format."""
+    return bool(getattr(a, "use_distributed_optimizer", False)) and bool(
+        getattr(a, "dist_ckpt_optim_fully_reshardable", False)
+    )
+
+
+def plan_layout_change(args, saved) -> None:
+    """Loading a checkpoint saved with another parallel layout (e.g. EP2 -> TP2+SP, EP2 -> PP2).
+
+    Megatron reshards the weights and QB biases. The Adam moments and the scheduler state are
+    loaded too where megatron-core 0.19.2 reshards them: the distributed optimizer in the fully
+    reshardable format, at save and now (:data:`RESHARDABLE_OPTIM_FLAGS`). Otherwise (its plain
+    optimizer cannot map saved param groups onto another layout: "Could not find parameter
+    group with key ...") the moments start over and the LR / weight-decay schedule is stepped to
+    the loaded iteration; a warning names the flags that would have kept them.
+    """
+    from megatron_latentmoe.compat.training import install_layout_change_load
+
+    before = {f: getattr(saved, f, None) for f in LAYOUT_FIELDS}
+    now = {f: getattr(args, f, None) for f in LAYOUT_FIELDS}
+    keep = _reshardable_optim(saved) and _reshardable_optim(args)
+
+    def on_load(iteration: int, opt_param_scheduler) -> None:
+        what = (
+            f"checkpoint layout {before} -> this run's {now}: loaded the resharded model, QB bias"
+        )
+        if keep and not args.no_load_optim:
+            print0(f"[{PROG}] {what} and optimizer state at iteration {iteration}")
+            return
+        if opt_param_scheduler is not None and iteration > 0:
+            opt_param_scheduler.step(increment=iteration * args.global_batch_size)
+        why = (
+            "--no-load-optim"
+            if keep
+            else (
+                "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved "
+                f"and is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
+            )
+        )
+        print0(
+            f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over ({why}); "
+            "LR schedule stepped to the loaded iteration."
+        )
+
+    install_layout_change_load(args, keep, on_load)

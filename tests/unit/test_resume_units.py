@@ -1,0 +1,509 @@
+"""What ``--load`` resumes from (``training/resume.py``), called directly with small inputs: a tmp
+dir, a namespace of flags, fakes for Megatron's loaders. The entry point's use of it is
+``test_pretrain_units.py``'s; whole resumed runs are ``tests/training/test_resume.py``'s and
+``test_ckpt_formats.py``'s; the tracker repair is ``tests/training/test_tracker_repair.py``'s."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+from megatron_latentmoe.training import resume
+from tests.training import dcp_checkpoint
+
+
+def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path):
+    path = tmp_path / iteration_dir_name(2)
+    path.mkdir()
+    (path / "__0_0.distcp").write_text("shard")
+    complete = []
+    for name in ("metadata.json", ".metadata"):
+        (path / name).write_text("{}")
+        complete.append(resume._complete_checkpoint(str(path), "torch_dist"))
+    (path / "metadata.json").unlink()  # torch DCP's .metadata alone: Megatron had not finished
+    complete.append(resume._complete_checkpoint(str(path), "torch_dist"))
+    assert complete == [False, True, False]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dcp", "fsdp_dtensor"])
+def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckpt_format):
+    """Megatron saves these with torch.distributed.checkpoint.save alone: no metadata.json."""
+    path = tmp_path / iteration_dir_name(2)
+    path.mkdir()
+    (path / "__0_0.distcp").write_text("shard")
+    complete = [resume._complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
+    (path / ".metadata").write_text("{}")
+    complete.append(resume._complete_checkpoint(str(path), ckpt_format))
+    assert complete == [False, True]
+    (tmp_path / TRACKER_FILE).write_bytes(b"")  # cut by a kill: repaired to the complete one
+    assert resume.repair_checkpoint_tracker(str(tmp_path), ckpt_format) == 2
+    assert (tmp_path / TRACKER_FILE).read_text() == "2"
+
+
+def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
+    path = tmp_path / iteration_dir_name(2)
+    assert not resume._complete_checkpoint(str(path), "torch")  # absent
+    path.mkdir()
+    assert not resume._complete_checkpoint(str(path), "torch")  # created, nothing written
+    (path / "mp_rank_00").mkdir()
+    assert resume._complete_checkpoint(str(path), "torch")
+
+
+def test_auto_detected_formats_are_each_complete_by_their_own_rule(tmp_path):
+    """--auto-detect-ckpt-format: a run that saved torch_dist and then legacy torch checkpoints
+    resumes from the newest, a legacy one; a torch_dist save cut before its .metadata is not
+    complete. Before, --ckpt-format's torch_dist rule made 6 incomplete and the tracker was
+    rewritten to 3: a silent resume three iterations back."""
+    _checkpoints(tmp_path, [3])
+    (tmp_path / iteration_dir_name(6) / "mp_rank_00_000").mkdir(parents=True)
+    (tmp_path / iteration_dir_name(9)).mkdir()
+    (tmp_path / iteration_dir_name(9) / "__0_0.distcp").write_text("shard")  # killed mid-save
+    (tmp_path / TRACKER_FILE).write_text("6")
+    auto = resume.AUTO_FORMAT
+    assert [
+        resume._complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
+        for i in (3, 6, 9, 12)
+    ] == [True, True, False, False]
+    assert resume.repair_checkpoint_tracker(str(tmp_path), auto) == 6
+    assert (tmp_path / TRACKER_FILE).read_text() == "6"
+    assert resume.load_format(SimpleNamespace(ckpt_format="torch_dist")) == "torch_dist"
+    assert (
+        resume.load_format(SimpleNamespace(ckpt_format="torch_dist", auto_detect_ckpt_format=True))
+        == resume.AUTO_FORMAT
+    )
+
+
+def _checkpoints(root, iterations, tracker=None, files=(".metadata", "metadata.json")):
+    for iteration in iterations:
+        (root / iteration_dir_name(iteration)).mkdir()
+        for name in files:
+            (root / iteration_dir_name(iteration) / name).write_text("{}")
+    if tracker is not None:
+        (root / TRACKER_FILE).write_bytes(tracker)
+    return str(root)
+
+
+@pytest.fixture
+def common_state(monkeypatch):
+    """``dist_checkpointing.load_common_state_dict`` of folders holding ``args`` named after
+    them (``bad``: not a distributed checkpoint); the folders read are listed."""
+    from megatron.core import dist_checkpointing
+
+    read = []
+
+    def load_common_state_dict(path):
+        read.append(os.path.basename(path))
+        if "bad" in path:
+            raise FileNotFoundError(path)
+        return {"args": f"args of {os.path.basename(path)}"}
+
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    return read
+
+
+def test_saved_args_are_the_resumed_checkpoints(tmp_path, common_state):
+    """The checkpoint a run resumes from (the tracker repaired, without writing it), of the
+    run's format; a release one only when asked for; None where nothing can be loaded."""
+    root = _checkpoints(tmp_path, [2, 4], tracker=b"6")
+    assert resume.saved_args(root) == "args of iter_0000004"
+    assert (tmp_path / TRACKER_FILE).read_bytes() == b"6"  # answered, not repaired
+    (tmp_path / iteration_dir_name(7)).mkdir()
+    (tmp_path / iteration_dir_name(7) / "model.pt").write_text("")  # a legacy torch checkpoint
+    (tmp_path / TRACKER_FILE).write_bytes(b"7")
+    assert resume.saved_args(root, "torch") == "args of iter_0000007"
+    assert resume.saved_args(root) == "args of iter_0000004"
+    assert common_state == ["iter_0000004", "iter_0000007", "iter_0000004"]
+    assert resume.saved_args(str(tmp_path / "absent")) is None
+    assert common_state[3:] == []
+
+
+def test_saved_args_of_a_release_checkpoint_only_with_release(tmp_path, common_state):
+    root = _checkpoints(tmp_path, [], tracker=b"release")
+    (tmp_path / "release").mkdir()
+    assert resume.saved_args(root) is None
+    assert resume.saved_args(root, release=True) == "args of release"
+    (tmp_path / TRACKER_FILE).write_bytes(b"7")  # an iteration never saved: not the release
+    assert resume.saved_args(root, release=True) is None
+    (tmp_path / TRACKER_FILE).write_bytes(b"\xff")  # unreadable: Megatron reports it
+    assert resume.saved_args(root, release=True) is None
+    (tmp_path / TRACKER_FILE).unlink()
+    assert resume.saved_args(root, release=True) is None
+    assert common_state == ["release"]
+    (tmp_path / "bad").mkdir()
+    bad = _checkpoints(tmp_path / "bad", [3])
+    assert resume.saved_args(bad) is None  # not a distributed checkpoint: Megatron reports it
+    assert common_state == ["release", "iter_0000003"]
+
+
+def _format_refusal(root, ckpt_format, auto=False, non_persistent=None):
+    args = SimpleNamespace(load=str(root), ckpt_format=ckpt_format, auto_detect_ckpt_format=auto)
+    return resume.format_refusal(args, non_persistent and str(non_persistent))
+
+
+TORCH_DIST_FILES, TORCH_DCP_FILES = (".metadata", "metadata.json"), (".metadata",)
+
+
+def test_a_checkpoint_megatron_fails_to_load_in_this_runs_format_is_refused(tmp_path):
+    """torch_dist with --ckpt-format torch: megatron-core 0.19.2 failed on every rank with
+    "RuntimeError: Detected load from a distributed checkpoint, but neither --use-dist-ckpt nor
+    --auto-detect-ckpt-format is set"; a torch_dcp one (what an FSDP2 run saves) with torch or
+    torch_dist, --auto-detect-ckpt-format or not: "AttributeError: 'NoneType' object has no
+    attribute 'items'". Now one line names the folder, its format, this run's and the ways out.
+    What Megatron loads is not refused: torch_dist with --auto-detect-ckpt-format, a legacy
+    torch checkpoint with torch_dist, each format with its own, nothing to load."""
+    (tmp_path / "dist").mkdir()
+    dist = _checkpoints(tmp_path / "dist", [2], tracker=b"2", files=TORCH_DIST_FILES)
+    assert _format_refusal(dist, "torch") == (
+        f"--load {dist}: {dist}/iter_0000002 is a torch_dist checkpoint, which megatron-core "
+        "0.19.2 fails to load with --ckpt-format torch; resume from it with --ckpt-format "
+        "torch_dist, or add --auto-detect-ckpt-format (the run then saves in --ckpt-format torch)"
+    )
+    assert _format_refusal(dist, "torch", auto=True) is None
+    assert _format_refusal(dist, "torch_dist") is None
+    (tmp_path / "dcp").mkdir()
+    dcp = _checkpoints(tmp_path / "dcp", [2], tracker=b"2", files=TORCH_DCP_FILES)
+    ways = (
+        "resume from it with --ckpt-format torch_dcp (Megatron allows it with --use-torch-fsdp2 "
+        "only); --auto-detect-ckpt-format does not load it"
+    )
+    assert _format_refusal(dcp, "torch", auto=True) == (
+        f"--load {dcp}: {dcp}/iter_0000002 is a torch_dcp checkpoint, which megatron-core 0.19.2 "
+        f"fails to load with --ckpt-format torch --auto-detect-ckpt-format; {ways}"
+    )
+    # by torch_dist's rule no folder is complete: Megatron loads the tracked one as it is
+    assert _format_refusal(dcp, "torch_dist").endswith(f"with --ckpt-format torch_dist; {ways}")
+    assert _format_refusal(dcp, "torch_dcp") is None
+    (tmp_path / "legacy").mkdir()
+    legacy = _checkpoints(tmp_path / "legacy", [2], tracker=b"2", files=())
+    (tmp_path / "legacy" / iteration_dir_name(2) / "mp_rank_00").mkdir()
+    assert _format_refusal(legacy, "torch_dist") is None
+    assert _format_refusal(legacy, "torch") is None
+    assert _format_refusal(tmp_path / "new", "torch") is None
+    assert resume.format_refusal(SimpleNamespace(load=None, ckpt_format="torch")) is None
+
+
+def test_a_newer_non_persistent_checkpoint_is_the_one_judged(tmp_path):
+    """Megatron loads a global non-persistent checkpoint as a torch_dist one (with --ckpt-format
+    torch the same RuntimeError) where it is as new as the persistent one or newer."""
+    root = _checkpoints(tmp_path, [2], tracker=b"2", files=())
+    (tmp_path / iteration_dir_name(2) / "mp_rank_00").mkdir()
+    (tmp_path / "np").mkdir()
+    _checkpoints(tmp_path / "np", [3], tracker=b"3")
+    assert _format_refusal(root, "torch") is None
+    assert _format_refusal(root, "torch", non_persistent=tmp_path / "np").startswith(
+        f"--load {root}: {tmp_path}/np/iter_0000003 is a torch_dist checkpoint"
+    )
+    (tmp_path / TRACKER_FILE).write_text("4")
+    (tmp_path / iteration_dir_name(4)).mkdir()
+    (tmp_path / iteration_dir_name(4) / "mp_rank_00").mkdir()
+    assert _format_refusal(root, "torch", non_persistent=tmp_path / "np") is None
+
+
+def _checkpoint_args(monkeypatch, saved, **flags):
+    """``load_checkpoint_args`` on ``flags`` with Megatron's loader faked (it records the
+    checkpoint flag it reads, and --pretrained-checkpoint's holds 4 layers) and ``saved_args``
+    answering ``saved[folder]``; returns the flags, what was read and the dests it changed."""
+    loaded, asked = [], []
+
+    def load_args_from_checkpoint(args, load_arg):
+        loaded.append(load_arg)
+        if load_arg == "pretrained_checkpoint":
+            args.num_layers = 4
+
+    checkpointing = SimpleNamespace(load_args_from_checkpoint=load_args_from_checkpoint)
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+
+    def saved_args(load_dir, ckpt_format, *, release, non_persistent):
+        asked.append((load_dir, ckpt_format, release))
+        return saved.get(load_dir)
+
+    monkeypatch.setattr(resume, "saved_args", saved_args)
+    monkeypatch.setenv("RANK", "0")
+    args = SimpleNamespace(
+        load=None,
+        pretrained_checkpoint=None,
+        non_persistent_ckpt_type=None,
+        ckpt_format="torch_dist",
+        hidden_act="silu",
+        first_k_dense_replace=0,
+        moe_qb_num_bins=256,
+        num_layers=4,
+    )
+    vars(args).update(flags)
+    changed = resume.load_checkpoint_args(args)
+    return args, loaded, asked, changed
+
+
+def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypatch, capsys):
+    """Megatron's flags from --pretrained-checkpoint, then --load; ours that the model's config
+    holds (an HF key) from each, where the checkpoint has them; a training flag of ours (the QB
+    bins) stays the command line's."""
+    saved = {
+        "pre": SimpleNamespace(hidden_act="situ_glu", first_k_dense_replace=1, moe_qb_num_bins=9),
+        "ck": SimpleNamespace(hidden_act=None, first_k_dense_replace=2),
+    }
+    args, loaded, asked, changed = _checkpoint_args(
+        monkeypatch,
+        saved,
+        load="ck",
+        pretrained_checkpoint="pre",
+        ckpt_format="torch_dcp",
+        num_layers=2,
+    )
+    assert changed == {"hidden_act", "first_k_dense_replace", "num_layers"}
+    assert loaded == ["pretrained_checkpoint", "load"]
+    assert asked == [("pre", "torch_dcp", True), ("ck", "torch_dcp", True)]
+    assert (args.hidden_act, args.first_k_dense_replace, args.moe_qb_num_bins) == (
+        "situ_glu",
+        2,
+        256,
+    )
+    assert capsys.readouterr().out == (
+        "Setting hidden_act to situ_glu from checkpoint\n"
+        "Setting first_k_dense_replace to 1 from checkpoint\n"
+        "Setting first_k_dense_replace to 2 from checkpoint\n"
+    )
+    args, loaded, asked, changed = _checkpoint_args(monkeypatch, {}, load="ck")  # nothing saved
+    assert changed == set()
+    assert loaded == ["load"] and asked == [("ck", "torch_dist", True)]
+    assert (args.hidden_act, args.first_k_dense_replace) == ("silu", 0)
+    args, loaded, asked, changed = _checkpoint_args(monkeypatch, saved, pretrained_checkpoint="pre")
+    assert changed == {"hidden_act", "first_k_dense_replace"}  # 4 layers given, 4 read
+    assert loaded == ["pretrained_checkpoint"] and asked == [("pre", "torch_dist", True)]
+    assert args.hidden_act == "situ_glu"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({}, "--use-checkpoint-args reads the model flags from a checkpoint: give it with --load"),
+        (
+            dict(load="ck", non_persistent_ckpt_type="local"),
+            "--use-checkpoint-args with --non-persistent-ckpt-type local: not supported",
+        ),
+    ],
+)
+def test_use_checkpoint_args_refusals(monkeypatch, flags, message):
+    from megatron_latentmoe.training.arguments import FlagError
+
+    with pytest.raises(FlagError, match=message):
+        _checkpoint_args(monkeypatch, {}, **flags)
+
+
+def test_use_checkpoint_args_reads_the_checkpoint_megatron_resumes_from(monkeypatch, tmp_path):
+    """--non-persistent-ckpt-type global: Megatron's ``load_args_from_checkpoint`` (and its load)
+    read the non-persistent checkpoint where it is as new as the persistent one or newer; our
+    model flags come from that one too (--non-persistent-global-ckpt-dir, else
+    ``LOAD/non_persistent``). Before, from the persistent one: the run built a model with
+    --first-k-dense-replace 1 where the checkpoint it loads has 2."""
+    from megatron.core import dist_checkpointing
+
+    def load_common_state_dict(path):
+        return {"args": SimpleNamespace(first_k_dense_replace=2 if "non_pers" in path else 1)}
+
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    checkpointing = SimpleNamespace(
+        load_args_from_checkpoint=lambda args, load_arg: None,
+        _NON_PERSISTENT_CKPT_SUBDIR="non_persistent",
+    )
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+    monkeypatch.setenv("RANK", "0")
+    root = _checkpoints(tmp_path, [2], tracker=b"2")
+    (tmp_path / "non_persistent").mkdir()
+    _checkpoints(tmp_path / "non_persistent", [3], tracker=b"3")
+
+    def first_k(**flags):
+        args = SimpleNamespace(
+            load=root,
+            pretrained_checkpoint=None,
+            non_persistent_ckpt_type="global",
+            non_persistent_global_ckpt_dir=None,
+            ckpt_format="torch_dist",
+            first_k_dense_replace=0,
+        )
+        vars(args).update(flags)
+        assert resume.load_checkpoint_args(args) == {"first_k_dense_replace"}
+        return args.first_k_dense_replace
+
+    assert first_k() == 2
+    assert first_k(non_persistent_ckpt_type=None) == 1
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere")) == 1
+    (tmp_path / "non_persistent").rename(tmp_path / "elsewhere_non_pers")
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere_non_pers")) == 2
+    _checkpoints(tmp_path, [4], tracker=b"4")  # the persistent checkpoint is newer
+    assert first_k(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere_non_pers")) == 1
+
+
+def test_reshardable_optimizer_needs_both_flags():
+    both = dict(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
+    assert resume._reshardable_optim(SimpleNamespace(**both))
+    for flag in both:
+        assert not resume._reshardable_optim(SimpleNamespace(**{**both, flag: False}))
+    assert not resume._reshardable_optim(SimpleNamespace())  # an old checkpoint's args
+
+
+class _Scheduler:
+    def __init__(self):
+        self.increments = []
+
+    def step(self, increment):
+        self.increments.append(increment)
+
+
+def _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim=False):
+    """``plan_layout_change`` from EP2 to TP2 with the optimizer flags given; returns what it
+    installed (the optimizer loaded?) and its ``on_load``."""
+    from megatron_latentmoe.compat import training as compat_training
+
+    installed = []
+    monkeypatch.setattr(
+        compat_training,
+        "install_layout_change_load",
+        lambda args, keep, on_load: installed.append((args, keep, on_load)),
+    )
+    monkeypatch.setenv("RANK", "0")
+    layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
+    reshard = ("use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
+    saved = SimpleNamespace(**{**layout, "expert_model_parallel_size": 2, "data_parallel_size": 2})
+    vars(saved).update(dict.fromkeys(reshard, saved_optim))
+    args = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2})
+    vars(args).update(dict.fromkeys(reshard, run_optim))
+    args.no_load_optim, args.global_batch_size = no_load_optim, 8
+    resume.plan_layout_change(args, saved)
+    ((got_args, keep, on_load),) = installed
+    assert got_args is args
+    return keep, on_load
+
+
+def test_a_layout_change_keeps_the_optimizer_where_megatron_reshards_it(monkeypatch, capsys):
+    keep, on_load = _layout_change(monkeypatch, True, True)
+    scheduler = _Scheduler()
+    on_load(5, scheduler)
+    assert keep and scheduler.increments == []
+    before = (
+        "{'tensor_model_parallel_size': 1, 'pipeline_model_parallel_size': 1, "
+        "'expert_model_parallel_size': 2, 'expert_tensor_parallel_size': 1, "
+        "'context_parallel_size': 1, 'data_parallel_size': 2}"
+    )
+    now = before.replace("'tensor_model_parallel_size': 1", "'tensor_model_parallel_size': 2")
+    now = now.replace("'expert_model_parallel_size': 2", "'expert_model_parallel_size': 1")
+    now = now.replace("'data_parallel_size': 2", "'data_parallel_size': 1")
+    assert capsys.readouterr().out == (
+        f"[pretrain_stable_latentmoe] checkpoint layout {before} -> this run's {now}: loaded "
+        "the resharded model, QB bias and optimizer state at iteration 5\n"
+    )
+
+
+RESHARD_WHY = (
+    "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved and is "
+    "loaded with --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable"
+)
+
+
+@pytest.mark.parametrize(
+    "saved_optim, run_optim, no_load_optim, why",
+    [
+        (True, False, False, RESHARD_WHY),
+        (False, True, False, RESHARD_WHY),
+        (True, True, True, "--no-load-optim"),
+    ],
+)
+def test_a_layout_change_without_the_optimizer_steps_the_schedule(
+    monkeypatch, capsys, saved_optim, run_optim, no_load_optim, why
+):
+    """The moments start over; the LR schedule is stepped to the loaded iteration (samples:
+    iterations x global batch), not at iteration 0, nor without a scheduler."""
+    keep, on_load = _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim)
+    assert keep is (saved_optim and run_optim)
+    scheduler = _Scheduler()
+    on_load(5, scheduler)
+    on_load(0, scheduler)
+    on_load(3, None)
+    assert scheduler.increments == [40]
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("[pretrain_stable_latentmoe] WARNING: checkpoint layout {")
+    assert lines[0].endswith(
+        ": loaded the resharded model, QB bias at iteration 5; Adam moments start over "
+        f"({why}); LR schedule stepped to the loaded iteration."
+    )
+    assert " at iteration 0; " in lines[1]
+
+
+def test_a_damaged_load_folder_is_refused_in_one_line(tmp_path):
+    """Each of these failed in megatron-core's load, on every rank, with a traceback (or, for an
+    HF export, trained from random weights); now one line naming the file and what to do."""
+    from megatron_latentmoe.training.resume import load_refusal
+
+    path = dcp_checkpoint(tmp_path, 4)
+    assert load_refusal(str(tmp_path), "torch_dist") is None
+    (shard,) = path.glob("*.distcp")
+    size = shard.stat().st_size
+    damaged = f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: "
+    advice = (
+        f". Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
+        "iter_0000004 (the run then resumes from the newest complete one)"
+    )
+    os.truncate(shard, size - 1)
+    assert load_refusal(str(tmp_path), "torch_dist") == (
+        f"{damaged}shard file {shard} is cut short: {size - 1} bytes, where .metadata has data "
+        f"up to byte {size}{advice}"
+    )
+    shard.unlink()
+    assert load_refusal(str(tmp_path), "torch_dist") == (
+        f"{damaged}shard file {shard} is missing{advice}"
+    )
+    metadata = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(metadata[:100])
+    refusal = load_refusal(str(tmp_path), "torch_dist")
+    assert refusal.startswith(
+        f"{damaged}{path / '.metadata'} cannot be read ("
+    ) and refusal.endswith(advice), refusal
+    (path / ".metadata").write_bytes(metadata)
+    (path / "metadata.json").write_text('{"sharded_backend": ')
+    refusal = load_refusal(str(tmp_path), "torch_dist")
+    assert refusal.startswith(f"{damaged}{path / 'metadata.json'} cannot be read (Expecting value")
+
+
+def test_a_tracker_naming_a_missing_checkpoint_and_an_hf_export_are_refused(tmp_path):
+    from megatron_latentmoe.training.resume import load_refusal
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert load_refusal(str(empty), "torch_dist") is None  # a new run: starts from scratch
+    assert load_refusal(str(tmp_path / "absent"), "torch_dist") is None
+    (empty / TRACKER_FILE).write_text("8")
+    assert load_refusal(str(empty), "torch_dist") == (
+        f"--load {empty}: {empty / TRACKER_FILE} names iteration 8, but "
+        f"{empty / 'iter_0000008'} is not there and no other complete checkpoint is: give --load "
+        f"the folder that holds it, or delete {empty / TRACKER_FILE} to start from scratch"
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert load_refusal(str(hf), "torch_dist") == (
+        f"--load {hf} is a Hugging Face export (config.json, *.safetensors), not a Megatron "
+        "checkpoint: Megatron would start from random weights. Import it first (python -m "
+        f"megatron_latentmoe.convert import --hf {hf} --output SAVE_ROOT) and give --load SAVE_ROOT"
+    )
+
+
+def test_a_checkpoint_of_another_model_shape_is_named_by_its_flags():
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.resume import shape_refusal
+
+    saved = SimpleNamespace(hidden_size=64, num_layers=4, padded_vocab_size=4096, kv_channels=None)
+    run = SimpleNamespace(hidden_size=128, num_layers=4, padded_vocab_size=8192, kv_channels=32)
+    assert shape_refusal("ck", run, None) is None
+    assert shape_refusal("ck", saved, saved) is None
+    assert shape_refusal("ck", run, saved) == (
+        "--load ck: the checkpoint is of another model shape: --hidden-size 64 (this run: 128), "
+        "the padded vocabulary 4096 (this run: 8192). Give the checkpoint's model flags, or "
+        "--use-checkpoint-args to take them from it"
+    )
