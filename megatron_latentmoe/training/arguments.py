@@ -535,6 +535,14 @@ def validate_stable_latentmoe_args(
         )
     if args.moe_token_dispatcher_type == "flex" and not has_cuda:
         raise FlagError("--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall")
+    if getattr(args, "use_torch_fsdp2", False) and not has_cuda:
+        # else torch's fully_shard at the model's wrapping, every rank: "TypeError: device():
+        # argument 'index' (position 2) must be int, not torch.device" (CPU, measured)
+        raise FlagError(
+            "--use-torch-fsdp2 needs a CUDA GPU: torch's FSDP2 takes its device from CUDA; "
+            "allowed without a GPU: no --use-torch-fsdp2 (--use-distributed-optimizer shards "
+            "the optimizer state)"
+        )
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise FlagError(

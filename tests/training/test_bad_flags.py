@@ -339,6 +339,16 @@ CASES = {
         ["--moe-token-dispatcher-type", "flex"],
         ["--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall"],
     ),
+    # before: Megatron's "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than
+    # one"; with it set, a TypeError traceback at the model's FSDP2 wrapping
+    "torch_fsdp2_without_a_gpu": (
+        ["--use-torch-fsdp2", "--expert-model-parallel-size", "1"],
+        [
+            "--use-torch-fsdp2 needs a CUDA GPU: torch's FSDP2 takes its device from CUDA; "
+            "allowed without a GPU: no --use-torch-fsdp2 (--use-distributed-optimizer shards the "
+            "optimizer state)"
+        ],
+    ),
     "tensor_parallel_without_sequence_parallel": (
         ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
         ["--tensor-model-parallel-size 2 with MoE needs --sequence-parallel (Megatron)"],
@@ -506,7 +516,10 @@ CASES = {
 # would go on into heavy work, so these are not run there
 WITHOUT_TE = {"fp8_without_te_or_gpu", "fp4_without_te_or_gpu", "transformer_engine_not_installed"}
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
-WITHOUT_GPU = {"persistent_checkpoint_worker_without_a_gpu"}  # refusals only without a GPU
+WITHOUT_GPU = {  # refusals only without a GPU
+    "persistent_checkpoint_worker_without_a_gpu",
+    "torch_fsdp2_without_a_gpu",
+}
 
 
 def _runs_here(name: str) -> bool:
