@@ -545,7 +545,7 @@ apply_python311_compat()
 import megatron.training.arguments  # the imports are not what is timed per case
 import megatron_latentmoe.training.model_provider
 from megatron_latentmoe.training.pretrain import main
-for name, argv in json.loads(sys.argv[2]).items():
+for name, argv in json.loads(open(sys.argv[2]).read()).items():
     out, err = io.StringIO(), io.StringIO()
     start = time.time()
     try:
@@ -612,7 +612,10 @@ def outcomes():
     preprocess_jsonl(docs, SMALL_CORPUS, progress=False)
     write_dataset(OTHER_TOKENIZERS_CORPUS, [range(i * 100, i * 100 + 100) for i in range(50)])
     cases = {name: _argv(name) for name in run}
-    proc = _run(["-c", DRIVER, str(REPO), json.dumps(cases)])
+    # in a file: on the command line the cases passed Linux's 128 KiB limit of one argument
+    cases_file = scratch_dir() / "bad_flags_cases.json"
+    cases_file.write_text(json.dumps(cases))
+    proc = _run(["-c", DRIVER, str(REPO), str(cases_file)])
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("CASE "):
