@@ -10,7 +10,8 @@ Order of work (everything that can be wrong about the command line fails before 
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
    (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
-5. ``--load`` given (:mod:`.resume`): a checkpoint tracker left broken by a kill is repaired;
+5. ``--load`` given (or ``--pretrained-checkpoint``, which Megatron loads where ``--load`` holds
+   no checkpoint; :mod:`.resume`): a checkpoint tracker left broken by a kill is repaired;
    a damaged checkpoint, or one Megatron fails to load with this run's ``--ckpt-format``, is
    refused at step 1, one of another model shape or (legacy ``torch``) parallel layout here;
    a layout change Megatron reshards is planned;
@@ -104,9 +105,12 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
         format_refusal,
+        load_flag,
         load_format,
         load_refusal,
+        loaded_arg,
         non_persistent_dir,
+        pretrained_refusal,
     )
 
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
@@ -117,9 +121,12 @@ def _checked(args, has_cuda: bool):
             if args.data_cache_path
             else str(default_cache_dir())
         )
+    load_arg = loaded_arg(args) or "load"  # --pretrained-checkpoint where --load holds none
+    load_dir = getattr(args, load_arg)
     for refusal in (
-        load_refusal(args.load, load_format(args)),
-        format_refusal(args, non_persistent_dir(args)),
+        load_refusal(load_dir, load_format(args), load_flag(load_arg)),  # an HF export first
+        pretrained_refusal(args),
+        format_refusal(args, non_persistent_dir(args, load_dir), load_arg),
         folder_refusal("--save", args.save),
         folder_refusal("--data-cache-path", args.data_cache_path),
         None if args.data_cache_path else folder_refusal(DEFAULT_CACHE_ORIGIN, default_data_dir),
@@ -234,7 +241,9 @@ def _main(check_only: bool = False) -> int:
         AUTO_FORMAT,
         layout_changed,
         legacy_layout_refusal,
+        load_flag,
         load_format,
+        loaded_arg,
         non_persistent_dir,
         plan_layout_change,
         repair_checkpoint_tracker,
@@ -261,16 +270,21 @@ def _main(check_only: bool = False) -> int:
         load_distributed_checkpoint_as_such(args)
     if args.load and rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
-    if args.load:
-        non_persistent = non_persistent_dir(args)
-        saved = saved_args(args.load, load_format(args), non_persistent=non_persistent)
-        refusal = shape_refusal(args.load, args, saved) or legacy_layout_refusal(
-            args, saved, non_persistent
+    load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
+    if load_arg:
+        load_dir = getattr(args, load_arg)
+        fine_tunes = args.finetune or load_arg != "load"  # Megatron sets it for the latter
+        non_persistent = non_persistent_dir(args, load_dir)
+        saved = saved_args(
+            load_dir, load_format(args), release=load_arg != "load", non_persistent=non_persistent
         )
+        refusal = shape_refusal(
+            load_dir, args, saved, load_flag(load_arg)
+        ) or legacy_layout_refusal(args, saved, non_persistent, load_arg)
         if refusal:
             print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
             return 2
-        restores = not args.finetune and not (args.no_load_optim and args.no_load_rng)
+        restores = not fine_tunes and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)
 

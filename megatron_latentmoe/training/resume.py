@@ -178,6 +178,27 @@ def resumed_checkpoint(
     return os.path.join(load_dir, iteration_dir_name(iteration))
 
 
+def loaded_arg(args) -> str | None:
+    """The flag (its dest) whose folder megatron-core 0.19.2's ``load_checkpoint`` loads:
+    ``load``, or ``pretrained_checkpoint`` where ``--load`` holds no checkpoint (no tracker
+    there, ``checkpoint_exists``; counted after :func:`repair_checkpoint_tracker`, which may
+    write one): it then fine-tunes from that one (``args.finetune``: the model alone, from
+    iteration 0). None: neither is given."""
+    if getattr(args, "pretrained_checkpoint", None) is None:
+        return "load" if args.load else None
+    if args.load and (
+        os.path.isfile(os.path.join(args.load, TRACKER_FILE))
+        or repair_checkpoint_tracker(args.load, load_format(args), write=False) is not None
+    ):
+        return "load"
+    return "pretrained_checkpoint"
+
+
+def load_flag(load_arg: str) -> str:
+    """The flag of a dest :func:`loaded_arg` returns."""
+    return "--" + load_arg.replace("_", "-")
+
+
 def saved_args(
     load_dir: str,
     ckpt_format: str = "torch_dist",
@@ -300,20 +321,23 @@ def _torch_dist_refusal(path: Path) -> str | None:
     return None
 
 
-def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
+def load_refusal(load_dir: str | None, ckpt_format: str, flag: str = "--load") -> str | None:
     """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
     wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
     Megatron does). Looks at the checkpoint the run would resume from after
-    :func:`repair_checkpoint_tracker`; checks its files for ``torch_dist`` only."""
+    :func:`repair_checkpoint_tracker`; checks its files for ``torch_dist`` only. ``flag``: the
+    one that gave ``load_dir`` (:func:`loaded_arg`; ``--pretrained-checkpoint``: the advice to
+    start from scratch is left out, Megatron does not start from scratch without it)."""
     if not load_dir or not os.path.isdir(load_dir):
         return None
     root = Path(load_dir)
     if _is_hf_export(root) and not (root / TRACKER_FILE).exists():
         return (
-            f"--load {load_dir} is a Hugging Face export (config.json, *.safetensors), not a "
+            f"{flag} {load_dir} is a Hugging Face export (config.json, *.safetensors), not a "
             f"Megatron checkpoint: Megatron would start from random weights. Import it first "
-            f"({HF_IMPORT.format(path=load_dir)}) and give --load SAVE_ROOT"
+            f"({HF_IMPORT.format(path=load_dir)}) and give {flag} SAVE_ROOT"
         )
+    resumes = flag == "--load"
     iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
     if iteration is None:
         tracker = root / TRACKER_FILE
@@ -323,10 +347,10 @@ def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
             text = ""
         if text.isdecimal() and not (root / iteration_dir_name(int(text))).is_dir():
             return (
-                f"--load {load_dir}: {tracker} names iteration {int(text)}, but "
+                f"{flag} {load_dir}: {tracker} names iteration {int(text)}, but "
                 f"{root / iteration_dir_name(int(text))} is not there and no other complete "
-                f"checkpoint is: give --load the folder that holds it, or delete {tracker} to "
-                "start from scratch"
+                f"checkpoint is: give {flag} the folder that holds it"
+                + (f", or delete {tracker} to start from scratch" if resumes else "")
             )
         return None
     if ckpt_format != "torch_dist":
@@ -336,13 +360,35 @@ def load_refusal(load_dir: str | None, ckpt_format: str) -> str | None:
     if problem is None:
         return None
     return (
-        f"--load {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
-        f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole, or delete "
-        f"{path.name} (the run then resumes from the newest complete one)"
+        f"{flag} {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
+        f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole"
+        + (
+            f", or delete {path.name} (the run then resumes from the newest complete one)"
+            if resumes
+            else ""
+        )
     )
 
 
-def format_refusal(args, non_persistent: str | None = None) -> str | None:
+def pretrained_refusal(args) -> str | None:
+    """One line when Megatron loads ``--pretrained-checkpoint`` (:func:`loaded_arg`) and there
+    is no checkpoint there: megatron-core 0.19.2 raised "FileNotFoundError: No checkpoint found
+    in load directory or pretrained directory" on every rank, after building the model
+    (measured). What is wrong with a checkpoint that is there: :func:`load_refusal` and the
+    others, given ``load_arg="pretrained_checkpoint"``."""
+    if loaded_arg(args) != "pretrained_checkpoint":
+        return None
+    path = args.pretrained_checkpoint
+    if os.path.isfile(os.path.join(path, TRACKER_FILE)):
+        return None
+    load = f"--load {args.load} holds none either" if args.load else "no --load is given"
+    return (
+        f"--pretrained-checkpoint {path}: no checkpoint there ({TRACKER_FILE} is not there) and "
+        f"{load}; give it the folder a Megatron save or the HF import wrote (SAVE_ROOT)"
+    )
+
+
+def format_refusal(args, non_persistent: str | None = None, load_arg: str = "load") -> str | None:
     """One line when the checkpoint ``--load`` resumes from (see :func:`resumed_checkpoint` for
     ``non_persistent``; where no folder is complete by this run's format, the one the tracker
     names, which Megatron loads as it is) is of a format megatron-core 0.19.2 fails to load with
@@ -359,15 +405,17 @@ def format_refusal(args, non_persistent: str | None = None) -> str | None:
     A legacy ``torch`` checkpoint loads with ``--ckpt-format torch_dist`` (measured; Megatron's
     code path is the one with ``--auto-detect-ckpt-format``, whose losses
     tests/training/test_ckpt_formats.py checks). A torch_dcp run (``--use-torch-fsdp2``) is not
-    judged: FSDP2 does not start on CPU here, so what it loads is not measured."""
-    if not args.load:
+    judged: FSDP2 does not start on CPU here, so what it loads is not measured. ``load_arg``: the
+    folder's flag (:func:`loaded_arg`)."""
+    load_dir = getattr(args, load_arg)
+    if not load_dir:
         return None
     path = resumed_checkpoint(
-        args.load, load_format(args), release=True, non_persistent=non_persistent
+        load_dir, load_format(args), release=True, non_persistent=non_persistent
     )
     if path is None:
         try:
-            tracked = tracked_checkpoint_dir(args.load)
+            tracked = tracked_checkpoint_dir(load_dir)
         except ValueError:  # an unreadable tracker: Megatron will report it
             tracked = None
         path = tracked and str(tracked)
@@ -387,8 +435,8 @@ def format_refusal(args, non_persistent: str | None = None) -> str | None:
         return None
     flags = f"--ckpt-format {run}" + (" --auto-detect-ckpt-format" if auto else "")
     return (
-        f"--load {args.load}: {path} is a {found} checkpoint, which megatron-core 0.19.2 fails "
-        f"to load with {flags}; resume from it with {ways}"
+        f"{load_flag(load_arg)} {load_dir}: {path} is a {found} checkpoint, which megatron-core "
+        f"0.19.2 fails to load with {flags}; resume from it with {ways}"
     )
 
 
@@ -410,10 +458,11 @@ SHAPE_ARGS = (
 vocabulary: the tokenizer's, padded; every other is named by its flag)."""
 
 
-def shape_refusal(load_dir: str, args, saved) -> str | None:
+def shape_refusal(load_dir: str, args, saved, flag: str = "--load") -> str | None:
     """One line naming the model flags whose values in the checkpoint's args (``saved``; None:
     nothing to load) differ from this run's: megatron-core's load fails on the first tensor
-    of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``)."""
+    of another shape with a ``CheckpointException`` traceback (``Global shape mismatch``).
+    ``flag``: the one that gave ``load_dir``."""
     if saved is None:
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
@@ -431,7 +480,7 @@ def shape_refusal(load_dir: str, args, saved) -> str | None:
     if not differ:
         return None
     return (
-        f"--load {load_dir}: the checkpoint is of another model shape: {', '.join(differ)}. Give "
+        f"{flag} {load_dir}: the checkpoint is of another model shape: {', '.join(differ)}. Give "
         "the checkpoint's model flags, or --use-checkpoint-args to take them from it"
     )
 
@@ -446,14 +495,17 @@ LAYOUT_FIELDS = (
 )
 
 
-def legacy_layout_refusal(args, saved, non_persistent: str | None = None) -> str | None:
+def legacy_layout_refusal(
+    args, saved, non_persistent: str | None = None, load_arg: str = "load"
+) -> str | None:
     """One line when the checkpoint ``--load`` resumes from (its args ``saved``; see
     :func:`resumed_checkpoint` for ``non_persistent``) is a legacy
     ``torch`` one of another tensor / pipeline / expert layout: megatron-core 0.19.2 keeps one
     file per (TP, PP, EP) rank of that layout and does not reshard it; it looked for this run's
     rank files, printed "could not load the checkpoint" and exited 0 on every rank, having
     trained nothing (EP1 -> EP2, measured). Its distributed (``torch_dist``) checkpoint does
-    reshard: the line says how to get one."""
+    reshard: the line says how to get one. ``load_arg``: the folder's flag (:func:`loaded_arg`;
+    ``--pretrained-checkpoint``'s ``release`` checkpoint is judged too)."""
     if saved is None:
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
@@ -463,15 +515,16 @@ def legacy_layout_refusal(args, saved, non_persistent: str | None = None) -> str
         for f in LAYOUT_FIELDS[:4]
         if getattr(saved, f, None) not in (None, getattr(args, f, None))
     ]
+    load_dir = getattr(args, load_arg)
     path = differ and resumed_checkpoint(
-        args.load, load_format(args), non_persistent=non_persistent
+        load_dir, load_format(args), release=load_arg != "load", non_persistent=non_persistent
     )
     if checkpoint_format(path or None) != "torch":
         return None
     return (
-        f"--load {args.load}: {path} is a legacy torch checkpoint of another parallel layout: "
-        f"{', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout it was saved "
-        "with. Resume once in that layout with --ckpt-format torch_dist "
+        f"{load_flag(load_arg)} {load_dir}: {path} is a legacy torch checkpoint of another "
+        f"parallel layout: {', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout "
+        "it was saved with. Resume once in that layout with --ckpt-format torch_dist "
         "--auto-detect-ckpt-format (it then saves a torch_dist checkpoint, which loads into "
         "another layout), or pass that layout"
     )

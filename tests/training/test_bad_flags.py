@@ -339,6 +339,17 @@ CASES = {
         ["--moe-token-dispatcher-type", "flex"],
         ["--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall"],
     ),
+    # megatron-core 0.19.2 falls back to it where --load holds no checkpoint: before, after
+    # building the model, "FileNotFoundError: No checkpoint found in load directory or
+    # pretrained directory" on every rank
+    "pretrained_checkpoint_holding_none": (
+        ["--pretrained-checkpoint", "/nonexistent/pretrained", "--save-interval", "1000"],
+        [
+            "--pretrained-checkpoint /nonexistent/pretrained: no checkpoint there "
+            "(latest_checkpointed_iteration.txt is not there) and no --load is given; give it "
+            "the folder a Megatron save or the HF import wrote (SAVE_ROOT)"
+        ],
+    ),
     # before: Megatron's "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than
     # one"; with it set, a TypeError traceback at the model's FSDP2 wrapping
     "torch_fsdp2_without_a_gpu": (

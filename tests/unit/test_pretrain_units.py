@@ -349,6 +349,41 @@ def test_main_refuses_a_checkpoint_of_another_model_shape(monkeypatch, tmp_path,
     )
 
 
+def test_main_checks_the_pretrained_checkpoint_megatron_falls_back_to(
+    monkeypatch, tmp_path, capsys
+):
+    """--pretrained-checkpoint where --load holds none: its args (a release checkpoint's too)
+    are the ones the shape check reads, its flag names it; Megatron fine-tunes from it (the
+    model alone), so no layout change is planned. Before: --load's (none) were read, and the
+    load failed on every rank with a "Global shape mismatch" CheckpointException traceback."""
+    layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
+    run = _Run(
+        monkeypatch,
+        tmp_path,
+        load=str(tmp_path / "new"),
+        pretrained_checkpoint="pre",
+        hidden_size=8,
+    )
+    run.saved = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2}, hidden_size=8)
+    assert run() == 0
+    assert run.named("saved_args") == [("pre", "torch_dist")]
+    assert run.named("plan_layout_change") == []
+    releases = []
+    monkeypatch.setattr(
+        resume,
+        "saved_args",
+        lambda *a, release, non_persistent: releases.append(release) or run.saved,
+    )
+    run.saved.hidden_size = 16
+    assert run() == 2
+    assert capsys.readouterr().err == (
+        "pretrain_stable_latentmoe: error: --pretrained-checkpoint pre: the checkpoint is of "
+        "another model shape: --hidden-size 16 (this run: 8). Give the checkpoint's model flags, "
+        "or --use-checkpoint-args to take them from it\n"
+    )
+    assert releases == [True]  # a release checkpoint is what Megatron fine-tunes from, too
+
+
 def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
     run = _Run(monkeypatch, tmp_path, load="ckpt")
     monkeypatch.setenv("RANK", "1")
@@ -635,6 +670,26 @@ def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
     with pytest.raises(FlagError) as err:
         checked()
     assert str(err.value) == checked.vocabulary_refusal
+
+
+def test_checked_args_refuse_a_pretrained_checkpoint_megatron_fails_to_load(monkeypatch, tmp_path):
+    """--pretrained-checkpoint where --load holds none: the start-up checks of --load judge it
+    (here a torch_dist checkpoint with --ckpt-format torch; before, Megatron's RuntimeError
+    traceback on every rank after building the model)."""
+    from megatron_latentmoe.training.arguments import FlagError
+    from tests.training import dcp_checkpoint
+
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    dcp_checkpoint(pre, 2)
+    checked = _Checked(monkeypatch, pretrained_checkpoint=str(pre), ckpt_format="torch")
+    with pytest.raises(FlagError) as err:
+        checked()
+    assert str(err.value).startswith(
+        f"--pretrained-checkpoint {pre}: {pre}/iter_0000002 is a torch_dist checkpoint"
+    )
+    checked = _Checked(monkeypatch, pretrained_checkpoint=str(pre), ckpt_format="torch_dist")
+    assert checked()[0] is checked.args
 
 
 @pytest.mark.parametrize("refusal", ["layout", "megatron", "interleaved"])

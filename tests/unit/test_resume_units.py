@@ -507,3 +507,107 @@ def test_a_checkpoint_of_another_model_shape_is_named_by_its_flags():
         "the padded vocabulary 4096 (this run: 8192). Give the checkpoint's model flags, or "
         "--use-checkpoint-args to take them from it"
     )
+
+
+def test_megatron_loads_the_pretrained_checkpoint_where_load_holds_none(tmp_path):
+    """megatron-core 0.19.2's ``load_checkpoint``: --pretrained-checkpoint where --load has no
+    tracker (counted after our repair, which writes one where a complete checkpoint is)."""
+
+    def loaded(load=None, pretrained=None):
+        args = SimpleNamespace(
+            load=load and str(load), pretrained_checkpoint=pretrained, ckpt_format="torch_dist"
+        )
+        return resume.loaded_arg(args)
+
+    assert loaded() is None
+    assert loaded(load=tmp_path / "new") == "load"
+    assert loaded(pretrained="pre") == "pretrained_checkpoint"
+    assert loaded(load=tmp_path / "new", pretrained="pre") == "pretrained_checkpoint"
+    (tmp_path / "ck").mkdir()
+    _checkpoints(tmp_path / "ck", [2])  # complete, no tracker yet: the repair writes one
+    assert loaded(load=tmp_path / "ck", pretrained="pre") == "load"
+    (tmp_path / "rel").mkdir()
+    _checkpoints(tmp_path / "rel", [], tracker=b"release")
+    assert loaded(load=tmp_path / "rel", pretrained="pre") == "load"
+    assert resume.load_flag("pretrained_checkpoint") == "--pretrained-checkpoint"
+
+
+def test_a_pretrained_checkpoint_megatron_falls_back_to_is_checked_as_load_is(tmp_path):
+    """Before, none of these was checked for --pretrained-checkpoint; megatron-core 0.19.2 failed
+    on each after building the model, on every rank (measured, CPU, one rank): nothing there,
+    "FileNotFoundError: No checkpoint found in load directory or pretrained directory"; a
+    torch_dist one with --ckpt-format torch, "RuntimeError: Detected load from a distributed
+    checkpoint ..."; another shape, "CheckpointException ... Global shape mismatch". Now one
+    line each, named by its flag; no advice to start from scratch (Megatron does not)."""
+    pre = tmp_path / "pre"
+    args = SimpleNamespace(
+        load=None,
+        pretrained_checkpoint=str(pre),
+        ckpt_format="torch",
+        auto_detect_ckpt_format=False,
+        non_persistent_ckpt_type=None,
+    )
+    advice = "give it the folder a Megatron save or the HF import wrote (SAVE_ROOT)"
+    assert resume.pretrained_refusal(args) == (
+        f"--pretrained-checkpoint {pre}: no checkpoint there ({TRACKER_FILE} is not there) and "
+        f"no --load is given; {advice}"
+    )
+    args.load = str(tmp_path / "new")
+    assert resume.pretrained_refusal(args).endswith(
+        f" and --load {tmp_path / 'new'} holds none either; {advice}"
+    )
+    pre.mkdir()
+    _checkpoints(pre, [2], tracker=b"2", files=TORCH_DIST_FILES)
+    assert resume.pretrained_refusal(args) is None
+    assert resume.format_refusal(args, None, "pretrained_checkpoint") == (
+        f"--pretrained-checkpoint {pre}: {pre}/iter_0000002 is a torch_dist checkpoint, which "
+        "megatron-core 0.19.2 fails to load with --ckpt-format torch; resume from it with "
+        "--ckpt-format torch_dist, or add --auto-detect-ckpt-format (the run then saves in "
+        "--ckpt-format torch)"
+    )
+    assert resume.format_refusal(args) is None  # --load: nothing there
+    saved, run = SimpleNamespace(hidden_size=64), SimpleNamespace(hidden_size=128)
+    assert resume.shape_refusal(str(pre), run, saved, "--pretrained-checkpoint").startswith(
+        f"--pretrained-checkpoint {pre}: the checkpoint is of another model shape: "
+        "--hidden-size 64 (this run: 128)"
+    )
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    _checkpoints(gone, [], tracker=b"8")
+    assert resume.load_refusal(str(gone), "torch_dist", "--pretrained-checkpoint") == (
+        f"--pretrained-checkpoint {gone}: {gone / TRACKER_FILE} names iteration 8, but "
+        f"{gone / 'iter_0000008'} is not there and no other complete checkpoint is: give "
+        "--pretrained-checkpoint the folder that holds it"
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert resume.load_refusal(str(hf), "torch_dist", "--pretrained-checkpoint").endswith(
+        "--output SAVE_ROOT) and give --pretrained-checkpoint SAVE_ROOT"
+    )
+
+
+def test_a_damaged_pretrained_checkpoint_is_refused_without_the_resume_advice(tmp_path):
+    path = dcp_checkpoint(tmp_path, 4)
+    (shard,) = path.glob("*.distcp")
+    shard.unlink()
+    assert resume.load_refusal(str(tmp_path), "torch_dist", "--pretrained-checkpoint") == (
+        f"--pretrained-checkpoint {tmp_path}: the checkpoint of iteration 4 is damaged: shard "
+        f"file {shard} is missing. Write {TRACKER_FILE} with an earlier iteration whose folder "
+        "is whole"
+    )
+
+
+def test_a_legacy_pretrained_release_checkpoint_of_another_layout_is_refused(tmp_path):
+    """A legacy ``torch`` release checkpoint (what Megatron fine-tunes from) of another tensor
+    parallel size: megatron-core 0.19.2 loads one only in its own layout."""
+    _checkpoints(tmp_path, [], tracker=b"release")
+    (tmp_path / "release" / "mp_rank_00").mkdir(parents=True)
+    layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
+    args = SimpleNamespace(**layout, pretrained_checkpoint=str(tmp_path), ckpt_format="torch")
+    saved = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2})
+    assert resume.legacy_layout_refusal(args, saved, None, "pretrained_checkpoint").startswith(
+        f"--pretrained-checkpoint {tmp_path}: {tmp_path}/release is a legacy torch checkpoint of "
+        "another parallel layout: --tensor-model-parallel-size 2 (this run: 1)"
+    )
