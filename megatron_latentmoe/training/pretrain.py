@@ -87,8 +87,8 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.compat.training import apply_cpu_training_compat, cpu_training_defaults
     from megatron_latentmoe.data.corpus import (
         DEFAULT_CACHE_ORIGIN,
-        DEFAULT_DATASET_NAME,
         default_cache_dir,
+        default_dataset_name,
         default_tokenizer_dir,
     )
     from megatron_latentmoe.training.arguments import (
@@ -134,7 +134,9 @@ def _checked(args, has_cuda: bool):
         if refusal:
             raise FlagError(refusal)
     if default_data_dir is not None:
-        args.data_path = [os.path.join(default_data_dir, DEFAULT_DATASET_NAME)]
+        args.data_path = [
+            os.path.join(default_data_dir, default_dataset_name(args.tokenizer_model))
+        ]
         if args.split is None:
             args.split = "98,2,0"
     if apply_default_tokenizer(args, default_tokenizer_dir()):
@@ -149,7 +151,7 @@ def _checked(args, has_cuda: bool):
         validate_args(args, {})
     except (AssertionError, ValueError, RuntimeError) as err:  # mostly bare asserts
         raise FlagError(megatron_refusal(args, err)) from None
-    # the tokenizer flags are final here; the shipped corpus is made with the shipped tokenizer
+    # the tokenizer flags are final here; the shipped corpus is made with the run's tokenizer
     refusal = None if default_data_dir is not None else data_vocabulary_refusal(args)
     if refusal:
         raise FlagError(refusal)
@@ -186,7 +188,7 @@ def _main(check_only: bool = False) -> int:
     apply_core_compat()
     if not has_cuda:
         apply_cpu_compat()
-    from megatron_latentmoe.data.corpus import DEFAULT_DATASET_NAME, prepare_default_dataset
+    from megatron_latentmoe.data.corpus import prepare_default_dataset
     from megatron_latentmoe.data.indexed import PreprocessError
     from megatron_latentmoe.training.arguments import FlagError
 
@@ -210,13 +212,18 @@ def _main(check_only: bool = False) -> int:
 
     if default_data_dir is not None:
         try:
-            prefix = prepare_default_dataset(default_data_dir, DEFAULT_DATASET_NAME)
+            prefix = prepare_default_dataset(
+                default_data_dir,
+                tokenizer=args.tokenizer_model,
+                trust_remote_code=args.trust_remote_code,
+            )
         except PreprocessError as err:  # e.g. a read-only file system, a full disk
             print(
                 f"{PROG}: error: the shipped corpus's dataset: {err}", file=sys.stderr, flush=True
             )
             return 2
-        print0(f"[{PROG}] data: the shipped corpus ({prefix}.bin/.idx)")
+        tokenizer = f"{args.tokenizer_type} {args.tokenizer_model}"
+        print0(f"[{PROG}] data: the shipped corpus, tokenized by {tokenizer} ({prefix}.bin/.idx)")
 
     from megatron.core.enums import ModelType
     from megatron.training import training as mtraining

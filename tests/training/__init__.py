@@ -325,3 +325,32 @@ def write_dataset(prefix: Path, documents) -> str:
         builder.add_document(numpy.asarray(ids, dtype=numpy.uint16), [len(ids)])
     builder.finalize(f"{prefix}.idx")
     return str(prefix)
+
+
+def small_tokenizer(folder: Path, vocab_size: int = 600) -> Path:
+    """Another Hugging Face tokenizer than the shipped one: a byte-level BPE of ``vocab_size`` ids
+    (fewer than the shipped 4096, so a shipped id is out of its range), trained on the shipped
+    corpus's first 300 documents in a quarter of a second, ``<|endoftext|>`` (id 0) its EOS.
+    Byte-level: its ids decode back to the exact text. Written to ``folder`` (returned)."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_latentmoe.data.corpus import iter_corpus_texts
+
+    texts = list(itertools.islice(iter_corpus_texts(), 300))
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    assert core.get_vocab_size() == vocab_size
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    tokenizer.save_pretrained(str(folder))
+    return folder

@@ -1352,6 +1352,73 @@ def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path,
     assert seen == [{"format": corpus._FORMAT_VERSION, "sha256": want}] * 2
 
 
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    from tests.training import small_tokenizer
+
+    return small_tokenizer(tmp_path_factory.mktemp("other_tokenizer"))
+
+
+def test_default_dataset_with_another_tokenizer_holds_its_ids(
+    default_prefix, other_tokenizer, tmp_path
+):
+    """A run's --tokenizer-model OTHER without --data-path: the shipped corpus tokenized with
+    OTHER, under a name of its own (``default_corpus_<hash>``) beside the shipped tokenizer's
+    dataset, which stays as it was and is still reused; each is reused on the next call. (Was:
+    the shipped tokenizer's ids whatever the run's tokenizer, here up to 4095 for OTHER's 600.)"""
+    import shutil
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from transformers import AutoTokenizer
+
+    from megatron_latentmoe.data.corpus import default_dataset_name
+
+    for ext in (".bin", ".idx", ".json"):  # the shipped tokenizer's dataset, in the same folder
+        shutil.copy2(default_prefix + ext, tmp_path / f"default_corpus{ext}")
+    shipped = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.iterdir()}
+    prefix = prepare_default_dataset(tmp_path, tokenizer=other_tokenizer)
+    name = default_dataset_name(other_tokenizer)
+    assert re.fullmatch(r"default_corpus_[0-9a-f]{12}", name) and prefix == str(tmp_path / name)
+    tok = AutoTokenizer.from_pretrained(str(other_tokenizer))
+    texts = list(iter_corpus_texts())
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(texts)
+    for i in (0, 1, len(texts) // 2, len(texts) - 1):
+        ids = ds[i].tolist()
+        assert ids == tok(texts[i]).input_ids + [tok.eos_token_id]
+        assert tok.decode(ids[:-1]) == texts[i]
+    assert int(numpy.fromfile(prefix + ".bin", dtype=ds.index.dtype).max()) == len(tok) - 1 == 599
+    assert json.loads(Path(prefix + ".json").read_text())["tokenizer"] == str(other_tokenizer)
+    # the shipped tokenizer's dataset untouched, and both reused as they are
+    mtime = Path(prefix + ".bin").stat().st_mtime_ns
+    assert prepare_default_dataset(tmp_path) == str(tmp_path / "default_corpus")
+    assert prepare_default_dataset(tmp_path, tokenizer=other_tokenizer) == prefix
+    assert Path(prefix + ".bin").stat().st_mtime_ns == mtime
+    now = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.iterdir()}
+    assert {k: now[k] for k in shipped} == shipped
+
+
+def test_default_dataset_name_says_which_tokenizer(other_tokenizer, tmp_path):
+    """``default_corpus`` for the shipped tokenizer, by path or a copy of its files; another
+    tokenizer's name follows its files (a changed file: another name, so it is tokenized again),
+    not the weights of a model folder beside them nor the folder's path."""
+    import shutil
+
+    from megatron_latentmoe.data.corpus import default_dataset_name
+
+    assert default_dataset_name() == default_dataset_name(DEFAULT_TOKENIZER_DIR) == "default_corpus"
+    assert default_dataset_name(shutil.copytree(DEFAULT_TOKENIZER_DIR, tmp_path / "copy")) == (
+        "default_corpus"
+    )
+    other = default_dataset_name(other_tokenizer)
+    moved = shutil.copytree(other_tokenizer, tmp_path / "model")
+    (moved / "model.safetensors").write_bytes(b"weights")
+    assert default_dataset_name(moved) == other != "default_corpus"
+    with open(moved / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    assert default_dataset_name(moved) not in (other, "default_corpus")
+
+
 def test_default_dataset_cli_prints_the_absolute_data_path(tmp_path, monkeypatch, capsys):
     """python -m megatron_latentmoe.data.corpus --output-prefix ds: the dataset goes to ./ds.*
     and the flags it prints name it by its absolute path (the tokenizing replaced by a spy)."""

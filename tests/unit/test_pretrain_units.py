@@ -175,7 +175,11 @@ class _Run:
             "_make_balance_logger",
             lambda args, path: event(("_make_balance_logger", args, path)) or self.logger,
         )
-        monkeypatch.setattr(corpus, "prepare_default_dataset", lambda d, n: f"{d}/{n}")
+        monkeypatch.setattr(
+            corpus,
+            "prepare_default_dataset",
+            lambda d, **kw: event(("prepare_default_dataset", d, kw)) or f"{d}/default_corpus_x",
+        )
         monkeypatch.setattr(balance_logging, "default_jsonl_path", lambda args: "balance.jsonl")
         monkeypatch.setattr(
             balance_logging, "make_finalize_model_grads_func", lambda *a: ("finalize", *a)
@@ -267,15 +271,27 @@ def test_main_stops_at_a_bad_flag_or_after_the_check(monkeypatch, tmp_path, caps
 
 
 def test_main_prepares_the_shipped_corpus_and_eager_situ_when_asked(monkeypatch, tmp_path, capsys):
-    run = _Run(monkeypatch, tmp_path, disable_jit_fuser=True)
+    """The shipped corpus is tokenized with the run's tokenizer, which the data line names (was
+    the shipped tokenizer's dataset whatever the run's tokenizer)."""
+    run = _Run(
+        monkeypatch,
+        tmp_path,
+        disable_jit_fuser=True,
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model="/my/tokenizer",
+        trust_remote_code=True,
+    )
     run.default_data_dir, run.cpu_notes = "/cache/default_data", []
     assert run() == 0
     assert run.named("set_cpu_compile") == [(False,)]
+    assert run.named("prepare_default_dataset") == [
+        ("/cache/default_data", {"tokenizer": "/my/tokenizer", "trust_remote_code": True})
+    ]
     assert capsys.readouterr().out.splitlines()[:2] == [
         "[pretrain_stable_latentmoe] --disable-jit-fuser: no torch.compile for SiTU-GLU on CPU "
         "(its eager math)",
-        "[pretrain_stable_latentmoe] data: the shipped corpus "
-        "(/cache/default_data/default_corpus.bin/.idx)",
+        "[pretrain_stable_latentmoe] data: the shipped corpus, tokenized by HuggingFaceTokenizer "
+        "/my/tokenizer (/cache/default_data/default_corpus_x.bin/.idx)",
     ]
 
 
@@ -633,6 +649,21 @@ def test_checked_args_complete_a_cpu_run_with_the_shipped_corpus_and_tokenizer(m
         "[pretrain_stable_latentmoe] tokenizer: the shipped one (HuggingFaceTokenizer "
         "/shipped/tokenizer)\n"
     )
+
+
+def test_checked_args_name_the_shipped_corpus_dataset_after_the_runs_tokenizer(
+    monkeypatch, tmp_path
+):
+    """--tokenizer-model DIR without --data-path: Megatron reads the shipped corpus tokenized
+    with DIR, a dataset of its own name (was the shipped tokenizer's default_corpus)."""
+    from megatron_latentmoe.data.corpus import default_dataset_name
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    checked = _Checked(monkeypatch, tokenizer_model=str(tmp_path))
+    checked.default_tokenizer = False
+    args, _, _, default_data_dir = checked()
+    name = default_dataset_name(tmp_path)
+    assert name.startswith("default_corpus_") and args.data_path == [f"/home/cache/{name}"]
 
 
 def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
