@@ -557,6 +557,16 @@ def validate_stable_latentmoe_args(
             raise FlagError(
                 "--data-path is required with --no-default-data (a Megatron .bin/.idx prefix)"
             )
+        if args.tokenizer_type not in (None, "HuggingFaceTokenizer"):
+            # the shipped corpus is tokenized with the run's tokenizer (data.corpus): here only
+            # a Hugging Face one can; the shipped ids would not be this tokenizer's
+            raise FlagError(
+                f"--tokenizer-type {args.tokenizer_type} without --data-path: the shipped corpus "
+                "is tokenized only with a HuggingFaceTokenizer (the shipped one, or "
+                "--tokenizer-model DIR); allowed: --data-path PREFIX of a dataset made with this "
+                "tokenizer (Megatron's tools/preprocess_data.py), or --tokenizer-type "
+                "HuggingFaceTokenizer"
+            )
         if args.split is not None:  # counted from the corpus: nothing is tokenized yet
             from megatron_latentmoe.data.corpus import default_corpus_sequences
 

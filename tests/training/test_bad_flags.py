@@ -379,6 +379,15 @@ CASES = {
             "tools/preprocess_data.py --tokenizer ",
         ],
     ),
+    "shipped_corpus_with_a_tokenizer_type_it_cannot_use": (  # the shipped ids, silently
+        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5000", "--save-interval", "1000"],
+        [
+            "--tokenizer-type NullTokenizer without --data-path: the shipped corpus is tokenized "
+            "only with a HuggingFaceTokenizer (the shipped one, or --tokenizer-model DIR); "
+            "allowed: --data-path PREFIX of a dataset made with this tokenizer (Megatron's "
+            "tools/preprocess_data.py), or --tokenizer-type HuggingFaceTokenizer"
+        ],
+    ),
     "missing_data_args_file": (
         ["--data-args-path", "/nonexistent/data_args.txt"],
         ["--data-args-path /nonexistent/data_args.txt: no such file"],
