@@ -55,6 +55,7 @@ from megatron_latentmoe.fields import (
     check_hf_exportable,
     check_stable_latentmoe,
 )
+from megatron_latentmoe.training.console import PROG
 
 BACKENDS = {"local": "local", "transformer_engine": "te"}
 
@@ -448,7 +449,7 @@ def validate_stable_latentmoe_args(
     except ConfigError as err:
         if args.moe_latent_size and os.environ.get("RANK", "0") == "0":
             print(
-                "[pretrain_stable_latentmoe] warning: this model trains, but the HF converter "
+                f"[{PROG}] warning: this model trains, but the HF converter "
                 f"will refuse its checkpoints: {flag_message(err)}",
                 flush=True,
             )
@@ -803,8 +804,10 @@ def _check_qb_calibration(args) -> None:
 
 
 def apply_default_tokenizer(args, tokenizer_dir: str) -> bool:
-    """Use the shipped tokenizer when no tokenizer flag is given. Returns True if it did."""
-    if args.tokenizer_type is None and args.tokenizer_model is None:
+    """Use the shipped tokenizer when no tokenizer flag is given, or ``--tokenizer-type
+    HuggingFaceTokenizer`` without ``--tokenizer-model`` (megatron-core 0.19.2 would build a
+    Hugging Face tokenizer from no path, after the flag check). Returns True if it did."""
+    if args.tokenizer_type in (None, "HuggingFaceTokenizer") and args.tokenizer_model is None:
         args.tokenizer_type = "HuggingFaceTokenizer"
         args.tokenizer_model = tokenizer_dir
         return True

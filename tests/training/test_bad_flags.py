@@ -888,7 +888,8 @@ def test_a_data_path_whose_index_is_not_megatrons_is_refused(tmp_path):
 
 def test_the_shipped_corpus_and_tokenizer_are_used_only_when_none_is_given():
     """Any dataset flag (a path, an args file, --mock-data) turns the shipped corpus off; any
-    tokenizer flag, the shipped tokenizer (``--tokenizer-model`` alone is a HuggingFace one)."""
+    tokenizer flag, the shipped tokenizer (``--tokenizer-model`` alone is a HuggingFace one;
+    ``--tokenizer-type HuggingFaceTokenizer`` alone, the shipped one)."""
     from types import SimpleNamespace
 
     from megatron_latentmoe.training.arguments import apply_default_tokenizer, uses_default_data
@@ -911,6 +912,7 @@ def test_the_shipped_corpus_and_tokenizer_are_used_only_when_none_is_given():
         assert uses_default_data(SimpleNamespace(**dict(none, **{dest: value}))) is False, dest
     for given, shipped, expected in (
         ((None, None), True, ("HuggingFaceTokenizer", "/shipped")),
+        (("HuggingFaceTokenizer", None), True, ("HuggingFaceTokenizer", "/shipped")),
         (("NullTokenizer", None), False, ("NullTokenizer", None)),
         ((None, "/my/tokenizer"), False, ("HuggingFaceTokenizer", "/my/tokenizer")),
     ):
