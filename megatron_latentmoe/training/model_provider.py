@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 from megatron.core.pipeline_parallel.utils import (
@@ -27,11 +26,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-from megatron_latentmoe.checkpoint_layout import (
-    TRACKER_FILE,
-    iteration_dir_name,
-    tracked_checkpoint_dir,
-)
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
@@ -124,23 +118,21 @@ class StableLatentMoEModelBuilder(GPTModelBuilder):
 
 
 def _resume_checkpoint_keys() -> list[str]:
-    """Tensor keys of the ``torch_dist`` checkpoint this training run will load ([] if none)."""
+    """Tensor keys of the ``torch_dist`` checkpoint this training run will load ([] if none):
+    the one :mod:`.resume` says Megatron loads (``--load`` or ``--pretrained-checkpoint``, a
+    newer non-persistent one, ``--ckpt-step``'s)."""
     try:
         from megatron.training import get_args
 
         args = get_args()
     except (ImportError, AssertionError):  # built outside megatron.training
         return []
-    load = getattr(args, "load", None)
-    if not (
-        load
-        and getattr(args, "ckpt_format", None) == "torch_dist"
-        and os.path.isfile(os.path.join(load, TRACKER_FILE))
-    ):
+    from megatron_latentmoe.training.resume import resumed_by_args
+
+    if getattr(args, "ckpt_format", None) != "torch_dist":
         return []
-    step = getattr(args, "ckpt_step", None)  # as in Megatron: overrides the tracker's iteration
-    path = Path(load) / iteration_dir_name(step) if step else tracked_checkpoint_dir(load)
-    if not (path / ".metadata").is_file():
+    path = resumed_by_args(args)
+    if path is None or not os.path.isfile(os.path.join(path, ".metadata")):
         return []
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -104,6 +104,8 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.training.file_checks import folder_refusal
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
+        ckpt_step,
+        ckpt_step_refusal,
         format_refusal,
         load_flag,
         load_format,
@@ -124,8 +126,9 @@ def _checked(args, has_cuda: bool):
     load_arg = loaded_arg(args) or "load"  # --pretrained-checkpoint where --load holds none
     load_dir = getattr(args, load_arg)
     for refusal in (
-        load_refusal(load_dir, load_format(args), load_flag(load_arg)),  # an HF export first
-        pretrained_refusal(args),
+        load_refusal(load_dir, load_format(args), load_flag(load_arg), ckpt_step(args)),
+        pretrained_refusal(args),  # after an HF export's
+        ckpt_step_refusal(args, load_arg),
         format_refusal(args, non_persistent_dir(args, load_dir), load_arg),
         folder_refusal("--save", args.save),
         folder_refusal("--data-cache-path", args.data_cache_path),
@@ -246,6 +249,7 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
+        ckpt_step,
         layout_changed,
         legacy_layout_refusal,
         load_flag,
@@ -283,7 +287,11 @@ def _main(check_only: bool = False) -> int:
         fine_tunes = args.finetune or load_arg != "load"  # Megatron sets it for the latter
         non_persistent = non_persistent_dir(args, load_dir)
         saved = saved_args(
-            load_dir, load_format(args), release=load_arg != "load", non_persistent=non_persistent
+            load_dir,
+            load_format(args),
+            release=load_arg != "load",
+            non_persistent=non_persistent,
+            ckpt_step=ckpt_step(args),
         )
         refusal = shape_refusal(
             load_dir, args, saved, load_flag(load_arg)

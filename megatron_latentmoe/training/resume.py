@@ -155,12 +155,21 @@ def resumed_checkpoint(
     *,
     release: bool = False,
     non_persistent: str | None = None,
+    ckpt_step: int | None = None,
 ) -> str | None:
     """The folder of the checkpoint a run will resume from (None: nothing to load); with
     ``release``, a ``release`` checkpoint too (one a run starts from). ``non_persistent``
     (:func:`non_persistent_dir`): Megatron resumes from the newest global non-persistent
-    checkpoint there where it is as new as the persistent one, or newer."""
-    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    checkpoint there where it is as new as the persistent one, or newer. ``ckpt_step``
+    (``--ckpt-step``, :func:`ckpt_step`): megatron-core 0.19.2's ``_load_base_checkpoint``
+    loads that iteration's folder in ``load_dir`` (``--load`` or ``--pretrained-checkpoint``)
+    in place of the tracker's, there or not, complete or not, with or without a tracker; a
+    ``release`` tracker still loads ``release``; the non-persistent one is compared with it."""
+    iteration = (
+        ckpt_step
+        if ckpt_step and _tracker_text(load_dir) != RELEASE
+        else repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    )
     newer = (
         repair_checkpoint_tracker(non_persistent, "torch_dist", write=False)
         if non_persistent
@@ -176,6 +185,71 @@ def resumed_checkpoint(
         if not (release and tracked is not None and tracked.name == RELEASE):
             return None
     return os.path.join(load_dir, iteration_dir_name(iteration))
+
+
+def _tracker_text(load_dir: str) -> str | None:
+    """What ``load_dir``'s tracker holds, stripped (None: no tracker, or unreadable)."""
+    try:
+        return Path(load_dir, TRACKER_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def ckpt_step(args) -> int | None:
+    """``--ckpt-step``: the iteration Megatron loads in place of the tracker's (None: none given;
+    0 is none to megatron-core 0.19.2, which tests it for truth)."""
+    return getattr(args, "ckpt_step", None) or None
+
+
+def resumed_by_args(args, load_arg: str | None = None) -> str | None:
+    """:func:`resumed_checkpoint` for this run's flags: the folder megatron-core 0.19.2 loads
+    (``load_arg``: default :func:`loaded_arg`), None where it loads none; where no folder is
+    complete by this run's format, the one the tracker names, which Megatron loads as it is."""
+    load_arg = load_arg or loaded_arg(args)
+    if load_arg is None:
+        return None
+    load_dir = getattr(args, load_arg)
+    path = resumed_checkpoint(
+        load_dir,
+        load_format(args),
+        release=load_arg != "load",
+        non_persistent=non_persistent_dir(args, load_dir),
+        ckpt_step=ckpt_step(args),
+    )
+    if path is None:
+        try:
+            tracked = tracked_checkpoint_dir(load_dir)
+        except ValueError:  # an unreadable tracker: Megatron will report it
+            tracked = None
+        path = tracked and str(tracked)
+    return path
+
+
+def ckpt_step_refusal(args, load_arg: str = "load") -> str | None:
+    """One line when ``--ckpt-step N`` makes Megatron load a folder that is not there or not
+    complete (:func:`_complete_checkpoint` by this run's format): megatron-core 0.19.2 failed
+    after building the model and optimizer, on every rank, with "FileNotFoundError: [Errno 2]
+    No such file or directory: '.../iter_0000005'" (measured: CPU, one rank, tiny.sh, an empty
+    --load, --ckpt-step 5)."""
+    step, load_dir = ckpt_step(args), getattr(args, load_arg, None)
+    path = step and load_dir and resumed_by_args(args, load_arg)
+    if not path or path != os.path.join(load_dir, iteration_dir_name(step)):
+        return None
+    if _complete_checkpoint(path, load_format(args)):
+        return None
+    what = "is not a complete checkpoint" if os.path.isdir(path) else "is not there"
+    complete = sorted(
+        i
+        for e in (os.listdir(load_dir) if os.path.isdir(load_dir) else ())
+        if (i := iteration_of_dir_name(e)) is not None
+        and _complete_checkpoint(os.path.join(load_dir, e), load_format(args))
+    )
+    have = ", ".join(map(str, complete)) or "none"
+    return (
+        f"--ckpt-step {step}: {path} {what} ({load_flag(load_arg)} {load_dir}); give an "
+        f"iteration whose checkpoint there is complete (complete ones: {have}), or leave "
+        "--ckpt-step out to load the tracker's"
+    )
 
 
 def loaded_arg(args) -> str | None:
@@ -205,11 +279,14 @@ def saved_args(
     *,
     release: bool = False,
     non_persistent: str | None = None,
+    ckpt_step: int | None = None,
 ):
     """The arguments of the checkpoint a run will resume from (:func:`resumed_checkpoint`; None:
     nothing to load, or not readable): a distributed checkpoint's common state, a legacy
     ``torch`` one's rank-0 file (memory-mapped: its tensors are not read)."""
-    path = resumed_checkpoint(load_dir, ckpt_format, release=release, non_persistent=non_persistent)
+    path = resumed_checkpoint(
+        load_dir, ckpt_format, release=release, non_persistent=non_persistent, ckpt_step=ckpt_step
+    )
     if path is None:
         return None
     if checkpoint_format(path) == "torch":
@@ -271,6 +348,7 @@ def load_checkpoint_args(args) -> set[str]:
             load_format(args),
             release=True,
             non_persistent=non_persistent_dir(args, load_dir),
+            ckpt_step=ckpt_step(args),
         )
         for f in ADDED:
             value = getattr(saved, f.name, None) if f.hf else None
@@ -321,13 +399,17 @@ def _torch_dist_refusal(path: Path) -> str | None:
     return None
 
 
-def load_refusal(load_dir: str | None, ckpt_format: str, flag: str = "--load") -> str | None:
+def load_refusal(
+    load_dir: str | None, ckpt_format: str, flag: str = "--load", step: int | None = None
+) -> str | None:
     """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
     wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
     Megatron does). Looks at the checkpoint the run would resume from after
     :func:`repair_checkpoint_tracker`; checks its files for ``torch_dist`` only. ``flag``: the
     one that gave ``load_dir`` (:func:`loaded_arg`; ``--pretrained-checkpoint``: the advice to
-    start from scratch is left out, Megatron does not start from scratch without it)."""
+    start from scratch is left out, Megatron does not start from scratch without it). ``step``:
+    ``--ckpt-step``'s (:func:`ckpt_step`), the one judged in place of the tracker's (a folder
+    there that is not complete: :func:`ckpt_step_refusal`'s)."""
     if not load_dir or not os.path.isdir(load_dir):
         return None
     root = Path(load_dir)
@@ -338,7 +420,12 @@ def load_refusal(load_dir: str | None, ckpt_format: str, flag: str = "--load") -
             f"({HF_IMPORT.format(path=load_dir)}) and give {flag} SAVE_ROOT"
         )
     resumes = flag == "--load"
-    iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    if step and _tracker_text(load_dir) != RELEASE:
+        if not _complete_checkpoint(str(root / iteration_dir_name(step)), ckpt_format):
+            return None
+        iteration = step
+    else:
+        iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
     if iteration is None:
         tracker = root / TRACKER_FILE
         try:
@@ -411,7 +498,11 @@ def format_refusal(args, non_persistent: str | None = None, load_arg: str = "loa
     if not load_dir:
         return None
     path = resumed_checkpoint(
-        load_dir, load_format(args), release=True, non_persistent=non_persistent
+        load_dir,
+        load_format(args),
+        release=True,
+        non_persistent=non_persistent,
+        ckpt_step=ckpt_step(args),
     )
     if path is None:
         try:
@@ -517,7 +608,11 @@ def legacy_layout_refusal(
     ]
     load_dir = getattr(args, load_arg)
     path = differ and resumed_checkpoint(
-        load_dir, load_format(args), release=load_arg != "load", non_persistent=non_persistent
+        load_dir,
+        load_format(args),
+        release=load_arg != "load",
+        non_persistent=non_persistent,
+        ckpt_step=ckpt_step(args),
     )
     if checkpoint_format(path or None) != "torch":
         return None

@@ -388,7 +388,7 @@ def test_main_checks_the_pretrained_checkpoint_megatron_falls_back_to(
     monkeypatch.setattr(
         resume,
         "saved_args",
-        lambda *a, release, non_persistent: releases.append(release) or run.saved,
+        lambda *a, release, non_persistent, ckpt_step: releases.append(release) or run.saved,
     )
     run.saved.hidden_size = 16
     assert run() == 2

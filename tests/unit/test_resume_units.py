@@ -217,7 +217,7 @@ def _checkpoint_args(monkeypatch, saved, **flags):
     checkpointing = SimpleNamespace(load_args_from_checkpoint=load_args_from_checkpoint)
     monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
 
-    def saved_args(load_dir, ckpt_format, *, release, non_persistent):
+    def saved_args(load_dir, ckpt_format, *, release, non_persistent, ckpt_step=None):
         asked.append((load_dir, ckpt_format, release))
         return saved.get(load_dir)
 
@@ -610,4 +610,83 @@ def test_a_legacy_pretrained_release_checkpoint_of_another_layout_is_refused(tmp
     assert resume.legacy_layout_refusal(args, saved, None, "pretrained_checkpoint").startswith(
         f"--pretrained-checkpoint {tmp_path}: {tmp_path}/release is a legacy torch checkpoint of "
         "another parallel layout: --tensor-model-parallel-size 2 (this run: 1)"
+    )
+
+
+def _step_args(root, step, **flags):
+    args = SimpleNamespace(
+        load=str(root),
+        pretrained_checkpoint=None,
+        ckpt_format="torch_dist",
+        ckpt_step=step,
+        non_persistent_ckpt_type=None,
+    )
+    vars(args).update(flags)
+    return args
+
+
+def test_ckpt_step_is_the_checkpoint_judged_as_megatron_loads_it(tmp_path, common_state):
+    """megatron-core 0.19.2 loads --ckpt-step's iteration in place of the tracker's (0: none;
+    a release tracker keeps release; a non-persistent one as new or newer wins). Before, the
+    start-up checks read the tracker's folder (here iteration 4) whatever --ckpt-step said."""
+    root = _checkpoints(tmp_path, [2, 4], tracker=b"4")
+    assert resume.resumed_checkpoint(root, ckpt_step=2) == f"{root}/iter_0000002"
+    assert resume.resumed_checkpoint(root, ckpt_step=0) == f"{root}/iter_0000004"
+    assert resume.saved_args(root, ckpt_step=2) == "args of iter_0000002"
+    assert resume.resumed_by_args(_step_args(root, 2)) == f"{root}/iter_0000002"
+    (tmp_path / "np").mkdir()
+    _checkpoints(tmp_path / "np", [3], tracker=b"3")
+    assert resume.resumed_checkpoint(root, ckpt_step=2, non_persistent=str(tmp_path / "np")) == (
+        f"{tmp_path}/np/iter_0000003"
+    )
+    assert resume.resumed_checkpoint(root, ckpt_step=4, non_persistent=str(tmp_path / "np")) == (
+        f"{root}/iter_0000004"
+    )
+    (tmp_path / iteration_dir_name(7)).mkdir()
+    (tmp_path / iteration_dir_name(7) / "mp_rank_00").mkdir()  # a legacy torch checkpoint
+    assert _format_refusal(root, "torch") is not None  # the tracker's: torch_dist
+    args = _step_args(root, 7, ckpt_format="torch", auto_detect_ckpt_format=False)
+    assert resume.format_refusal(args) is None  # --ckpt-step's: a legacy torch one
+    args = _step_args(root, 2, ckpt_format="torch", auto_detect_ckpt_format=False)
+    assert resume.format_refusal(args).startswith(
+        f"--load {root}: {root}/iter_0000002 is a torch_dist checkpoint"
+    )
+    (tmp_path / TRACKER_FILE).write_bytes(b"release")
+    assert resume.resumed_checkpoint(root, release=True, ckpt_step=2) == f"{root}/release"
+
+
+def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_path):
+    """megatron-core 0.19.2, --ckpt-step 5 with no iter_0000005 (measured, CPU, one rank): after
+    building the model and optimizer, "FileNotFoundError: [Errno 2] No such file or directory:
+    '.../iter_0000005'". Now one line naming the flag, the folder and the complete ones."""
+    root = _checkpoints(tmp_path, [2, 4], tracker=b"4")
+    (tmp_path / iteration_dir_name(6)).mkdir()
+    (tmp_path / iteration_dir_name(6) / ".metadata").write_text("{}")  # killed mid-save
+    assert resume.ckpt_step_refusal(_step_args(root, 2)) is None
+    assert resume.ckpt_step_refusal(_step_args(root, None)) is None
+    tail = f" (--load {root}); give an iteration whose checkpoint there is complete (complete "
+    tail += "ones: 2, 4), or leave --ckpt-step out to load the tracker's"
+    assert resume.ckpt_step_refusal(_step_args(root, 5)) == (
+        f"--ckpt-step 5: {root}/iter_0000005 is not there{tail}"
+    )
+    assert resume.ckpt_step_refusal(_step_args(root, 6)) == (
+        f"--ckpt-step 6: {root}/iter_0000006 is not a complete checkpoint{tail}"
+    )
+    new = tmp_path / "new"  # no --load folder at all: Megatron still loads new/iter_0000005
+    assert resume.ckpt_step_refusal(_step_args(new, 5)).startswith(
+        f"--ckpt-step 5: {new}/iter_0000005 is not there (--load {new}); "
+    )
+    assert resume.load_refusal(root, "torch_dist", step=6) is None  # left to the line above
+
+
+def test_a_damaged_ckpt_step_checkpoint_is_refused(tmp_path):
+    """The damage check reads --ckpt-step's folder, not the tracker's."""
+    path = dcp_checkpoint(tmp_path, 4)
+    dcp_checkpoint(tmp_path, 2)  # the tracker's
+    assert resume.load_refusal(str(tmp_path), "torch_dist") is None
+    (shard,) = path.glob("*.distcp")
+    shard.unlink()
+    assert resume.load_refusal(str(tmp_path), "torch_dist", step=4).startswith(
+        f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: shard file {shard} is "
+        "missing"
     )
