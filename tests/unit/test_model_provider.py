@@ -82,6 +82,7 @@ RESUMES = {  # what a resumed run loads: (--ckpt-format, --ckpt-step)
     "ckpt_step_1": ("torch_dist", 1),  # --ckpt-step overrides the tracker: today's name
     "ckpt_step_3": ("torch_dist", 3),  # no such checkpoint: nothing to read, today's name
     "torch_format": ("torch", None),  # not a torch_dist checkpoint: its keys are not read
+    "pretrained": ("torch_dist", None),  # given as --pretrained-checkpoint, no --load: the same
 }
 
 
@@ -113,6 +114,9 @@ def _norm_names_on_resume(args, builder, pg_collection, root: str) -> dict:
     names = {}
     for label, (ckpt_format, ckpt_step) in RESUMES.items():
         args.load, args.ckpt_format, args.ckpt_step = root, ckpt_format, ckpt_step
+        args.pretrained_checkpoint = None
+        if label == "pretrained":
+            args.load, args.pretrained_checkpoint = None, root
         global_vars.set_args(args)
         model = builder.build_model(pg_collection)
         names[label] = sorted(
@@ -305,14 +309,16 @@ def test_query_groups_without_gqa_are_ignored_as_megatron_ignores_them(built):
 
 def test_a_resumed_run_builds_the_norm_under_its_checkpoints_name(built):
     """The builder reads the keys of the checkpoint ``--load`` resumes from (the tracker's
-    iteration, or ``--ckpt-step``'s, torch_dist only): a checkpoint from before the rename is
-    read and written under the old name ``latent_norm``."""
+    iteration, or ``--ckpt-step``'s, torch_dist only; ``--pretrained-checkpoint``'s where no
+    --load is given, which the builder did not read before: it built ``routed_expert_norm``): a
+    checkpoint from before the rename is read and written under the old name ``latent_norm``."""
     assert built["tiny"]["norm_names"] == {
         "tracked": ["latent_norm"],
         "ckpt_step_0": ["latent_norm"],
         "ckpt_step_1": ["routed_expert_norm"],
         "ckpt_step_3": ["routed_expert_norm"],
         "torch_format": ["routed_expert_norm"],
+        "pretrained": ["latent_norm"],
     }
 
 
