@@ -111,7 +111,6 @@ def _checked(args, has_cuda: bool):
         load_format,
         load_refusal,
         loaded_arg,
-        non_persistent_dir,
         pretrained_refusal,
     )
 
@@ -129,7 +128,7 @@ def _checked(args, has_cuda: bool):
         load_refusal(load_dir, load_format(args), load_flag(load_arg), ckpt_step(args)),
         pretrained_refusal(args),  # after an HF export's
         ckpt_step_refusal(args, load_arg),
-        format_refusal(args, non_persistent_dir(args, load_dir), load_arg),
+        format_refusal(args, load_arg),
         folder_refusal("--save", args.save),
         folder_refusal("--data-cache-path", args.data_cache_path),
         None if args.data_cache_path else folder_refusal(DEFAULT_CACHE_ORIGIN, default_data_dir),

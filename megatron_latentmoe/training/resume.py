@@ -142,11 +142,11 @@ def non_persistent_dir(args, load_dir: str | None = None) -> str | None:
     load_dir = load_dir or args.load
     if getattr(args, "non_persistent_ckpt_type", None) != "global" or not load_dir:
         return None
+    if args.non_persistent_global_ckpt_dir:
+        return args.non_persistent_global_ckpt_dir
     from megatron.training.checkpointing import _NON_PERSISTENT_CKPT_SUBDIR
 
-    return args.non_persistent_global_ckpt_dir or os.path.join(
-        load_dir, _NON_PERSISTENT_CKPT_SUBDIR
-    )
+    return os.path.join(load_dir, _NON_PERSISTENT_CKPT_SUBDIR)
 
 
 def resumed_checkpoint(
@@ -475,11 +475,12 @@ def pretrained_refusal(args) -> str | None:
     )
 
 
-def format_refusal(args, non_persistent: str | None = None, load_arg: str = "load") -> str | None:
-    """One line when the checkpoint ``--load`` resumes from (see :func:`resumed_checkpoint` for
-    ``non_persistent``; where no folder is complete by this run's format, the one the tracker
-    names, which Megatron loads as it is) is of a format megatron-core 0.19.2 fails to load with
-    this run's ``--ckpt-format``, with a traceback on every rank (measured with one rank):
+def format_refusal(args, load_arg: str = "load") -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (:func:`resumed_by_args`: a newer
+    non-persistent one, ``--ckpt-step``'s; where no folder is complete by this run's format, the
+    one the tracker names, which Megatron loads as it is) is of a format megatron-core 0.19.2
+    fails to load with this run's ``--ckpt-format``, with a traceback on every rank (measured
+    with one rank):
 
     - ``torch_dist`` with ``--ckpt-format torch`` without ``--auto-detect-ckpt-format``:
       "RuntimeError: Detected load from a distributed checkpoint, but neither --use-dist-ckpt
@@ -497,19 +498,7 @@ def format_refusal(args, non_persistent: str | None = None, load_arg: str = "loa
     load_dir = getattr(args, load_arg)
     if not load_dir:
         return None
-    path = resumed_checkpoint(
-        load_dir,
-        load_format(args),
-        release=True,
-        non_persistent=non_persistent,
-        ckpt_step=ckpt_step(args),
-    )
-    if path is None:
-        try:
-            tracked = tracked_checkpoint_dir(load_dir)
-        except ValueError:  # an unreadable tracker: Megatron will report it
-            tracked = None
-        path = tracked and str(tracked)
+    path = resumed_by_args(args, load_arg)
     found, run = checkpoint_format(path), args.ckpt_format
     auto = getattr(args, "auto_detect_ckpt_format", False)
     if found == "torch_dist" and run == "torch" and not auto:

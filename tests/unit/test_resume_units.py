@@ -140,8 +140,14 @@ def test_saved_args_of_a_release_checkpoint_only_with_release(tmp_path, common_s
 
 
 def _format_refusal(root, ckpt_format, auto=False, non_persistent=None):
-    args = SimpleNamespace(load=str(root), ckpt_format=ckpt_format, auto_detect_ckpt_format=auto)
-    return resume.format_refusal(args, non_persistent and str(non_persistent))
+    args = SimpleNamespace(
+        load=str(root),
+        ckpt_format=ckpt_format,
+        auto_detect_ckpt_format=auto,
+        non_persistent_ckpt_type="global" if non_persistent else None,
+        non_persistent_global_ckpt_dir=non_persistent and str(non_persistent),
+    )
+    return resume.format_refusal(args)
 
 
 TORCH_DIST_FILES, TORCH_DCP_FILES = (".metadata", "metadata.json"), (".metadata",)
@@ -559,7 +565,7 @@ def test_a_pretrained_checkpoint_megatron_falls_back_to_is_checked_as_load_is(tm
     pre.mkdir()
     _checkpoints(pre, [2], tracker=b"2", files=TORCH_DIST_FILES)
     assert resume.pretrained_refusal(args) is None
-    assert resume.format_refusal(args, None, "pretrained_checkpoint") == (
+    assert resume.format_refusal(args, "pretrained_checkpoint") == (
         f"--pretrained-checkpoint {pre}: {pre}/iter_0000002 is a torch_dist checkpoint, which "
         "megatron-core 0.19.2 fails to load with --ckpt-format torch; resume from it with "
         "--ckpt-format torch_dist, or add --auto-detect-ckpt-format (the run then saves in "
