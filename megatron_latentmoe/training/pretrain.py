@@ -104,11 +104,8 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.training.file_checks import folder_refusal
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
-        ckpt_step,
         ckpt_step_refusal,
         format_refusal,
-        load_flag,
-        load_format,
         load_refusal,
         loaded_arg,
         pretrained_refusal,
@@ -123,9 +120,8 @@ def _checked(args, has_cuda: bool):
             else str(default_cache_dir())
         )
     load_arg = loaded_arg(args) or "load"  # --pretrained-checkpoint where --load holds none
-    load_dir = getattr(args, load_arg)
     for refusal in (
-        load_refusal(load_dir, load_format(args), load_flag(load_arg), ckpt_step(args)),
+        load_refusal(args, load_arg),
         pretrained_refusal(args),  # after an HF export's
         ckpt_step_refusal(args, load_arg),
         format_refusal(args, load_arg),

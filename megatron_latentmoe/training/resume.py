@@ -399,17 +399,17 @@ def _torch_dist_refusal(path: Path) -> str | None:
     return None
 
 
-def load_refusal(
-    load_dir: str | None, ckpt_format: str, flag: str = "--load", step: int | None = None
-) -> str | None:
-    """One line saying what is wrong with ``--load load_dir`` and what to do, or None (nothing
-    wrong, or nothing to load: a run given an empty or new folder starts from scratch, as
-    Megatron does). Looks at the checkpoint the run would resume from after
-    :func:`repair_checkpoint_tracker`; checks its files for ``torch_dist`` only. ``flag``: the
-    one that gave ``load_dir`` (:func:`loaded_arg`; ``--pretrained-checkpoint``: the advice to
-    start from scratch is left out, Megatron does not start from scratch without it). ``step``:
-    ``--ckpt-step``'s (:func:`ckpt_step`), the one judged in place of the tracker's (a folder
-    there that is not complete: :func:`ckpt_step_refusal`'s)."""
+def load_refusal(args, load_arg: str = "load") -> str | None:
+    """One line saying what is wrong with the checkpoint ``--load`` resumes from and what to do,
+    or None (nothing wrong, or nothing to load: a run given an empty or new folder starts from
+    scratch, as Megatron does). Judges the folder :func:`resumed_by_args` names, the one
+    Megatron loads (the tracker's after :func:`repair_checkpoint_tracker`, ``--ckpt-step``'s, a
+    newer global non-persistent one, a ``release`` one); checks its files where it is a
+    ``torch_dist`` one. ``load_arg``: the flag (its dest) whose folder Megatron loads
+    (:func:`loaded_arg`; ``--pretrained-checkpoint``: the advice to start from scratch is left
+    out, Megatron does not start from scratch without it). A ``--ckpt-step`` folder that is not
+    complete: :func:`ckpt_step_refusal`'s."""
+    load_dir, flag = getattr(args, load_arg), load_flag(load_arg)
     if not load_dir or not os.path.isdir(load_dir):
         return None
     root = Path(load_dir)
@@ -420,37 +420,48 @@ def load_refusal(
             f"({HF_IMPORT.format(path=load_dir)}) and give {flag} SAVE_ROOT"
         )
     resumes = flag == "--load"
-    if step and _tracker_text(load_dir) != RELEASE:
-        if not _complete_checkpoint(str(root / iteration_dir_name(step)), ckpt_format):
-            return None
-        iteration = step
-    else:
-        iteration = repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
-    if iteration is None:
-        tracker = root / TRACKER_FILE
-        try:
-            text = tracker.read_text().strip() if tracker.is_file() else ""
-        except (OSError, UnicodeDecodeError):
-            text = ""
-        if text.isdecimal() and not (root / iteration_dir_name(int(text))).is_dir():
+    path = resumed_by_args(args, load_arg)
+    if path is None:
+        return None
+    tracker, text = root / TRACKER_FILE, _tracker_text(load_dir) or ""
+    if not os.path.isdir(path):
+        if (
+            text.isdecimal()
+            and not ckpt_step(args)  # its folder: ckpt_step_refusal's
+            and path == str(root / iteration_dir_name(int(text)))
+        ):
             return (
                 f"{flag} {load_dir}: {tracker} names iteration {int(text)}, but "
-                f"{root / iteration_dir_name(int(text))} is not there and no other complete "
-                f"checkpoint is: give {flag} the folder that holds it"
+                f"{path} is not there and no other complete checkpoint is: give {flag} the "
+                "folder that holds it"
                 + (f", or delete {tracker} to start from scratch" if resumes else "")
             )
         return None
-    if ckpt_format != "torch_dist":
+    if not _complete_checkpoint(path, load_format(args)) or checkpoint_format(path) != (
+        "torch_dist"
+    ):
         return None
-    path = root / iteration_dir_name(iteration)
-    problem = _torch_dist_refusal(path)
+    problem = _torch_dist_refusal(Path(path))
     if problem is None:
         return None
+    name, iteration = os.path.basename(path), iteration_of_dir_name(os.path.basename(path))
+    folder = os.path.dirname(path)
+    if os.path.normpath(folder) != os.path.normpath(load_dir):  # a newer non-persistent one
+        return (
+            f"{flag} {load_dir}: the non-persistent checkpoint of iteration {iteration} ({path}), "
+            f"which Megatron loads as the newest, is damaged: {problem}. Delete {folder} (the run "
+            f"then loads the persistent checkpoint in {load_dir})"
+        )
+    if iteration is None:  # release
+        return (
+            f"{flag} {load_dir}: the release checkpoint {path} is damaged: {problem}. Write it "
+            "again (for an HF model: the import)"
+        )
     return (
         f"{flag} {load_dir}: the checkpoint of iteration {iteration} is damaged: {problem}. "
         f"Write {TRACKER_FILE} with an earlier iteration whose folder is whole"
         + (
-            f", or delete {path.name} (the run then resumes from the newest complete one)"
+            f", or delete {name} (the run then resumes from the newest complete one)"
             if resumes
             else ""
         )

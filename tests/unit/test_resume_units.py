@@ -440,13 +440,26 @@ def test_a_layout_change_without_the_optimizer_steps_the_schedule(
     assert " at iteration 0; " in lines[1]
 
 
+def _load_refusal(load_dir, load_arg="load", **flags):
+    """:func:`resume.load_refusal` of a run whose ``load_arg`` flag gives ``load_dir``."""
+    args = SimpleNamespace(
+        load=None,
+        pretrained_checkpoint=None,
+        ckpt_format="torch_dist",
+        ckpt_step=None,
+        non_persistent_ckpt_type=None,
+        non_persistent_global_ckpt_dir=None,
+    )
+    setattr(args, load_arg, str(load_dir))
+    vars(args).update(flags)
+    return resume.load_refusal(args, load_arg)
+
+
 def test_a_damaged_load_folder_is_refused_in_one_line(tmp_path):
     """Each of these failed in megatron-core's load, on every rank, with a traceback (or, for an
     HF export, trained from random weights); now one line naming the file and what to do."""
-    from megatron_latentmoe.training.resume import load_refusal
-
     path = dcp_checkpoint(tmp_path, 4)
-    assert load_refusal(str(tmp_path), "torch_dist") is None
+    assert _load_refusal(tmp_path) is None
     (shard,) = path.glob("*.distcp")
     size = shard.stat().st_size
     damaged = f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: "
@@ -455,35 +468,72 @@ def test_a_damaged_load_folder_is_refused_in_one_line(tmp_path):
         "iter_0000004 (the run then resumes from the newest complete one)"
     )
     os.truncate(shard, size - 1)
-    assert load_refusal(str(tmp_path), "torch_dist") == (
+    assert _load_refusal(tmp_path) == (
         f"{damaged}shard file {shard} is cut short: {size - 1} bytes, where .metadata has data "
         f"up to byte {size}{advice}"
     )
     shard.unlink()
-    assert load_refusal(str(tmp_path), "torch_dist") == (
-        f"{damaged}shard file {shard} is missing{advice}"
-    )
+    assert _load_refusal(tmp_path) == (f"{damaged}shard file {shard} is missing{advice}")
     metadata = (path / ".metadata").read_bytes()
     (path / ".metadata").write_bytes(metadata[:100])
-    refusal = load_refusal(str(tmp_path), "torch_dist")
+    refusal = _load_refusal(tmp_path)
     assert refusal.startswith(
         f"{damaged}{path / '.metadata'} cannot be read ("
     ) and refusal.endswith(advice), refusal
     (path / ".metadata").write_bytes(metadata)
     (path / "metadata.json").write_text('{"sharded_backend": ')
-    refusal = load_refusal(str(tmp_path), "torch_dist")
+    refusal = _load_refusal(tmp_path)
     assert refusal.startswith(f"{damaged}{path / 'metadata.json'} cannot be read (Expecting value")
 
 
-def test_a_tracker_naming_a_missing_checkpoint_and_an_hf_export_are_refused(tmp_path):
-    from megatron_latentmoe.training.resume import load_refusal
+def test_the_damage_check_judges_the_checkpoint_megatron_loads(tmp_path):
+    """--non-persistent-ckpt-type global: megatron-core 0.19.2 loads the newest non-persistent
+    checkpoint where it is as new as the persistent one or newer (resume.resumed_by_args). Before,
+    the damage check read the persistent one alone: a damaged non-persistent one passed (and
+    failed in Megatron's load with a traceback), a damaged persistent one that Megatron does not
+    load was refused. A damaged release checkpoint was not checked at all."""
+    np_dir = tmp_path / "non_persistent"
+    np_dir.mkdir()
+    global_np = {
+        "non_persistent_ckpt_type": "global",
+        "non_persistent_global_ckpt_dir": str(np_dir),
+    }
+    dcp_checkpoint(tmp_path, 2)
+    newest = dcp_checkpoint(np_dir, 4)
+    (shard,) = newest.glob("*.distcp")
+    shard.unlink()
+    assert _load_refusal(tmp_path) is None  # no non-persistent type: Megatron loads iteration 2
+    assert _load_refusal(tmp_path, **global_np) == (
+        f"--load {tmp_path}: the non-persistent checkpoint of iteration 4 ({newest}), which "
+        f"Megatron loads as the newest, is damaged: shard file {shard} is missing. Delete "
+        f"{np_dir} (the run then loads the persistent checkpoint in {tmp_path})"
+    )
+    dcp_checkpoint(np_dir, 6)  # a whole newer one: Megatron loads it, not the damaged ones
+    (persistent_shard,) = (tmp_path / iteration_dir_name(2)).glob("*.distcp")
+    persistent_shard.unlink()
+    assert _load_refusal(tmp_path, **global_np) is None
+    assert _load_refusal(tmp_path).startswith(
+        f"--load {tmp_path}: the checkpoint of iteration 2 is damaged: shard file "
+    )
+    release = tmp_path / "pre"
+    release.mkdir()
+    path = dcp_checkpoint(release, 0).rename(release / "release")
+    (release / TRACKER_FILE).write_text("release")
+    (shard,) = path.glob("*.distcp")
+    shard.unlink()
+    assert _load_refusal(release, "pretrained_checkpoint") == (
+        f"--pretrained-checkpoint {release}: the release checkpoint {path} is damaged: shard file "
+        f"{shard} is missing. Write it again (for an HF model: the import)"
+    )
 
+
+def test_a_tracker_naming_a_missing_checkpoint_and_an_hf_export_are_refused(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert load_refusal(str(empty), "torch_dist") is None  # a new run: starts from scratch
-    assert load_refusal(str(tmp_path / "absent"), "torch_dist") is None
+    assert _load_refusal(empty) is None  # a new run: starts from scratch
+    assert _load_refusal(tmp_path / "absent") is None
     (empty / TRACKER_FILE).write_text("8")
-    assert load_refusal(str(empty), "torch_dist") == (
+    assert _load_refusal(empty) == (
         f"--load {empty}: {empty / TRACKER_FILE} names iteration 8, but "
         f"{empty / 'iter_0000008'} is not there and no other complete checkpoint is: give --load "
         f"the folder that holds it, or delete {empty / TRACKER_FILE} to start from scratch"
@@ -492,7 +542,7 @@ def test_a_tracker_naming_a_missing_checkpoint_and_an_hf_export_are_refused(tmp_
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
-    assert load_refusal(str(hf), "torch_dist") == (
+    assert _load_refusal(hf) == (
         f"--load {hf} is a Hugging Face export (config.json, *.safetensors), not a Megatron "
         "checkpoint: Megatron would start from random weights. Import it first (python -m "
         f"megatron_latentmoe.convert import --hf {hf} --output SAVE_ROOT) and give --load SAVE_ROOT"
@@ -580,7 +630,7 @@ def test_a_pretrained_checkpoint_megatron_falls_back_to_is_checked_as_load_is(tm
     gone = tmp_path / "gone"
     gone.mkdir()
     _checkpoints(gone, [], tracker=b"8")
-    assert resume.load_refusal(str(gone), "torch_dist", "--pretrained-checkpoint") == (
+    assert _load_refusal(gone, "pretrained_checkpoint") == (
         f"--pretrained-checkpoint {gone}: {gone / TRACKER_FILE} names iteration 8, but "
         f"{gone / 'iter_0000008'} is not there and no other complete checkpoint is: give "
         "--pretrained-checkpoint the folder that holds it"
@@ -589,7 +639,7 @@ def test_a_pretrained_checkpoint_megatron_falls_back_to_is_checked_as_load_is(tm
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
-    assert resume.load_refusal(str(hf), "torch_dist", "--pretrained-checkpoint").endswith(
+    assert _load_refusal(hf, "pretrained_checkpoint").endswith(
         "--output SAVE_ROOT) and give --pretrained-checkpoint SAVE_ROOT"
     )
 
@@ -598,7 +648,7 @@ def test_a_damaged_pretrained_checkpoint_is_refused_without_the_resume_advice(tm
     path = dcp_checkpoint(tmp_path, 4)
     (shard,) = path.glob("*.distcp")
     shard.unlink()
-    assert resume.load_refusal(str(tmp_path), "torch_dist", "--pretrained-checkpoint") == (
+    assert _load_refusal(tmp_path, "pretrained_checkpoint") == (
         f"--pretrained-checkpoint {tmp_path}: the checkpoint of iteration 4 is damaged: shard "
         f"file {shard} is missing. Write {TRACKER_FILE} with an earlier iteration whose folder "
         "is whole"
@@ -682,17 +732,17 @@ def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_pa
     assert resume.ckpt_step_refusal(_step_args(new, 5)).startswith(
         f"--ckpt-step 5: {new}/iter_0000005 is not there (--load {new}); "
     )
-    assert resume.load_refusal(root, "torch_dist", step=6) is None  # left to the line above
+    assert _load_refusal(root, ckpt_step=6) is None  # left to the line above
 
 
 def test_a_damaged_ckpt_step_checkpoint_is_refused(tmp_path):
     """The damage check reads --ckpt-step's folder, not the tracker's."""
     path = dcp_checkpoint(tmp_path, 4)
     dcp_checkpoint(tmp_path, 2)  # the tracker's
-    assert resume.load_refusal(str(tmp_path), "torch_dist") is None
+    assert _load_refusal(tmp_path) is None
     (shard,) = path.glob("*.distcp")
     shard.unlink()
-    assert resume.load_refusal(str(tmp_path), "torch_dist", step=4).startswith(
+    assert _load_refusal(tmp_path, ckpt_step=4).startswith(
         f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: shard file {shard} is "
         "missing"
     )
