@@ -245,6 +245,7 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
         ckpt_step,
+        ckpt_step_warning,
         layout_changed,
         legacy_layout_refusal,
         load_flag,
@@ -280,6 +281,9 @@ def _main(check_only: bool = False) -> int:
     if load_arg:
         load_dir = getattr(args, load_arg)
         fine_tunes = args.finetune or load_arg != "load"  # Megatron sets it for the latter
+        warning = ckpt_step_warning(args, load_arg)
+        if warning:
+            print0(f"[{PROG}] WARNING: {warning}")
         non_persistent = non_persistent_dir(args, load_dir)
         saved = saved_args(
             load_dir,

@@ -244,11 +244,35 @@ def ckpt_step_refusal(args, load_arg: str = "load") -> str | None:
         if (i := iteration_of_dir_name(e)) is not None
         and _complete_checkpoint(os.path.join(load_dir, e), load_format(args))
     )
-    have = ", ".join(map(str, complete)) or "none"
+    head = f"--ckpt-step {step}: {path} {what} ({load_flag(load_arg)} {load_dir}); "
+    tracked = os.path.isfile(os.path.join(load_dir, TRACKER_FILE))
+    if not tracked and not complete:  # without --ckpt-step Megatron finds no checkpoint there
+        return head + (
+            "no checkpoint is there: leave --ckpt-step out to start from scratch"
+            if load_arg == "load"
+            else f"no checkpoint is there: give {load_flag(load_arg)} the folder that holds one"
+        )
+    # no tracker: the start-up repair writes one naming the newest complete checkpoint
+    instead = "the tracker's" if tracked else f"the newest complete one ({complete[-1]})"
+    return head + (
+        "give an iteration whose checkpoint there is complete (complete ones: "
+        f"{', '.join(map(str, complete)) or 'none'}), or leave --ckpt-step out to load {instead}"
+    )
+
+
+def ckpt_step_warning(args, load_arg: str = "load") -> str | None:
+    """A warning when ``--ckpt-step N`` has no effect: megatron-core 0.19.2's
+    ``_load_base_checkpoint`` replaces the tracker's iteration with N but keeps its ``release``
+    flag, so a ``release`` tracker loads ``release`` whatever N is, silently (the iteration it
+    records is N). None where Megatron loads another folder (a newer non-persistent one)."""
+    step, load_dir = ckpt_step(args), getattr(args, load_arg, None)
+    path = step and load_dir and resumed_by_args(args, load_arg)
+    if not path or os.path.normpath(path) != os.path.normpath(os.path.join(load_dir, RELEASE)):
+        return None
     return (
-        f"--ckpt-step {step}: {path} {what} ({load_flag(load_arg)} {load_dir}); give an "
-        f"iteration whose checkpoint there is complete (complete ones: {have}), or leave "
-        "--ckpt-step out to load the tracker's"
+        f"--ckpt-step {step} is ignored: {load_flag(load_arg)} {load_dir} holds a release "
+        f"checkpoint ({TRACKER_FILE}: release), which megatron-core 0.19.2 loads whatever "
+        f"--ckpt-step says: {path}"
     )
 
 

@@ -400,6 +400,26 @@ def test_main_checks_the_pretrained_checkpoint_megatron_falls_back_to(
     assert releases == [True]  # a release checkpoint is what Megatron fine-tunes from, too
 
 
+def test_main_warns_on_rank_0_that_a_release_checkpoint_ignores_ckpt_step(
+    monkeypatch, tmp_path, capsys
+):
+    """megatron-core 0.19.2 loads ``release`` whatever --ckpt-step says, silently; now a
+    warning line names both (rank 0 only)."""
+    (tmp_path / resume.TRACKER_FILE).write_text("release")
+    (tmp_path / resume.RELEASE).mkdir()
+    warning = (
+        f"[pretrain_stable_latentmoe] WARNING: --ckpt-step 5 is ignored: --load {tmp_path} holds "
+        f"a release checkpoint ({resume.TRACKER_FILE}: release), which megatron-core 0.19.2 "
+        f"loads whatever --ckpt-step says: {tmp_path}/release"
+    )
+    for rank, printed in (("0", [warning]), ("1", [])):
+        run = _Run(monkeypatch, tmp_path, load=str(tmp_path), ckpt_step=5)
+        monkeypatch.setenv("RANK", rank)
+        assert run() == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line for line in out if "WARNING" in line] == printed
+
+
 def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
     run = _Run(monkeypatch, tmp_path, load="ckpt")
     monkeypatch.setenv("RANK", "1")

@@ -728,11 +728,42 @@ def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_pa
     assert resume.ckpt_step_refusal(_step_args(root, 6)) == (
         f"--ckpt-step 6: {root}/iter_0000006 is not a complete checkpoint{tail}"
     )
-    new = tmp_path / "new"  # no --load folder at all: Megatron still loads new/iter_0000005
-    assert resume.ckpt_step_refusal(_step_args(new, 5)).startswith(
-        f"--ckpt-step 5: {new}/iter_0000005 is not there (--load {new}); "
-    )
     assert _load_refusal(root, ckpt_step=6) is None  # left to the line above
+
+
+def test_ckpt_step_advice_without_a_tracker_says_what_megatron_does_instead(tmp_path):
+    """Leaving --ckpt-step out loads the tracker's checkpoint only where there is a tracker:
+    without one the start-up repair writes one naming the newest complete checkpoint, and with
+    none complete Megatron finds nothing to load and starts from scratch. Before, each said
+    "leave --ckpt-step out to load the tracker's"."""
+    new = tmp_path / "new"
+    assert resume.ckpt_step_refusal(_step_args(new, 5)) == (
+        f"--ckpt-step 5: {new}/iter_0000005 is not there (--load {new}); no checkpoint is there: "
+        "leave --ckpt-step out to start from scratch"
+    )
+    args = _step_args(new, 5, load=None, pretrained_checkpoint=str(new))
+    assert resume.ckpt_step_refusal(args, "pretrained_checkpoint").endswith(
+        "no checkpoint is there: give --pretrained-checkpoint the folder that holds one"
+    )
+    root = _checkpoints(tmp_path, [2, 4])  # no tracker: the repair will name 4
+    assert resume.ckpt_step_refusal(_step_args(root, 5)).endswith(
+        "(complete ones: 2, 4), or leave --ckpt-step out to load the newest complete one (4)"
+    )
+
+
+def test_ckpt_step_with_a_release_tracker_is_warned_of(tmp_path):
+    """megatron-core 0.19.2 keeps the tracker's release flag and loads ``release`` whatever
+    --ckpt-step says (resumed_checkpoint follows it): a warning, not a refusal."""
+    root = _checkpoints(tmp_path, [2], tracker=b"release")
+    (tmp_path / "release").mkdir()
+    assert resume.ckpt_step_warning(_step_args(root, None)) is None
+    assert resume.ckpt_step_refusal(_step_args(root, 7)) is None
+    assert resume.ckpt_step_warning(_step_args(root, 7)) == (
+        f"--ckpt-step 7 is ignored: --load {root} holds a release checkpoint ({TRACKER_FILE}: "
+        f"release), which megatron-core 0.19.2 loads whatever --ckpt-step says: {root}/release"
+    )
+    (tmp_path / TRACKER_FILE).write_text("2")
+    assert resume.ckpt_step_warning(_step_args(root, 2)) is None
 
 
 def test_a_damaged_ckpt_step_checkpoint_is_refused(tmp_path):
