@@ -544,6 +544,16 @@ def validate_stable_latentmoe_args(
             "allowed without a GPU: no --use-torch-fsdp2 (--use-distributed-optimizer shards "
             "the optimizer state)"
         )
+    if getattr(args, "use_megatron_fsdp", False) and not has_cuda:
+        # else Megatron's validate_args asks for CUDA_DEVICE_MAX_CONNECTIONS > 1 (the entry point
+        # sets 1) and --ckpt-format fsdp_dtensor; with both, at the model's wrapping, every rank:
+        # "AssertionError: einops is not installed" (this venv), with einops "RuntimeError:
+        # Invalid device string: 'cuda:cpu'" (CPU, measured)
+        raise FlagError(
+            "--use-megatron-fsdp needs a CUDA GPU: Megatron-FSDP puts its buffers on the CUDA "
+            "device; allowed without a GPU: no --use-megatron-fsdp (--use-distributed-optimizer "
+            "shards the optimizer state)"
+        )
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:
         raise FlagError(

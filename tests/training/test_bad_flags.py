@@ -360,6 +360,17 @@ CASES = {
             "optimizer state)"
         ],
     ),
+    # before: Megatron's "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset"; with it and
+    # --ckpt-format fsdp_dtensor, a traceback at the model's wrapping ("Invalid device string:
+    # 'cuda:cpu'", or "einops is not installed" first without einops)
+    "megatron_fsdp_without_a_gpu": (
+        ["--use-megatron-fsdp", "--expert-model-parallel-size", "1"],
+        [
+            "--use-megatron-fsdp needs a CUDA GPU: Megatron-FSDP puts its buffers on the CUDA "
+            "device; allowed without a GPU: no --use-megatron-fsdp (--use-distributed-optimizer "
+            "shards the optimizer state)"
+        ],
+    ),
     "tensor_parallel_without_sequence_parallel": (
         ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
         ["--tensor-model-parallel-size 2 with MoE needs --sequence-parallel (Megatron)"],
