@@ -252,8 +252,15 @@ class BalanceLogger:
             if not self._jsonl_opened:  # a run killed mid-record left a cut last line
                 self._jsonl_opened = True
                 line = _line_break_after_cut_line(self.jsonl_path) + line
-            with open(self.jsonl_path, "a", encoding="utf-8") as f:
-                f.write(line)
+            try:
+                with open(self.jsonl_path, "a", encoding="utf-8") as f:
+                    f.write(line)
+            except OSError as err:
+                # a full disk's ENOSPC comes from the buffered file's close, without a file name:
+                # name the file for the run's one line (pretrain._main)
+                if err.filename is None:
+                    err.filename = self.jsonl_path
+                raise
 
 
 def _line_break_after_cut_line(path: str) -> str:

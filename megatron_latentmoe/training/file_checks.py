@@ -8,8 +8,10 @@ starts; so is ``--save``'s free space (:func:`save_space_warning`, a warning).
 
 ``--save`` filling its disk during a save (:func:`disk_full`, :func:`disk_full_error`): a torch
 DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder left
-behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (the one check
-here made after the start).
+behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (a check made
+after the start). A disk that fills up under another write of the run (the balance JSONL,
+TensorBoard's event files, Megatron's dataset index cache) was a traceback on the rank that
+wrote; ``pretrain._main`` makes it one line per such rank (:func:`write_disk_full_error`).
 """
 
 from __future__ import annotations
@@ -101,18 +103,22 @@ def save_space_warning(args) -> str | None:
     )
 
 
-def _enospc(err: BaseException | None, seen: set[int] | None = None) -> bool:
-    """``err``, what it was raised from or during, or a rank's error in a torch DCP
-    ``CheckpointException`` is an ``OSError`` ENOSPC."""
+def _enospc(err: BaseException | None, seen: set[int] | None = None) -> OSError | None:
+    """The ``OSError`` ENOSPC that ``err`` is, was raised from or during, or holds as a rank's
+    error in a torch DCP ``CheckpointException``; None if none."""
     seen = set() if seen is None else seen
     if err is None or id(err) in seen:
-        return False
+        return None
     seen.add(id(err))
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return True
+        return err
     failures = getattr(err, "failures", None)
     wrapped = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
-    return any(_enospc(e, seen) for e in (err.__cause__, err.__context__, *wrapped))
+    for e in (err.__cause__, err.__context__, *wrapped):
+        found = _enospc(e, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def disk_full(err: BaseException, save_dir: str) -> bool:
@@ -124,7 +130,7 @@ def disk_full(err: BaseException, save_dir: str) -> bool:
     worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error instead
     (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
     coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs)."""
-    if _enospc(err):
+    if _enospc(err) is not None:
         return True
     try:
         return os.statvfs(save_dir).f_bavail == 0
@@ -210,3 +216,68 @@ def stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
     if every_rank:
         torch.distributed.barrier()
     raise DiskFull from None
+
+
+def written_folders(args, jsonl_path: str | None) -> list[tuple[str, str]]:
+    """``(flag, folder)`` of what a run writes besides its checkpoints' saves: the balance JSONL
+    (``jsonl_path``, ``--balance-log-file`` resolved; listed before ``--save``, its default
+    folder), TensorBoard's event files, Megatron's dataset index cache (the ``.npy``
+    files it writes when it builds the datasets: ``--data-cache-path``, else megatron-core
+    0.19.2's ``<prefix>/cache`` of each ``--data-path`` prefix), and ``--save``."""
+    pairs = (
+        [("--balance-log-file", os.path.dirname(os.path.abspath(jsonl_path)))] if jsonl_path else []
+    )
+    pairs.append(("--tensorboard-dir", getattr(args, "tensorboard_dir", None)))
+    cache = getattr(args, "data_cache_path", None)
+    if cache:
+        pairs.append(("--data-cache-path", cache))
+    else:
+        prefixes = [p for p in getattr(args, "data_path", None) or [] if not _is_number(p)]
+        pairs += [("--data-cache-path", os.path.join(p, "cache")) for p in prefixes]
+    pairs.append(("--save", getattr(args, "save", None)))
+    return [(flag, os.path.abspath(folder)) for flag, folder in pairs if folder]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def write_disk_full_error(err: BaseException, folders: list[tuple[str, str]]) -> str | None:
+    """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC a write of the
+    run ran into outside a checkpoint save (that one is :func:`disk_full_error`'s), else None.
+
+    The file is the error's own name (ours, the balance JSONL, sets it); where the error names
+    none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
+    run's ``folders`` (:func:`written_folders`) whose file system has no block left. The flag
+    whose folder holds it is what the user can move elsewhere."""
+    found = _enospc(err)
+    if found is None:
+        return None
+    path = os.fsdecode(found.filename) if found.filename is not None else None
+    if path is None:
+        full = [(f, d) for f, d in folders if _free(d) == 0]
+        flag, where = full[0] if full else (None, None)
+        what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
+    else:
+        where = os.path.abspath(path)
+        inside = [(f, d) for f, d in folders if where == d or where.startswith(d.rstrip("/") + "/")]
+        flag = max(inside, key=lambda fd: len(fd[1]))[0] if inside else None
+        what = where
+    free_bytes = _free(where) if where else None
+    free = f" ({_megabytes(free_bytes)} free)" if free_bytes is not None else ""
+    kind = "file" if flag == "--balance-log-file" else "folder"
+    move = f" or give {flag} a {kind} on a larger disk" if flag else ""
+    there = "there" if where else "on the disks the run writes to"
+    return f"the disk filled up writing {what}{free}; free space {there}{move}"
+
+
+def _free(path: str) -> int | None:
+    """Free bytes on ``path``'s file system (its nearest existing folder), None if unreadable."""
+    try:
+        return shutil.disk_usage(_nearest_existing(path)).free
+    except OSError:
+        return None

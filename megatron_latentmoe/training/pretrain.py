@@ -18,7 +18,9 @@ Order of work (everything that can be wrong about the command line fails before 
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
-   disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`).
+   disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`), so does a full disk
+   under another write of the run, on each rank that hit it
+   (:func:`.file_checks.write_disk_full_error`).
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
@@ -235,7 +237,12 @@ def _main(check_only: bool = False) -> int:
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
-    from megatron_latentmoe.training.file_checks import DiskFull, stop_if_disk_full
+    from megatron_latentmoe.training.file_checks import (
+        DiskFull,
+        stop_if_disk_full,
+        write_disk_full_error,
+        written_folders,
+    )
     from megatron_latentmoe.training.model_provider import (
         install_finalize_hook,
         model_config_from_args,
@@ -302,7 +309,8 @@ def _main(check_only: bool = False) -> int:
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)
 
-    balance_logger = _make_balance_logger(args, default_jsonl_path(args))
+    jsonl_path = default_jsonl_path(args)
+    balance_logger = _make_balance_logger(args, jsonl_path)
     fstep.set_balance_logger(balance_logger)
     rescore = None
     if args.moe_qb_rescore_iters:
@@ -359,6 +367,14 @@ def _main(check_only: bool = False) -> int:
             file=sys.stderr,
             flush=True,
         )
+        return 2
+    except Exception as err:
+        # a full disk outside a save: the balance JSONL, TensorBoard, the dataset index cache
+        # (megatron-core 0.19.2 raises a bare Exception from numpy's OSError there)
+        line = write_disk_full_error(err, written_folders(args, jsonl_path))
+        if line is None:
+            raise
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)  # each rank that hit it
         return 2
 
     if balance_logger.is_logging_rank and balance_logger.history:

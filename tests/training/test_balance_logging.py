@@ -481,3 +481,25 @@ def test_megatrons_last_rank_is_the_logging_rank(monkeypatch, rank, logging):
         num_layers=1, num_experts=2, tokens_per_step=8, iteration_fn=lambda: 1
     )
     assert logger.is_logging_rank is logging
+
+
+def test_a_full_disk_under_the_jsonl_is_an_oserror_naming_the_file():
+    """``/dev/full``: the record's write fails with ENOSPC at the buffered file's close, which
+    names no file (measured on a full tmpfs: ``OSError: [Errno 28] No space left on device``);
+    the error reaches ``pretrain._main`` as that ``OSError`` with the JSONL's name, for its line."""
+    import errno
+
+    logger = balance_logging.BalanceLogger(
+        num_layers=1,
+        num_experts=2,
+        tokens_per_step=10,
+        iteration_fn=lambda: 1,
+        log_interval=1000,
+        jsonl_path="/dev/full",
+        is_logging_rank=True,
+    )
+    logger.add_loss(torch.tensor([14.0, 4.0]))
+    with pytest.raises(OSError) as err:
+        logger.on_step_end([], routers=[])
+    assert type(err.value) is OSError and err.value.errno == errno.ENOSPC
+    assert err.value.filename == "/dev/full"

@@ -94,3 +94,21 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
     assert "at iteration 1" in resumed.output
     assert sorted(read_jsonl(resumed_jsonl)) == [2]
     assert read_jsonl(resumed_jsonl)[2]["loss"] == read_jsonl(jsonl)[2]["loss"]
+
+
+def test_a_full_disk_under_the_balance_jsonl_is_one_line(tmp_path):
+    """``--balance-log-file`` on a tmpfs of one page (4 KiB: two of the tiny model's records,
+    measured): its write's ``OSError: [Errno 28] No space left on device`` (no file name) was a
+    traceback on the logging rank (the last); now that rank says it in one line naming the file
+    and the flag, and exits 2. (Rank 0, in a collective with it, still gets gloo's "Connection
+    closed by peer" traceback or torchrun's SIGTERM.)"""
+    with mounted_tmpfs(tmp_path / "disk", "size=4k") as disk:
+        jsonl = disk / "balance.jsonl"
+        run = run_entry(["--train-iters", "12", "--balance-log-file", str(jsonl)])
+    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    assert errors == [
+        f"pretrain_stable_latentmoe: error: the disk filled up writing {jsonl} (0.0 MB free); "
+        "free space there or give --balance-log-file a file on a larger disk"
+    ], run.output[-6000:]
+    assert "[rank1]:" not in run.output  # the logging rank: no traceback
+    assert "2" in re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M), run.output[-3000:]

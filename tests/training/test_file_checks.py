@@ -90,3 +90,71 @@ def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
     line = disk_full_error(str(empty), 5, "torch_dist")
     assert not (empty / "iter_0000005").exists()
     assert "there is no complete checkpoint there: a resume starts from scratch." in line, line
+
+
+def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp_path, monkeypatch):
+    """``write_disk_full_error``: an ENOSPC a run's write ran into (the balance JSONL, TensorBoard,
+    Megatron's dataset cache) names the file (or, where the error names none, the run's folder
+    whose disk is full), what is free there and the flag that moves it; anything else: None."""
+    import errno
+    import shutil
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training import file_checks
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    args = SimpleNamespace(
+        save=str(tmp_path / "ckpt"),
+        tensorboard_dir=str(runs / "tb"),
+        data_cache_path=None,
+        data_path=["0.5", str(tmp_path / "data" / "a"), "0.5", "/b"],
+    )
+    folders = file_checks.written_folders(args, str(tmp_path / "ckpt" / "balance.jsonl"))
+    assert folders == [
+        ("--balance-log-file", str(tmp_path / "ckpt")),
+        ("--tensorboard-dir", str(runs / "tb")),
+        ("--data-cache-path", str(tmp_path / "data" / "a" / "cache")),
+        ("--data-cache-path", "/b/cache"),
+        ("--save", str(tmp_path / "ckpt")),
+    ]
+    free = f"{shutil.disk_usage(tmp_path).free / 1e6:.1f} MB"
+
+    def enospc(filename=None):
+        return OSError(errno.ENOSPC, "No space left on device", filename)
+
+    jsonl = str(tmp_path / "ckpt" / "balance.jsonl")
+    assert file_checks.write_disk_full_error(enospc(jsonl), folders) == (
+        f"the disk filled up writing {jsonl} ({free} free); free space there or give "
+        "--balance-log-file a file on a larger disk"
+    )
+    npy = str(tmp_path / "data" / "a" / "cache" / "GPTDataset_indices" / "x-document_index.npy")
+    wrapped = RuntimeError("dataset build failed")
+    wrapped.__cause__ = enospc(npy)
+    assert file_checks.write_disk_full_error(wrapped, folders) == (
+        f"the disk filled up writing {npy} ({free} free); free space there or give "
+        "--data-cache-path a folder on a larger disk"
+    )
+    assert file_checks.write_disk_full_error(enospc("/elsewhere/f"), folders).endswith(
+        "; free space there"
+    )
+    # TensorBoard's writer thread: no file name; the folder on a full disk is named
+    real = shutil.disk_usage
+
+    def usage(path):
+        full = str(path).startswith(str(runs))
+        return real(path)._replace(free=0) if full else real(path)
+
+    monkeypatch.setattr(file_checks.shutil, "disk_usage", usage)
+    assert file_checks.write_disk_full_error(enospc(), folders) == (
+        f"the disk filled up writing in --tensorboard-dir {runs / 'tb'} (0.0 MB free); free "
+        "space there or give --tensorboard-dir a folder on a larger disk"
+    )
+    assert file_checks.write_disk_full_error(enospc(), folders[2:]) == (
+        "the disk filled up writing a file of the run (the error names none); free space on "
+        "the disks the run writes to"
+    )
+    assert (
+        file_checks.write_disk_full_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
+    )
+    assert file_checks.write_disk_full_error(ValueError("x"), folders) is None

@@ -776,3 +776,36 @@ def test_checked_args_name_a_refused_flag_the_checkpoint_gave(monkeypatch):
         "checkpoint's args, --use-checkpoint-args)"
     )
     assert err.value.__cause__ is None
+
+
+def test_main_ends_a_full_disk_outside_a_save_in_one_line(monkeypatch, tmp_path, capsys):
+    """An ``OSError`` ENOSPC out of Megatron's ``pretrain`` (the balance JSONL, TensorBoard, the
+    dataset cache: a traceback before): this rank's line (``file_checks.write_disk_full_error``),
+    exit 2; another ``OSError`` is re-raised."""
+    import errno
+    import shutil
+
+    run = _Run(monkeypatch, tmp_path)
+    jsonl = str(tmp_path / "balance.jsonl")
+    run.raises = OSError(errno.ENOSPC, "No space left on device", jsonl)
+    assert run() == 2
+    free = f"{shutil.disk_usage(tmp_path).free / 1e6:.1f} MB"
+    assert capsys.readouterr().err == (
+        f"pretrain_stable_latentmoe: error: the disk filled up writing {jsonl} ({free} free); "
+        "free space there\n"
+    )
+    # megatron-core's dataset cache: a bare Exception raised from numpy's nameless OSError
+    run.raises = Exception("Failed to write dataset materials to the data cache directory.")
+    run.raises.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    run.args.data_cache_path = str(tmp_path)
+    full = lambda path: SimpleNamespace(free=0 if str(path) == str(tmp_path) else 10**9)  # noqa: E731
+    monkeypatch.setattr(shutil, "disk_usage", full)
+    assert run() == 2
+    assert capsys.readouterr().err == (
+        f"pretrain_stable_latentmoe: error: the disk filled up writing in --data-cache-path "
+        f"{tmp_path} (0.0 MB free); free space there or give --data-cache-path a folder on a "
+        "larger disk\n"
+    )
+    run.raises = OSError(errno.EACCES, "Permission denied", jsonl)
+    with pytest.raises(PermissionError):
+        run()
