@@ -246,20 +246,24 @@ def _is_number(word: str) -> bool:
     return True
 
 
-def write_disk_full_error(err: BaseException, folders: list[tuple[str, str]]) -> str | None:
+def write_disk_full_error(
+    err: BaseException, folders: list[tuple[str, str]], written: bool = False
+) -> str | None:
     """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC a write of the
     run ran into outside a checkpoint save (that one is :func:`disk_full_error`'s), else None.
 
     The file is the error's own name (ours, the balance JSONL, sets it); where the error names
     none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
-    run's ``folders`` (:func:`written_folders`) whose file system has no block left. The flag
-    whose folder holds it is what the user can move elsewhere."""
+    run's ``folders`` (:func:`written_folders`) whose file system has no block left, or the
+    first of them where the caller knows it was ``written`` (the shipped corpus's tokenization:
+    its cut files are removed, so its disk is no longer full). The flag whose folder holds it is
+    what the user can move elsewhere."""
     found = _enospc(err)
     if found is None:
         return None
     path = os.fsdecode(found.filename) if found.filename is not None else None
     if path is None:
-        full = [(f, d) for f, d in folders if _free(d) == 0]
+        full = folders[:1] if written else [(f, d) for f, d in folders if _free(d) == 0]
         flag, where = full[0] if full else (None, None)
         what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
     else:

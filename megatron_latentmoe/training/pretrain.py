@@ -217,9 +217,21 @@ def _main(check_only: bool = False) -> int:
                 tokenizer=args.tokenizer_model,
                 trust_remote_code=args.trust_remote_code,
             )
-        except PreprocessError as err:  # e.g. a read-only file system, a full disk
+        except PreprocessError as err:  # e.g. a read-only file system
             print(
                 f"{PROG}: error: the shipped corpus's dataset: {err}", file=sys.stderr, flush=True
+            )
+            return 2
+        except OSError as err:  # a full disk: a traceback before (its writes name no file)
+            from megatron_latentmoe.training.file_checks import write_disk_full_error
+
+            line = write_disk_full_error(
+                err, [("--data-cache-path", default_data_dir)], written=True
+            )
+            if line is None:
+                raise
+            print(
+                f"{PROG}: error: the shipped corpus's dataset: {line}", file=sys.stderr, flush=True
             )
             return 2
         tokenizer = f"{args.tokenizer_type} {args.tokenizer_model}"

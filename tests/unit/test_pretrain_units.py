@@ -809,3 +809,30 @@ def test_main_ends_a_full_disk_outside_a_save_in_one_line(monkeypatch, tmp_path,
     run.raises = OSError(errno.EACCES, "Permission denied", jsonl)
     with pytest.raises(PermissionError):
         run()
+
+
+def test_main_ends_a_full_disk_under_the_shipped_corpus_in_one_line(monkeypatch, tmp_path, capsys):
+    """Tokenizing the shipped corpus into a full disk: ``preprocess_jsonl``'s write raised a bare
+    ``OSError: [Errno 28] No space left on device`` (measured on a 64 KiB tmpfs), a traceback;
+    now one line naming the folder and --data-cache-path, exit 2 (the disk has room again once
+    the cut files are removed: the folder is named all the same)."""
+    import errno
+    import shutil
+
+    from megatron_latentmoe.data import corpus
+
+    run = _Run(monkeypatch, tmp_path, tokenizer_model="/shipped", trust_remote_code=False)
+    run.default_data_dir, run.cpu_notes = str(tmp_path / "default_data"), []
+
+    def full(d, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(corpus, "prepare_default_dataset", full)
+    assert run() == 2  # the cut files removed: free space again (measured), the folder named
+    free = f"{shutil.disk_usage(tmp_path).free / 1e6:.1f} MB"
+    assert capsys.readouterr().err == (
+        "pretrain_stable_latentmoe: error: the shipped corpus's dataset: the disk filled up "
+        f"writing in --data-cache-path {tmp_path / 'default_data'} ({free} free); free space "
+        "there or give --data-cache-path a folder on a larger disk\n"
+    )
+    assert "pretrain" not in [e[0] for e in run.events]
