@@ -170,7 +170,7 @@ def prepare_default_dataset(
     temporary names and renamed at the end).
     """
     # lazy: keeps `import corpus` light (numpy, Megatron)
-    from .indexed import PreprocessError, check_indexed_dataset, preprocess_jsonl
+    from .indexed import NoEosError, PreprocessError, check_indexed_dataset, preprocess_jsonl
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
     try:
@@ -203,17 +203,25 @@ def prepare_default_dataset(
             return str(prefix)
         with contextlib.suppress(FileNotFoundError):
             stamp.unlink()
-        summary = preprocess_jsonl(
-            DEFAULT_CORPUS_PATH,
-            str(prefix),
-            tokenizer=tokenizer,
-            trust_remote_code=trust_remote_code,
-            json_keys=("text",),
-            append_eod=True,
-            workers=workers,
-            progress=progress,
-            log_interval=0,  # no "Processed N documents" lines in a training run's log
-        )
+        try:
+            summary = preprocess_jsonl(
+                DEFAULT_CORPUS_PATH,
+                str(prefix),
+                tokenizer=tokenizer,
+                trust_remote_code=trust_remote_code,
+                json_keys=("text",),
+                append_eod=True,
+                workers=workers,
+                progress=progress,
+                log_interval=0,  # no "Processed N documents" lines in a training run's log
+            )
+        except NoEosError:  # its advice, append_eod=False, is no option of this dataset's
+            raise PreprocessError(
+                f"the tokenizer {str(tokenizer)!r} has no eos_token: the shipped corpus is "
+                "tokenized with an EOS after each document (Megatron's EOD). Use a tokenizer "
+                "with an eos_token, or train on a dataset of your own (--data-path) made by "
+                "tools/preprocess_data.py, which takes --no-append-eod"
+            ) from None
         record = dict(
             want,
             documents=summary.documents,

@@ -50,6 +50,11 @@ class PreprocessError(Exception):
     """Bad input or tokenizer: the message says what and where (file:line)."""
 
 
+class NoEosError(PreprocessError):
+    """``append_eod`` with a tokenizer that has no eos token: callers that cannot turn
+    ``append_eod`` off (the shipped corpus's dataset) say what the user can do instead."""
+
+
 @dataclass
 class PreprocessSummary:
     """What a preprocessing run wrote."""
@@ -127,7 +132,7 @@ def _refuse_remote_code(path: str, error: Exception, trust_remote_code: bool) ->
 def _eod_id(tok) -> int:
     eod = getattr(tok, "eos_token_id", None)
     if eod is None:
-        raise PreprocessError(
+        raise NoEosError(
             "the tokenizer has no eos_token, so no EOD can be appended: turn it off with "
             "--no-append-eod (append_eod=False)"
         )

@@ -1561,3 +1561,32 @@ def test_iter_corpus_texts_reads_a_corpus_as_the_preprocessor_does(tmp_path):
     with pytest.raises(PreprocessError) as e:
         list(iter_corpus_texts(bad))
     assert str(e.value) == f"{bad}:2: JSON key 'text' holds null, expected a string"
+
+
+def test_default_dataset_with_a_tokenizer_without_eos_says_what_a_run_can_do(
+    other_tokenizer, tmp_path
+):
+    """The shipped corpus's dataset ends each document with the tokenizer's EOS; a tokenizer
+    without one was refused with ``preprocess_jsonl``'s advice, ``--no-append-eod
+    (append_eod=False)``, which neither the training entry point nor the corpus CLI has: the
+    refusal names the tokenizer and what a run can do instead; nothing is written."""
+    import shutil
+
+    tokenizer = tmp_path / "no_eos"
+    shutil.copytree(other_tokenizer, tokenizer)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = tokenizer / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.pop("eos_token", None)
+            path.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    with pytest.raises(PreprocessError) as err:
+        prepare_default_dataset(out, tokenizer=tokenizer)
+    assert str(err.value) == (
+        f"the tokenizer {str(tokenizer)!r} has no eos_token: the shipped corpus is tokenized "
+        "with an EOS after each document (Megatron's EOD). Use a tokenizer with an eos_token, or "
+        "train on a dataset of your own (--data-path) made by tools/preprocess_data.py, which "
+        "takes --no-append-eod"
+    )
+    assert not any(p.suffix in (".bin", ".idx", ".json") for p in out.iterdir())
