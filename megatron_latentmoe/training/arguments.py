@@ -177,7 +177,7 @@ def _have_te() -> bool:
     return bool(HAVE_TE)
 
 
-def _data_prefixes(paths: list[str] | None) -> Iterable[str]:
+def data_prefixes(paths: list[str] | None) -> Iterable[str]:
     """The file prefixes of a Megatron blend list ``[w1] p1 [w2] p2 ...`` (weights skipped)."""
     for item in paths or []:
         for token in str(item).split():
@@ -194,12 +194,12 @@ _DATA_ARGS_FILES = ("data_args_path", "per_split_data_args_path")
 def _check_data_paths(args) -> None:
     for dest in _DATA_PATHS:
         flag, paths = "--" + dest.replace("_", "-"), getattr(args, dest)
-        if paths is not None and not list(_data_prefixes(paths)):
+        if paths is not None and not list(data_prefixes(paths)):
             raise FlagError(
                 f"{flag} {' '.join(map(str, paths))!r} has no dataset prefix: allowed are "
                 "PREFIX or WEIGHT PREFIX [WEIGHT PREFIX ...] (Megatron .bin/.idx prefixes)"
             )
-        for prefix in _data_prefixes(paths):
+        for prefix in data_prefixes(paths):
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise FlagError(
@@ -266,7 +266,7 @@ def data_vocabulary_refusal(args) -> str | None:
     datasets = [
         ("--" + dest.replace("_", "-"), prefix)
         for dest in _DATA_PATHS
-        for prefix in dict.fromkeys(_data_prefixes(getattr(args, dest)))
+        for prefix in dict.fromkeys(data_prefixes(getattr(args, dest)))
     ]
     vocabulary = run_vocabulary(args) if datasets else None
     if vocabulary is None:
@@ -333,9 +333,7 @@ def _check_split(args, datasets: list[tuple[str, int]] | None = None) -> None:
         " which"
     )
     if datasets is None:
-        datasets = [
-            (f"--data-path {p}", _sequence_count(p)) for p in _data_prefixes(args.data_path)
-        ]
+        datasets = [(f"--data-path {p}", _sequence_count(p)) for p in data_prefixes(args.data_path)]
         evaluated = [
             part for part, bounds in zip(("validation", "test"), matrix[1:], strict=True) if bounds
         ]

@@ -232,18 +232,12 @@ def written_folders(args, jsonl_path: str | None) -> list[tuple[str, str]]:
     if cache:
         pairs.append(("--data-cache-path", cache))
     else:
-        prefixes = [p for p in getattr(args, "data_path", None) or [] if not _is_number(p)]
+        from megatron_latentmoe.training.arguments import data_prefixes
+
+        prefixes = data_prefixes(getattr(args, "data_path", None))
         pairs += [("--data-cache-path", os.path.join(p, "cache")) for p in prefixes]
     pairs.append(("--save", getattr(args, "save", None)))
     return [(flag, os.path.abspath(folder)) for flag, folder in pairs if folder]
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 def write_disk_full_error(
