@@ -22,7 +22,8 @@ The embedded default corpus itself is prepared with
 
 Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 2 on a
 bad option (one line naming the flag: a Megatron flag refused, --workers below 1, a negative
---log-interval), 130 on Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is
+--log-interval) or a full disk (one line naming --output-prefix and the space left there),
+130 on Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is
 written atomically: a failed or interrupted run leaves no dataset behind.
 """
 
@@ -258,6 +259,15 @@ def main(argv=None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as err:  # a full disk: a traceback before (the builder's writes name no file)
+        from megatron_latentmoe.training.file_checks import write_disk_full_error
+
+        output = os.path.abspath(args.output_prefix)  # its cut files are removed: room again
+        line = write_disk_full_error(err, [("--output-prefix", output)], written=True)
+        if line is None:
+            raise
+        print(f"{parser.prog}: error: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
         return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C

@@ -249,9 +249,9 @@ def write_disk_full_error(
     The file is the error's own name (ours, the balance JSONL, sets it); where the error names
     none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
     run's ``folders`` (:func:`written_folders`) whose file system has no block left, or the
-    first of them where the caller knows it was ``written`` (the shipped corpus's tokenization:
-    its cut files are removed, so its disk is no longer full). The flag whose folder holds it is
-    what the user can move elsewhere."""
+    first of them where the caller knows it was ``written`` (the shipped corpus's tokenization,
+    ``tools/preprocess_data.py``'s ``--output-prefix``: their cut files are removed, so the disk
+    is no longer full). The flag whose folder holds it is what the user can move elsewhere."""
     found = _enospc(err)
     if found is None:
         return None
@@ -267,7 +267,7 @@ def write_disk_full_error(
         what = where
     free_bytes = _free(where) if where else None
     free = f" ({_megabytes(free_bytes)} free)" if free_bytes is not None else ""
-    kind = "file" if flag == "--balance-log-file" else "folder"
+    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
     move = f" or give {flag} a {kind} on a larger disk" if flag else ""
     there = "there" if where else "on the disks the run writes to"
     return f"the disk filled up writing {what}{free}; free space {there}{move}"

@@ -133,3 +133,20 @@ def test_bad_counts_are_refused_by_flag(calls, capsys, flags, message):
         "",
         f"preprocess_data.py: error: {message} (all flags: --help)\n",
     )
+
+
+def test_only_a_full_disk_is_one_line_other_os_errors_raise(calls, capsys, tmp_path):
+    """ENOSPC (the real disk: test_data.py) is the one line naming --output-prefix, exit 2;
+    another OSError is no user-fixable disk problem of ours: its traceback as before."""
+    import errno
+
+    prefix = str(tmp_path / "o")
+    calls.then = lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    assert _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", prefix]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"preprocess_data.py: error: the disk filled up writing in --output-prefix {prefix} ("
+    ), err
+    calls.then = lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(OSError, match="Input/output error"):
+        _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", prefix])
