@@ -457,6 +457,90 @@ def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path)
         assert str(err.value) == expected(name, prefix), name
 
 
+def _damaged_index(tmp_path, name: str, lengths, pointers, documents) -> str:
+    """A copy of the dataset ``tmp_path/good`` whose .idx arrays are the ones given."""
+    import shutil
+
+    good = str(tmp_path / "good")
+    head = Path(good + ".idx").read_bytes()[:34]
+    prefix = str(tmp_path / name)
+    Path(prefix + ".idx").write_bytes(
+        head
+        + numpy.asarray(lengths, numpy.int32).tobytes()
+        + numpy.asarray(pointers, numpy.int64).tobytes()
+        + numpy.asarray(documents, numpy.int64).tobytes()
+    )
+    shutil.copy(good + ".bin", prefix + ".bin")
+    return prefix
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 4])
+def test_check_indexed_dataset_names_a_damaged_array(tmp_path, monkeypatch, chunk):
+    """A damaged .idx whose header and ends are right passed the check and reached Megatron
+    (measured, GPTDataset of 16 tokens built and read whole): a length made larger or a pointer
+    made huge failed in its dataset building (``ValueError: offset must be non-negative and no
+    greater than buffer length``), a negative length in the batch (``IndexError: The shape of
+    the mask [484] ...``), a zeroed length or two swapped pointers trained on the wrong tokens
+    without an error, decreasing document indices were read as they are. Now each is one
+    sentence naming the .idx, the first bad entry and what to do - also where it lies past the
+    first chunk of the vectorised check (``chunk`` 4 of 10 sequences)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_latentmoe.data import indexed
+    from megatron_latentmoe.data.indexed import check_indexed_dataset
+
+    monkeypatch.setattr(indexed, "_CHUNK", chunk)
+    builder = IndexedDatasetBuilder(str(tmp_path / "good.bin"), dtype=numpy.uint16)
+    for n in range(1, 11):
+        builder.add_document(numpy.arange(n, dtype=numpy.uint16), [n])
+    builder.finalize(str(tmp_path / "good.idx"))
+    assert check_indexed_dataset(str(tmp_path / "good")) == 10
+    lengths = numpy.arange(1, 11)
+    pointers = 2 * numpy.concatenate([[0], numpy.cumsum(lengths[:-1])])  # 0 2 6 12 20 30 ...
+    documents = numpy.arange(11)
+    redo = "copy it again, or rebuild the pair with tools/preprocess_data.py"
+
+    def damaged(name, lengths=lengths, pointers=pointers, documents=documents):
+        prefix = _damaged_index(tmp_path, name, lengths, pointers, documents)
+        with pytest.raises(PreprocessError) as err:
+            check_indexed_dataset(prefix)
+        return str(err.value).replace(prefix + ".idx is corrupt: ", "")
+
+    longer, zero, negative = lengths.copy(), lengths.copy(), lengths.copy()
+    longer[5], zero[5], negative[6] = 1006, 0, -3
+    swapped, huge, first = pointers.copy(), pointers.copy(), pointers.copy()
+    swapped[[6, 7]] = swapped[[7, 6]]
+    huge[7], first[0] = 1 << 40, 2
+    down = documents.copy()
+    down[6] = 2
+    assert damaged("longer", lengths=longer) == (
+        f"sequence 6 starts at byte 42 of the .bin, but sequence 5 (1006 tokens from byte 30) "
+        f"ends at byte 2042: its sequence lengths and pointers disagree ({redo})"
+    )
+    assert damaged("zero", lengths=zero).startswith(
+        "sequence 6 starts at byte 42 of the .bin, but sequence 5 (0 tokens from byte 30) ends "
+        "at byte 30: "
+    )
+    assert damaged("negative", lengths=negative) == (
+        f"sequence 6 has the length -3, less than 0 ({redo})"
+    )
+    assert damaged("swapped", pointers=swapped).startswith(
+        "sequence 6 starts at byte 56 of the .bin, but sequence 5 (6 tokens from byte 30) ends "
+        "at byte 42: "
+    )
+    assert damaged("huge", pointers=huge).startswith(
+        f"sequence 7 starts at byte {1 << 40} of the .bin, but sequence 6 (7 tokens from byte "
+        "42) ends at byte 56: "
+    )
+    assert damaged("first", pointers=first) == (
+        "sequence 0 starts at byte 2 of the .bin, but the first starts at byte 0: its sequence "
+        f"lengths and pointers disagree ({redo})"
+    )
+    assert damaged("down", documents=down) == (
+        f"its document indices decrease at entry 6 (sequence 5, then 2) ({redo})"
+    )
+
+
 def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
     """``--data-path`` (each prefix of a blend) and ``--train-data-path`` are checked before any
     rank starts: the flag, the prefix, then what is wrong."""
@@ -477,6 +561,15 @@ def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
         assert str(err.value).startswith(
             f"--{flag.replace('_', '-')} {bad['bin_cut']}: {bad['bin_cut']}.bin is cut short: "
         ), str(err.value)
+    # a damaged array inside a .idx whose header and ends are right: refused by name too
+    lengths = numpy.frombuffer(Path(good + ".idx").read_bytes()[34 : 34 + 12], numpy.int32)
+    pointers = numpy.frombuffer(Path(good + ".idx").read_bytes()[46 : 46 + 24], numpy.int64)
+    damaged = _damaged_index(tmp_path, "swapped", lengths, pointers[[1, 0, 2]], numpy.arange(4))
+    with pytest.raises(FlagError) as err:
+        _check_data_paths(SimpleNamespace(**dict(args, data_path=[damaged])))
+    assert str(err.value).startswith(
+        f"--data-path {damaged}: {damaged}.idx is corrupt: sequence 0 starts at byte "
+    ), str(err.value)
 
 
 @pytest.mark.parametrize("dtype", [numpy.uint16, numpy.int32])
