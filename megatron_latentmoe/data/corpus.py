@@ -267,6 +267,15 @@ def main(argv: list | None = None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as err:  # a full disk: a traceback before (as tools/preprocess_data.py's)
+        from megatron_latentmoe.training.file_checks import write_disk_full_error
+
+        output = os.path.join(out_dir, name)
+        line = write_disk_full_error(err, [("--output-prefix", output)], written=True)
+        if line is None:
+            raise
+        print(f"{p.prog}: error: {line}", file=sys.stderr)
+        return 2
     record = json.loads(Path(prefix + ".json").read_text())
     print(f"default dataset: {record['documents']} documents, {record['tokens']:,} tokens")
     print(f"  --data-path {prefix}")

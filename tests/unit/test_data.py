@@ -1629,6 +1629,36 @@ def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, code, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_default_dataset_cli_on_a_full_disk_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """As tools/preprocess_data.py's (its real full disk: above): the builder's ENOSPC was an
+    ``OSError`` traceback (measured on a 64 KiB tmpfs); now one line naming --output-prefix,
+    exit 2. Another OSError is raised as before."""
+    import errno
+    import shutil
+
+    from megatron_latentmoe.data import corpus
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(corpus, "prepare_default_dataset", full)
+    prefix = tmp_path / "out" / "c"
+    assert corpus.main(["--output-prefix", str(prefix)]) == 2
+    free = shutil.disk_usage(tmp_path).free
+    assert capsys.readouterr().err == (
+        "python -m megatron_latentmoe.data.corpus: error: the disk filled up writing in "
+        f"--output-prefix {prefix} ({free / 1e6:.1f} MB free); free space there or give "
+        "--output-prefix a path on a larger disk\n"
+    )
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(corpus, "prepare_default_dataset", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        corpus.main(["--output-prefix", str(prefix)])
+
+
 def test_gpt_dataset_builds_from_the_default_dataset_on_cpu(default_prefix, monkeypatch):
     _mcore_quiet()
     import megatron.core.datasets.utils as mcore_data_utils
