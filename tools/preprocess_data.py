@@ -22,9 +22,10 @@ The embedded default corpus itself is prepared with
 
 Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 2 on a
 bad option (one line naming the flag: a Megatron flag refused, --workers below 1, a negative
---log-interval) or a full disk (one line naming --output-prefix and the space left there),
-130 on Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is
-written atomically: a failed or interrupted run leaves no dataset behind.
+--log-interval, an --output-prefix folder on a read-only file system or not writable) or a
+full disk (one line naming --output-prefix and the space left there), 130 on Ctrl-C, 143 on
+SIGTERM (temporaries removed either way). Output is written atomically: a failed or
+interrupted run leaves no dataset behind.
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     refusal, ignored = megatron_refusal(args)
+    if refusal is None:  # the output's folder (created if need be), a read-only file system named
+        from megatron_latentmoe.training.file_checks import folder_refusal
+
+        output_folder = os.path.dirname(os.path.abspath(args.output_prefix))
+        refusal = folder_refusal("--output-prefix", output_folder)
     if refusal is not None:
         parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     if ignored:

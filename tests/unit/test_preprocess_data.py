@@ -150,3 +150,25 @@ def test_only_a_full_disk_is_one_line_other_os_errors_raise(calls, capsys, tmp_p
     calls.then = lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
     with pytest.raises(OSError, match="Input/output error"):
         _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", prefix])
+
+
+@pytest.mark.parametrize("under", ["", "sub/"])
+def test_an_output_folder_on_a_read_only_file_system_is_refused_by_flag(
+    calls, capsys, tmp_path, under
+):
+    """A real read-only tmpfs: the folder (or the one it would be created in) was
+    "error: output_prefix='...': '...' is not writable" (or "cannot create ... (Read-only file
+    system)"), exit 1, after loading megatron.core and the tokenizer. Now the flag check names
+    the read-only file system (``file_checks.folder_refusal``), exit 2, nothing tokenized."""
+    from tests.training import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        argv = ["--input", "i", "--output-prefix", f"{ro}/{under}out"]
+        with pytest.raises(SystemExit) as e:
+            _load_tool("preprocess_data").main(argv)
+        assert e.value.code == 2 and calls == []
+        assert capsys.readouterr() == (
+            "",
+            f"preprocess_data.py: error: --output-prefix {ro / under}: {ro} is on a read-only "
+            "file system; give a folder this run can create or write in\n",
+        )
