@@ -999,40 +999,47 @@ def test_read_only_output_folder_is_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "filler, docs, workers",
+    "size, docs, workers",
     [
-        (0, 400, 1),  # the .bin's writes fill a 64 KiB disk
-        (0, 400, 2),  # the same, the tokenizing in worker processes
-        (4096, 100, 1),  # the .bin (972 bytes) takes the last 4 KiB page: the .idx's write fails
+        ("64k", 400, 1),  # the .bin's writes fill a 64 KiB disk that holds an older dataset
+        ("64k", 400, 2),  # the same, the tokenizing in worker processes
+        ("8k", 100, 1),  # the .bin (972 bytes) takes the last 4 KiB page: the .idx's write fails
     ],
 )
 def test_cli_on_a_full_disk_is_one_line_exit_2_and_leaves_nothing(
-    tmp_path, capsys, filler, docs, workers
+    tmp_path, capsys, size, docs, workers
 ):
     """A real 8 KiB / 64 KiB tmpfs that fills up: the builder's write raised a bare ``OSError:
     [Errno 28] No space left on device`` traceback (exit 1). Now one line naming --output-prefix
-    and the space left there (the temporaries are removed: measured 0.0 / 0.1 MB), exit 2."""
+    and the space left there (the temporaries are removed: measured 0.0 / 0.1 MB), exit 2; the
+    disk holds what it held before, an older dataset at the prefix unchanged."""
     import shutil
 
     from tests.training import mounted_tmpfs
 
     words = " ".join(f"word{i}" for i in range(60))
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"{i} {words}"} for i in range(docs)])
-    size = "8k" if filler else "64k"
+    old = _write_jsonl(tmp_path / "old.jsonl", [{"text": "an older dataset"}])
+    tool = _load_tool("preprocess_data")
     with mounted_tmpfs(tmp_path / "disk", f"size={size}") as disk:
-        (disk / "filler").write_bytes(b"\0" * filler)
         prefix = disk / "sub" / "out"
-        argv = ["--input", str(src), "--output-prefix", str(prefix), "--workers", str(workers)]
-        assert _load_tool("preprocess_data").main(argv) == 2
+        if size == "8k":
+            (disk / "filler").write_bytes(b"\0" * 4096)
+        else:  # a .bin and a .idx: a 4 KiB page each
+            assert tool.main(["--input", str(old), "--output-prefix", str(prefix)]) == 0
+        before = {p.name: p.read_bytes() for p in disk.rglob("*") if p.is_file()}
         free = shutil.disk_usage(disk).free
+        capsys.readouterr()
+        argv = ["--input", str(src), "--output-prefix", str(prefix), "--workers", str(workers)]
+        assert tool.main(argv) == 2
         assert capsys.readouterr() == (
             "",
             f"preprocess_data.py: error: the disk filled up writing in --output-prefix {prefix} "
             f"({free / 1e6:.1f} MB free); free space there or give --output-prefix a path on a "
             "larger disk\n",
         )
-        assert [p.name for p in (disk / "sub").iterdir()] == []  # no temporaries left
-        assert free == shutil.disk_usage(disk).total - filler  # all of it but the filler
+        assert {p.name: p.read_bytes() for p in disk.rglob("*") if p.is_file()} == before
+        assert shutil.disk_usage(disk).free == free
 
 
 def test_cli_error_exit_and_message(tmp_path, capsys):
