@@ -242,6 +242,7 @@ def _main(check_only: bool = False) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
+    from megatron_latentmoe.checkpoint_layout import RELEASE
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
@@ -263,16 +264,15 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
-        ckpt_step,
         ckpt_step_warning,
         layout_changed,
         legacy_layout_refusal,
         load_flag,
         load_format,
         loaded_arg,
-        non_persistent_dir,
         plan_layout_change,
         repair_checkpoint_tracker,
+        resumed_by_args,
         saved_args,
         shape_refusal,
     )
@@ -298,26 +298,21 @@ def _main(check_only: bool = False) -> int:
         repair_checkpoint_tracker(args.load, load_format(args))
     load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
     if load_arg:
-        load_dir = getattr(args, load_arg)
-        fine_tunes = args.finetune or load_arg != "load"  # Megatron sets it for the latter
         warning = ckpt_step_warning(args, load_arg)
         if warning:
             print0(f"[{PROG}] WARNING: {warning}")
-        non_persistent = non_persistent_dir(args, load_dir)
-        saved = saved_args(
-            load_dir,
-            load_format(args),
-            release=load_arg != "load",
-            non_persistent=non_persistent,
-            ckpt_step=ckpt_step(args),
-        )
+        path = resumed_by_args(args, load_arg)
+        saved = saved_args(path)
         refusal = shape_refusal(
-            load_dir, args, saved, load_flag(load_arg)
-        ) or legacy_layout_refusal(args, saved, non_persistent, load_arg)
+            getattr(args, load_arg), args, saved, load_flag(load_arg)
+        ) or legacy_layout_refusal(args, saved, path, load_arg)
         if refusal:
             print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
             return 2
-        restores = not fine_tunes and not (args.no_load_optim and args.no_load_rng)
+        # megatron-core 0.19.2 loads the model alone, from iteration 0, where it fine-tunes (it
+        # sets --finetune for --pretrained-checkpoint) and from a release checkpoint
+        model_only = args.finetune or load_arg != "load" or os.path.basename(path or "") == RELEASE
+        restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)
 

@@ -3,8 +3,9 @@ job (the entry point, :mod:`.pretrain`, calls it; :mod:`.file_checks` asks it wh
 after a full disk would load).
 
 Which checkpoint: the tracker repaired after a kill (:func:`repair_checkpoint_tracker`), the
-folder Megatron will load and its format (:func:`resumed_checkpoint`, :func:`checkpoint_format`;
-a newer global non-persistent one included), its saved args (:func:`saved_args`; with
+folder Megatron will load (:func:`resumed_by_args`, the one place that says which: a
+``release`` one, ``--ckpt-step``'s, a newer global non-persistent one) and its format
+(:func:`checkpoint_format`), that folder's saved args (:func:`saved_args`; with
 ``--use-checkpoint-args`` the model flags come from them, :func:`load_checkpoint_args`).
 
 What is wrong with it, found before any rank loads it: megatron-core 0.19.2 meets each of these
@@ -153,22 +154,20 @@ def resumed_checkpoint(
     load_dir: str,
     ckpt_format: str = "torch_dist",
     *,
-    release: bool = False,
     non_persistent: str | None = None,
     ckpt_step: int | None = None,
 ) -> str | None:
-    """The folder of the checkpoint a run will resume from (None: nothing to load); with
-    ``release``, a ``release`` checkpoint too (one a run starts from). ``non_persistent``
-    (:func:`non_persistent_dir`): Megatron resumes from the newest global non-persistent
-    checkpoint there where it is as new as the persistent one, or newer. ``ckpt_step``
-    (``--ckpt-step``, :func:`ckpt_step`): megatron-core 0.19.2's ``_load_base_checkpoint``
-    loads that iteration's folder in ``load_dir`` (``--load`` or ``--pretrained-checkpoint``)
-    in place of the tracker's, there or not, complete or not, with or without a tracker; a
-    ``release`` tracker still loads ``release``; the non-persistent one is compared with it."""
-    iteration = (
-        ckpt_step
-        if ckpt_step and _tracker_text(load_dir) != RELEASE
-        else repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
+    """The folder of the checkpoint a run will resume from (None: nothing to load), as
+    megatron-core 0.19.2's ``_load_base_checkpoint`` picks it from ``load_dir`` (``--load`` or
+    ``--pretrained-checkpoint``): the tracker's (repaired, :func:`repair_checkpoint_tracker`), a
+    ``release`` one included (its iteration: 0). ``ckpt_step`` (``--ckpt-step``,
+    :func:`ckpt_step`) replaces the tracker's iteration: that iteration's folder, there or not,
+    complete or not, with or without a tracker; a ``release`` tracker still loads ``release``.
+    ``non_persistent`` (:func:`non_persistent_dir`): the newest global non-persistent checkpoint
+    there where its iteration is that iteration or newer."""
+    release = _tracker_text(load_dir) == RELEASE
+    iteration = ckpt_step or (
+        0 if release else repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
     )
     newer = (
         repair_checkpoint_tracker(non_persistent, "torch_dist", write=False)
@@ -177,14 +176,9 @@ def resumed_checkpoint(
     )
     if newer is not None and (iteration is None or newer >= iteration):
         return os.path.join(non_persistent, iteration_dir_name(newer))
-    if iteration is None:
-        try:
-            tracked = tracked_checkpoint_dir(load_dir)
-        except ValueError:  # an unreadable tracker: Megatron will report it
-            tracked = None
-        if not (release and tracked is not None and tracked.name == RELEASE):
-            return None
-    return os.path.join(load_dir, iteration_dir_name(iteration))
+    if release:
+        return os.path.join(load_dir, RELEASE)
+    return None if iteration is None else os.path.join(load_dir, iteration_dir_name(iteration))
 
 
 def _tracker_text(load_dir: str) -> str | None:
@@ -212,7 +206,6 @@ def resumed_by_args(args, load_arg: str | None = None) -> str | None:
     path = resumed_checkpoint(
         load_dir,
         load_format(args),
-        release=load_arg != "load",
         non_persistent=non_persistent_dir(args, load_dir),
         ckpt_step=ckpt_step(args),
     )
@@ -297,20 +290,10 @@ def load_flag(load_arg: str) -> str:
     return "--" + load_arg.replace("_", "-")
 
 
-def saved_args(
-    load_dir: str,
-    ckpt_format: str = "torch_dist",
-    *,
-    release: bool = False,
-    non_persistent: str | None = None,
-    ckpt_step: int | None = None,
-):
-    """The arguments of the checkpoint a run will resume from (:func:`resumed_checkpoint`; None:
-    nothing to load, or not readable): a distributed checkpoint's common state, a legacy
-    ``torch`` one's rank-0 file (memory-mapped: its tensors are not read)."""
-    path = resumed_checkpoint(
-        load_dir, ckpt_format, release=release, non_persistent=non_persistent, ckpt_step=ckpt_step
-    )
+def saved_args(path: str | None):
+    """The arguments of the checkpoint in the folder ``path`` (:func:`resumed_by_args`: the one
+    Megatron loads; None: nothing to load, or not readable): a distributed checkpoint's common
+    state, a legacy ``torch`` one's rank-0 file (memory-mapped: its tensors are not read)."""
     if path is None:
         return None
     if checkpoint_format(path) == "torch":
@@ -366,14 +349,7 @@ def load_checkpoint_args(args) -> set[str]:
         if getattr(args, load_arg) is None:
             continue
         load_args_from_checkpoint(args, load_arg=load_arg)
-        load_dir = getattr(args, load_arg)
-        saved = saved_args(
-            load_dir,
-            load_format(args),
-            release=True,
-            non_persistent=non_persistent_dir(args, load_dir),
-            ckpt_step=ckpt_step(args),
-        )
+        saved = saved_args(resumed_by_args(args, load_arg))
         for f in ADDED:
             value = getattr(saved, f.name, None) if f.hf else None
             if value is not None:
@@ -610,18 +586,15 @@ LAYOUT_FIELDS = (
 )
 
 
-def legacy_layout_refusal(
-    args, saved, non_persistent: str | None = None, load_arg: str = "load"
-) -> str | None:
-    """One line when the checkpoint ``--load`` resumes from (its args ``saved``; see
-    :func:`resumed_checkpoint` for ``non_persistent``) is a legacy
-    ``torch`` one of another tensor / pipeline / expert layout: megatron-core 0.19.2 keeps one
+def legacy_layout_refusal(args, saved, path: str | None, load_arg: str = "load") -> str | None:
+    """One line when the checkpoint ``--load`` resumes from (its folder ``path``, from
+    :func:`resumed_by_args`; its args ``saved``) is a legacy ``torch`` one of another tensor /
+    pipeline / expert layout: megatron-core 0.19.2 keeps one
     file per (TP, PP, EP) rank of that layout and does not reshard it; it looked for this run's
     rank files, printed "could not load the checkpoint" and exited 0 on every rank, having
     trained nothing (EP1 -> EP2, measured). Its distributed (``torch_dist``) checkpoint does
-    reshard: the line says how to get one. ``load_arg``: the folder's flag (:func:`loaded_arg`;
-    ``--pretrained-checkpoint``'s ``release`` checkpoint is judged too)."""
-    if saved is None:
+    reshard: the line says how to get one. ``load_arg``: the folder's flag (:func:`loaded_arg`)."""
+    if saved is None or checkpoint_format(path) != "torch":
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
 
@@ -630,19 +603,12 @@ def legacy_layout_refusal(
         for f in LAYOUT_FIELDS[:4]
         if getattr(saved, f, None) not in (None, getattr(args, f, None))
     ]
-    load_dir = getattr(args, load_arg)
-    path = differ and resumed_checkpoint(
-        load_dir,
-        load_format(args),
-        release=load_arg != "load",
-        non_persistent=non_persistent,
-        ckpt_step=ckpt_step(args),
-    )
-    if checkpoint_format(path or None) != "torch":
+    if not differ:
         return None
+    flag = f"{load_flag(load_arg)} {getattr(args, load_arg)}"
     return (
-        f"{load_flag(load_arg)} {load_dir}: {path} is a legacy torch checkpoint of another "
-        f"parallel layout: {', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout "
+        f"{flag}: {path} is a legacy torch checkpoint of another parallel layout: "
+        f"{', '.join(differ)}; megatron-core 0.19.2 loads one only in the layout "
         "it was saved with. Resume once in that layout with --ckpt-format torch_dist "
         "--auto-detect-ckpt-format (it then saves a torch_dist checkpoint, which loads into "
         "another layout), or pass that layout"

@@ -64,7 +64,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
 
         # the start-up estimate of one checkpoint, against the real one: a lower bound, within
         # ESTIMATE_MARGIN; with what is free now, a run would be warned
-        saved = saved_args(str(ckpt))
+        saved = saved_args(str(iter_dir(ckpt, 1)))
         estimate = checkpoint_bytes(saved)
         real = sum(f.stat().st_size for f in iter_dir(ckpt, 1).iterdir())
         assert estimate <= real <= estimate * (1 + ESTIMATE_MARGIN), (estimate, real)

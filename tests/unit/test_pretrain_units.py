@@ -161,14 +161,18 @@ class _Run:
             (situ, "set_cpu_compile"),
             (forward_step, "set_balance_logger"),
             (forward_step, "set_batch_recorder"),
-            (resume, "repair_checkpoint_tracker"),
             (resume, "plan_layout_change"),
             (resume, "legacy_layout_refusal"),  # reads the folder (tests/training meet it)
         ):
             monkeypatch.setattr(module, name, recorder(name))
         monkeypatch.setattr(pretrain, "checked_args", checked_args)
+        monkeypatch.setattr(  # its answers (write=False) are left to tests/training
+            resume,
+            "repair_checkpoint_tracker",
+            lambda d, f, write=True: event(("repair_checkpoint_tracker", d, f)) if write else None,
+        )
         monkeypatch.setattr(
-            resume, "saved_args", lambda *a, **kw: event(("saved_args", *a)) or self.saved
+            resume, "saved_args", lambda path: event(("saved_args", path)) or self.saved
         )
         monkeypatch.setattr(
             pretrain,
@@ -342,13 +346,31 @@ def test_main_wires_rescoring_and_calibration(monkeypatch, tmp_path):
 def test_main_plans_a_layout_change_when_it_resumes_from_another_layout(
     monkeypatch, tmp_path, flags, saved_layout, planned
 ):
-    run = _Run(monkeypatch, tmp_path, load="ckpt", ckpt_format="torch_dcp", **flags)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _tree(root, [4], "4")
+    run = _Run(monkeypatch, tmp_path, load=str(root), ckpt_format="torch_dcp", **flags)
     if saved_layout is not None:
         run.saved = SimpleNamespace(**{**dict.fromkeys(resume.LAYOUT_FIELDS, 1), **saved_layout})
     assert run() == 0
-    assert run.named("repair_checkpoint_tracker") == [("ckpt", "torch_dcp")]
-    assert run.named("saved_args") == [("ckpt", "torch_dcp")]  # read for the shape check too
+    assert run.named("repair_checkpoint_tracker") == [(str(root), "torch_dcp")]
+    assert run.named("saved_args") == [(f"{root}/iter_0000004",)]  # read for the shape check too
     assert run.named("plan_layout_change") == ([(run.args, run.saved)] if planned else [])
+
+
+def test_main_plans_no_layout_change_for_a_release_checkpoint(monkeypatch, tmp_path):
+    """megatron-core 0.19.2 loads a release checkpoint's model alone, from iteration 0, from
+    --load too (no optimizer, scheduler or RNG state): nothing to plan. Before, a release
+    checkpoint of another layout on --load was planned for (its args were not read then; now they
+    are, for the shape check) and announced Adam moments that start over."""
+    _tree(tmp_path, ["release"], "release")
+    run = _Run(monkeypatch, tmp_path, load=str(tmp_path))
+    run.saved = SimpleNamespace(
+        **{**dict.fromkeys(resume.LAYOUT_FIELDS, 1), "tensor_model_parallel_size": 2}
+    )
+    assert run() == 0
+    assert run.named("saved_args") == [(f"{tmp_path}/release",)]
+    assert run.named("plan_layout_change") == []
 
 
 def test_main_refuses_a_checkpoint_of_another_model_shape(monkeypatch, tmp_path, capsys):
@@ -373,31 +395,27 @@ def test_main_checks_the_pretrained_checkpoint_megatron_falls_back_to(
     model alone), so no layout change is planned. Before: --load's (none) were read, and the
     load failed on every rank with a "Global shape mismatch" CheckpointException traceback."""
     layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    _tree(pre, ["release"], "release")
     run = _Run(
         monkeypatch,
         tmp_path,
         load=str(tmp_path / "new"),
-        pretrained_checkpoint="pre",
+        pretrained_checkpoint=str(pre),
         hidden_size=8,
     )
     run.saved = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2}, hidden_size=8)
     assert run() == 0
-    assert run.named("saved_args") == [("pre", "torch_dist")]
+    assert run.named("saved_args") == [(f"{pre}/release",)]
     assert run.named("plan_layout_change") == []
-    releases = []
-    monkeypatch.setattr(
-        resume,
-        "saved_args",
-        lambda *a, release, non_persistent, ckpt_step: releases.append(release) or run.saved,
-    )
     run.saved.hidden_size = 16
     assert run() == 2
     assert capsys.readouterr().err == (
-        "pretrain_stable_latentmoe: error: --pretrained-checkpoint pre: the checkpoint is of "
+        f"pretrain_stable_latentmoe: error: --pretrained-checkpoint {pre}: the checkpoint is of "
         "another model shape: --hidden-size 16 (this run: 8). Give the checkpoint's model flags, "
         "or --use-checkpoint-args to take them from it\n"
     )
-    assert releases == [True]  # a release checkpoint is what Megatron fine-tunes from, too
 
 
 def test_main_warns_on_rank_0_that_a_release_checkpoint_ignores_ckpt_step(
@@ -421,18 +439,18 @@ def test_main_warns_on_rank_0_that_a_release_checkpoint_ignores_ckpt_step(
 
 
 def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
-    run = _Run(monkeypatch, tmp_path, load="ckpt")
+    _tree(tmp_path, [4], "4")
+    run = _Run(monkeypatch, tmp_path, load=str(tmp_path))
     monkeypatch.setenv("RANK", "1")
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == []
-    assert run.named("saved_args") == [("ckpt", "torch_dist")]
+    assert run.named("saved_args") == [(f"{tmp_path}/iter_0000004",)]
     run = _Run(monkeypatch, tmp_path)  # no --load
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == run.named("saved_args") == []
-    run = _Run(monkeypatch, tmp_path, load="ckpt", auto_detect_ckpt_format=True)
+    run = _Run(monkeypatch, tmp_path, load=str(tmp_path), auto_detect_ckpt_format=True)
     assert run() == 0
-    assert run.named("repair_checkpoint_tracker") == [("ckpt", resume.AUTO_FORMAT)]
-    assert run.named("saved_args") == [("ckpt", resume.AUTO_FORMAT)]
+    assert run.named("repair_checkpoint_tracker") == [(str(tmp_path), resume.AUTO_FORMAT)]
 
 
 def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path, capsys):
@@ -836,3 +854,97 @@ def test_main_ends_a_full_disk_under_the_shipped_corpus_in_one_line(monkeypatch,
         "there or give --data-cache-path a folder on a larger disk\n"
     )
     assert "pretrain" not in [e[0] for e in run.events]
+
+
+def _tree(root, persistent, tracker, non_persistent=None):
+    """Complete torch_dist folders ``root/<name>`` for each name in ``persistent`` (``release``
+    or an iteration), ``root``'s tracker holding ``tracker``; a global non-persistent tracker
+    and checkpoint at ``root/np`` of iteration ``non_persistent``."""
+    from megatron_latentmoe.checkpoint_layout import iteration_dir_name
+
+    folders = [(root, iteration_dir_name(None if p == "release" else p)) for p in persistent]
+    if non_persistent is not None:
+        folders.append((root / "np", iteration_dir_name(non_persistent)))
+        (root / "np").mkdir()
+        (root / "np" / resume.TRACKER_FILE).write_text(str(non_persistent))
+    for folder, name in folders:
+        (folder / name).mkdir()
+        for file in (".metadata", "metadata.json"):
+            (folder / name / file).write_text("{}")
+    (root / resume.TRACKER_FILE).write_text(tracker)
+
+
+# (flag, persistent folders, tracker, non-persistent iteration, --ckpt-step, the folder loaded)
+LOADED_FOLDERS = {
+    "persistent": ("load", [2, 4], "4", None, None, "iter_0000004"),
+    "release on --load": ("load", ["release"], "release", None, None, "release"),
+    "release on --pretrained-checkpoint": (
+        "pretrained_checkpoint",
+        ["release"],
+        "release",
+        None,
+        None,
+        "release",
+    ),
+    "newer non-persistent": ("load", [4], "4", 5, None, "np/iter_0000005"),
+    "as new non-persistent": ("load", [4], "4", 4, None, "np/iter_0000004"),
+    "older non-persistent": ("load", [4], "4", 3, None, "iter_0000004"),
+    "release and a non-persistent": ("load", ["release"], "release", 3, None, "np/iter_0000003"),
+    "--ckpt-step": ("load", [2, 4], "4", None, 2, "iter_0000002"),
+    "--ckpt-step and a non-persistent": ("load", [2, 4], "4", 3, 2, "np/iter_0000003"),
+    "--ckpt-step with release": ("load", [2, "release"], "release", None, 2, "release"),
+    # Megatron compares the non-persistent iteration with --ckpt-step's, release or not
+    "--ckpt-step with release and an older non-persistent": (
+        "load",
+        ["release"],
+        "release",
+        3,
+        5,
+        "release",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LOADED_FOLDERS)
+def test_every_check_reads_the_folder_megatron_loads(monkeypatch, tmp_path, capsys, case):
+    """One folder per case, the one megatron-core 0.19.2's ``_load_base_checkpoint`` loads (a
+    ``release`` tracker: ``release`` from --load too, iteration 0; --ckpt-step's iteration, but a
+    release tracker's release flag kept; a global non-persistent checkpoint as new or newer
+    wins): the folder the file and format checks judge (``resumed_by_args``), the one whose args
+    the entry point's shape check reads, and the one ``--use-checkpoint-args`` reads. Before, the
+    shape check read nothing for a release checkpoint on --load: one of another hidden size
+    failed in Megatron's load with a "Global shape mismatch" traceback (measured, CPU, 1 rank)."""
+    from megatron.core import dist_checkpointing
+
+    load_arg, persistent, tracker, non_persistent, step, loaded = LOADED_FOLDERS[case]
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _tree(root, persistent, tracker, non_persistent)
+    read = []
+
+    def load_common_state_dict(path):
+        read.append(os.path.relpath(path, root))
+        return {"args": SimpleNamespace(hidden_size=64)}
+
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", load_common_state_dict)
+    flags = dict(
+        load=str(root) if load_arg == "load" else None,
+        pretrained_checkpoint=str(root) if load_arg == "pretrained_checkpoint" else None,
+        non_persistent_ckpt_type="global" if non_persistent else None,
+        non_persistent_global_ckpt_dir=str(root / "np") if non_persistent else None,
+        ckpt_step=step,
+        hidden_size=128,
+    )
+    real = {name: getattr(resume, name) for name in ("saved_args", "repair_checkpoint_tracker")}
+    run = _Run(monkeypatch, tmp_path, **flags)
+    for name, function in real.items():  # _Run fakes them
+        monkeypatch.setattr(resume, name, function)
+    assert os.path.relpath(resume.resumed_by_args(run.args, load_arg), root) == loaded
+    assert run() == 2  # the shape check read that folder's args
+    assert read == [loaded]
+    assert "the checkpoint is of another model shape: --hidden-size 64" in capsys.readouterr().err
+    checkpointing = SimpleNamespace(load_args_from_checkpoint=lambda args, load_arg: None)
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+    read.clear()
+    resume.load_checkpoint_args(run.args)
+    assert read == [loaded]

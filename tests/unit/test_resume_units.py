@@ -105,38 +105,39 @@ def common_state(monkeypatch):
     return read
 
 
-def test_saved_args_are_the_resumed_checkpoints(tmp_path, common_state):
-    """The checkpoint a run resumes from (the tracker repaired, without writing it), of the
-    run's format; a release one only when asked for; None where nothing can be loaded."""
-    root = _checkpoints(tmp_path, [2, 4], tracker=b"6")
-    assert resume.saved_args(root) == "args of iter_0000004"
-    assert (tmp_path / TRACKER_FILE).read_bytes() == b"6"  # answered, not repaired
-    (tmp_path / iteration_dir_name(7)).mkdir()
-    (tmp_path / iteration_dir_name(7) / "model.pt").write_text("")  # a legacy torch checkpoint
-    (tmp_path / TRACKER_FILE).write_bytes(b"7")
-    assert resume.saved_args(root, "torch") == "args of iter_0000007"
-    assert resume.saved_args(root) == "args of iter_0000004"
-    assert common_state == ["iter_0000004", "iter_0000007", "iter_0000004"]
-    assert resume.saved_args(str(tmp_path / "absent")) is None
-    assert common_state[3:] == []
+def test_saved_args_are_the_given_folders(tmp_path, common_state):
+    """The args of the folder :func:`resumed_by_args` names (the one Megatron loads: which one is
+    test_pretrain_units.py's ``test_every_check_reads_the_folder_megatron_loads``): a distributed
+    checkpoint's common state, a legacy torch one's rank-0 file; None where nothing is loaded or
+    it cannot be read (Megatron reports it)."""
+    import torch
+
+    root = _checkpoints(tmp_path, [4])
+    assert resume.saved_args(f"{root}/iter_0000004") == "args of iter_0000004"
+    assert resume.saved_args(None) is None
+    (tmp_path / "bad").mkdir()
+    assert resume.saved_args(str(tmp_path / "bad")) is None  # not a distributed checkpoint
+    assert common_state == ["iter_0000004", "bad"]
+    legacy = tmp_path / iteration_dir_name(7) / "mp_rank_00"
+    legacy.mkdir(parents=True)
+    torch.save({"args": "legacy args"}, legacy / "model_optim_rng.pt")
+    assert resume.saved_args(str(legacy.parent)) == "legacy args"
+    (legacy / "model_optim_rng.pt").write_bytes(b"cut")
+    assert resume.saved_args(str(legacy.parent)) is None
+    assert common_state == ["iter_0000004", "bad"]
 
 
-def test_saved_args_of_a_release_checkpoint_only_with_release(tmp_path, common_state):
+def test_a_release_checkpoint_is_resumed_from_where_the_tracker_names_it(tmp_path):
+    """megatron-core 0.19.2 loads ``release`` from --load and --pretrained-checkpoint alike."""
     root = _checkpoints(tmp_path, [], tracker=b"release")
     (tmp_path / "release").mkdir()
-    assert resume.saved_args(root) is None
-    assert resume.saved_args(root, release=True) == "args of release"
+    assert resume.resumed_checkpoint(root) == f"{root}/release"
     (tmp_path / TRACKER_FILE).write_bytes(b"7")  # an iteration never saved: not the release
-    assert resume.saved_args(root, release=True) is None
+    assert resume.resumed_checkpoint(root) is None
     (tmp_path / TRACKER_FILE).write_bytes(b"\xff")  # unreadable: Megatron reports it
-    assert resume.saved_args(root, release=True) is None
+    assert resume.resumed_checkpoint(root) is None
     (tmp_path / TRACKER_FILE).unlink()
-    assert resume.saved_args(root, release=True) is None
-    assert common_state == ["release"]
-    (tmp_path / "bad").mkdir()
-    bad = _checkpoints(tmp_path / "bad", [3])
-    assert resume.saved_args(bad) is None  # not a distributed checkpoint: Megatron reports it
-    assert common_state == ["release", "iter_0000003"]
+    assert resume.resumed_checkpoint(root) is None
 
 
 def _format_refusal(root, ckpt_format, auto=False, non_persistent=None):
@@ -223,11 +224,12 @@ def _checkpoint_args(monkeypatch, saved, **flags):
     checkpointing = SimpleNamespace(load_args_from_checkpoint=load_args_from_checkpoint)
     monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
 
-    def saved_args(load_dir, ckpt_format, *, release, non_persistent, ckpt_step=None):
-        asked.append((load_dir, ckpt_format, release))
-        return saved.get(load_dir)
+    def saved_args(path):
+        asked.append(path)
+        return saved.get(path)
 
     monkeypatch.setattr(resume, "saved_args", saved_args)
+    monkeypatch.setattr(resume, "resumed_by_args", lambda args, load_arg: getattr(args, load_arg))
     monkeypatch.setenv("RANK", "0")
     args = SimpleNamespace(
         load=None,
@@ -262,7 +264,7 @@ def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypa
     )
     assert changed == {"hidden_act", "first_k_dense_replace", "num_layers"}
     assert loaded == ["pretrained_checkpoint", "load"]
-    assert asked == [("pre", "torch_dcp", True), ("ck", "torch_dcp", True)]
+    assert asked == ["pre", "ck"]
     assert (args.hidden_act, args.first_k_dense_replace, args.moe_qb_num_bins) == (
         "situ_glu",
         2,
@@ -275,11 +277,11 @@ def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypa
     )
     args, loaded, asked, changed = _checkpoint_args(monkeypatch, {}, load="ck")  # nothing saved
     assert changed == set()
-    assert loaded == ["load"] and asked == [("ck", "torch_dist", True)]
+    assert loaded == ["load"] and asked == ["ck"]
     assert (args.hidden_act, args.first_k_dense_replace) == ("silu", 0)
     args, loaded, asked, changed = _checkpoint_args(monkeypatch, saved, pretrained_checkpoint="pre")
     assert changed == {"hidden_act", "first_k_dense_replace"}  # 4 layers given, 4 read
-    assert loaded == ["pretrained_checkpoint"] and asked == [("pre", "torch_dist", True)]
+    assert loaded == ["pretrained_checkpoint"] and asked == ["pre"]
     assert args.hidden_act == "situ_glu"
 
 
@@ -655,18 +657,29 @@ def test_a_damaged_pretrained_checkpoint_is_refused_without_the_resume_advice(tm
     )
 
 
-def test_a_legacy_pretrained_release_checkpoint_of_another_layout_is_refused(tmp_path):
-    """A legacy ``torch`` release checkpoint (what Megatron fine-tunes from) of another tensor
-    parallel size: megatron-core 0.19.2 loads one only in its own layout."""
+@pytest.mark.parametrize("load_arg", ["pretrained_checkpoint", "load"])
+def test_a_legacy_release_checkpoint_of_another_layout_is_refused(tmp_path, load_arg):
+    """A legacy ``torch`` release checkpoint (what Megatron fine-tunes from; from --load too) of
+    another tensor parallel size: megatron-core 0.19.2 loads one only in its own layout."""
     _checkpoints(tmp_path, [], tracker=b"release")
     (tmp_path / "release" / "mp_rank_00").mkdir(parents=True)
     layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
-    args = SimpleNamespace(**layout, pretrained_checkpoint=str(tmp_path), ckpt_format="torch")
-    saved = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2})
-    assert resume.legacy_layout_refusal(args, saved, None, "pretrained_checkpoint").startswith(
-        f"--pretrained-checkpoint {tmp_path}: {tmp_path}/release is a legacy torch checkpoint of "
-        "another parallel layout: --tensor-model-parallel-size 2 (this run: 1)"
+    args = SimpleNamespace(
+        **layout,
+        load=None,
+        pretrained_checkpoint=None,
+        ckpt_format="torch",
+        non_persistent_ckpt_type=None,
     )
+    setattr(args, load_arg, str(tmp_path))
+    saved = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2})
+    path = resume.resumed_by_args(args, load_arg)
+    assert resume.legacy_layout_refusal(args, saved, path, load_arg).startswith(
+        f"{resume.load_flag(load_arg)} {tmp_path}: {tmp_path}/release is a legacy torch "
+        "checkpoint of another parallel layout: --tensor-model-parallel-size 2 (this run: 1)"
+    )
+    same = SimpleNamespace(**layout)
+    assert resume.legacy_layout_refusal(args, same, path, load_arg) is None  # its own layout
 
 
 def _step_args(root, step, **flags):
@@ -688,7 +701,7 @@ def test_ckpt_step_is_the_checkpoint_judged_as_megatron_loads_it(tmp_path, commo
     root = _checkpoints(tmp_path, [2, 4], tracker=b"4")
     assert resume.resumed_checkpoint(root, ckpt_step=2) == f"{root}/iter_0000002"
     assert resume.resumed_checkpoint(root, ckpt_step=0) == f"{root}/iter_0000004"
-    assert resume.saved_args(root, ckpt_step=2) == "args of iter_0000002"
+    assert resume.saved_args(resume.resumed_by_args(_step_args(root, 2))) == "args of iter_0000002"
     assert resume.resumed_by_args(_step_args(root, 2)) == f"{root}/iter_0000002"
     (tmp_path / "np").mkdir()
     _checkpoints(tmp_path / "np", [3], tracker=b"3")
@@ -708,7 +721,7 @@ def test_ckpt_step_is_the_checkpoint_judged_as_megatron_loads_it(tmp_path, commo
         f"--load {root}: {root}/iter_0000002 is a torch_dist checkpoint"
     )
     (tmp_path / TRACKER_FILE).write_bytes(b"release")
-    assert resume.resumed_checkpoint(root, release=True, ckpt_step=2) == f"{root}/release"
+    assert resume.resumed_checkpoint(root, ckpt_step=2) == f"{root}/release"
 
 
 def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_path):
