@@ -272,6 +272,7 @@ def _main(check_only: bool = False) -> int:
         loaded_arg,
         plan_layout_change,
         repair_checkpoint_tracker,
+        repair_non_persistent_tracker,
         resumed_by_args,
         saved_args,
         shape_refusal,
@@ -296,6 +297,7 @@ def _main(check_only: bool = False) -> int:
         load_distributed_checkpoint_as_such(args)
     if args.load and rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
+        repair_non_persistent_tracker(args)
     load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
     if load_arg:
         warning = ckpt_step_warning(args, load_arg)

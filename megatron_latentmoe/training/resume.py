@@ -2,7 +2,8 @@
 job (the entry point, :mod:`.pretrain`, calls it; :mod:`.file_checks` asks it what a resume
 after a full disk would load).
 
-Which checkpoint: the tracker repaired after a kill (:func:`repair_checkpoint_tracker`), the
+Which checkpoint: the trackers repaired after a kill (:func:`repair_checkpoint_tracker`, for
+the global non-persistent checkpoints :func:`repair_non_persistent_tracker`), the
 folder Megatron will load (:func:`resumed_by_args`, the one place that says which: a
 ``release`` one, ``--ckpt-step``'s, a newer global non-persistent one) and its format
 (:func:`checkpoint_format`), that folder's saved args (:func:`saved_args`; with
@@ -118,6 +119,36 @@ def repair_checkpoint_tracker(
         flush=True,
     )
     return best
+
+
+def repair_non_persistent_tracker(args) -> None:
+    """The tracker of ``--load``'s global non-persistent checkpoints (:func:`non_persistent_dir`)
+    after a kill, repaired as ``--load``'s (:func:`repair_checkpoint_tracker`); where no folder
+    there is complete it is removed, so that Megatron loads the persistent checkpoint (or starts
+    from scratch), as it does without one.
+
+    megatron-core 0.19.2 deletes every non-persistent folder but the newest by name before each
+    non-persistent save (``cleanup_old_non_persistent_checkpoint``). A kill during a save leaves
+    its folder cut and the tracker at the previous one; the next run's first non-persistent save
+    then deletes that complete folder and keeps the cut one. Killed again during that save, the
+    tracker named a folder that was gone, and the next run failed in Megatron's load on every
+    rank with "CheckpointingException: Checkpoint directory None does not exist" (measured: CPU,
+    one rank, saves every 2 iterations, both kills during the save of iteration 6)."""
+    folder = non_persistent_dir(args)
+    tracker = folder and os.path.join(folder, TRACKER_FILE)
+    if not tracker or not os.path.isfile(tracker):
+        return
+    named = _tracker_text(folder)
+    if named == RELEASE:  # Megatron refuses it: "Non-persistent checkpoint can't be a release"
+        return
+    if repair_checkpoint_tracker(folder, "torch_dist") is None:
+        os.remove(tracker)
+        print(
+            f"[{PROG}] {tracker} named {named or 'nothing readable'}, and no non-persistent "
+            f"checkpoint in {folder} is complete: removed it; the run loads the persistent "
+            f"checkpoint in --load {args.load}, if there is one",
+            flush=True,
+        )
 
 
 def checkpoint_format(path: str | None) -> str | None:

@@ -1,14 +1,20 @@
 """``repair_checkpoint_tracker``: the tracker names the newest COMPLETE checkpoint after a kill,
-whatever the kill (or a corruption) left in it; nothing to resume from is None."""
+whatever the kill (or a corruption) left in it; nothing to resume from is None.
+``repair_non_persistent_tracker``: the global non-persistent checkpoints' tracker, the same way;
+removed where none of them is complete."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
-from megatron_latentmoe.training.resume import repair_checkpoint_tracker
+from megatron_latentmoe.training.resume import (
+    repair_checkpoint_tracker,
+    repair_non_persistent_tracker,
+)
 
 
 @pytest.fixture
@@ -100,3 +106,73 @@ def test_the_tracker_is_replaced_atomically(load_dir, monkeypatch):
     assert repair_checkpoint_tracker(str(load_dir)) == 4
     assert seen == [(str(tracker), b"6", b"4")]  # untouched until the rename
     assert tracker.read_bytes() == b"4"
+
+
+def _non_persistent(tmp_path, tracker: bytes | None, complete=(), cut=()):
+    """``--load`` ``tmp_path`` with its global non-persistent folder (``non_persistent`` there, as
+    --non-persistent-global-ckpt-dir): complete torch_dist folders, cut ones (a shard file alone,
+    as a kill left it: measured) and the tracker holding ``tracker``; returns the flags and the
+    tracker."""
+    folder = tmp_path / "non_persistent"
+    folder.mkdir()
+    for iteration in complete:
+        (folder / iteration_dir_name(iteration)).mkdir()
+        for name in (".metadata", "metadata.json", "__0_0.distcp"):
+            (folder / iteration_dir_name(iteration) / name).write_text("{}")
+    for iteration in cut:
+        (folder / iteration_dir_name(iteration)).mkdir()
+        (folder / iteration_dir_name(iteration) / "__0_0.distcp").write_text("")
+    if tracker is not None:
+        (folder / TRACKER_FILE).write_bytes(tracker)
+    args = SimpleNamespace(
+        load=str(tmp_path),
+        non_persistent_ckpt_type="global",
+        non_persistent_global_ckpt_dir=str(folder),
+    )
+    return args, folder / TRACKER_FILE
+
+
+def test_a_non_persistent_tracker_naming_a_folder_megatrons_cleanup_removed_is_removed(
+    tmp_path, capsys
+):
+    """The state two kills left (measured, CPU, one rank, --non-persistent-save-interval 2): the
+    first during the save of iteration 6 (iter_0000006 cut, the tracker at 4), the second during
+    the resumed run's save of 6, after Megatron's cleanup had deleted iter_0000004. Before, the
+    next run failed on every rank with "CheckpointingException: Checkpoint directory None does not
+    exist"; the tracker removed, it starts from the persistent checkpoint (here: from scratch)."""
+    args, tracker = _non_persistent(tmp_path, b"4", cut=[6])
+    repair_non_persistent_tracker(args)
+    assert not tracker.exists()
+    assert capsys.readouterr().out == (
+        f"[pretrain_stable_latentmoe] {tracker} named 4, and no non-persistent checkpoint in "
+        f"{tracker.parent} is complete: removed it; the run loads the persistent checkpoint in "
+        f"--load {tmp_path}, if there is one\n"
+    )
+    assert os.listdir(tracker.parent) == [iteration_dir_name(6)]
+
+
+@pytest.mark.parametrize(
+    "held, complete, cut, after",
+    [
+        (b"4", [4], [6], b"4"),  # the first kill: the tracker names the complete one, left
+        (b"", [4], [6], b"4"),  # cut while written (Megatron: "Invalid metadata file", exit)
+        (b"6", [4], [6], b"4"),  # names the cut one
+        (b"release", [], [], b"release"),  # Megatron refuses it itself
+    ],
+)
+def test_a_non_persistent_tracker_is_repaired_as_loads_is(tmp_path, held, complete, cut, after):
+    args, tracker = _non_persistent(tmp_path, held, complete, cut)
+    repair_non_persistent_tracker(args)
+    assert tracker.read_bytes() == after
+
+
+def test_no_non_persistent_tracker_is_touched_where_megatron_reads_none(tmp_path):
+    args, tracker = _non_persistent(tmp_path, b"4", cut=[6])
+    for flags in (
+        dict(non_persistent_ckpt_type=None),
+        dict(non_persistent_ckpt_type="local"),
+        dict(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere")),  # Megatron reads that
+        dict(load=None),  # nothing resumed: the repair is --load's
+    ):
+        repair_non_persistent_tracker(SimpleNamespace(**{**vars(args), **flags}))
+        assert tracker.read_bytes() == b"4"
