@@ -18,3 +18,19 @@ def print0(*parts) -> None:
     """``print`` on rank 0 only, flushed."""
     if rank() == 0:
         print(*parts, flush=True)
+
+
+def peer_stopped_error(err: BaseException) -> str | None:
+    """The line (after ``error: ``) for a rank whose collective failed because another rank's
+    process went away (:func:`..compat.gloo_peer.gloo_peer_lost`); None for any other error.
+    The other rank said why itself (its one-line error), or it was killed, which the launcher's
+    summary says: this rank's traceback would only bury that line."""
+    from megatron_latentmoe.compat.gloo_peer import gloo_peer_lost
+
+    observed = gloo_peer_lost(err)
+    if observed is None:
+        return None
+    return (
+        f"rank {rank()}: another rank of this run stopped (gloo: {observed}); its own error is "
+        "above, or the launcher's summary names it if it was killed"
+    )

@@ -20,7 +20,8 @@ Order of work (everything that can be wrong about the command line fails before 
    hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
    disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`), so does a full disk
    under another write of the run, on each rank that hit it
-   (:func:`.file_checks.write_disk_full_error`).
+   (:func:`.file_checks.write_disk_full_error`); a rank whose collective fails because another
+   rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`).
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
@@ -33,7 +34,7 @@ import sys
 import time
 from functools import partial
 
-from megatron_latentmoe.training.console import PROG, print0, rank
+from megatron_latentmoe.training.console import PROG, peer_stopped_error, print0, rank
 
 
 def _startup_env() -> None:
@@ -378,6 +379,10 @@ def _main(check_only: bool = False) -> int:
         )
         return 2
     except Exception as err:
+        line = peer_stopped_error(err)
+        if line:  # 1, not 2: nothing to fix here; the launcher names the rank that stopped
+            print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+            return 1
         # a full disk outside a save: the balance JSONL, TensorBoard, the dataset index cache
         # (megatron-core 0.19.2 raises a bare Exception from numpy's OSError there)
         line = write_disk_full_error(err, written_folders(args, jsonl_path))

@@ -1,0 +1,83 @@
+"""A 2-rank run (torchrun, gloo on CPU) where ONE rank stops: its own one-line error and exit 2,
+or SIGKILL (the OOM killer). The other rank, waiting on it in a collective, printed a long gloo
+traceback (``RuntimeError: [.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``, or
+``Read error ...: Connection reset by peer`` after a kill); now it ends with one line naming
+itself, what gloo saw and where the cause is (``console.peer_stopped_error``), exit 1. The
+launcher's last line names the rank that stopped first."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from . import LAUNCH, REPO, command, environment, kill_tree, run_entry
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PEER_LINE = (
+    r"pretrain_stable_latentmoe: error: rank {rank}: another rank of this run stopped \(gloo: "
+    r"(Connection closed by peer|Read error) \[127\.0\.0\.1\]:\d+(: Connection reset by peer)?\); "
+    r"its own error is above, or the launcher's summary names it if it was killed"
+)
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if ": error: " in line]
+
+
+def test_a_rank_that_stops_with_its_error_costs_the_other_one_line():
+    # /dev/full: every write fails with ENOSPC; the balance JSONL is the last rank's (rank 1)
+    run = run_entry(["--train-iters", "3", "--balance-log-file", "/dev/full"], launcher=LAUNCH)
+    assert "Traceback" not in run.output, run.output[-6000:]
+    errors = error_lines(run.output)
+    assert len(errors) == 2, run.output[-6000:]
+    assert errors[0].startswith(
+        "pretrain_stable_latentmoe: error: the disk filled up writing /dev/full ("
+    ), errors
+    assert re.fullmatch(PEER_LINE.format(rank=0), errors[1]), errors[1]
+    assert run.output.splitlines()[-1] == "[launch] rank 1 exited with code 2 (its output is above)"
+    assert run.returncode == 2
+
+
+def test_a_rank_killed_costs_the_other_one_line():
+    """Rank 0 SIGKILLed in the third iteration (rank 1 has just logged the second): rank 1, in
+    the step's collectives with it, says so in one line; the launcher names the killed rank."""
+    proc = subprocess.Popen(
+        command(["--train-iters", "30"], launcher=LAUNCH),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
+        start_new_session=True,
+        bufsize=1,
+    )
+    lines, killed, start = [], False, time.time()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if not killed and " iteration        2/" in line:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    if child.environ().get("RANK") == "0":
+                        child.send_signal(signal.SIGKILL)
+                        killed = True
+            if time.time() - start > 240:
+                break
+    finally:
+        try:  # its output ends a moment before it does
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+        proc.stdout.close()
+    output = "".join(lines)
+    assert killed, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    errors = error_lines(output)
+    assert len(errors) == 1 and re.fullmatch(PEER_LINE.format(rank=1), errors[0]), output[-6000:]
+    assert lines[-1] == "[launch] rank 0 was killed by signal 9 (its output is above)\n"
+    assert proc.returncode == 128 + 9

@@ -1,0 +1,107 @@
+"""A rank whose collective fails because another rank's process went away: gloo's errors for it
+recognised (``compat.gloo_peer``), the entry point's one line for it (``console``), and
+nothing else taken for one. The messages are torch 2.13's, copied from 2-rank torchrun runs on CPU
+(one rank exited with its own error; one was killed by SIGKILL); one is made here by real gloo.
+The whole runs are tests/training/test_peer_stop.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_latentmoe.compat.gloo_peer import gloo_peer_lost
+from megatron_latentmoe.training import console
+
+PAIR = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{}]"
+CRASHING = (
+    "This is typically caused by a remote worker crashing. Check the logs of the remote worker "
+    "before reporting an error. GLHF! 🏖️"
+)
+HANGING = (
+    "This is typically caused by a remote worker hanging or bugs in the application. Check the "
+    "logs of the remote worker before reporting an error. GLHF! 🏖️"
+)
+
+
+@pytest.mark.parametrize(
+    "message, observed",
+    [
+        (  # the other rank exited (its own one-line error, exit 2)
+            f"{PAIR.format(553)} Connection closed by peer [127.0.0.1]:62631. {CRASHING}",
+            "Connection closed by peer [127.0.0.1]:62631",
+        ),
+        (  # the other rank was killed by SIGKILL
+            f"{PAIR.format(537)} Read error [127.0.0.1]:25795: Connection reset by peer. {HANGING}",
+            "Read error [127.0.0.1]:25795: Connection reset by peer",
+        ),
+        (  # gloo's write side of the same (strerror of EPIPE)
+            f"{PAIR.format(602)} writev [10.0.0.2]:4431: Broken pipe. {HANGING}",
+            "writev [10.0.0.2]:4431: Broken pipe",
+        ),
+    ],
+)
+def test_gloo_errors_for_a_peer_process_gone_are_recognised(message, observed):
+    import torch
+
+    assert gloo_peer_lost(RuntimeError(message)) == observed
+    assert gloo_peer_lost(torch.distributed.DistBackendError(message)) == observed
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("Connection closed by peer [127.0.0.1]:29500. (not gloo's pair)"),
+        RuntimeError(f"{PAIR.format(400)} Read timeout [127.0.0.1]:6000. {HANGING}"),  # a hang
+        RuntimeError(f"{PAIR.format(512)} Socket closed [127.0.0.1]:6000"),
+        RuntimeError(f"{PAIR.format(537)} Read error [127.0.0.1]:6000: Bad address. {HANGING}"),
+        ValueError(f"{PAIR.format(553)} Connection closed by peer [127.0.0.1]:1. {CRASHING}"),
+    ],
+)
+def test_other_errors_are_not_a_peer_gone(err, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert gloo_peer_lost(err) is None
+    assert console.peer_stopped_error(err) is None
+
+
+def test_the_line_names_this_rank_what_gloo_saw_and_where_the_cause_is(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    err = RuntimeError(f"{PAIR.format(553)} Connection closed by peer [127.0.0.1]:9. {CRASHING}")
+    assert console.peer_stopped_error(err) == (
+        "rank 3: another rank of this run stopped (gloo: Connection closed by peer "
+        "[127.0.0.1]:9); its own error is above, or the launcher's summary names it if it was "
+        "killed"
+    )
+
+
+REAL_GLOO = """
+import os, sys, torch, torch.distributed as dist
+from megatron_latentmoe.compat.gloo_peer import gloo_peer_lost
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+dist.barrier()
+if rank == 1:
+    os._exit(2)  # as a rank does after its one-line error: no goodbye to the others
+try:
+    dist.all_reduce(torch.ones(4))
+except RuntimeError as err:
+    print(gloo_peer_lost(err))
+"""
+
+
+def test_a_real_gloo_collective_with_a_peer_gone_is_recognised(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", REAL_GLOO, str(rank), str(tmp_path / "rendezvous")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[1].returncode == 2, out[1]
+    # which of the two depends on what was in flight when the socket went (both seen here)
+    assert out[0].startswith(("Connection closed by peer [", "Read error [")), out[0]
