@@ -184,6 +184,7 @@ def _main(check_only: bool = False) -> int:
     import torch
 
     from megatron_latentmoe.compat import apply_core_compat, apply_cpu_compat
+    from megatron_latentmoe.compat.tensorboard import apply_tensorboard_compat
 
     has_cuda = torch.cuda.is_available()
     apply_core_compat()
@@ -279,6 +280,7 @@ def _main(check_only: bool = False) -> int:
         shape_refusal,
     )
 
+    apply_tensorboard_compat()  # --tensorboard-dir's writer thread: its failure said once
     set_global_variables(args)  # the padded vocabulary: checkpoint_bytes reads it
     if rank() == 0:
         from megatron_latentmoe.training.file_checks import save_space_warning

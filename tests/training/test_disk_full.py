@@ -19,7 +19,7 @@ import pytest
 from megatron_latentmoe.training.file_checks import checkpoint_bytes, save_space_warning
 from megatron_latentmoe.training.resume import saved_args
 
-from . import iter_dir, mounted_tmpfs, read_jsonl, run_entry
+from . import LAUNCH, iter_dir, mounted_tmpfs, read_jsonl, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +113,25 @@ def test_a_full_disk_under_the_balance_jsonl_is_one_line(tmp_path):
     assert len(errors) <= 2 and all(": rank 0: another rank of" in e for e in errors[1:]), errors
     assert "[rank0]:" not in run.output and "[rank1]:" not in run.output  # no rank's traceback
     assert "2" in re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M), run.output[-3000:]
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path):
+    """``--tensorboard-dir`` on a tmpfs of one page: the writer's thread failed on its write and
+    Python printed that as a thread traceback ("Exception in thread Thread-1: ... OSError"),
+    interleaved with the line the training thread gives for the same error when the writer
+    raises it there (``compat.tensorboard``); now that line alone, exit 2."""
+    with mounted_tmpfs(tmp_path / "disk", "size=4k") as disk:
+        run = run_entry(
+            ["--train-iters", "3", "--tensorboard-dir", str(disk / "tb")], launcher=LAUNCH
+        )
+    assert "Traceback" not in run.output and "Exception in thread" not in run.output, run.output[
+        -6000:
+    ]
+    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    assert errors[0] == (
+        f"pretrain_stable_latentmoe: error: the disk filled up writing in --tensorboard-dir "
+        f"{disk / 'tb'} (0.0 MB free); free space there or give --tensorboard-dir a folder on a "
+        "larger disk"
+    ), run.output[-6000:]
+    assert len(errors) <= 2 and all(": rank 0: another rank of" in e for e in errors[1:]), errors
+    assert run.returncode == 2, run.output[-3000:]
