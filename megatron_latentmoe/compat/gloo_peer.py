@@ -9,8 +9,9 @@ OOM killer), the socket to it closes and every rank waiting on it in a collectiv
   by peer [127.0.0.1]:62631. This is typically caused by a remote worker crashing. ...``;
 * the peer was killed by SIGKILL mid-transfer: ``[.../pair.cc:537] Read error
   [127.0.0.1]:25795: Connection reset by peer. ...``;
-* gloo's write side of the same (``writev <address>: Broken pipe`` or ``: Connection reset by
-  peer``): the ``strerror`` text of ``EPIPE`` / ``ECONNRESET``.
+* gloo's write side of the same, read from its source (``Pair::write``, a pair in sync mode;
+  not met in those runs): ``writev <address>: Broken pipe`` or ``: Connection reset by peer``,
+  the ``strerror`` text of ``EPIPE`` / ``ECONNRESET``.
 
 Only these are recognised: gloo's timeouts (a peer that hangs), ``Socket closed`` (I/O on a pair an
 earlier error closed) and every other error keep their traceback. A torch whose gloo words them
