@@ -30,8 +30,9 @@ def printed(monkeypatch):
     """The exceptions that reach the hook the shim wraps (Python's prints them; pytest's, which
     is in place during a test, turns them into warnings)."""
     seen = []
+    registry.revert(tensorboard.GROUP)  # applied by an earlier test's run of the entry point
     monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
-    tensorboard.apply_tensorboard_compat()
+    assert tensorboard.apply_tensorboard_compat()
     yield seen
     registry.revert(tensorboard.GROUP)
 
