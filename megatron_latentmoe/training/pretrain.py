@@ -274,7 +274,7 @@ def _main(check_only: bool = False) -> int:
         loaded_arg,
         plan_layout_change,
         repair_checkpoint_tracker,
-        repair_non_persistent_tracker,
+        repair_non_persistent_checkpoints,
         resumed_by_args,
         saved_args,
         shape_refusal,
@@ -300,7 +300,7 @@ def _main(check_only: bool = False) -> int:
         load_distributed_checkpoint_as_such(args)
     if args.load and rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
-        repair_non_persistent_tracker(args)
+        repair_non_persistent_checkpoints(args)
     load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
     if load_arg:
         warning = ckpt_step_warning(args, load_arg)

@@ -2,12 +2,13 @@
 job (the entry point, :mod:`.pretrain`, calls it; :mod:`.file_checks` asks it what a resume
 after a full disk would load).
 
-Which checkpoint: the trackers repaired after a kill (:func:`repair_checkpoint_tracker`, for
-the global non-persistent checkpoints :func:`repair_non_persistent_tracker`), the
-folder Megatron will load (:func:`resumed_by_args`, the one place that says which: a
-``release`` one, ``--ckpt-step``'s, a newer global non-persistent one) and its format
-(:func:`checkpoint_format`), that folder's saved args (:func:`saved_args`; with
-``--use-checkpoint-args`` the model flags come from them, :func:`load_checkpoint_args`).
+Which checkpoint: the trackers repaired after a kill (:func:`repair_checkpoint_tracker`; for
+the global non-persistent checkpoints, their cut folders removed too,
+:func:`repair_non_persistent_checkpoints`), the folder Megatron will load
+(:func:`resumed_by_args`, the one place that says which: a ``release`` one, ``--ckpt-step``'s, a
+newer global non-persistent one) and its format (:func:`checkpoint_format`), that folder's saved
+args (:func:`saved_args`; with ``--use-checkpoint-args`` the model flags come from them,
+:func:`load_checkpoint_args`).
 
 What is wrong with it, found before any rank loads it: megatron-core 0.19.2 meets each of these
 in the middle of its load, on every rank, as a Python traceback (``FileNotFoundError`` for a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import (
@@ -121,19 +123,25 @@ def repair_checkpoint_tracker(
     return best
 
 
-def repair_non_persistent_tracker(args) -> None:
-    """The tracker of ``--load``'s global non-persistent checkpoints (:func:`non_persistent_dir`)
-    after a kill, repaired as ``--load``'s (:func:`repair_checkpoint_tracker`); where no folder
-    there is complete it is removed, so that Megatron loads the persistent checkpoint (or starts
-    from scratch), as it does without one.
+def repair_non_persistent_checkpoints(args) -> None:
+    """``--load``'s global non-persistent checkpoints (:func:`non_persistent_dir`) made loadable
+    after a kill, where Megatron reads them (there is a tracker): the folders cut by a kill and
+    newer than the newest complete one are removed, the tracker is repaired as ``--load``'s
+    (:func:`repair_checkpoint_tracker`), and where no folder is complete it is removed, so that
+    Megatron loads the persistent checkpoint (or starts from scratch), as it does without one.
+    Complete folders, the folder's other entries and cut folders older than a complete one (which
+    Megatron's next non-persistent save deletes itself) are left.
 
     megatron-core 0.19.2 deletes every non-persistent folder but the newest by name before each
     non-persistent save (``cleanup_old_non_persistent_checkpoint``). A kill during a save leaves
     its folder cut and the tracker at the previous one; the next run's first non-persistent save
-    then deletes that complete folder and keeps the cut one. Killed again during that save, the
-    tracker named a folder that was gone, and the next run failed in Megatron's load on every
-    rank with "CheckpointingException: Checkpoint directory None does not exist" (measured: CPU,
-    one rank, saves every 2 iterations, both kills during the save of iteration 6)."""
+    then deleted that complete folder and kept the cut one. Killed again during that save, the
+    tracker named a folder that was gone: the next run failed in Megatron's load on every rank
+    with "CheckpointingException: Checkpoint directory None does not exist", and with the
+    tracker removed it started over from the persistent checkpoint, the non-persistent progress
+    lost. With the cut folder removed first, that save keeps the complete one, and the run after
+    the second kill loads it and logs the unkilled run's losses to the bit (measured: CPU, one
+    rank, saves every 2 iterations, both kills during the save of iteration 6)."""
     folder = non_persistent_dir(args)
     tracker = folder and os.path.join(folder, TRACKER_FILE)
     if not tracker or not os.path.isfile(tracker):
@@ -141,7 +149,26 @@ def repair_non_persistent_tracker(args) -> None:
     named = _tracker_text(folder)
     if named == RELEASE:  # Megatron refuses it: "Non-persistent checkpoint can't be a release"
         return
-    if repair_checkpoint_tracker(folder, "torch_dist") is None:
+    ckpt_format = args.ckpt_format  # Megatron saves them in it, --auto-detect-ckpt-format or not
+    is_complete = {
+        iteration: _complete_checkpoint(os.path.join(folder, entry), ckpt_format)
+        for entry in os.listdir(folder)
+        if (iteration := iteration_of_dir_name(entry)) is not None
+        and os.path.isdir(os.path.join(folder, entry))
+    }
+    newest = max((i for i, ok in is_complete.items() if ok), default=None)
+    cut = sorted(i for i, ok in is_complete.items() if not ok and newest is not None and i > newest)
+    for iteration in cut:
+        shutil.rmtree(os.path.join(folder, iteration_dir_name(iteration)))
+    if cut:
+        print(
+            f"[{PROG}] removed the non-persistent checkpoint(s) of iteration(s) "
+            f"{', '.join(map(str, cut))} in {folder}, cut by a kill during their save: Megatron's "
+            f"next non-persistent save would have deleted the complete one of iteration {newest} "
+            f"and kept the newer cut one",
+            flush=True,
+        )
+    if repair_checkpoint_tracker(folder, ckpt_format) is None:
         os.remove(tracker)
         print(
             f"[{PROG}] {tracker} named {named or 'nothing readable'}, and no non-persistent "

@@ -1,11 +1,13 @@
 """``repair_checkpoint_tracker``: the tracker names the newest COMPLETE checkpoint after a kill,
 whatever the kill (or a corruption) left in it; nothing to resume from is None.
-``repair_non_persistent_tracker``: the global non-persistent checkpoints' tracker, the same way;
-removed where none of them is complete."""
+``repair_non_persistent_checkpoints``: the global non-persistent checkpoints' tracker, the same
+way, removed where none of them is complete; their folders cut by a kill and newer than the
+newest complete one removed, so that Megatron's next non-persistent save keeps that one."""
 
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
 from megatron_latentmoe.training.resume import (
     repair_checkpoint_tracker,
-    repair_non_persistent_tracker,
+    repair_non_persistent_checkpoints,
 )
 
 
@@ -126,6 +128,7 @@ def _non_persistent(tmp_path, tracker: bytes | None, complete=(), cut=()):
         (folder / TRACKER_FILE).write_bytes(tracker)
     args = SimpleNamespace(
         load=str(tmp_path),
+        ckpt_format="torch_dist",
         non_persistent_ckpt_type="global",
         non_persistent_global_ckpt_dir=str(folder),
     )
@@ -141,7 +144,7 @@ def test_a_non_persistent_tracker_naming_a_folder_megatrons_cleanup_removed_is_r
     next run failed on every rank with "CheckpointingException: Checkpoint directory None does not
     exist"; the tracker removed, it starts from the persistent checkpoint (here: from scratch)."""
     args, tracker = _non_persistent(tmp_path, b"4", cut=[6])
-    repair_non_persistent_tracker(args)
+    repair_non_persistent_checkpoints(args)
     assert not tracker.exists()
     assert capsys.readouterr().out == (
         f"[pretrain_stable_latentmoe] {tracker} named 4, and no non-persistent checkpoint in "
@@ -162,8 +165,51 @@ def test_a_non_persistent_tracker_naming_a_folder_megatrons_cleanup_removed_is_r
 )
 def test_a_non_persistent_tracker_is_repaired_as_loads_is(tmp_path, held, complete, cut, after):
     args, tracker = _non_persistent(tmp_path, held, complete, cut)
-    repair_non_persistent_tracker(args)
+    repair_non_persistent_checkpoints(args)
     assert tracker.read_bytes() == after
+
+
+def test_cut_non_persistent_folders_newer_than_the_complete_one_are_removed(tmp_path, capsys):
+    """After a kill during a non-persistent save (6 cut, the tracker at the complete 4), Megatron's
+    next non-persistent save would delete every folder but the newest by name: 4, the one the run
+    loads. The cut folders newer than 4 go, with one line; 4, the tracker and a cut folder older
+    than 4 (which Megatron's cleanup deletes itself) are left."""
+    args, tracker = _non_persistent(tmp_path, b"4", complete=[4], cut=[2, 6, 8])
+    (tracker.parent / "notes").mkdir()  # not an iteration's folder: not ours
+    repair_non_persistent_checkpoints(args)
+    assert sorted(os.listdir(tracker.parent)) == [
+        iteration_dir_name(2),
+        iteration_dir_name(4),
+        TRACKER_FILE,
+        "notes",
+    ]
+    assert sorted(os.listdir(tracker.parent / iteration_dir_name(4))) == [
+        ".metadata",
+        "__0_0.distcp",
+        "metadata.json",
+    ]
+    assert tracker.read_bytes() == b"4"
+    assert capsys.readouterr().out == (
+        f"[pretrain_stable_latentmoe] removed the non-persistent checkpoint(s) of iteration(s) "
+        f"6, 8 in {tracker.parent}, cut by a kill during their save: Megatron's next "
+        f"non-persistent save would have deleted the complete one of iteration 4 and kept the "
+        f"newer cut one\n"
+    )
+
+
+def test_the_non_persistent_folders_are_tested_in_the_format_they_are_saved_in(tmp_path):
+    """Megatron saves them in --ckpt-format: with torch_dcp, a folder with torch DCP's
+    ``.metadata`` and no ``metadata.json`` is complete (kept, the tracker too), one without
+    ``.metadata`` is cut."""
+    args, tracker = _non_persistent(tmp_path, b"4")
+    args.ckpt_format = "torch_dcp"
+    for iteration, names in ((4, (".metadata", "__0_0.distcp")), (6, ("__0_0.distcp",))):
+        (tracker.parent / iteration_dir_name(iteration)).mkdir()
+        for name in names:
+            (tracker.parent / iteration_dir_name(iteration) / name).write_text("{}")
+    repair_non_persistent_checkpoints(args)
+    assert tracker.read_bytes() == b"4"
+    assert sorted(os.listdir(tracker.parent)) == [iteration_dir_name(4), TRACKER_FILE]
 
 
 def test_no_non_persistent_tracker_is_touched_where_megatron_reads_none(tmp_path):
@@ -174,5 +220,77 @@ def test_no_non_persistent_tracker_is_touched_where_megatron_reads_none(tmp_path
         dict(non_persistent_global_ckpt_dir=str(tmp_path / "elsewhere")),  # Megatron reads that
         dict(load=None),  # nothing resumed: the repair is --load's
     ):
-        repair_non_persistent_tracker(SimpleNamespace(**{**vars(args), **flags}))
+        repair_non_persistent_checkpoints(SimpleNamespace(**{**vars(args), **flags}))
         assert tracker.read_bytes() == b"4"
+
+
+NON_PERSISTENT = [
+    "--expert-model-parallel-size",
+    "1",
+    "--train-iters",
+    "8",
+    "--non-persistent-ckpt-type",
+    "global",
+    "--non-persistent-save-interval",
+    "2",
+    "--save-interval",
+    "8",  # the persistent checkpoint: the last iteration's alone
+]
+
+
+def _kill_during_non_persistent_save(folder, iteration):
+    """Kill condition: the non-persistent save of ``iteration`` has written a shard file into
+    its folder in ``folder``, and not finished."""
+    target = folder / iteration_dir_name(iteration)
+    announced = f"saving checkpoint at iteration {iteration:7d} to {folder}"
+
+    def should_kill(line: str) -> bool:
+        if announced not in line:
+            return False
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if target.is_dir() and any(p.suffix == ".distcp" for p in target.iterdir()):
+                return True
+            time.sleep(0.01)
+        return True
+
+    return should_kill
+
+
+@pytest.mark.slow
+def test_a_twice_killed_run_resumes_from_its_complete_non_persistent_checkpoint():
+    """One rank, a non-persistent checkpoint every 2 iterations, killed twice during the save of
+    iteration 6. Before, the first kill's cut folder outlived the complete one of 4 (Megatron's
+    cleanup keeps the newest by name), the second kill left nothing to resume from but the
+    persistent checkpoint, and the third run started from scratch. Now the cut folder goes
+    before each load: the third run loads the non-persistent checkpoint of 4, and iterations 5-8
+    log the unkilled run's losses to the bit."""
+    from . import read_jsonl, run_and_kill, run_entry, scratch_dir
+
+    base = scratch_dir() / "non_persistent_killed"
+    whole = run_entry(
+        NON_PERSISTENT + ["--save", str(base / "whole"), "--balance-log-file", str(base / "w")],
+        nproc=1,
+    ).check()
+    ckpt, jsonl = base / "ckpt", base / "killed.jsonl"
+    args = NON_PERSISTENT + ["--save", str(ckpt), "--load", str(ckpt)]
+    args += ["--balance-log-file", str(jsonl)]
+    folder = ckpt / "non_persistent"
+    removal = (
+        f"[pretrain_stable_latentmoe] removed the non-persistent checkpoint(s) of iteration(s) 6 "
+        f"in {folder}, cut by a kill during their save: Megatron's next non-persistent save would "
+        f"have deleted the complete one of iteration 4 and kept the newer cut one\n"
+    )
+    for kill in (1, 2):
+        killed = run_and_kill(args, _kill_during_non_persistent_save(folder, 6), nproc=1)
+        assert not (folder / iteration_dir_name(6) / "metadata.json").exists(), kill
+        assert (folder / TRACKER_FILE).read_text() == "4", kill
+        assert (folder / iteration_dir_name(4) / "metadata.json").exists(), kill
+        assert killed.output.count(removal) == kill - 1, killed.output[-3000:]
+    resumed = run_entry(args, nproc=1).check()
+    print(f"unkilled {whole.seconds:.0f} s, resumed {resumed.seconds:.0f} s")
+    assert resumed.output.count(removal) == 1, resumed.output[-3000:]
+    assert "Loading from a non-persistent checkpoint (non-persistent iter 4)" in resumed.output
+    ref, chain = read_jsonl(base / "w"), read_jsonl(jsonl)
+    assert sorted(chain) == list(range(1, 9)), sorted(chain)
+    assert [chain[i]["loss"] for i in range(5, 9)] == [ref[i]["loss"] for i in range(5, 9)]

@@ -161,7 +161,7 @@ class _Run:
             (situ, "set_cpu_compile"),
             (forward_step, "set_balance_logger"),
             (forward_step, "set_batch_recorder"),
-            (resume, "repair_non_persistent_tracker"),
+            (resume, "repair_non_persistent_checkpoints"),
             (resume, "plan_layout_change"),
             (resume, "legacy_layout_refusal"),  # reads the folder (tests/training meet it)
         ):
@@ -444,22 +444,22 @@ def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
     run = _Run(monkeypatch, tmp_path, load=str(tmp_path))
     monkeypatch.setenv("RANK", "1")
     assert run() == 0
-    assert run.named("repair_checkpoint_tracker") == run.named("repair_non_persistent_tracker")
+    assert run.named("repair_checkpoint_tracker") == run.named("repair_non_persistent_checkpoints")
     assert run.named("repair_checkpoint_tracker") == []
     assert run.named("saved_args") == [(f"{tmp_path}/iter_0000004",)]
     monkeypatch.setenv("RANK", "0")
     run = _Run(monkeypatch, tmp_path, load=str(tmp_path))
     assert run() == 0
-    assert [e[0] for e in run.events if "_tracker" in e[0] or e[0] == "saved_args"] == [
+    assert [e[0] for e in run.events if e[0].startswith("repair_") or e[0] == "saved_args"] == [
         "repair_checkpoint_tracker",
-        "repair_non_persistent_tracker",  # the global non-persistent one's, before the load too
+        "repair_non_persistent_checkpoints",  # the global non-persistent ones, before the load too
         "saved_args",
     ]
-    assert run.named("repair_non_persistent_tracker") == [(run.args,)]
+    assert run.named("repair_non_persistent_checkpoints") == [(run.args,)]
     run = _Run(monkeypatch, tmp_path)  # no --load
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == run.named("saved_args") == []
-    assert run.named("repair_non_persistent_tracker") == []
+    assert run.named("repair_non_persistent_checkpoints") == []
     run = _Run(monkeypatch, tmp_path, load=str(tmp_path), auto_detect_ckpt_format=True)
     assert run() == 0
     assert run.named("repair_checkpoint_tracker") == [(str(tmp_path), resume.AUTO_FORMAT)]
