@@ -146,8 +146,8 @@ def megatron_refusal(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_latentmoe.cli_errors import one_line_errors
     from megatron_latentmoe.data.corpus import default_tokenizer_dir
-    from megatron_latentmoe.training.arguments import one_line_errors
 
     p = argparse.ArgumentParser(
         prog="preprocess_data.py",
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     refusal, ignored = megatron_refusal(args)
     if refusal is None:  # the output's folder (created if need be), a read-only file system named
-        from megatron_latentmoe.training.file_checks import folder_refusal
+        from megatron_latentmoe.files import folder_refusal
 
         output_folder = os.path.dirname(os.path.abspath(args.output_prefix))
         refusal = folder_refusal("--output-prefix", output_folder)
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as err:  # a full disk: a traceback before (the builder's writes name no file)
-        from megatron_latentmoe.training.file_checks import write_disk_full_error
+        from megatron_latentmoe.files import write_disk_full_error
 
         output = os.path.abspath(args.output_prefix)  # its cut files are removed: room again
         line = write_disk_full_error(err, [("--output-prefix", output)], written=True)

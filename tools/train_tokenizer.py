@@ -49,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_latentmoe.cli_errors import one_line_errors  # noqa: E402
 from megatron_latentmoe.data.corpus import (  # noqa: E402
     DEFAULT_CORPUS_PATH,
     DEFAULT_TOKENIZER_DIR,
@@ -56,7 +57,6 @@ from megatron_latentmoe.data.corpus import (  # noqa: E402
     PAD_TOKEN,
 )
 from megatron_latentmoe.data.indexed import PreprocessError, iter_jsonl_texts  # noqa: E402
-from megatron_latentmoe.training.arguments import one_line_errors  # noqa: E402
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1

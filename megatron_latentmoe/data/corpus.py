@@ -248,7 +248,7 @@ def main(argv: list | None = None) -> int:
         "--force", action="store_true", help="rebuild even if an up-to-date dataset exists"
     )
     p.add_argument("--workers", type=int, default=1)
-    from megatron_latentmoe.training.arguments import one_line_errors
+    from megatron_latentmoe.cli_errors import one_line_errors
 
     from .indexed import PreprocessError, check_output_prefix
 
@@ -268,7 +268,7 @@ def main(argv: list | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as err:  # a full disk: a traceback before (as tools/preprocess_data.py's)
-        from megatron_latentmoe.training.file_checks import write_disk_full_error
+        from megatron_latentmoe.files import write_disk_full_error
 
         output = os.path.join(out_dir, name)
         line = write_disk_full_error(err, [("--output-prefix", output)], written=True)

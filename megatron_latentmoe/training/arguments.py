@@ -37,6 +37,7 @@ import traceback
 import warnings
 from collections.abc import Iterable
 
+from megatron_latentmoe.cli_errors import one_line_errors
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
 from megatron_latentmoe.data.indexed import (
     HEAD_BYTES,
@@ -136,17 +137,6 @@ def _refuse_yaml_cfg(value: str):
         f"{value} is not allowed: this entry point takes no YAML config; allowed: the settings "
         "as flags"
     )
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """A misspelt flag or a bad value is argparse's one error line, without the usage text
-    argparse prints first (Megatron's parser has ~700 flags: the usage is ~800 lines, with the
-    error at the very end)."""
-
-    def error(message: str):
-        parser.exit(2, f"{parser.prog}: error: {message} (all flags: --help)\n")
-
-    parser.error = error
 
 
 def _escape_unformattable_help(parser: argparse.ArgumentParser) -> None:

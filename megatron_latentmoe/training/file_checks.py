@@ -1,7 +1,8 @@
 """The folders a run writes in: this module's one job (what ``--load`` resumes from is
-:mod:`.resume`'s).
+:mod:`.resume`'s; the checks every writer of the package shares, a run's included, are
+:mod:`megatron_latentmoe.files`').
 
-``--save`` and ``--data-cache-path`` (:func:`folder_refusal`): megatron-core 0.19.2 fails on a
+``--save`` and ``--data-cache-path`` (``files.folder_refusal``): megatron-core 0.19.2 fails on a
 folder it cannot create or write only when it first writes there (the first checkpoint, after
 the iterations before it; the dataset index cache), with a traceback. Checked before any rank
 starts; so is ``--save``'s free space (:func:`save_space_warning`, a warning).
@@ -11,48 +12,21 @@ DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`
 behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (a check made
 after the start). A disk that fills up under another write of the run (the balance JSONL,
 TensorBoard's event files, Megatron's dataset index cache) was a traceback on the rank that
-wrote; ``pretrain._main`` makes it one line per such rank (:func:`write_disk_full_error`).
+wrote; ``pretrain._main`` makes it one line per such rank (``files.write_disk_full_error`` of
+:func:`written_folders`).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
+from megatron_latentmoe.files import enospc, megabytes, nearest_existing
 from megatron_latentmoe.training.console import PROG, rank
 from megatron_latentmoe.training.resume import repair_checkpoint_tracker
-
-
-def _nearest_existing(path: str) -> Path:
-    """``path``, or the nearest of its parents that exists (where it would be created)."""
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    return existing
-
-
-def folder_refusal(flag: str, path: str | None) -> str | None:
-    """One line when ``path`` cannot become a folder this process writes in: it, or the
-    nearest of its parents that exists, is not a folder or not writable (None: it can, or no
-    path). Nothing is created. A read-only file system (``statvfs``'s ``ST_RDONLY``) is named as
-    such; ``os.access`` refuses it too (access(2)'s EROFS, root included: checked on a read-only
-    tmpfs and a read-only bind mount), as "not writable"."""
-    if not path:
-        return None
-    existing = _nearest_existing(path)
-    if not existing.is_dir():
-        why = f"{existing} is not a folder"
-    elif os.statvfs(existing).f_flag & os.ST_RDONLY:
-        why = f"{existing} is on a read-only file system"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        why = f"{existing} is not writable"
-    else:
-        return None
-    return f"{flag} {path}: {why}; give a folder this run can create or write in"
 
 
 def checkpoint_bytes(args) -> int | None:
@@ -93,32 +67,14 @@ def save_space_warning(args) -> str | None:
     if not args.save:
         return None
     need = checkpoint_bytes(args)
-    free = shutil.disk_usage(_nearest_existing(args.save)).free
+    free = shutil.disk_usage(nearest_existing(args.save)).free
     if need is None or free >= need:
         return None
     return (
-        f"--save {args.save}: {_megabytes(free)} free there, less than one checkpoint of this "
-        f"run (at least {_megabytes(need)}: its weights and optimizer state): the first save "
+        f"--save {args.save}: {megabytes(free)} free there, less than one checkpoint of this "
+        f"run (at least {megabytes(need)}: its weights and optimizer state): the first save "
         "will likely fill the disk"
     )
-
-
-def _enospc(err: BaseException | None, seen: set[int] | None = None) -> OSError | None:
-    """The ``OSError`` ENOSPC that ``err`` is, was raised from or during, or holds as a rank's
-    error in a torch DCP ``CheckpointException``; None if none."""
-    seen = set() if seen is None else seen
-    if err is None or id(err) in seen:
-        return None
-    seen.add(id(err))
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return err
-    failures = getattr(err, "failures", None)
-    wrapped = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
-    for e in (err.__cause__, err.__context__, *wrapped):
-        found = _enospc(e, seen)
-        if found is not None:
-            return found
-    return None
 
 
 def disk_full(err: BaseException, save_dir: str) -> bool:
@@ -130,16 +86,12 @@ def disk_full(err: BaseException, save_dir: str) -> bool:
     worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error instead
     (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
     coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs)."""
-    if _enospc(err) is not None:
+    if enospc(err) is not None:
         return True
     try:
         return os.statvfs(save_dir).f_bavail == 0
     except OSError:
         return False
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 def _tree_size(path: Path) -> int:
@@ -172,11 +124,11 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
         last = root / iteration_dir_name(resume)
         then = (
             f"a resume (--load {save_dir}) loads iteration {resume} ({last}, "
-            f"{_megabytes(_tree_size(last))})"
+            f"{megabytes(_tree_size(last))})"
         )
     return (
         f"--save {save_dir}: the disk filled up while saving the checkpoint of iteration "
-        f"{iteration} ({_megabytes(usage.free)} free of {_megabytes(usage.total)}{removed}); "
+        f"{iteration} ({megabytes(usage.free)} free of {megabytes(usage.total)}{removed}); "
         f"{then}. Free space there or give --save a folder on a larger disk"
     )
 
@@ -238,44 +190,3 @@ def written_folders(args, jsonl_path: str | None) -> list[tuple[str, str]]:
         pairs += [("--data-cache-path", os.path.join(p, "cache")) for p in prefixes]
     pairs.append(("--save", getattr(args, "save", None)))
     return [(flag, os.path.abspath(folder)) for flag, folder in pairs if folder]
-
-
-def write_disk_full_error(
-    err: BaseException, folders: list[tuple[str, str]], written: bool = False
-) -> str | None:
-    """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC a write of the
-    run ran into outside a checkpoint save (that one is :func:`disk_full_error`'s), else None.
-
-    The file is the error's own name (ours, the balance JSONL, sets it); where the error names
-    none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
-    run's ``folders`` (:func:`written_folders`) whose file system has no block left, or the
-    first of them where the caller knows it was ``written`` (the shipped corpus's tokenization,
-    ``tools/preprocess_data.py``'s ``--output-prefix``: their cut files are removed, so the disk
-    is no longer full). The flag whose folder holds it is what the user can move elsewhere."""
-    found = _enospc(err)
-    if found is None:
-        return None
-    path = os.fsdecode(found.filename) if found.filename is not None else None
-    if path is None:
-        full = folders[:1] if written else [(f, d) for f, d in folders if _free(d) == 0]
-        flag, where = full[0] if full else (None, None)
-        what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
-    else:
-        where = os.path.abspath(path)
-        inside = [(f, d) for f, d in folders if where == d or where.startswith(d.rstrip("/") + "/")]
-        flag = max(inside, key=lambda fd: len(fd[1]))[0] if inside else None
-        what = where
-    free_bytes = _free(where) if where else None
-    free = f" ({_megabytes(free_bytes)} free)" if free_bytes is not None else ""
-    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
-    move = f" or give {flag} a {kind} on a larger disk" if flag else ""
-    there = "there" if where else "on the disks the run writes to"
-    return f"the disk filled up writing {what}{free}; free space {there}{move}"
-
-
-def _free(path: str) -> int | None:
-    """Free bytes on ``path``'s file system (its nearest existing folder), None if unreadable."""
-    try:
-        return shutil.disk_usage(_nearest_existing(path)).free
-    except OSError:
-        return None

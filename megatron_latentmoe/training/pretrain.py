@@ -94,6 +94,7 @@ def _checked(args, has_cuda: bool):
         default_dataset_name,
         default_tokenizer_dir,
     )
+    from megatron_latentmoe.files import folder_refusal
     from megatron_latentmoe.training.arguments import (
         FlagError,
         apply_default_tokenizer,
@@ -104,7 +105,6 @@ def _checked(args, has_cuda: bool):
         uses_default_data,
         validate_stable_latentmoe_args,
     )
-    from megatron_latentmoe.training.file_checks import folder_refusal
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
         ckpt_step_refusal,
@@ -225,7 +225,7 @@ def _main(check_only: bool = False) -> int:
             )
             return 2
         except OSError as err:  # a full disk: a traceback before (its writes name no file)
-            from megatron_latentmoe.training.file_checks import write_disk_full_error
+            from megatron_latentmoe.files import write_disk_full_error
 
             line = write_disk_full_error(
                 err, [("--data-cache-path", default_data_dir)], written=True
@@ -246,18 +246,14 @@ def _main(check_only: bool = False) -> int:
 
     from megatron_latentmoe.checkpoint_layout import RELEASE
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
+    from megatron_latentmoe.files import write_disk_full_error
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
         balance_step_end,
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
-    from megatron_latentmoe.training.file_checks import (
-        DiskFull,
-        stop_if_disk_full,
-        write_disk_full_error,
-        written_folders,
-    )
+    from megatron_latentmoe.training.file_checks import DiskFull, stop_if_disk_full, written_folders
     from megatron_latentmoe.training.model_provider import (
         install_finalize_hook,
         model_config_from_args,

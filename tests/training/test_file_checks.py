@@ -1,6 +1,7 @@
-"""``training.file_checks``: the folders a run writes (``--save``, ``--data-cache-path``), checked
-before any rank starts, and a save that fills ``--save``'s disk; one line each, naming the
-folder. (The checkpoint ``--load`` names: ``tests/unit/test_resume_units.py``.)"""
+"""``training.file_checks`` and the ``megatron_latentmoe.files`` checks it builds on: the folders a
+run writes (``--save``, ``--data-cache-path``), checked before any rank starts, and a save that
+fills ``--save``'s disk; one line each, naming the folder. (The checkpoint ``--load`` names:
+``tests/unit/test_resume_units.py``.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from . import dcp_checkpoint, mounted_tmpfs
 def test_a_folder_a_run_cannot_write_is_refused(tmp_path):
     """megatron-core failed on these at its first write (the checkpoint after the first
     --save-interval iterations; the dataset index cache) with a NotADirectoryError traceback."""
-    from megatron_latentmoe.training.file_checks import folder_refusal
+    from megatron_latentmoe.files import folder_refusal
 
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -33,7 +34,7 @@ def test_a_folder_a_run_cannot_write_is_refused(tmp_path):
 def test_a_read_only_file_system_is_refused_before_the_run(tmp_path):
     """Named as a read-only file system (before: "is not writable", which as root reads as a
     permission problem that root does not have). A real read-only tmpfs mount."""
-    from megatron_latentmoe.training.file_checks import folder_refusal
+    from megatron_latentmoe.files import folder_refusal
 
     with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         assert folder_refusal("--save", str(ro / "ckpt")) == (
@@ -100,6 +101,7 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
     import shutil
     from types import SimpleNamespace
 
+    from megatron_latentmoe.files import write_disk_full_error
     from megatron_latentmoe.training import file_checks
 
     runs = tmp_path / "runs"
@@ -124,20 +126,18 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
         return OSError(errno.ENOSPC, "No space left on device", filename)
 
     jsonl = str(tmp_path / "ckpt" / "balance.jsonl")
-    assert file_checks.write_disk_full_error(enospc(jsonl), folders) == (
+    assert write_disk_full_error(enospc(jsonl), folders) == (
         f"the disk filled up writing {jsonl} ({free} free); free space there or give "
         "--balance-log-file a file on a larger disk"
     )
     npy = str(tmp_path / "data" / "a" / "cache" / "GPTDataset_indices" / "x-document_index.npy")
     wrapped = RuntimeError("dataset build failed")
     wrapped.__cause__ = enospc(npy)
-    assert file_checks.write_disk_full_error(wrapped, folders) == (
+    assert write_disk_full_error(wrapped, folders) == (
         f"the disk filled up writing {npy} ({free} free); free space there or give "
         "--data-cache-path a folder on a larger disk"
     )
-    assert file_checks.write_disk_full_error(enospc("/elsewhere/f"), folders).endswith(
-        "; free space there"
-    )
+    assert write_disk_full_error(enospc("/elsewhere/f"), folders).endswith("; free space there")
     # TensorBoard's writer thread: no file name; the folder on a full disk is named
     real = shutil.disk_usage
 
@@ -145,16 +145,14 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
         full = str(path).startswith(str(runs))
         return real(path)._replace(free=0) if full else real(path)
 
-    monkeypatch.setattr(file_checks.shutil, "disk_usage", usage)
-    assert file_checks.write_disk_full_error(enospc(), folders) == (
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    assert write_disk_full_error(enospc(), folders) == (
         f"the disk filled up writing in --tensorboard-dir {runs / 'tb'} (0.0 MB free); free "
         "space there or give --tensorboard-dir a folder on a larger disk"
     )
-    assert file_checks.write_disk_full_error(enospc(), folders[2:]) == (
+    assert write_disk_full_error(enospc(), folders[2:]) == (
         "the disk filled up writing a file of the run (the error names none); free space on "
         "the disks the run writes to"
     )
-    assert (
-        file_checks.write_disk_full_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
-    )
-    assert file_checks.write_disk_full_error(ValueError("x"), folders) is None
+    assert write_disk_full_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
+    assert write_disk_full_error(ValueError("x"), folders) is None

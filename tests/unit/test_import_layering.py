@@ -58,3 +58,48 @@ def test_no_package_module_imports_the_entry_point():
                 if _imports_the_entry_point(n)
             ]
     assert not bad, bad
+
+
+def _imports_training(node) -> bool:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):  # relative ones stay inside megatron_latentmoe/data/
+        names = [] if node.level else [node.module or ""]
+    else:
+        return False
+    training = "megatron_latentmoe.training"
+    return any(n == training or n.startswith(training + ".") for n in names)
+
+
+def test_the_data_layer_imports_nothing_from_training():
+    """``megatron_latentmoe/data/`` sits below ``training/`` (which imports it): the file-system
+    checks and the one-line argparse errors both use are ``megatron_latentmoe.files``' and
+    ``megatron_latentmoe.cli_errors``' (the corpus CLI once took them from ``training/``)."""
+    data = os.path.join(REPO, "megatron_latentmoe", "data")
+    bad = []
+    for folder, _, files in os.walk(data):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            bad += [
+                f"{os.path.relpath(path, REPO)}:{n.lineno}"
+                for n in ast.walk(tree)
+                if _imports_training(n)
+            ]
+    assert not bad, bad
+
+
+def test_the_shared_file_checks_import_neither_megatron_nor_torch():
+    """``megatron_latentmoe.files`` and ``cli_errors`` sit below ``data/`` and ``training/``:
+    importing them loads neither Megatron nor torch (the tools that use them stay light)."""
+    code = (
+        "import sys\n"
+        "import megatron_latentmoe.files, megatron_latentmoe.cli_errors\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -159,7 +159,7 @@ def test_an_output_folder_on_a_read_only_file_system_is_refused_by_flag(
     """A real read-only tmpfs: the folder (or the one it would be created in) was
     "error: output_prefix='...': '...' is not writable" (or "cannot create ... (Read-only file
     system)"), exit 1, after loading megatron.core and the tokenizer. Now the flag check names
-    the read-only file system (``file_checks.folder_refusal``), exit 2, nothing tokenized."""
+    the read-only file system (``files.folder_refusal``), exit 2, nothing tokenized."""
     from tests.training import mounted_tmpfs
 
     with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:

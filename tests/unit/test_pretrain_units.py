@@ -601,9 +601,10 @@ class _Checked:
     and the config builder faked: the calls it makes, in order, in ``events``."""
 
     def __init__(self, monkeypatch, **flags):
+        from megatron_latentmoe import files
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
-        from megatron_latentmoe.training import arguments, file_checks
+        from megatron_latentmoe.training import arguments
 
         self.events = []
         event = self.events.append
@@ -653,7 +654,7 @@ class _Checked:
                 event(("interleaved", group)) or self.interleaved_refusal
             ),
             (arguments, "megatron_refusal"): lambda args, err: f"refused: {err}",
-            (file_checks, "folder_refusal"): lambda flag, path: None,  # tests/training/
+            (files, "folder_refusal"): lambda flag, path: None,  # tests/training/
             (resume, "load_checkpoint_args"): lambda args: (
                 event(("checkpoint args",)) or {"expert_model_parallel_size"}
             ),  # what the checkpoint changed
@@ -810,7 +811,7 @@ def test_checked_args_name_a_refused_flag_the_checkpoint_gave(monkeypatch):
 
 def test_main_ends_a_full_disk_outside_a_save_in_one_line(monkeypatch, tmp_path, capsys):
     """An ``OSError`` ENOSPC out of Megatron's ``pretrain`` (the balance JSONL, TensorBoard, the
-    dataset cache: a traceback before): this rank's line (``file_checks.write_disk_full_error``),
+    dataset cache: a traceback before): this rank's line (``files.write_disk_full_error``),
     exit 2; another ``OSError`` is re-raised."""
     import errno
     import shutil

@@ -1,0 +1,113 @@
+"""Can this process write there, and did a write fail for a full disk: the file-system checks
+every writer of the package shares (the entry point's ``--save`` and other folders,
+``tools/preprocess_data.py``'s and the corpus CLI's ``--output-prefix``,
+:func:`~megatron_latentmoe.data.indexed.preprocess_jsonl`'s ``output_prefix``), so that each says
+a read-only, unwritable or full output the same way. Below ``data/`` and ``training/`` (both
+import it): no Megatron, no torch. What is a run's alone (checkpoint sizes, a save that filled
+its disk) is :mod:`megatron_latentmoe.training.file_checks`'."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+WRITABLE_FOLDER = "give a folder this run can create or write in"
+"""What to do about a :func:`folder_problem`: the end of every such line."""
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path``, or the nearest of its parents that exists (where it would be created)."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
+def folder_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot become a folder this process writes in: it, or the nearest of its
+    parents that exists, is not a folder or not writable (None: it can). Nothing is created. A
+    read-only file system (``statvfs``'s ``ST_RDONLY``) is named as such; ``os.access`` refuses
+    it too (access(2)'s EROFS, root included: checked on a read-only tmpfs and a read-only bind
+    mount), as "not writable"."""
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def folder_refusal(flag: str, path: str | None) -> str | None:
+    """One line naming ``flag`` when ``path`` cannot become a folder this process writes in
+    (:func:`folder_problem`); None: it can, or no path."""
+    why = folder_problem(path) if path else None
+    return None if why is None else f"{flag} {path}: {why}; {WRITABLE_FOLDER}"
+
+
+def enospc(err: BaseException | None, seen: set[int] | None = None) -> OSError | None:
+    """The ``OSError`` ENOSPC that ``err`` is, was raised from or during, or holds as a rank's
+    error in a torch DCP ``CheckpointException`` (its ``failures``); None if none."""
+    seen = set() if seen is None else seen
+    if err is None or id(err) in seen:
+        return None
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return err
+    failures = getattr(err, "failures", None)
+    wrapped = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
+    for e in (err.__cause__, err.__context__, *wrapped):
+        found = enospc(e, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on ``path``'s file system (its nearest existing folder), None if unreadable."""
+    try:
+        return shutil.disk_usage(nearest_existing(path)).free
+    except OSError:
+        return None
+
+
+def write_disk_full_error(
+    err: BaseException, folders: list[tuple[str, str]], written: bool = False
+) -> str | None:
+    """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC a write ran
+    into outside a checkpoint save (that one is ``training.file_checks.disk_full_error``'s),
+    else None.
+
+    The file is the error's own name (ours, the balance JSONL, sets it); where the error names
+    none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
+    ``(flag, folder)`` pairs ``folders`` (a run's: ``training.file_checks.written_folders``)
+    whose file system has no block left, or the first of them where the caller knows it was
+    ``written`` (the shipped corpus's tokenization, ``tools/preprocess_data.py``'s
+    ``--output-prefix``: their cut files are removed, so the disk is no longer full). The flag
+    whose folder holds it is what the user can move elsewhere."""
+    found = enospc(err)
+    if found is None:
+        return None
+    path = os.fsdecode(found.filename) if found.filename is not None else None
+    if path is None:
+        full = folders[:1] if written else [(f, d) for f, d in folders if free_bytes(d) == 0]
+        flag, where = full[0] if full else (None, None)
+        what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
+    else:
+        where = os.path.abspath(path)
+        inside = [(f, d) for f, d in folders if where == d or where.startswith(d.rstrip("/") + "/")]
+        flag = max(inside, key=lambda fd: len(fd[1]))[0] if inside else None
+        what = where
+    free = free_bytes(where) if where else None
+    shown = f" ({megabytes(free)} free)" if free is not None else ""
+    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
+    move = f" or give {flag} a {kind} on a larger disk" if flag else ""
+    there = "there" if where else "on the disks the run writes to"
+    return f"the disk filled up writing {what}{shown}; free space {there}{move}"
