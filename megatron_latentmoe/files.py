@@ -30,11 +30,17 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     parents that exists, is not a folder or not writable (None: it can). Nothing is created. A
     read-only file system (``statvfs``'s ``ST_RDONLY``) is named as such; ``os.access`` refuses
     it too (access(2)'s EROFS, root included: checked on a read-only tmpfs and a read-only bind
-    mount), as "not writable"."""
-    existing = nearest_existing(path)
+    mount), as "not writable". A name the file system cannot hold (``ENAMETOOLONG``: a part
+    over 255 bytes on ext4 and tmpfs; an ``OSError`` traceback from ``Path.exists`` before) is
+    refused in the error's words."""
+    try:
+        existing = nearest_existing(path)
+        read_only = existing.is_dir() and os.statvfs(existing).f_flag & os.ST_RDONLY
+    except OSError as e:
+        return f"the file system refuses the name ({e.strerror})"
     if not existing.is_dir():
         return f"{existing} is not a folder"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+    if read_only:
         return f"{existing} is on a read-only file system"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"

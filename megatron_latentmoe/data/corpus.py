@@ -169,14 +169,12 @@ def prepare_default_dataset(
     processes at once (a file lock serialises them) and safe to kill (files are written under
     temporary names and renamed at the end).
     """
+    from megatron_latentmoe.files import WRITABLE_FOLDER, folder_problem
+
     # lazy: keeps `import corpus` light (numpy, Megatron)
     from .indexed import NoEosError, PreprocessError, check_indexed_dataset, preprocess_jsonl
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PreprocessError(f"output_dir={str(out)!r}: cannot create it ({e.strerror})") from None
     tokenizer = DEFAULT_TOKENIZER_DIR if tokenizer is None else Path(tokenizer)
     if name is None:
         name = default_dataset_name(tokenizer)
@@ -196,8 +194,12 @@ def prepare_default_dataset(
             return False
         return all(have.get(k) == v for k, v in want.items())
 
-    if up_to_date():
+    if up_to_date():  # read only: a read-only cache that holds it serves
         return str(prefix)
+    why = folder_problem(out)  # the lock file's open was an OSError traceback on a read-only one
+    if why is not None:
+        raise PreprocessError(f"output_dir={str(out)!r}: {why}; {WRITABLE_FOLDER}")
+    out.mkdir(parents=True, exist_ok=True)
     with _file_lock(prefix.with_name(name + ".lock")):
         if up_to_date():  # another process built it while we waited
             return str(prefix)

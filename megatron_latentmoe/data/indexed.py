@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy
 
+from megatron_latentmoe.files import WRITABLE_FOLDER, folder_problem
+
 from . import DEFAULT_TOKENIZER_DIR
 
 PathLike = str | os.PathLike
@@ -611,17 +613,12 @@ def preprocess_jsonl(
 
     prefixes = _output_prefixes(os.fspath(output_prefix), keys)
     out_dir = Path(prefixes[0]).parent
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+    why = folder_problem(out_dir)  # the tool's and the entry point's words for it
+    if why is not None:
         raise PreprocessError(
-            f"output_prefix={os.fspath(output_prefix)!r}: cannot create {str(out_dir)!r} "
-            f"({e.strerror})"
-        ) from None
-    if not os.access(out_dir, os.W_OK):
-        raise PreprocessError(
-            f"output_prefix={os.fspath(output_prefix)!r}: {str(out_dir)!r} is not writable"
+            f"output_prefix={os.fspath(output_prefix)!r}: {why}; {WRITABLE_FOLDER}"
         )
+    out_dir.mkdir(parents=True, exist_ok=True)
     tag = f".tmp{os.getpid()}"
     tmp = {p: (p + ".bin" + tag, p + ".idx" + tag) for p in prefixes}
     builders = {}

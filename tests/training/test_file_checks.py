@@ -29,6 +29,11 @@ def test_a_folder_a_run_cannot_write_is_refused(tmp_path):
         f"--data-cache-path {a_file}: {a_file} is not a folder; give a folder this run can "
         "create or write in"
     )
+    too_long = str(tmp_path / ("x" * 300) / "save")  # was Path.exists's OSError traceback
+    assert folder_refusal("--save", too_long) == (
+        f"--save {too_long}: the file system refuses the name (File name too long); give a "
+        "folder this run can create or write in"
+    )
 
 
 def test_a_read_only_file_system_is_refused_before_the_run(tmp_path):

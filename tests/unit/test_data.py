@@ -953,8 +953,12 @@ def test_unwritable_output_prefix_is_named(tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     blocker = tmp_path / "file"
     blocker.write_text("a file where the output folder should go")
-    with pytest.raises(PreprocessError, match=r"output_prefix='.*file/sub/out': cannot create"):
+    with pytest.raises(PreprocessError) as e:
         preprocess_jsonl(src, blocker / "sub" / "out")
+    assert str(e.value) == (
+        f"output_prefix={str(blocker / 'sub' / 'out')!r}: {blocker} is not a folder; give a "
+        "folder this run can create or write in"
+    )
 
 
 @pytest.mark.parametrize(
@@ -987,15 +991,37 @@ def test_output_names_that_are_no_file_names_are_refused(tmp_path, capsys, prefi
 
 def test_read_only_output_folder_is_named(tmp_path, monkeypatch):
     """A folder the process cannot write in (faked: the tests run as root, who may write
-    anywhere) is refused before any tokenizing, naming the prefix and the folder."""
+    anywhere) is refused before any tokenizing, naming the prefix and the folder; nothing is
+    created."""
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(PreprocessError) as e:
         preprocess_jsonl(src, tmp_path / "ro" / "out")
     assert str(e.value) == f"output_prefix={str(tmp_path / 'ro' / 'out')!r}: " + (
-        f"{str(tmp_path / 'ro')!r} is not writable"
+        f"{tmp_path} is not writable; give a folder this run can create or write in"
     )
-    assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == []
+    assert not (tmp_path / "ro").exists()
+
+
+def test_an_output_on_a_read_only_file_system_is_named_as_the_tools_name_it(tmp_path, capsys):
+    """A real read-only tmpfs: ``preprocess_jsonl`` said "'...' is not writable" (or "cannot
+    create ... (Read-only file system)") where tools/preprocess_data.py and the entry point say
+    "is on a read-only file system"; the corpus CLI (``prepare_default_dataset``) was an
+    ``OSError`` traceback from its lock file. Now all in ``files.folder_problem``'s words."""
+    from megatron_latentmoe.data import corpus
+    from tests.training import mounted_tmpfs
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        advice = (
+            f"{ro} is on a read-only file system; give a folder this run can create or write in"
+        )
+        for prefix in (ro / "out", ro / "sub" / "out"):
+            with pytest.raises(PreprocessError) as e:
+                preprocess_jsonl(src, prefix)
+            assert str(e.value) == f"output_prefix={str(prefix)!r}: {advice}"
+        assert corpus.main(["--output-prefix", str(ro / "ds")]) == 1
+        assert capsys.readouterr().err == f"error: output_dir={str(ro)!r}: {advice}\n"
 
 
 @pytest.mark.parametrize(
@@ -1607,7 +1633,8 @@ def test_default_corpus_sequences_skips_blank_documents_as_the_preprocessor_does
         (
             ["--output-prefix", "{d}/afile/name"],
             1,
-            "error: output_dir='{d}/afile': cannot create it (File exists)",
+            "error: output_dir='{d}/afile': {d}/afile is not a folder; give a folder this run "
+            "can create or write in",
         ),
         (  # was written as {d}/out.bin beside the folder
             ["--output-prefix", "{d}/out/"],
