@@ -25,7 +25,7 @@ bad option (one line naming the flag: a Megatron flag refused, --workers below 1
 --log-interval, an --output-prefix folder on a read-only file system or not writable) or a
 full disk (one line naming --output-prefix and the space left there), 130 on Ctrl-C, 143 on
 SIGTERM (temporaries removed either way). Output is written atomically: a failed or
-interrupted run leaves no dataset behind.
+interrupted run leaves no dataset behind, nor the output folders it created (if still empty).
 """
 
 from __future__ import annotations
@@ -218,14 +218,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _missing_folders(folder: str) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, deepest first: what
+    ``preprocess_jsonl`` creates for the output."""
+    from megatron_latentmoe.files import nearest_existing
+
+    existing, path, missing = nearest_existing(folder), Path(folder), []
+    while path != existing:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the folders of ``created`` (deepest first) that are still empty: a run that ended
+    without a dataset (bad input, a full disk, Ctrl-C) left the output folder it had created,
+    empty. One that holds anything (another process's files) is kept, with its parents."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:  # not created yet (a run refused before the mkdir)
+            continue
+        except OSError:  # not empty
+            return
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     refusal, ignored = megatron_refusal(args)
+    output_folder = os.path.dirname(os.path.abspath(args.output_prefix))
     if refusal is None:  # the output's folder (created if need be), a read-only file system named
         from megatron_latentmoe.files import folder_refusal
 
-        output_folder = os.path.dirname(os.path.abspath(args.output_prefix))
         refusal = folder_refusal("--output-prefix", output_folder)
     if refusal is not None:
         parser.exit(2, f"{parser.prog}: error: {refusal}\n")
@@ -249,6 +274,8 @@ def main(argv=None) -> int:
         signals.append(signum)
         raise KeyboardInterrupt
 
+    created = _missing_folders(output_folder)
+    summary = None
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         summary = preprocess_jsonl(
@@ -279,6 +306,8 @@ def main(argv=None) -> int:
         return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
     finally:  # main() called in-process: the caller's handler again (None: not set from Python)
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if summary is None:
+            _remove_empty(created)
     print(summary)
     remote = " --trust-remote-code" if args.trust_remote_code else ""
     print(

@@ -172,3 +172,76 @@ def test_an_output_folder_on_a_read_only_file_system_is_refused_by_flag(
             f"preprocess_data.py: error: --output-prefix {ro / under}: {ro} is on a read-only "
             "file system; give a folder this run can create or write in\n",
         )
+
+
+@pytest.mark.parametrize(
+    "then, code",
+    [
+        (OSError(28, "No space left on device"), 2),
+        (indexed.PreprocessError("in.jsonl:3: malformed JSON"), 1),
+        (KeyboardInterrupt(), 130),
+        (OSError(5, "Input/output error"), None),  # re-raised
+    ],
+)
+def test_a_run_without_a_dataset_removes_the_output_folders_it_created(
+    calls, capsys, tmp_path, then, code
+):
+    """A full disk, bad input, Ctrl-C or another error left the output folders that
+    ``preprocess_jsonl`` had created (``sub/deeper``), empty. Now removed; a folder that existed
+    before (``tmp_path``, and ``kept`` though empty) or holds a file is kept; a run that wrote
+    its dataset keeps its folders."""
+
+    def fail(folder):
+        def then_():
+            folder.mkdir(parents=True, exist_ok=True)  # as preprocess_jsonl does first
+            raise then
+
+        return then_
+
+    def run(prefix):
+        argv = ["--input", "i", "--output-prefix", str(prefix)]
+        if code is None:
+            with pytest.raises(OSError):
+                _load_tool("preprocess_data").main(argv)
+        else:
+            assert _load_tool("preprocess_data").main(argv) == code
+
+    calls.then = fail(tmp_path / "sub" / "deeper")
+    run(tmp_path / "sub" / "deeper" / "out")
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    calls.then = fail(tmp_path / "kept" / "new")
+    run(tmp_path / "kept" / "new" / "out")
+    calls.then = fail(tmp_path / "kept")
+    run(tmp_path / "kept" / "out")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "kept"]
+    assert sorted((tmp_path / "kept").iterdir()) == []
+
+    def another_process_writes(folder):
+        def then_():
+            folder.mkdir(parents=True)
+            (folder / "theirs.bin").write_text("")
+            raise then
+
+        return then_
+
+    calls.then = another_process_writes(tmp_path / "a" / "b")
+    run(tmp_path / "a" / "b" / "out")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "a",
+        "a/b",
+        "a/b/theirs.bin",
+        "kept",
+    ]
+    capsys.readouterr()
+
+
+def test_a_run_that_wrote_its_dataset_keeps_the_folders_it_created(calls, tmp_path):
+    def then():
+        (tmp_path / "new").mkdir()
+        return "SUMMARY"
+
+    calls.then = then
+    argv = ["--input", "i", "--output-prefix", str(tmp_path / "new" / "out")]
+    assert _load_tool("preprocess_data").main(argv) == 0
+    assert (tmp_path / "new").is_dir()
