@@ -54,19 +54,19 @@ def folder_refusal(flag: str, path: str | None) -> str | None:
     return None if why is None else f"{flag} {path}: {why}; {WRITABLE_FOLDER}"
 
 
-def enospc(err: BaseException | None, seen: set[int] | None = None) -> OSError | None:
-    """The ``OSError`` ENOSPC that ``err`` is, was raised from or during, or holds as a rank's
-    error in a torch DCP ``CheckpointException`` (its ``failures``); None if none."""
+def os_error(err: BaseException | None, code: int, seen: set[int] | None = None) -> OSError | None:
+    """The ``OSError`` of errno ``code`` that ``err`` is, was raised from or during, or holds as
+    a rank's error in a torch DCP ``CheckpointException`` (its ``failures``); None if none."""
     seen = set() if seen is None else seen
     if err is None or id(err) in seen:
         return None
     seen.add(id(err))
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+    if isinstance(err, OSError) and err.errno == code:
         return err
     failures = getattr(err, "failures", None)
     wrapped = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
     for e in (err.__cause__, err.__context__, *wrapped):
-        found = enospc(e, seen)
+        found = os_error(e, code, seen)
         if found is not None:
             return found
     return None
@@ -87,33 +87,50 @@ def free_bytes(path: str) -> int | None:
 def write_disk_full_error(
     err: BaseException, folders: list[tuple[str, str]], written: bool = False
 ) -> str | None:
-    """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC a write ran
-    into outside a checkpoint save (that one is ``training.file_checks.disk_full_error``'s),
-    else None.
+    """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC, or EROFS, a
+    write ran into outside a checkpoint save (that one is ``training.file_checks``'
+    ``disk_full_error``), else None.
 
-    The file is the error's own name (ours, the balance JSONL, sets it); where the error names
-    none (numpy's ``.npy`` writer, TensorBoard's event file: a buffered close), the first of the
-    ``(flag, folder)`` pairs ``folders`` (a run's: ``training.file_checks.written_folders``)
+    EROFS: a file system the kernel turned read-only under the run (ext4's ``errors=remount-ro``
+    after a disk error; measured with ext4's ``trigger_fs_error`` under
+    ``tools/preprocess_data.py``: an ``OSError: [Errno 30]`` traceback, exit 1). A plain
+    ``mount -o remount,ro`` is refused (EBUSY) while a file is open for writing, so it is seen
+    before a run (:func:`folder_problem`), this one only by the write.
+
+    The file is the error's own name (ours, the balance JSONL, sets it; an ``open`` on a
+    read-only file system too); where the error names none (numpy's ``.npy`` writer,
+    TensorBoard's event file, Megatron's dataset builder: a buffered write or close), the first
+    of the ``(flag, folder)`` pairs ``folders`` (a run's: ``training.file_checks.written_folders``)
     whose file system has no block left, or the first of them where the caller knows it was
     ``written`` (the shipped corpus's tokenization, ``tools/preprocess_data.py``'s
-    ``--output-prefix``: their cut files are removed, so the disk is no longer full). The flag
-    whose folder holds it is what the user can move elsewhere."""
-    found = enospc(err)
+    ``--output-prefix``: their cut files are removed, so the disk is no longer full). A file
+    system turned read-only is found only so: ``statvfs`` has no ``ST_RDONLY`` and ``os.access``
+    allows writing there (ext4's ``emergency_ro``, measured). The flag whose folder holds it is
+    what the user can move elsewhere."""
+    found = os_error(err, errno.ENOSPC)
+    read_only = found is None and (found := os_error(err, errno.EROFS)) is not None
     if found is None:
         return None
     path = os.fsdecode(found.filename) if found.filename is not None else None
     if path is None:
-        full = folders[:1] if written else [(f, d) for f, d in folders if free_bytes(d) == 0]
-        flag, where = full[0] if full else (None, None)
+        full = [(f, d) for f, d in folders if not read_only and free_bytes(d) == 0]
+        named = folders[:1] if written else full
+        flag, where = named[0] if named else (None, None)
         what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
     else:
         where = os.path.abspath(path)
         inside = [(f, d) for f, d in folders if where == d or where.startswith(d.rstrip("/") + "/")]
         flag = max(inside, key=lambda fd: len(fd[1]))[0] if inside else None
         what = where
+    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
+    there = "there" if where else "on the disks the run writes to"
+    if read_only:
+        move = f" or give {flag} a {kind} on another disk" if flag else ""
+        return (
+            f"the file system turned read-only writing {what}; once the disk is checked (the "
+            f"kernel log says why), remount it read-write{move}"
+        )
     free = free_bytes(where) if where else None
     shown = f" ({megabytes(free)} free)" if free is not None else ""
-    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
     move = f" or give {flag} a {kind} on a larger disk" if flag else ""
-    there = "there" if where else "on the disks the run writes to"
     return f"the disk filled up writing {what}{shown}; free space {there}{move}"

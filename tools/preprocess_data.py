@@ -22,9 +22,10 @@ The embedded default corpus itself is prepared with
 
 Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 2 on a
 bad option (one line naming the flag: a Megatron flag refused, --workers below 1, a negative
---log-interval, an --output-prefix folder on a read-only file system or not writable) or a
-full disk (one line naming --output-prefix and the space left there), 130 on Ctrl-C, 143 on
-SIGTERM (temporaries removed either way). Output is written atomically: a failed or
+--log-interval, an --output-prefix folder on a read-only file system or not writable), a full
+disk (one line naming --output-prefix and the space left there) or a file system the kernel
+turns read-only mid-run (after a disk error; one line naming --output-prefix), 130 on Ctrl-C,
+143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed or
 interrupted run leaves no dataset behind, nor the output folders it created (if still empty).
 """
 
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as err:  # a full disk: a traceback before (the builder's writes name no file)
+    except OSError as err:  # a full disk, or one turned read-only: a traceback before
         from megatron_latentmoe.files import write_disk_full_error
 
         output = os.path.abspath(args.output_prefix)  # its cut files are removed: room again

@@ -269,7 +269,7 @@ def main(argv: list | None = None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as err:  # a full disk: a traceback before (as tools/preprocess_data.py's)
+    except OSError as err:  # a full disk, or one turned read-only: as preprocess_data.py
         from megatron_latentmoe.files import write_disk_full_error
 
         output = os.path.join(out_dir, name)

@@ -713,10 +713,10 @@ def preprocess_jsonl(
         for b in builders.values():
             with contextlib.suppress(Exception):
                 b.data_file.close()
-        if not committed:
-            for pair in tmp.values():
+        if not committed:  # an error is on its way: a removal that fails (a file system
+            for pair in tmp.values():  # turned read-only, EROFS) must not replace it
                 for f in pair:
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):
                         os.remove(f)
 
     return PreprocessSummary(

@@ -18,13 +18,14 @@ wrote; ``pretrain._main`` makes it one line per such rank (``files.write_disk_fu
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
-from megatron_latentmoe.files import enospc, megabytes, nearest_existing
+from megatron_latentmoe.files import megabytes, nearest_existing, os_error
 from megatron_latentmoe.training.console import PROG, rank
 from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
@@ -86,7 +87,7 @@ def disk_full(err: BaseException, save_dir: str) -> bool:
     worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error instead
     (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
     coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs)."""
-    if enospc(err) is not None:
+    if os_error(err, errno.ENOSPC) is not None:
         return True
     try:
         return os.statvfs(save_dir).f_bavail == 0

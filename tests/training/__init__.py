@@ -88,6 +88,41 @@ def mounted_tmpfs(path: Path, options: str):
         subprocess.run(["umount", str(path)], check=True)
 
 
+@contextlib.contextmanager
+def mounted_ext4(path: Path):
+    """A real 16 MB ext4 (an image file on a loop device) mounted at ``path`` (created) with
+    ``errors=remount-ro``; yields the function that makes the kernel turn it read-only as after
+    a disk error (ext4's ``trigger_fs_error``: open files stay open, their writes get EROFS).
+    Skipped where this process may not (no mkfs.ext4, no loop device, not root)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    image = path.with_name(path.name + ".img")
+    image.write_bytes(b"")
+    os.truncate(image, 16 << 20)
+    mkfs = ["mkfs.ext4", "-q", "-F", str(image)]
+    for cmd in (mkfs, ["mount", "-o", "loop,errors=remount-ro", str(image), str(path)]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            why = done.returncode and (done.stderr.strip() or f"{cmd[0]}: exit {done.returncode}")
+        except FileNotFoundError as e:
+            why = str(e)
+        if why:
+            image.unlink()
+            pytest.skip(f"cannot mount an ext4 image here: {why}")
+    try:
+        source = subprocess.run(
+            ["findmnt", "-n", "-o", "SOURCE", str(path)], capture_output=True, text=True
+        ).stdout.strip()
+        trigger = Path("/sys/fs/ext4", os.path.basename(source), "trigger_fs_error")
+        if not trigger.exists():
+            pytest.skip(f"no {trigger}: this kernel cannot fake an ext4 disk error")
+        yield lambda: trigger.write_text("a test's disk error")
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+        image.unlink()
+
+
 def data_cache() -> str:
     """Where the shipped corpus is tokenized once for all test runs."""
     path = os.environ.get("LATENTMOE_TEST_DATA_CACHE") or str(scratch_dir() / "data_cache")

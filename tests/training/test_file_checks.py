@@ -161,3 +161,39 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
     )
     assert write_disk_full_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
     assert write_disk_full_error(ValueError("x"), folders) is None
+
+
+def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(tmp_path):
+    """EROFS out of a write (ext4 ``errors=remount-ro`` after a disk error: a traceback before;
+    the real one under tools/preprocess_data.py: tests/unit/test_data.py): the file the error
+    names, with the flag that moves it, or the caller's folder it knows was ``written``;
+    ``statvfs`` cannot tell which folder (ext4's ``emergency_ro`` keeps ``ST_RDONLY`` off), so
+    a nameless one of a run is no folder's. A full disk wins where the error holds both."""
+    import errno
+
+    from megatron_latentmoe.files import write_disk_full_error
+
+    jsonl = str(tmp_path / "ckpt" / "balance.jsonl")
+    folders = [("--balance-log-file", str(tmp_path / "ckpt")), ("--save", str(tmp_path))]
+
+    def erofs(filename=None):
+        return OSError(errno.EROFS, "Read-only file system", filename)
+
+    wrapped = RuntimeError("event file flush failed")
+    wrapped.__context__ = erofs(jsonl)
+    assert write_disk_full_error(wrapped, folders) == (
+        f"the file system turned read-only writing {jsonl}; once the disk is checked (the kernel "
+        "log says why), remount it read-write or give --balance-log-file a file on another disk"
+    )
+    assert write_disk_full_error(erofs(), folders[1:], written=True) == (
+        f"the file system turned read-only writing in --save {tmp_path}; once the disk is "
+        "checked (the kernel log says why), remount it read-write or give --save a folder on "
+        "another disk"
+    )
+    assert write_disk_full_error(erofs(), folders) == (
+        "the file system turned read-only writing a file of the run (the error names none); "
+        "once the disk is checked (the kernel log says why), remount it read-write"
+    )
+    both = erofs(jsonl)
+    both.__context__ = OSError(errno.ENOSPC, "No space left on device", jsonl)
+    assert write_disk_full_error(both, folders).startswith(f"the disk filled up writing {jsonl}")

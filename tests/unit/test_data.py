@@ -1068,6 +1068,39 @@ def test_cli_on_a_full_disk_is_one_line_exit_2_and_leaves_nothing(
         assert shutil.disk_usage(disk).free == free
 
 
+def test_cli_on_a_file_system_turned_read_only_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """A real ext4 that the kernel turns read-only mid-run (``errors=remount-ro`` after a disk
+    error, faked by ext4's ``trigger_fs_error`` after the first document): the builder's write
+    raised ``OSError: [Errno 30] Read-only file system``, then the removal of the temporaries
+    another one in its place, a traceback (exit 1). Now one line naming --output-prefix, exit 2
+    (the temporaries stay: nothing can be removed there until the disk is remounted)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from tests.training import mounted_ext4
+
+    words = " ".join(f"word{i}" for i in range(60))
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"{i} {words}"} for i in range(400)])
+    with mounted_ext4(tmp_path / "disk") as turn_read_only:
+        add, added = IndexedDatasetBuilder.add_document, []
+
+        def add_then_fail(self, *a, **kw):
+            add(self, *a, **kw)
+            if not added:
+                turn_read_only()
+            added.append(1)
+
+        monkeypatch.setattr(IndexedDatasetBuilder, "add_document", add_then_fail)
+        prefix = tmp_path / "disk" / "sub" / "out"
+        argv = ["--input", str(src), "--output-prefix", str(prefix)]
+        assert _load_tool("preprocess_data").main(argv) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"preprocess_data.py: error: the file system turned read-only writing in "
+            f"--output-prefix {prefix}; once the disk is checked (the kernel log says why), "
+            "remount it read-write or give --output-prefix a path on another disk\n",
+        )
+
+
 def test_cli_error_exit_and_message(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
