@@ -1,6 +1,6 @@
-"""Can this process write there, and did a write fail for a full disk: the file-system checks
-every writer of the package shares (the entry point's ``--save`` and other folders,
-``tools/preprocess_data.py``'s and the corpus CLI's ``--output-prefix``,
+"""Can this process write there, and did a write fail for its disk (full, or turned read-only):
+the file-system checks every writer of the package shares (the entry point's ``--save`` and
+other folders, ``tools/preprocess_data.py``'s and the corpus CLI's ``--output-prefix``,
 :func:`~megatron_latentmoe.data.indexed.preprocess_jsonl`'s ``output_prefix``), so that each says
 a read-only, unwritable or full output the same way. Below ``data/`` and ``training/`` (both
 import it): no Megatron, no torch. What is a run's alone (checkpoint sizes, a save that filled
@@ -31,7 +31,7 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     read-only file system (``statvfs``'s ``ST_RDONLY``) is named as such; ``os.access`` refuses
     it too (access(2)'s EROFS, root included: checked on a read-only tmpfs and a read-only bind
     mount), as "not writable". A name the file system cannot hold (``ENAMETOOLONG``: a part
-    over 255 bytes on ext4 and tmpfs; an ``OSError`` traceback from ``Path.exists`` before) is
+    of 300 bytes, measured; an ``OSError`` traceback from ``Path.exists`` before) is
     refused in the error's words."""
     try:
         existing = nearest_existing(path)
