@@ -630,6 +630,22 @@ def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
             "--global-batch-size); allowed: --step-batch-size-schedule 'THRESHOLD:BATCH ...' "
             "without --global-batch-size"
         )
+    retain = getattr(args, "save_retain_interval", None)
+    if (
+        retain
+        and getattr(args, "non_persistent_save_interval", None)
+        and getattr(args, "non_persistent_ckpt_type", None) == "global"
+    ):
+        # after a non-persistent save, megatron-core 0.19.2's retention reads the previous
+        # iteration from the non-persistent folder's tracker and deletes that iteration's folder
+        # in --save: a run saved 4 persistently, saved 6 non-persistently and deleted --save's
+        # iter_0000004, its only persistent checkpoint (CPU, one rank, measured)
+        raise FlagError(
+            f"--save-retain-interval {retain} is not allowed with "
+            "--non-persistent-ckpt-type global: megatron-core 0.19.2 then deletes the persistent "
+            "checkpoint in --save whose iteration the last non-persistent save followed; allowed: "
+            "one of the two"
+        )
     if not args.async_save:
         return
     if args.ckpt_format == "torch":

@@ -350,6 +350,19 @@ CASES = {
             "the folder a Megatron save or the HF import wrote (SAVE_ROOT)"
         ],
     ),
+    # before: the first non-persistent save deleted --save's persistent checkpoint of the
+    # iteration before it (Megatron's retention reads the non-persistent tracker)
+    "save_retain_with_global_non_persistent": (
+        [
+            "--save-retain-interval",
+            "20",
+            "--non-persistent-save-interval",
+            "2",
+            "--non-persistent-ckpt-type",
+            "global",
+        ],
+        ["--save-retain-interval 20 is not allowed with --non-persistent-ckpt-type global"],
+    ),
     # before: Megatron's "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than
     # one"; with it set, a TypeError traceback at the model's FSDP2 wrapping
     "torch_fsdp2_without_a_gpu": (
