@@ -190,32 +190,39 @@ def run_entry(
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
+        kill_tree(proc)
         output, _ = proc.communicate()
         output += f"\n[run_entry] timed out after {timeout:.0f} s: torchrun and every rank killed\n"
         return Run(-9, output, time.time() - start)
     return Run(proc.returncode, output, time.time() - start)
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """SIGKILL ``pid`` and all its descendants at once, like a node dying (or send them ``sig``,
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """SIGKILL ``proc`` and all its descendants at once, like a node dying (or send them ``sig``,
     e.g. the SIGTERM a scheduler sends before its time limit), and wait up to 30 s for them.
 
     torchrun starts each worker in its own session, so killing torchrun's process group alone
-    would leave the ranks running (and finishing the very save we mean to interrupt)."""
+    would leave the ranks running (and finishing the very save we mean to interrupt). ``proc``
+    itself is waited for through its ``Popen``, which so keeps its real exit code (-9): psutil's
+    wait reaps a child of this process, and ``Popen`` then reads 0 for it (a killed launcher
+    looked like one that succeeded)."""
     import psutil
 
     try:
-        root = psutil.Process(pid)
-        victims = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # Popen has reaped it
         return
-    for victim in victims:
+    proc.send_signal(sig)
+    for victim in descendants:
         try:
             victim.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(victims, timeout=30)
+    psutil.wait_procs(descendants, timeout=30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def run_and_kill(
@@ -244,7 +251,7 @@ def run_and_kill(
         for line in proc.stdout:
             lines.append(line)
             if should_kill(line):
-                kill_tree(proc.pid, sig)
+                kill_tree(proc, sig)
                 killed = True
                 if sig != signal.SIGKILL:
                     lines += proc.stdout  # what the ranks printed while they exited
@@ -253,7 +260,7 @@ def run_and_kill(
                 break
     finally:
         if proc.poll() is None:
-            kill_tree(proc.pid)
+            kill_tree(proc)
         proc.wait(30)
         proc.stdout.close()
     assert killed, "the kill condition never happened:\n" + "".join(lines)[-6000:]

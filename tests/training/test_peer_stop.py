@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -75,7 +76,7 @@ def test_a_rank_killed_costs_the_other_one_line():
         try:  # its output ends a moment before it does
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
+            kill_tree(proc)
         proc.stdout.close()
     output = "".join(lines)
     assert killed, output[-6000:]
@@ -84,3 +85,14 @@ def test_a_rank_killed_costs_the_other_one_line():
     assert len(errors) == 1 and re.fullmatch(PEER_LINE.format(rank=1), errors[0]), output[-6000:]
     assert lines[-1] == "[launch] rank 0 was killed by signal 9 (its output is above)\n"
     assert proc.returncode == 128 + 9
+
+
+def test_kill_tree_leaves_the_real_exit_code_to_popen():
+    """The tests' kill (``run_and_kill``, the kill above, a timed-out ``run_entry``): the killed
+    process's Popen reads -9 (SIGKILL), not the 0 it read where psutil reaped it first."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '60'])"]
+    )
+    time.sleep(1)  # its child started
+    kill_tree(proc)
+    assert proc.wait(5) == -signal.SIGKILL
