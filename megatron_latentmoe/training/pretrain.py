@@ -21,7 +21,8 @@ Order of work (everything that can be wrong about the command line fails before 
    disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`), so does a full disk
    under another write of the run, on each rank that hit it
    (:func:`.file_checks.write_disk_full_error`); a rank whose collective fails because another
-   rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`).
+   rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`), there and in
+   the barrier that ends the run.
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
@@ -377,9 +378,7 @@ def _main(check_only: bool = False) -> int:
         )
         return 2
     except Exception as err:
-        line = peer_stopped_error(err)
-        if line:  # 1, not 2: nothing to fix here; the launcher names the rank that stopped
-            print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        if _said_peer_stopped(err):
             return 1
         # a full disk outside a save: the balance JSONL, TensorBoard, the dataset index cache
         # (megatron-core 0.19.2 raises a bare Exception from numpy's OSError there)
@@ -395,10 +394,34 @@ def _main(check_only: bool = False) -> int:
         lines = summary_lines(summarize(balance_logger.history))
         print("\n".join([f"[{PROG}] summary: {lines[0]}", *lines[1:]]), flush=True)
     print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
+    return _end_world()
+
+
+def _end_world() -> int:
+    """The run's last barrier and the end of its process group: 0, or 1 where another rank
+    stopped before it (killed at the end, after the last collective of ``pretrain``: this rank
+    waits for it here; measured, a gloo traceback from this barrier before)."""
+    import torch
+
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        try:
+            torch.distributed.barrier()
+        except RuntimeError as err:
+            if _said_peer_stopped(err):
+                return 1
+            raise
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _said_peer_stopped(err: BaseException) -> bool:
+    """Print the one line where ``err`` is a collective that failed because another rank
+    stopped (:func:`.console.peer_stopped_error`); the caller then exits 1, not 2: nothing is to
+    be fixed on this rank, and the launcher names the rank that stopped."""
+    line = peer_stopped_error(err)
+    if line:
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+    return line is not None
 
 
 def _make_balance_logger(args, jsonl_path):

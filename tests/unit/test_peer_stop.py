@@ -105,3 +105,38 @@ def test_a_real_gloo_collective_with_a_peer_gone_is_recognised(tmp_path):
     assert procs[1].returncode == 2, out[1]
     # which of the two depends on what was in flight when the socket went (both seen here)
     assert out[0].startswith(("Connection closed by peer [", "Read error [")), out[0]
+
+
+END_OF_RUN = """
+import os, sys, torch.distributed as dist
+from megatron_latentmoe.training.pretrain import _end_world
+rank = int(sys.argv[1])
+os.environ["RANK"] = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+dist.barrier()
+if rank == 1:
+    os._exit(9)  # killed after training's last collective, before the run's last barrier
+print("exit", _end_world())
+"""
+
+
+def test_a_rank_gone_before_the_runs_last_barrier_costs_the_other_one_line(tmp_path):
+    """The entry point's last barrier (after ``pretrain``): a rank killed just before it was a
+    gloo traceback on the others (measured in a 2-rank torchrun run); now their one line, exit 1."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", END_OF_RUN, str(rank), str(tmp_path / "rendezvous")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[1].returncode == 9, out[1]
+    assert "Traceback" not in out[0], out[0]
+    line, code = out[0].strip().splitlines()[-2:]
+    assert line.startswith(
+        "pretrain_stable_latentmoe: error: rank 0: another rank of this run stopped (gloo: "
+    ), out[0]
+    assert code == "exit 1", out[0]
