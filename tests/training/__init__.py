@@ -267,6 +267,23 @@ def run_and_kill(
     return Run(proc.returncode, "".join(lines), time.time() - start)
 
 
+def kill_during_save(ckpt, iteration=10):
+    """Kill condition: the save of ``iteration`` has started writing, and not finished."""
+    target = iter_dir(ckpt, iteration)
+
+    def should_kill(line: str) -> bool:
+        if "saving checkpoint at iteration" not in line:
+            return False
+        deadline = time.time() + 20
+        while time.time() < deadline:  # wait until shard files appear in the folder
+            if target.is_dir() and any(p.suffix == ".distcp" for p in target.iterdir()):
+                return True
+            time.sleep(0.02)
+        return True
+
+    return should_kill
+
+
 # ---------------------------------------------------------------------------------- results
 def read_jsonl(path) -> dict[int, dict]:
     """{iteration: record}; the last record of an iteration wins (a resumed run re-runs some)."""

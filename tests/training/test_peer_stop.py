@@ -16,7 +16,16 @@ import time
 import psutil
 import pytest
 
-from . import LAUNCH, REPO, command, environment, kill_tree, run_entry
+from . import (
+    LAUNCH,
+    REPO,
+    command,
+    environment,
+    iter_dir,
+    kill_during_save,
+    kill_tree,
+    run_entry,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,11 +54,20 @@ def test_a_rank_that_stops_with_its_error_costs_the_other_one_line():
     assert run.returncode == 2
 
 
-def test_a_rank_killed_costs_the_other_one_line():
-    """Rank 0 SIGKILLed in the third iteration (rank 1 has just logged the second): rank 1, in
-    the step's collectives with it, says so in one line; the launcher names the killed rank."""
+def kill_one_rank(extra: list[str], victim: int, should_kill, monitor_s: float = 0.1):
+    """Run ``extra`` under :data:`LAUNCH` and SIGKILL rank ``victim`` alone (its forked helpers
+    too) at the first output line ``should_kill(line)`` accepts; returns the output lines and the
+    launcher's exit code.
+
+    ``monitor_s``: torchrun's ``--monitor-interval`` (0.1 s, its default): how long after a rank
+    dies torchrun SIGTERMs the others, which then die silently. A rank busy writing a checkpoint
+    sees the kill later than that (measured: its line ~2 s after the kill, 2 busy cores; none at
+    all under the default)."""
+    cmd = command(extra, launcher=LAUNCH)
+    at = cmd.index(LAUNCH) + 1
+    cmd[at:at] = ["--monitor-interval", str(monitor_s)]
     proc = subprocess.Popen(
-        command(["--train-iters", "30"], launcher=LAUNCH),
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -62,10 +80,10 @@ def test_a_rank_killed_costs_the_other_one_line():
     try:
         for line in proc.stdout:
             lines.append(line)
-            if not killed and " iteration        2/" in line:
+            if not killed and should_kill(line):
                 for child in psutil.Process(proc.pid).children(recursive=True):
                     try:
-                        if child.environ().get("RANK") == "0":
+                        if child.environ().get("RANK") == str(victim):
                             child.send_signal(signal.SIGKILL)
                             killed = True
                     except psutil.NoSuchProcess:  # a short-lived helper process
@@ -78,13 +96,39 @@ def test_a_rank_killed_costs_the_other_one_line():
         except subprocess.TimeoutExpired:
             kill_tree(proc)
         proc.stdout.close()
+    assert killed, "".join(lines)[-6000:]
+    return lines, proc.returncode
+
+
+def test_a_rank_killed_costs_the_other_one_line():
+    """Rank 0 SIGKILLed in the third iteration (rank 1 has just logged the second): rank 1, in
+    the step's collectives with it, says so in one line; the launcher names the killed rank."""
+    lines, returncode = kill_one_rank(
+        ["--train-iters", "30"], 0, lambda line: " iteration        2/" in line
+    )
     output = "".join(lines)
-    assert killed, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
     errors = error_lines(output)
     assert len(errors) == 1 and re.fullmatch(PEER_LINE.format(rank=1), errors[0]), output[-6000:]
     assert lines[-1] == "[launch] rank 0 was killed by signal 9 (its output is above)\n"
-    assert proc.returncode == 128 + 9
+    assert returncode == 128 + 9
+
+
+def test_a_rank_killed_during_a_torch_dist_save_costs_the_other_one_line(tmp_path):
+    """Rank 1 SIGKILLed while the checkpoint of iteration 3 is written (its shard files have
+    appeared): rank 0, the save's coordinator, fails in the save's next collective with it.
+    torch DCP wraps a rank's errors into ``CheckpointException`` (a ``BaseException``) only in
+    its local and central steps; gloo's error from the collectives between them reaches the entry
+    point bare, and ``stop_if_disk_full`` (Megatron's save calls it) finds no full disk in it and
+    passes it on: one line, no traceback, the unfinished folder left for the resume's repair."""
+    ckpt = tmp_path / "ckpt"
+    save = ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"]
+    lines, _ = kill_one_rank(save, 1, kill_during_save(ckpt, 3), monitor_s=20)
+    output = "".join(lines)
+    assert not (iter_dir(ckpt, 3) / "metadata.json").exists(), "the save finished before the kill"
+    assert "Traceback" not in output, output[-6000:]
+    errors = error_lines(output)
+    assert len(errors) == 1 and re.fullmatch(PEER_LINE.format(rank=0), errors[0]), output[-6000:]
 
 
 def test_kill_tree_leaves_the_real_exit_code_to_popen():

@@ -37,7 +37,6 @@ import functools
 import math
 import re
 import signal
-import time
 
 import pytest
 
@@ -47,6 +46,7 @@ from . import (
     checkpoint_tensors,
     copy_checkpoints,
     iter_dir,
+    kill_during_save,
     read_jsonl,
     reference_run,
     run_and_kill,
@@ -82,23 +82,6 @@ def _mean_input_step() -> float:
     return 1.0 / _FIXED_SCALE
 
 
-def _kill_during_save(ckpt, iteration=10):
-    """Kill condition: the save of ``iteration`` has started writing, and not finished."""
-    target = iter_dir(ckpt, iteration)
-
-    def should_kill(line: str) -> bool:
-        if "saving checkpoint at iteration" not in line:
-            return False
-        deadline = time.time() + 20
-        while time.time() < deadline:  # wait until shard files appear in the folder
-            if target.is_dir() and any(p.suffix == ".distcp" for p in target.iterdir()):
-                return True
-            time.sleep(0.02)
-        return True
-
-    return should_kill
-
-
 def test_killed_runs_resume_with_identical_losses_and_bias():
     ref = reference_run()
     base = scratch_dir() / "killed"
@@ -106,7 +89,7 @@ def test_killed_runs_resume_with_identical_losses_and_bias():
     args = REF_ARGS + ["--save", str(ckpt), "--load", str(ckpt), "--balance-log-file", str(jsonl)]
 
     # 1) SIGKILL during the first checkpoint save
-    run_and_kill(args, _kill_during_save(ckpt))
+    run_and_kill(args, kill_during_save(ckpt))
     partial = iter_dir(ckpt, 10)
     assert partial.is_dir() and not (partial / "metadata.json").exists(), (
         "save finished before the kill"
@@ -419,7 +402,7 @@ def test_distributed_optimizer_killed_save_resumes_with_identical_losses():
     base = scratch_dir() / "dist_killed"
     ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
     args = DIST_ARGS + ["--save", str(ckpt), "--load", str(ckpt), "--balance-log-file", str(jsonl)]
-    run_and_kill(args, _kill_during_save(ckpt, 10))
+    run_and_kill(args, kill_during_save(ckpt, 10))
     assert not (iter_dir(ckpt, 10) / "metadata.json").exists(), "save finished before the kill"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
 
