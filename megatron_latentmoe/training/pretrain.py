@@ -19,10 +19,10 @@ Order of work (everything that can be wrong about the command line fails before 
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
    disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`), so does a full disk
-   under another write of the run, on each rank that hit it
-   (:func:`.file_checks.write_disk_full_error`); a rank whose collective fails because another
-   rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`), there and in
-   the barrier that ends the run.
+   (or one the kernel turned read-only) under another write of the run, on each rank that hit it
+   (:func:`megatron_latentmoe.files.write_disk_full_error`); a rank whose collective fails
+   because another rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`),
+   there and in the barrier that ends the run.
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
