@@ -16,6 +16,10 @@ from pathlib import Path
 WRITABLE_FOLDER = "give a folder this run can create or write in"
 """What to do about a :func:`folder_problem`: the end of every such line."""
 
+REMOUNT = "once the disk is checked (the kernel log says why), remount it read-write"
+"""What to do about a file system the kernel turned read-only under a write (EROFS): said by
+:func:`write_disk_full_error` and by a checkpoint save's line (``training.file_checks``)."""
+
 
 def nearest_existing(path: str | os.PathLike) -> Path:
     """``path``, or the nearest of its parents that exists (where it would be created)."""
@@ -89,7 +93,7 @@ def write_disk_full_error(
 ) -> str | None:
     """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC, or EROFS, a
     write ran into outside a checkpoint save (that one is ``training.file_checks``'
-    ``disk_full_error``), else None.
+    ``disk_failure_error``), else None.
 
     EROFS: a file system the kernel turned read-only under the run (ext4's ``errors=remount-ro``
     after a disk error; measured with ext4's ``trigger_fs_error`` under
@@ -126,10 +130,7 @@ def write_disk_full_error(
     there = "there" if where else "on the disks the run writes to"
     if read_only:
         move = f" or give {flag} a {kind} on another disk" if flag else ""
-        return (
-            f"the file system turned read-only writing {what}; once the disk is checked (the "
-            f"kernel log says why), remount it read-write{move}"
-        )
+        return f"the file system turned read-only writing {what}; {REMOUNT}{move}"
     free = free_bytes(where) if where else None
     shown = f" ({megabytes(free)} free)" if free is not None else ""
     move = f" or give {flag} a {kind} on a larger disk" if flag else ""

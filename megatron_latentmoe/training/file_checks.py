@@ -7,10 +7,13 @@ folder it cannot create or write only when it first writes there (the first chec
 the iterations before it; the dataset index cache), with a traceback. Checked before any rank
 starts; so is ``--save``'s free space (:func:`save_space_warning`, a warning).
 
-``--save`` filling its disk during a save (:func:`disk_full`, :func:`disk_full_error`): a torch
-DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder left
-behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (a check made
-after the start). A disk that fills up under another write of the run (the balance JSONL,
+``--save`` filling its disk during a save (:func:`disk_failure`, :func:`disk_failure_error`): a
+torch DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder
+left behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (a check
+made after the start). So is a disk the kernel turns read-only (EROFS: ext4's
+``errors=remount-ro`` after a disk error) during a save (that traceback on every rank) or between
+saves (rank 0's creation of the ``iter_*`` folder failed: a line naming neither the save nor the
+checkpoint a resume loads). A disk that fills up under another write of the run (the balance JSONL,
 TensorBoard's event files, Megatron's dataset index cache) was a traceback on the rank that
 wrote; ``pretrain._main`` makes it one line per such rank (``files.write_disk_full_error`` of
 :func:`written_folders`).
@@ -22,10 +25,11 @@ import errno
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
-from megatron_latentmoe.files import megabytes, nearest_existing, os_error
+from megatron_latentmoe.files import REMOUNT, megabytes, nearest_existing, os_error
 from megatron_latentmoe.training.console import PROG, rank
 from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
@@ -78,35 +82,52 @@ def save_space_warning(args) -> str | None:
     )
 
 
-def disk_full(err: BaseException, save_dir: str) -> bool:
-    """A failed checkpoint save (``err``) ran out of space on ``save_dir``'s file system: an
-    ENOSPC in the error, or no block left there for this process (``statvfs``'s ``f_bavail``).
+def disk_failure(err: BaseException, save_dir: str) -> int | None:
+    """Why a failed checkpoint save (``err``) failed for ``save_dir``'s disk: ``errno.ENOSPC``,
+    it ran out of space (an ENOSPC in the error, or no block left there for this process:
+    ``statvfs``'s ``f_bavail``); ``errno.EROFS``, the kernel turned its file system read-only
+    (an EROFS in the error, or a file created there gets one); None: another failure. A full
+    disk wins where both are seen.
 
-    The second is what each rank can see: megatron-core 0.19.2's DCP writer keeps only a
-    worker error's type (``RuntimeError: Worker failure: An error is caught while starting
-    worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error instead
-    (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
-    coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs)."""
+    The disk is asked, not only the error: megatron-core 0.19.2's DCP writer logs a worker's
+    error and keeps only its type (``RuntimeError: Worker failure: An error is caught while
+    starting worker 0, error: <class 'OSError'>``), the rank that got torch's zip writer's error
+    instead (``unexpected pos 704 vs 598``) holds no ENOSPC at all, and ranks other than the
+    coordinator get ``CheckpointException`` with no failures (measured on a full tmpfs and an
+    ext4 turned read-only). ``statvfs`` cannot see a read-only turn (ext4's ``emergency_ro``
+    keeps ``ST_RDONLY`` off, ``os.access`` allows writing: measured), a new file can: an
+    unnamed one (``O_TMPFILE``), nothing left behind."""
     if os_error(err, errno.ENOSPC) is not None:
-        return True
+        return errno.ENOSPC
     try:
-        return os.statvfs(save_dir).f_bavail == 0
+        if os.statvfs(save_dir).f_bavail == 0:
+            return errno.ENOSPC
     except OSError:
-        return False
+        pass
+    if os_error(err, errno.EROFS) is not None:
+        return errno.EROFS
+    try:
+        tempfile.TemporaryFile(dir=save_dir).close()
+    except OSError as probe:
+        return errno.EROFS if probe.errno == errno.EROFS else None
+    return None
 
 
 def _tree_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
-    """The one line for a save of ``iteration`` into ``save_dir`` that ran out of space, after
-    removing the unfinished ``iter_*`` folder (rank 0 only; every rank's writes have ended:
-    Megatron's DCP save reports a failure only after a barrier and the gather of every rank's
-    write results, and the files only rank 0 writes, ``metadata.json`` and the tracker, come
-    after that, while the other ranks wait in a barrier). The folder is kept where a resume
-    would load it (the tracker names it, or it is complete: a tracker cut by the full disk is
-    repaired at the resume)."""
+def disk_failure_error(save_dir: str, iteration: int, ckpt_format: str, code: int) -> str:
+    """The one line for a save of ``iteration`` into ``save_dir`` that failed for its disk
+    (``code``: :func:`disk_failure`'s), naming the checkpoint a resume loads.
+
+    A full disk: the unfinished ``iter_*`` folder is removed first (rank 0 only; every rank's
+    writes have ended: Megatron's DCP save reports a failure only after a barrier and the gather
+    of every rank's write results, and the files only rank 0 writes, ``metadata.json`` and the
+    tracker, come after that, while the other ranks wait in a barrier). The folder is kept where
+    a resume would load it (the tracker names it, or it is complete: a tracker cut by the full
+    disk is repaired at the resume). A disk turned read-only: nothing can be removed there (a
+    removal gets EROFS too), so the line says the unfinished folder is left."""
     root = Path(save_dir)
     unfinished = root / iteration_dir_name(iteration)
     resume = repair_checkpoint_tracker(save_dir, ckpt_format, write=False)
@@ -114,11 +135,7 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
         named = tracked_checkpoint_dir(root)
     except ValueError:  # a tracker the full disk cut: names nothing
         named = None
-    removed = ""
-    if unfinished.is_dir() and resume != iteration and named != unfinished:
-        shutil.rmtree(unfinished, ignore_errors=True)
-        removed = f", the unfinished {unfinished} removed"
-    usage = shutil.disk_usage(save_dir)
+    left = unfinished.is_dir() and resume != iteration and named != unfinished
     if resume is None:
         then = "there is no complete checkpoint there: a resume starts from scratch"
     else:
@@ -127,6 +144,18 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
             f"a resume (--load {save_dir}) loads iteration {resume} ({last}, "
             f"{megabytes(_tree_size(last))})"
         )
+    if code == errno.EROFS:
+        kept = f" (the unfinished {unfinished} is left there: it cannot be removed)" if left else ""
+        return (
+            f"--save {save_dir}: the file system turned read-only while saving the checkpoint of "
+            f"iteration {iteration}{kept}; {then}; {REMOUNT} or give --save a folder "
+            "on another disk"
+        )
+    removed = ""
+    if left:
+        shutil.rmtree(unfinished, ignore_errors=True)
+        removed = f", the unfinished {unfinished} removed"
+    usage = shutil.disk_usage(save_dir)
     return (
         f"--save {save_dir}: the disk filled up while saving the checkpoint of iteration "
         f"{iteration} ({megabytes(usage.free)} free of {megabytes(usage.total)}{removed}); "
@@ -135,36 +164,40 @@ def disk_full_error(save_dir: str, iteration: int, ckpt_format: str) -> str:
 
 
 class DiskFull(Exception):
-    """A checkpoint save ran out of space; rank 0 has said so."""
+    """A checkpoint save failed for its disk (full, or turned read-only); rank 0 has said so."""
 
 
 def stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
-    """Megatron's save of ``iteration`` failed with ``err``: where ``--save``'s disk is full,
-    end the run (exit 2) with one line instead of every rank's traceback; otherwise return
-    (``err`` is re-raised).
+    """Megatron's save of ``iteration`` failed with ``err``: where ``--save``'s disk is full or
+    turned read-only (:func:`disk_failure`), end the run (exit 2) with one line instead of every
+    rank's traceback; otherwise return (``err`` is re-raised).
 
     torch DCP's ``CheckpointException`` reaches every rank at once (its failure is broadcast):
-    the ranks agree first (one all-reduce of :func:`disk_full`, before anything is
+    the ranks agree first (one all-reduce of :func:`disk_failure`, before anything is
     removed: the free space it reads is what rank 0's removal changes; measured, rank 1 then saw
     room and raised its traceback), rank 0 removes the unfinished folder and prints the line
-    (:func:`disk_full_error`), and a barrier keeps the others from exiting first
+    (:func:`disk_failure_error`), and a barrier keeps the others from exiting first
     (torchrun would SIGTERM rank 0 midway). Any other error is this rank's alone (rank 0's
-    ``metadata.json`` or tracker, the others waiting in Megatron's barrier, where a collective
-    of ours would mismatch): rank 0 says it without one and exits; torchrun ends the others."""
+    creation of the ``iter_*`` folder, the first write of a save: EROFS on a disk that turned
+    read-only between saves, measured; its ``metadata.json`` or tracker; the others in
+    Megatron's DCP save or barrier, where a collective of ours would mismatch): rank 0 says it
+    without one and exits; torchrun ends the others."""
     import torch
     from torch.distributed.checkpoint import CheckpointException
 
-    full = disk_full(err, args.save)
+    code = disk_failure(err, args.save)
     every_rank = isinstance(err, CheckpointException) and torch.distributed.is_initialized()
     if every_rank:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        flag = torch.tensor([int(full)], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        full = bool(flag.item())
-    if not full or not (every_rank or rank() == 0):
+        seen = [int(code == errno.ENOSPC), int(code == errno.EROFS)]
+        flags = torch.tensor(seen, device=device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        full, read_only = flags.tolist()
+        code = errno.ENOSPC if full else errno.EROFS if read_only else None
+    if code is None or not (every_rank or rank() == 0):
         return
     if rank() == 0:
-        line = disk_full_error(args.save, iteration, args.ckpt_format)
+        line = disk_failure_error(args.save, iteration, args.ckpt_format, code)
         print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
     if every_rank:
         torch.distributed.barrier()

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,17 +90,18 @@ def mounted_tmpfs(path: Path, options: str):
 
 
 @contextlib.contextmanager
-def mounted_ext4(path: Path):
-    """A real 16 MB ext4 (an image file on a loop device) mounted at ``path`` (created) with
-    ``errors=remount-ro``; yields the function that makes the kernel turn it read-only as after
-    a disk error (ext4's ``trigger_fs_error``: open files stay open, their writes get EROFS).
-    Skipped where this process may not (no mkfs.ext4, no loop device, not root)."""
+def mounted_ext4(path: Path, megabytes: int = 16):
+    """A real ext4 of ``megabytes`` (an image file on a loop device) mounted at ``path``
+    (created) with ``errors=remount-ro``; yields the function that makes the kernel turn it
+    read-only as after a disk error (ext4's ``trigger_fs_error``: open files stay open, their
+    writes get EROFS). Skipped where this process may not (no mkfs.ext4, no loop device, not
+    root)."""
     import pytest
 
     path.mkdir(parents=True, exist_ok=True)
     image = path.with_name(path.name + ".img")
     image.write_bytes(b"")
-    os.truncate(image, 16 << 20)
+    os.truncate(image, megabytes << 20)
     mkfs = ["mkfs.ext4", "-q", "-F", str(image)]
     for cmd in (mkfs, ["mount", "-o", "loop,errors=remount-ro", str(image), str(path)]):
         try:
@@ -173,8 +175,10 @@ def run_entry(
     nproc: int = 2,
     timeout: float = 300.0,
     launcher: str = "torch.distributed.run",
+    on_line: Callable[[str], None] | None = None,
 ) -> Run:
-    """Run the entry point under torchrun (``launcher``: or :data:`LAUNCH`) to completion. A run
+    """Run the entry point under torchrun (``launcher``: or :data:`LAUNCH`) to completion,
+    calling ``on_line`` with each output line as it comes (to act on the run midway). A run
     still going after ``timeout`` seconds is killed with every rank (left alone, hung ranks would
     outlive the test and slow the rest of the session) and returns exit -9 with its output and a
     line saying so."""
@@ -186,12 +190,30 @@ def run_entry(
         text=True,
         cwd=REPO,
         env=environment(),
+        bufsize=1,
     )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
         kill_tree(proc)
-        output, _ = proc.communicate()
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            kill_tree(proc)
+        proc.stdout.close()
+    output = "".join(lines)
+    if expired.is_set():
         output += f"\n[run_entry] timed out after {timeout:.0f} s: torchrun and every rank killed\n"
         return Run(-9, output, time.time() - start)
     return Run(proc.returncode, output, time.time() - start)

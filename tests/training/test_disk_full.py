@@ -19,7 +19,7 @@ import pytest
 from megatron_latentmoe.training.file_checks import checkpoint_bytes, save_space_warning
 from megatron_latentmoe.training.resume import saved_args
 
-from . import LAUNCH, iter_dir, mounted_tmpfs, read_jsonl, run_entry
+from . import LAUNCH, iter_dir, mounted_ext4, mounted_tmpfs, read_jsonl, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +135,50 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tm
     ), run.output[-6000:]
     assert len(errors) <= 2 and all(": rank 0: another rank of" in e for e in errors[1:]), errors
     assert run.returncode == 2, run.output[-3000:]
+
+
+@pytest.mark.parametrize("struck", ["between saves", "during a save"])
+def test_a_disk_turned_read_only_fails_the_next_save_in_one_line(tmp_path, struck):
+    """``--save`` on a real ext4 (``errors=remount-ro``) that the kernel turns read-only after
+    the save of iteration 2 (ext4's ``trigger_fs_error``, as after a disk error), so the save of
+    iteration 4 fails with EROFS. Between saves: rank 0's creation of ``iter_0000004`` failed,
+    and the line said the file system turned read-only writing that folder, not that a save
+    failed nor what a resume loads. During a save (the folder made before the error, as after
+    rank 0 created it): torch DCP's ``CheckpointException`` traceback on every rank. Now the
+    save's own line (the unfinished folder left: a read-only disk cannot remove it), exit 2."""
+    jsonl = tmp_path / "balance.jsonl"  # not on the disk: its write would fail first
+    with mounted_ext4(tmp_path / "disk", megabytes=64) as turn_read_only:  # two checkpoints fit
+        ckpt = tmp_path / "disk" / "ckpt"
+        struck_at = []
+
+        def after_the_first_save(line):
+            if "successfully saved checkpoint from iteration       2" in line and not struck_at:
+                if struck == "during a save":
+                    iter_dir(ckpt, 4).mkdir()
+                turn_read_only()
+                struck_at.append(line)
+
+        run = run_entry(
+            ["--train-iters", "6", "--save-interval", "2", "--save", str(ckpt)]
+            + ["--balance-log-file", str(jsonl)],
+            on_line=after_the_first_save,
+        )
+        assert struck_at, run.output[-3000:]
+        left = sorted(p.name for p in ckpt.iterdir())
+    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    kept = f" \\(the unfinished {iter_dir(ckpt, 4)} is left there: it cannot be removed\\)"
+    assert re.fullmatch(
+        rf"pretrain_stable_latentmoe: error: --save {ckpt}: the file system turned read-only "
+        rf"while saving the checkpoint of iteration 4{kept if struck == 'during a save' else ''}; "
+        rf"a resume \(--load {ckpt}\) loads iteration 2 \({iter_dir(ckpt, 2)}, 22\.0 MB\); once "
+        r"the disk is checked \(the kernel log says why\), remount it read-write or give --save "
+        r"a folder on another disk",
+        errors[0],
+    ), run.output[-6000:]
+    # the other rank: nothing, or the line saying another rank stopped (rank 0 alone failed)
+    assert len(errors) <= 2 and all(": rank 1: another rank of" in e for e in errors[1:]), errors
+    assert "[rank0]:" not in run.output and "[rank1]:" not in run.output  # no traceback
+    exits = re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M)
+    assert exits[-1] == "2" and set(exits) <= {"2", "-15"}, run.output[-3000:]
+    expected = ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert left == [n for n in expected if struck == "during a save" or n != "iter_0000004"]

@@ -55,24 +55,26 @@ def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
     one a resume loads is named; a complete folder the tracker does not name yet is kept."""
     import errno
 
-    from megatron_latentmoe.training.file_checks import disk_full, disk_full_error
+    from megatron_latentmoe.training.file_checks import disk_failure, disk_failure_error
 
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     other = OSError(errno.EIO, os.strerror(errno.EIO))
-    assert disk_full(full, str(tmp_path)) and not disk_full(other, str(tmp_path))
+    assert disk_failure(full, str(tmp_path)) == errno.ENOSPC
+    assert disk_failure(other, str(tmp_path)) is None
     from torch.distributed.checkpoint import CheckpointException
 
     chained = RuntimeError("Worker failure")
     chained.__context__ = full
-    assert disk_full(chained, str(tmp_path))
-    assert disk_full(CheckpointException("write", {1: (chained, None)}), str(tmp_path))
-    assert not disk_full(CheckpointException("write", {1: (other, None)}), str(tmp_path))
+    assert disk_failure(chained, str(tmp_path)) == errno.ENOSPC
+    failed = CheckpointException("write", {1: (chained, None)})
+    assert disk_failure(failed, str(tmp_path)) == errno.ENOSPC
+    assert disk_failure(CheckpointException("write", {1: (other, None)}), str(tmp_path)) is None
 
     dcp_checkpoint(tmp_path, 1)
     unfinished = tmp_path / iteration_dir_name(2)
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"cut")
-    line = disk_full_error(str(tmp_path), 2, "torch_dist")
+    line = disk_failure_error(str(tmp_path), 2, "torch_dist", errno.ENOSPC)
     assert not unfinished.exists()
     assert line.startswith(
         f"--save {tmp_path}: the disk filled up while saving the checkpoint of iteration 2 ("
@@ -86,16 +88,49 @@ def test_a_full_disk_is_told_and_the_unfinished_save_removed(tmp_path):
     # saved, but the tracker not written: a resume loads it (the tracker is repaired), kept
     dcp_checkpoint(tmp_path, 3)
     (tmp_path / TRACKER_FILE).write_text("")
-    line = disk_full_error(str(tmp_path), 3, "torch_dist")
+    line = disk_failure_error(str(tmp_path), 3, "torch_dist", errno.ENOSPC)
     assert (tmp_path / "iter_0000003").is_dir() and "removed" not in line
     assert f"a resume (--load {tmp_path}) loads iteration 3 " in line, line
 
     # nothing complete: from scratch
     empty = tmp_path / "empty"
     (empty / "iter_0000005").mkdir(parents=True)
-    line = disk_full_error(str(empty), 5, "torch_dist")
+    line = disk_failure_error(str(empty), 5, "torch_dist", errno.ENOSPC)
     assert not (empty / "iter_0000005").exists()
     assert "there is no complete checkpoint there: a resume starts from scratch." in line, line
+
+
+def test_a_disk_turned_read_only_under_a_save_is_told_and_the_unfinished_save_left(tmp_path):
+    """The line a save that got EROFS ends with (rank 0; the end-to-end runs on a real ext4 the
+    kernel turns read-only are tests/training/test_disk_full.py): the error's EROFS, or the
+    disk's when the error lost it (megatron-core's DCP writer keeps only ``<class 'OSError'>``);
+    the unfinished folder is left (nothing can be removed there), the one a resume loads named."""
+    import errno
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_latentmoe.training.file_checks import disk_failure, disk_failure_error
+
+    erofs = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    assert disk_failure(CheckpointException("write", {0: (erofs, None)}), str(tmp_path)) == (
+        errno.EROFS
+    )
+    lost = RuntimeError("Worker failure: An error is caught while starting worker 0, error: ...")
+    assert disk_failure(lost, str(tmp_path)) is None  # a writable disk: not the disk's failure
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing
+
+    dcp_checkpoint(tmp_path, 1)
+    unfinished = tmp_path / iteration_dir_name(2)
+    unfinished.mkdir()
+    line = disk_failure_error(str(tmp_path), 2, "torch_dist", errno.EROFS)
+    assert unfinished.is_dir()
+    assert line == (
+        f"--save {tmp_path}: the file system turned read-only while saving the checkpoint of "
+        f"iteration 2 (the unfinished {unfinished} is left there: it cannot be removed); a "
+        f"resume (--load {tmp_path}) loads iteration 1 ({tmp_path / 'iter_0000001'}, 0.0 MB); "
+        "once the disk is checked (the kernel log says why), remount it read-write or give "
+        "--save a folder on another disk"
+    )
 
 
 def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp_path, monkeypatch):
