@@ -28,6 +28,17 @@ TMPFS_SIZE = "34m"  # one checkpoint (22.0 MB) fits, a second does not
 ESTIMATE_MARGIN = 0.10
 
 
+def _full_disk_line(ckpt) -> str:
+    """The line (a regex) of a run whose save of iteration 2 filled the tmpfs."""
+    return (
+        rf"pretrain_stable_latentmoe: error: --save {ckpt}: the disk filled up while saving "
+        r"the checkpoint of iteration 2 \(\d+\.\d MB free of \d+\.\d MB, the unfinished "
+        rf"{iter_dir(ckpt, 2)} removed\); a resume \(--load {ckpt}\) loads iteration 1 "
+        rf"\({iter_dir(ckpt, 1)}, 22\.0 MB\)\. Free space there or give --save a folder on "
+        r"a larger disk"
+    )
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_checkpoint(
     tmp_path,
 ):
@@ -42,14 +53,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
         ]  # the disk held the first checkpoint
         errors = [line for line in run.output.splitlines() if "error: --save" in line]
         assert len(errors) == 1, run.output[-6000:]
-        assert re.fullmatch(
-            rf"pretrain_stable_latentmoe: error: --save {ckpt}: the disk filled up while saving "
-            r"the checkpoint of iteration 2 \(\d+\.\d MB free of \d+\.\d MB, the unfinished "
-            rf"{iter_dir(ckpt, 2)} removed\); a resume \(--load {ckpt}\) loads iteration 1 "
-            rf"\({iter_dir(ckpt, 1)}, 22\.0 MB\)\. Free space there or give --save a folder on "
-            r"a larger disk",
-            errors[0],
-        ), errors[0]
+        assert re.fullmatch(_full_disk_line(ckpt), errors[0]), errors[0]
         # torchrun's summary: the first rank to exit left with 2; the other one too, or torchrun
         # ended it (SIGTERM) as it does every rank once one has failed
         exits = re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M)
@@ -182,3 +186,25 @@ def test_a_disk_turned_read_only_fails_the_next_save_in_one_line(tmp_path, struc
     assert exits[-1] == "2" and set(exits) <= {"2", "-15"}, run.output[-3000:]
     expected = ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     assert left == [n for n in expected if struck == "during a save" or n != "iter_0000004"]
+
+
+def test_async_save_on_a_full_disk_is_the_same_one_line(tmp_path):
+    """``--async-save --ckpt-format torch_dist`` on a CPU run (without
+    ``--use-persistent-ckpt-worker``: refused without a GPU, ``arguments.py``): megatron-core
+    0.19.2's ``validate_args`` turns ``--async-save`` off there ("not supported without
+    --use-persistent-ckpt-worker"), so the save is synchronous and its full disk the same line
+    as without the flag (measured: no hang, no finalize traceback)."""
+    with mounted_tmpfs(tmp_path / "disk", f"size={TMPFS_SIZE}") as disk:
+        ckpt = disk / "ckpt"
+        run = run_entry(
+            ["--train-iters", "3", "--save-interval", "1", "--save", str(ckpt), "--async-save"]
+            + ["--ckpt-format", "torch_dist", "--balance-log-file", str(tmp_path / "b.jsonl")]
+        )
+        left = sorted(p.name for p in ckpt.iterdir())
+    assert re.search(r"^\s+async_save \.+ False$", run.output, re.M), run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and re.fullmatch(_full_disk_line(ckpt), errors[0]), errors
+    exits = re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M)
+    assert exits[-1] == "2" and set(exits) <= {"2", "-15"}, run.output[-3000:]
+    assert "[rank0]:" not in run.output and "[rank1]:" not in run.output  # no traceback
+    assert left == ["iter_0000001", "latest_checkpointed_iteration.txt"]
