@@ -27,6 +27,9 @@ disk (one line naming --output-prefix and the space left there) or a file system
 turns read-only mid-run (after a disk error; one line naming --output-prefix), 130 on Ctrl-C,
 143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed or
 interrupted run leaves no dataset behind, nor the output folders it created (if still empty).
+A SIGTERM that comes as the finished dataset is being renamed into place is too late to stop
+the run: the dataset is complete, so it exits 0 with the summary and a note on stderr (what a
+SIGTERM just after the exit gives; a workflow manager then keeps the dataset, not redoes it).
 """
 
 from __future__ import annotations
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
     signals = []
 
     def _terminated(signum, frame):  # clean up temporaries on SIGTERM too (schedulers send it)
-        signals.append(signum)
+        signals.append(signum)  # preprocess_jsonl's backstop if Python swallows the raise
         raise KeyboardInterrupt
 
     created = _missing_folders(output_folder)
@@ -289,6 +292,7 @@ def main(argv=None) -> int:
             progress=args.progress,
             log_interval=args.log_interval,
             trust_remote_code=args.trust_remote_code,
+            interrupted=lambda: bool(signals),
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -309,6 +313,11 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         if summary is None:
             _remove_empty(created)
+    if signals:  # recorded, its KeyboardInterrupt swallowed, after preprocess_jsonl's last check
+        print(
+            "note: SIGTERM arrived as the dataset was renamed into place: it is complete",
+            file=sys.stderr,
+        )
     print(summary)
     remote = " --trust-remote-code" if args.trust_remote_code else ""
     print(

@@ -31,7 +31,7 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -561,6 +561,7 @@ def preprocess_jsonl(
     progress: bool | None = None,
     log_interval: int = 1000,
     trust_remote_code: bool = False,
+    interrupted: Callable[[], bool] | None = None,
 ) -> PreprocessSummary:
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
@@ -579,6 +580,11 @@ def preprocess_jsonl(
         stderr each time another ``log_interval`` documents are read (counted in batches of
         256 lines; MB/s of the input file); 0: never.
         trust_remote_code: let the tokenizer run its own code (:func:`load_tokenizer`).
+        interrupted: asked after each batch and before the output is renamed into place; True
+        stops the run as Ctrl-C does (``KeyboardInterrupt``, nothing written). The backstop for
+        a signal handler's ``KeyboardInterrupt`` that Python printed and ignored because it was
+        raised in a callback (once under load: importlib's ``_get_module_lock.<locals>.cb``,
+        after which tools/preprocess_data.py wrote the whole dataset despite its SIGTERM).
 
     Raises:
         PreprocessError: missing input, malformed JSON (with line number), missing key, no
@@ -626,6 +632,11 @@ def preprocess_jsonl(
     committed = False
     n_docs = n_skipped = 0
     per_key = {k: 0 for k in keys}
+
+    def stop_if_interrupted():
+        if interrupted is not None and interrupted():
+            raise KeyboardInterrupt
+
     try:
         for k, p in zip(keys, prefixes, strict=True):
             builders[k] = IndexedDatasetBuilder(tmp[p][0], dtype=dtype)
@@ -685,6 +696,7 @@ def preprocess_jsonl(
                         flush=True,
                     )
                     next_log = (n_docs // log_every + 1) * log_every
+                stop_if_interrupted()
         if pool is not None:
             pool.close()
             pool.join()
@@ -697,6 +709,7 @@ def preprocess_jsonl(
                 )
         for k, p in zip(keys, prefixes, strict=True):
             builders[k].finalize(tmp[p][1])
+        stop_if_interrupted()
         # commit: drop each old .idx first, then move the new .bin, then the new .idx (the marker)
         for p in prefixes:
             with contextlib.suppress(FileNotFoundError):

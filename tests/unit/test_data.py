@@ -1403,6 +1403,83 @@ def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
 
 
+def _sigterm_swallowed():
+    """SIGTERM to this process, the handler's ``KeyboardInterrupt`` raised inside ``__del__``:
+    Python prints and ignores it there ("Exception ignored in ..."), as it did once under load in
+    importlib's ``_get_module_lock.<locals>.cb`` in the test above, which then exited 0."""
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecodes: here
+                pass
+
+    Dropped()
+
+
+@pytest.mark.parametrize(
+    "where, code",
+    [
+        ("batch", 143),  # the first of three batches
+        ("finalize", 143),  # after the last batch, before the rename into place
+        ("rename", 0),  # the dataset is in place: complete
+    ],
+)
+def test_a_sigterm_whose_interrupt_python_swallowed_still_stops_the_run(
+    tmp_path, monkeypatch, capsys, where, code
+):
+    """The tool stops at the next batch (143, nothing written) when its SIGTERM handler's
+    KeyboardInterrupt was swallowed; once the dataset is renamed into place, the run is a
+    success (0, the summary) with a note that the SIGTERM came too late to stop it."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    import megatron_latentmoe.data.indexed as indexed
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    batches = []
+    encode, finalize = indexed._encode_batch, IndexedDatasetBuilder.finalize
+    drop_cache = indexed._drop_stale_index_cache
+
+    def in_batch(batch):
+        batches.append(len(batch[1]))  # (first line number, lines)
+        if where == "batch" and len(batches) == 1:
+            _sigterm_swallowed()
+        return encode(batch)
+
+    def in_finalize(self, index):
+        if where == "finalize":
+            _sigterm_swallowed()
+        return finalize(self, index)
+
+    def in_rename(prefix):
+        if where == "rename":
+            _sigterm_swallowed()
+        return drop_cache(prefix)
+
+    monkeypatch.setattr(indexed, "_encode_batch", in_batch)
+    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", in_finalize)
+    monkeypatch.setattr(indexed, "_drop_stale_index_cache", in_rename)
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(600)])
+    previous = signal.getsignal(signal.SIGTERM)
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "ds"), "--no-progress"]
+    assert _load_tool("preprocess_data").main(argv) == code
+    assert swallowed == [KeyboardInterrupt]  # the handler ran, and its raise was lost
+    assert signal.getsignal(signal.SIGTERM) is previous
+    out, err = capsys.readouterr()
+    names = sorted(f.name for f in tmp_path.iterdir())
+    if code == 143:
+        assert batches == ([256] if where == "batch" else [256, 256, 88])
+        assert err == "interrupted: nothing written (temporary files removed)\n"
+        assert names == ["in.jsonl"]
+    else:
+        assert out.startswith("PreprocessSummary(") or "600" in out, out
+        assert err == (
+            "note: SIGTERM arrived as the dataset was renamed into place: it is complete\n"
+        )
+        assert names == ["ds.bin", "ds.idx", "in.jsonl"]
+
+
 # ------------------------------------------------------------------------------------------------
 # default dataset + Megatron GPTDataset on CPU without torch.distributed
 # ------------------------------------------------------------------------------------------------

@@ -24,15 +24,21 @@ DEFAULTS = dict(
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The (input, output_prefix, keyword arguments) of each preprocess_jsonl call; the call
-    does ``calls.then()`` (return the summary by default)."""
+    """The (input, output_prefix, keyword arguments but ``interrupted``) of each
+    preprocess_jsonl call; the call does ``calls.then()`` (return the summary by default), then
+    records whether ``interrupted()`` says a signal came, in ``calls.interrupted``."""
     seen = []
 
-    def spy(input, output_prefix, **kwargs):
+    def spy(input, output_prefix, interrupted, **kwargs):
         seen.append((input, output_prefix, kwargs))
-        return seen.then()
+        assert interrupted() is False
+        try:
+            return seen.then()
+        finally:
+            seen.interrupted.append(interrupted())
 
     seen = type("Calls", (list,), {"then": staticmethod(lambda: "SUMMARY")})()
+    seen.interrupted = []
     monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     return seen
@@ -112,6 +118,7 @@ def test_exit_status_of_a_failed_or_interrupted_run(
     calls.then = fail
     assert _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", "o"]) == code
     assert capsys.readouterr() == ("", message + "\n")
+    assert calls.interrupted == [then == "SIGTERM"]  # the backstop sees only the SIGTERM
     assert signal.getsignal(signal.SIGTERM) is caller_handler
 
 
