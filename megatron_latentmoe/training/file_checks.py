@@ -9,8 +9,8 @@ starts; so is ``--save``'s free space (:func:`save_space_warning`, a warning).
 
 ``--save`` filling its disk during a save (:func:`disk_failure`, :func:`disk_failure_error`): a
 torch DCP ``CheckpointException`` traceback on every rank and the unfinished ``iter_*`` folder
-left behind; Megatron's save calls :func:`stop_if_disk_full`, which makes it one line (a check
-made after the start). So is a disk the kernel turns read-only (EROFS: ext4's
+left behind; Megatron's save calls :func:`stop_if_save_disk_failed`, which makes it one line
+(a check made after the start). So is a disk the kernel turns read-only (EROFS: ext4's
 ``errors=remount-ro`` after a disk error) during a save (that traceback on every rank) or between
 saves (rank 0's creation of the ``iter_*`` folder failed: a line naming neither the save nor the
 checkpoint a resume loads). A disk that fills up under another write of the run (the balance JSONL,
@@ -163,11 +163,11 @@ def disk_failure_error(save_dir: str, iteration: int, ckpt_format: str, code: in
     )
 
 
-class DiskFull(Exception):
+class SaveDiskFailure(Exception):
     """A checkpoint save failed for its disk (full, or turned read-only); rank 0 has said so."""
 
 
-def stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
+def stop_if_save_disk_failed(args, err: BaseException, iteration: int) -> None:
     """Megatron's save of ``iteration`` failed with ``err``: where ``--save``'s disk is full or
     turned read-only (:func:`disk_failure`), end the run (exit 2) with one line instead of every
     rank's traceback; otherwise return (``err`` is re-raised).
@@ -201,7 +201,7 @@ def stop_if_disk_full(args, err: BaseException, iteration: int) -> None:
         print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
     if every_rank:
         torch.distributed.barrier()
-    raise DiskFull from None
+    raise SaveDiskFailure from None
 
 
 def written_folders(args, jsonl_path: str | None) -> list[tuple[str, str]]:

@@ -18,8 +18,9 @@ Order of work (everything that can be wrong about the command line fails before 
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
-   disk ends the run with one line (:func:`.file_checks.stop_if_disk_full`), so does a full disk
-   (or one the kernel turned read-only) under another write of the run, on each rank that hit it
+   disk, or meets it turned read-only, ends the run with one line
+   (:func:`.file_checks.stop_if_save_disk_failed`), so does a full disk (or one the kernel
+   turned read-only) under another write of the run, on each rank that hit it
    (:func:`megatron_latentmoe.files.write_disk_full_error`); a rank whose collective fails
    because another rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`),
    there and in the barrier that ends the run.
@@ -254,7 +255,11 @@ def _main(check_only: bool = False) -> int:
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
-    from megatron_latentmoe.training.file_checks import DiskFull, stop_if_disk_full, written_folders
+    from megatron_latentmoe.training.file_checks import (
+        SaveDiskFailure,
+        stop_if_save_disk_failed,
+        written_folders,
+    )
     from megatron_latentmoe.training.model_provider import (
         install_finalize_hook,
         model_config_from_args,
@@ -337,7 +342,7 @@ def _main(check_only: bool = False) -> int:
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)
     if args.save:
-        on_save_error(partial(stop_if_disk_full, args))
+        on_save_error(partial(stop_if_save_disk_failed, args))
     datasets_provider = fstep.train_valid_test_datasets_provider
     if args.moe_qb_calibrate_batches:
         calibration = QBCalibration(
@@ -359,7 +364,7 @@ def _main(check_only: bool = False) -> int:
             ModelType.encoder_or_decoder,
             fstep.forward_step,
         )
-    except DiskFull:  # rank 0 has said so
+    except SaveDiskFailure:  # rank 0 has said so
         return 2
     except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)

@@ -119,8 +119,9 @@ def test_a_rank_killed_during_a_torch_dist_save_costs_the_other_one_line(tmp_pat
     appeared): rank 0, the save's coordinator, fails in the save's next collective with it.
     torch DCP wraps a rank's errors into ``CheckpointException`` (a ``BaseException``) only in
     its local and central steps; gloo's error from the collectives between them reaches the entry
-    point bare, and ``stop_if_disk_full`` (Megatron's save calls it) finds no full disk in it and
-    passes it on: one line, no traceback, the unfinished folder left for the resume's repair."""
+    point bare, and ``stop_if_save_disk_failed`` (Megatron's save calls it) finds no failed disk in
+    it and passes it on: one line, no traceback, the unfinished folder left for the resume's
+    repair."""
     ckpt = tmp_path / "ckpt"
     save = ["--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"]
     lines, _ = kill_one_rank(save, 1, kill_during_save(ckpt, 3), monitor_s=20)

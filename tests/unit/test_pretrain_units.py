@@ -244,12 +244,12 @@ def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, t
 def test_main_warns_of_a_small_save_disk_and_ends_a_full_one_with_exit_2(monkeypatch, capsys):
     """``--save``: rank 0's start-up warning when less than a checkpoint is free, and the
     disk-full handler on Megatron's save; a save that filled the disk (the handler raised
-    ``DiskFull`` after rank 0 said so) ends ``main`` with exit 2 and nothing more printed."""
+    ``SaveDiskFailure`` after rank 0 said so) ends ``main`` with exit 2 and nothing more printed."""
     from megatron_latentmoe.training import file_checks
 
     run = _Run(monkeypatch, None, save="ckpt")
     monkeypatch.setattr(file_checks, "save_space_warning", lambda args: "--save ckpt: 1 MB free")
-    run.raises = file_checks.DiskFull()
+    run.raises = file_checks.SaveDiskFailure()
     assert run() == 2
     assert len(run.named("on_save_error")) == 1
     out = capsys.readouterr().out.splitlines()
