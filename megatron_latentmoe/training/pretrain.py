@@ -246,7 +246,6 @@ def _main(check_only: bool = False) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron_latentmoe.checkpoint_layout import RELEASE
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.files import write_disk_full_error
     from megatron_latentmoe.training import forward_step as fstep
@@ -274,7 +273,9 @@ def _main(check_only: bool = False) -> int:
         load_flag,
         load_format,
         loaded_arg,
+        loads_release,
         plan_layout_change,
+        release_data_warning,
         repair_checkpoint_tracker,
         repair_non_persistent_checkpoints,
         resumed_by_args,
@@ -316,9 +317,12 @@ def _main(check_only: bool = False) -> int:
         if refusal:
             print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
             return 2
+        warning = release_data_warning(args, saved, path, load_arg)
+        if warning:
+            print0(f"[{PROG}] WARNING: {warning}")
         # megatron-core 0.19.2 loads the model alone, from iteration 0, where it fine-tunes (it
         # sets --finetune for --pretrained-checkpoint) and from a release checkpoint
-        model_only = args.finetune or load_arg != "load" or os.path.basename(path or "") == RELEASE
+        model_only = args.finetune or load_arg != "load" or loads_release(path)
         restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)

@@ -318,12 +318,52 @@ def ckpt_step_warning(args, load_arg: str = "load") -> str | None:
     records is N). None where Megatron loads another folder (a newer non-persistent one)."""
     step, load_dir = ckpt_step(args), getattr(args, load_arg, None)
     path = step and load_dir and resumed_by_args(args, load_arg)
-    if not path or os.path.normpath(path) != os.path.normpath(os.path.join(load_dir, RELEASE)):
+    if not loads_release(path):
         return None
     return (
         f"--ckpt-step {step} is ignored: {load_flag(load_arg)} {load_dir} holds a release "
         f"checkpoint ({TRACKER_FILE}: release), which megatron-core 0.19.2 loads whatever "
         f"--ckpt-step says: {path}"
+    )
+
+
+def loads_release(path: str | None) -> bool:
+    """Whether the folder Megatron loads (``path``, :func:`resumed_by_args`) is a ``release``
+    checkpoint: megatron-core 0.19.2 restores its model alone (the QB ``router.expert_bias``
+    included: model state), from iteration 0, with no optimizer, LR scheduler, RNG or rerun
+    state, from ``--load`` as from ``--pretrained-checkpoint``."""
+    return bool(path) and os.path.basename(os.path.normpath(path)) == RELEASE
+
+
+def release_data_warning(args, saved, path: str | None, load_arg: str = "load") -> str | None:
+    """A warning when ``--load`` resumes a ``release`` checkpoint (``path``, its args ``saved``)
+    without ``--finetune``: megatron-core 0.19.2 then starts the iteration count, optimizer, LR
+    schedule and RNG over (:func:`loads_release`) but still takes ``consumed_train_samples`` (and
+    the validation and skipped counts) from the checkpoint's args, so the fresh run reads its
+    data after the samples the release's own run consumed. Measured (CPU, 1 rank, tiny.sh, global
+    batch 8): a release made of iteration 2 logged "consumed samples: 24" at iteration 1, whose
+    loss and per-expert loads equal the saving run's iteration 3, the QB bias so loaded;
+    ``--finetune``: 8. None for ``--pretrained-checkpoint`` (Megatron sets ``--finetune``), no
+    consumed samples, or ``--override-ckpt-iteration`` (the user sets the data offset; Megatron
+    refuses it with ``--finetune``)."""
+    consumed = getattr(saved, "consumed_train_samples", 0) or 0
+    if (
+        load_arg != "load"
+        or args.finetune
+        or getattr(args, "override_ckpt_iteration", None) is not None
+        or not loads_release(path)
+        or consumed <= 0
+    ):
+        return None
+    return (
+        f"--load {args.load} holds a release checkpoint ({TRACKER_FILE}: release): "
+        "megatron-core 0.19.2 restores its model weights alone (the QB router bias included) and "
+        "starts the iteration count, optimizer, LR schedule (warm-up included) and RNG over, but "
+        f"continues the data after the {consumed} training samples the run that saved it "
+        "consumed (validation data likewise). Pass --finetune to start the data from sample 0 "
+        "too: for a release checkpoint it changes nothing else in megatron-core 0.19.2 but "
+        "skipping Megatron's comparison of the checkpoint's model args (this entry point's shape "
+        "check still runs)"
     )
 
 

@@ -1,6 +1,6 @@
 """Checkpoint formats on load: ``--auto-detect-ckpt-format`` with another ``--ckpt-format``,
 without it (refused), and the checkpoints the layout-change plan of the entry point reads
-(legacy ``torch``, non-persistent).
+(legacy ``torch``, non-persistent); a ``release`` checkpoint on ``--load``: what it restores.
 
 One rank, EP1, 4 iterations with a ``torch_dist`` checkpoint at 2 and 4 (the uninterrupted run).
 """
@@ -8,8 +8,12 @@ One rank, EP1, 4 iterations with a ``torch_dist`` checkpoint at 2 and 4 (the uni
 from __future__ import annotations
 
 import functools
+import re
+import shutil
 
 import pytest
+
+from megatron_latentmoe.checkpoint_layout import RELEASE, TRACKER_FILE
 
 from . import copy_checkpoints, iter_dir, read_jsonl, run_entry, scratch_dir
 
@@ -138,3 +142,37 @@ def test_a_newer_non_persistent_checkpoint_of_another_layout_is_planned_for():
     got = read_jsonl(jsonl)
     assert sorted(got) == [3], sorted(got)
     assert abs(got[3]["loss"] / ref[3]["loss"] - 1) < 1e-5
+
+
+def test_a_release_checkpoint_on_load_continues_the_data_and_says_so():
+    """The checkpoint of 2 made a release one (folder and tracker ``release``) on ``--load``:
+    megatron-core 0.19.2 restores the model (weights and QB bias) and, without --finetune, the
+    data offset of its args: iteration 1 logs 24 consumed samples and the uninterrupted run's
+    iteration-3 loss and per-expert loads (same weights, bias and batch), with one warning
+    saying so. With --finetune: 8 consumed samples, another batch, no warning."""
+    whole, ref = whole_run()
+    base = scratch_dir() / "formats_release"
+    base.mkdir()
+    shutil.copytree(iter_dir(whole, 2), base / RELEASE)
+    (base / TRACKER_FILE).write_text(RELEASE)
+    runs = {}
+    for name, extra in (("continues", []), ("finetune", ["--finetune"])):
+        jsonl = scratch_dir() / f"formats_release_{name}.jsonl"
+        run = run_entry(
+            EP1
+            + ["--train-iters", "1", "--load", str(base), "--balance-log-file", str(jsonl)]
+            + extra,
+            nproc=1,
+        ).check()
+        assert "loading release distributed checkpoint" in run.output
+        runs[name] = run, read_jsonl(jsonl)[1]
+    run, first = runs["continues"]
+    assert run.output.count("WARNING: --load") == 1, run.output[-3000:]
+    assert "continues the data after the 16 training samples" in run.output
+    assert re.search(r"iteration\s+1/\s+1 \| consumed samples:\s+24 \|", run.output)
+    assert first["loss"] == ref[3]["loss"]
+    assert [e["loads"] for e in first["layers"]] == [e["loads"] for e in ref[3]["layers"]]
+    run, first = runs["finetune"]
+    assert "WARNING: --load" not in run.output
+    assert re.search(r"iteration\s+1/\s+1 \| consumed samples:\s+8 \|", run.output)
+    assert first["loss"] != ref[3]["loss"]

@@ -790,3 +790,38 @@ def test_a_damaged_ckpt_step_checkpoint_is_refused(tmp_path):
         f"--load {tmp_path}: the checkpoint of iteration 4 is damaged: shard file {shard} is "
         "missing"
     )
+
+
+def test_a_release_on_load_whose_data_continues_is_warned_of(tmp_path):
+    """megatron-core 0.19.2 loads a release checkpoint from --load as the model alone, from
+    iteration 0, but without --finetune takes consumed_train_samples from its args: the data
+    continues after them (measured: tests/training/test_ckpt_formats.py's release test). One warning
+    where that happens; none where the data starts over or the checkpoint is not a release."""
+    _checkpoints(tmp_path, [4], tracker=b"release")
+    (tmp_path / "release").mkdir()
+    args = _step_args(tmp_path, None, finetune=False)
+    path = resume.resumed_by_args(args, "load")
+    assert path == f"{tmp_path}/release" and resume.loads_release(path)
+    consumed = SimpleNamespace(consumed_train_samples=16)
+    assert resume.release_data_warning(args, consumed, path) == (
+        f"--load {tmp_path} holds a release checkpoint ({TRACKER_FILE}: release): megatron-core "
+        "0.19.2 restores its model weights alone (the QB router bias included) and starts the "
+        "iteration count, optimizer, LR schedule (warm-up included) and RNG over, but continues "
+        "the data after the 16 training samples the run that saved it consumed (validation data "
+        "likewise). Pass --finetune to start the data from sample 0 too: for a release "
+        "checkpoint it changes nothing else in megatron-core 0.19.2 but skipping Megatron's "
+        "comparison of the checkpoint's model args (this entry point's shape check still runs)"
+    )
+    for saved in (SimpleNamespace(consumed_train_samples=0), SimpleNamespace(), None):
+        assert resume.release_data_warning(args, saved, path) is None  # nothing to continue after
+    finetune = _step_args(tmp_path, None, finetune=True)
+    assert resume.release_data_warning(finetune, consumed, path) is None
+    override = _step_args(tmp_path, None, finetune=False, override_ckpt_iteration=3)
+    assert resume.release_data_warning(override, consumed, path) is None  # the user's offset
+    # --pretrained-checkpoint: Megatron sets --finetune itself (args.finetune is set at its load)
+    pretrained = _step_args(None, None, finetune=False, load=None, pretrained_checkpoint=path)
+    assert resume.release_data_warning(pretrained, consumed, path, "pretrained_checkpoint") is None
+    (tmp_path / TRACKER_FILE).write_text("4")  # not a release: Megatron resumes all of it
+    path = resume.resumed_by_args(args, "load")
+    assert path == f"{tmp_path}/iter_0000004" and not resume.loads_release(path)
+    assert resume.release_data_warning(args, consumed, path) is None
