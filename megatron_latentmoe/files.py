@@ -88,6 +88,21 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
+_NAMES = {"--balance-log-file": "file", "--output-prefix": "path"}
+"""What each flag of a ``(flag, folder)`` pair names where it is not a folder (the line's "give
+FLAG a ... on a larger disk"); a "path" is a prefix: its files are the paths that start with it."""
+
+
+def _holds(flag: str, folder: str, path: str) -> bool:
+    """Whether ``path`` (absolute) is a file of the pair ``(flag, folder)``: inside the folder,
+    or for a prefix (``--output-prefix PREFIX``) one whose path starts with it - the files a
+    preprocessing run writes are ``PREFIX.bin``, ``PREFIX_<key>.idx``, their temporaries
+    ``PREFIX.bin.tmp<pid>``, none of them under ``PREFIX/``."""
+    if _NAMES.get(flag) == "path":
+        return path.startswith(folder)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 def write_disk_full_error(
     err: BaseException, folders: list[tuple[str, str]], written: bool = False
 ) -> str | None:
@@ -109,8 +124,8 @@ def write_disk_full_error(
     ``written`` (the shipped corpus's tokenization, ``tools/preprocess_data.py``'s
     ``--output-prefix``: their cut files are removed, so the disk is no longer full). A file
     system turned read-only is found only so: ``statvfs`` has no ``ST_RDONLY`` and ``os.access``
-    allows writing there (ext4's ``emergency_ro``, measured). The flag whose folder holds it is
-    what the user can move elsewhere."""
+    allows writing there (ext4's ``emergency_ro``, measured). The flag whose folder (or prefix:
+    :func:`_holds`) holds it is what the user can move elsewhere."""
     found = os_error(err, errno.ENOSPC)
     read_only = found is None and (found := os_error(err, errno.EROFS)) is not None
     if found is None:
@@ -123,10 +138,10 @@ def write_disk_full_error(
         what = f"in {flag} {where}" if flag else "a file of the run (the error names none)"
     else:
         where = os.path.abspath(path)
-        inside = [(f, d) for f, d in folders if where == d or where.startswith(d.rstrip("/") + "/")]
+        inside = [(f, d) for f, d in folders if _holds(f, d, where)]
         flag = max(inside, key=lambda fd: len(fd[1]))[0] if inside else None
         what = where
-    kind = {"--balance-log-file": "file", "--output-prefix": "path"}.get(flag, "folder")
+    kind = _NAMES.get(flag, "folder")
     there = "there" if where else "on the disks the run writes to"
     if read_only:
         move = f" or give {flag} a {kind} on another disk" if flag else ""

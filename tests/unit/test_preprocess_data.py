@@ -9,6 +9,7 @@ import pytest
 
 import megatron_latentmoe.data.indexed as indexed
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR
+from megatron_latentmoe.files import REMOUNT
 from tests.unit.test_data import _load_tool
 
 DEFAULTS = dict(
@@ -157,6 +158,30 @@ def test_only_a_full_disk_is_one_line_other_os_errors_raise(calls, capsys, tmp_p
     calls.then = lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
     with pytest.raises(OSError, match="Input/output error"):
         _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", prefix])
+
+
+@pytest.mark.parametrize(
+    "code, name, advice",
+    [
+        (28, ".bin.tmp7", "free space there or give --output-prefix a path on a larger disk"),
+        (28, "_b.idx", "free space there or give --output-prefix a path on a larger disk"),
+        (30, ".idx.tmp7", f"{REMOUNT} or give --output-prefix a path on another disk"),
+    ],
+)
+def test_a_full_or_read_only_disk_naming_an_output_file_names_the_flag(
+    calls, capsys, tmp_path, code, name, advice
+):
+    """The error names the cut file (an ``open``'s does): the line said "free space there" (or
+    only remount) without --output-prefix, as the file (``PREFIX.bin.tmp<pid>``,
+    ``PREFIX_<key>.idx``) is not under the prefix as in a folder. Now a file whose path starts
+    with the prefix is the flag's."""
+    prefix = str(tmp_path / "o")
+    calls.then = lambda: (_ for _ in ()).throw(OSError(code, os.strerror(code), prefix + name))
+    assert _load_tool("preprocess_data").main(["--input", "i", "--output-prefix", prefix]) == 2
+    err = capsys.readouterr().err
+    what = "disk filled up" if code == 28 else "file system turned read-only"
+    assert err.startswith(f"preprocess_data.py: error: the {what} writing {prefix}{name}"), err
+    assert err.endswith(f"; {advice}\n"), err
 
 
 @pytest.mark.parametrize("under", ["", "sub/"])
