@@ -27,9 +27,11 @@ disk (one line naming --output-prefix and the space left there) or a file system
 turns read-only mid-run (after a disk error; one line naming --output-prefix), 130 on Ctrl-C,
 143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed or
 interrupted run leaves no dataset behind, nor the output folders it created (if still empty).
-A SIGTERM that comes as the finished dataset is being renamed into place is too late to stop
-the run: the dataset is complete, so it exits 0 with the summary and a note on stderr (what a
-SIGTERM just after the exit gives; a workflow manager then keeps the dataset, not redoes it).
+A SIGTERM or Ctrl-C that comes as the finished dataset is being renamed into place waits until
+it is (it no longer leaves an older dataset there half replaced) and is then too late to stop
+the run: the dataset is complete, so it exits 0 with the summary and a note on stderr naming
+the signal (what a SIGTERM just after the exit gives; a workflow manager then keeps the
+dataset, not redoes it).
 """
 
 from __future__ import annotations
@@ -272,15 +274,17 @@ def main(argv=None) -> int:
         import megatron.core.datasets.indexed_dataset  # noqa: F401
     from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
 
-    signals = []
+    signals, committing = [], []
 
-    def _terminated(signum, frame):  # clean up temporaries on SIGTERM too (schedulers send it)
+    def _stop(signum, frame):  # Ctrl-C, and SIGTERM (schedulers send it): temporaries removed
         signals.append(signum)  # preprocess_jsonl's backstop if Python swallows the raise
-        raise KeyboardInterrupt
+        if not committing:  # else the dataset is going into place: stopping would only lose it
+            raise KeyboardInterrupt
 
     created = _missing_folders(output_folder)
     summary = None
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, _stop) for s in stops}
     try:
         summary = preprocess_jsonl(
             args.input,
@@ -293,6 +297,7 @@ def main(argv=None) -> int:
             log_interval=args.log_interval,
             trust_remote_code=args.trust_remote_code,
             interrupted=lambda: bool(signals),
+            on_commit=lambda: committing.append(True),
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -309,13 +314,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
         return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
-    finally:  # main() called in-process: the caller's handler again (None: not set from Python)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    finally:  # main() called in-process: the caller's handlers again (None: not set from Python)
+        for s in stops:
+            signal.signal(s, signal.SIG_DFL if previous[s] is None else previous[s])
         if summary is None:
             _remove_empty(created)
-    if signals:  # recorded, its KeyboardInterrupt swallowed, after preprocess_jsonl's last check
+    if signals:  # recorded after preprocess_jsonl's last check: held off until the commit's end
         print(
-            "note: SIGTERM arrived as the dataset was renamed into place: it is complete",
+            f"note: {signal.Signals(signals[0]).name} arrived as the dataset was renamed into "
+            "place: it is complete",
             file=sys.stderr,
         )
     print(summary)

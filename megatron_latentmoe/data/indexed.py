@@ -15,7 +15,8 @@ Output names: with one key the dataset is ``<prefix>.bin`` / ``<prefix>.idx`` (`
 Writes are atomic: everything goes to temporary names beside the target and is renamed only when
 all input was read without error; an old ``.idx`` is removed before its ``.bin`` is replaced and
 the new ``.idx`` is renamed last, so an interrupted run never leaves a readable half dataset
-(a ``kill -9`` may leave ``*.tmp<pid>`` files, which nothing reads).
+(a ``kill -9`` may leave ``*.tmp<pid>`` files, which nothing reads); Ctrl-C and SIGTERM wait
+until the renames are done (``_signals_held``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -551,6 +554,37 @@ class Vocabulary:
 # -------------------------------------------------------------------------------------- Main entry
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held off while the output is renamed into place, then delivered: the
+    KeyboardInterrupt of Ctrl-C (or of tools/preprocess_data.py's SIGTERM handler) raised there
+    stopped the commit halfway - an old ``.idx`` dropped and the new ``.bin`` not yet moved (the
+    old dataset gone, the new one not there), or one key's dataset new and the next one's
+    broken. Each one that comes meanwhile is recorded by a handler that only records it, and
+    raised again (``signal.raise_signal``) once the caller's handlers are back: to them it
+    arrives just after a finished commit.
+
+    Not ``pthread_sigmask``: it blocks a signal in the calling thread only; the kernel hands a
+    signal sent to the process to another thread (a run has several, e.g. torch's), whose C
+    handler flags it for the main thread's Python handler all the same (measured: Ctrl-C still
+    stopped the commit so). Python sets and runs handlers in the main thread only: called from
+    another thread the commit is not interrupted by them, and nothing is held. A handler set
+    outside Python (``getsignal`` None) cannot be put back, so it is left in place."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    stops = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):  # each once, in the order they came
+            signal.raise_signal(s)
+
+
 def preprocess_jsonl(
     input: PathLike,
     output_prefix: PathLike,
@@ -562,6 +596,7 @@ def preprocess_jsonl(
     log_interval: int = 1000,
     trust_remote_code: bool = False,
     interrupted: Callable[[], bool] | None = None,
+    on_commit: Callable[[], None] | None = None,
 ) -> PreprocessSummary:
     """Tokenize a JSONL(.gz) file into Megatron indexed dataset(s). See the module docstring.
 
@@ -585,6 +620,10 @@ def preprocess_jsonl(
         a signal handler's ``KeyboardInterrupt`` that Python printed and ignored because it was
         raised in a callback (once under load: importlib's ``_get_module_lock.<locals>.cb``,
         after which tools/preprocess_data.py wrote the whole dataset despite its SIGTERM).
+        on_commit: called as the output starts being renamed into place (:func:`_signals_held`:
+        SIGINT and SIGTERM wait until the renames are done): from then on the run is complete, and
+        a signal handler that raises to stop it would only make its caller lose the result
+        (tools/preprocess_data.py's stops raising).
 
     Raises:
         PreprocessError: missing input, malformed JSON (with line number), missing key, no
@@ -709,15 +748,18 @@ def preprocess_jsonl(
                 )
         for k, p in zip(keys, prefixes, strict=True):
             builders[k].finalize(tmp[p][1])
-        stop_if_interrupted()
-        # commit: drop each old .idx first, then move the new .bin, then the new .idx (the marker)
-        for p in prefixes:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(p + ".idx")
-            os.replace(tmp[p][0], p + ".bin")
-            os.replace(tmp[p][1], p + ".idx")
-            _drop_stale_index_cache(p)
-        committed = True
+        with _signals_held():
+            stop_if_interrupted()
+            if on_commit is not None:
+                on_commit()
+            # commit: drop each old .idx, then move the new .bin, then the new .idx (the marker)
+            for p in prefixes:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(p + ".idx")
+                os.replace(tmp[p][0], p + ".bin")
+                os.replace(tmp[p][1], p + ".idx")
+                _drop_stale_index_cache(p)
+            committed = True
     finally:
         _W.clear()
         if pool is not None:

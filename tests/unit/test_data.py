@@ -1418,19 +1418,18 @@ def _sigterm_swallowed():
 
 
 @pytest.mark.parametrize(
-    "where, code",
+    "where",
     [
-        ("batch", 143),  # the first of three batches
-        ("finalize", 143),  # after the last batch, before the rename into place
-        ("rename", 0),  # the dataset is in place: complete
+        "batch",  # the first of three batches
+        "finalize",  # after the last batch, before the rename into place
     ],
 )
 def test_a_sigterm_whose_interrupt_python_swallowed_still_stops_the_run(
-    tmp_path, monkeypatch, capsys, where, code
+    tmp_path, monkeypatch, capsys, where
 ):
-    """The tool stops at the next batch (143, nothing written) when its SIGTERM handler's
-    KeyboardInterrupt was swallowed; once the dataset is renamed into place, the run is a
-    success (0, the summary) with a note that the SIGTERM came too late to stop it."""
+    """The tool stops at the next batch, or before the rename into place (143, nothing
+    written), when its SIGTERM handler's KeyboardInterrupt was swallowed. (During the rename
+    the signal waits, and the handler does not raise: the next test.)"""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     import megatron_latentmoe.data.indexed as indexed
@@ -1439,7 +1438,6 @@ def test_a_sigterm_whose_interrupt_python_swallowed_still_stops_the_run(
     monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
     batches = []
     encode, finalize = indexed._encode_batch, IndexedDatasetBuilder.finalize
-    drop_cache = indexed._drop_stale_index_cache
 
     def in_batch(batch):
         batches.append(len(batch[1]))  # (first line number, lines)
@@ -1452,32 +1450,119 @@ def test_a_sigterm_whose_interrupt_python_swallowed_still_stops_the_run(
             _sigterm_swallowed()
         return finalize(self, index)
 
-    def in_rename(prefix):
-        if where == "rename":
-            _sigterm_swallowed()
-        return drop_cache(prefix)
-
     monkeypatch.setattr(indexed, "_encode_batch", in_batch)
     monkeypatch.setattr(IndexedDatasetBuilder, "finalize", in_finalize)
-    monkeypatch.setattr(indexed, "_drop_stale_index_cache", in_rename)
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(600)])
     previous = signal.getsignal(signal.SIGTERM)
     argv = ["--input", str(src), "--output-prefix", str(tmp_path / "ds"), "--no-progress"]
-    assert _load_tool("preprocess_data").main(argv) == code
+    assert _load_tool("preprocess_data").main(argv) == 143
     assert swallowed == [KeyboardInterrupt]  # the handler ran, and its raise was lost
     assert signal.getsignal(signal.SIGTERM) is previous
+    assert batches == ([256] if where == "batch" else [256, 256, 88])
+    assert capsys.readouterr().err == "interrupted: nothing written (temporary files removed)\n"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "keys, at",
+    [
+        (["text"], 1),  # the new .bin's rename: the old .idx already dropped
+        (["text"], 2),  # the new .idx's rename
+        (["a", "b"], 3),  # key b's .bin: key a's dataset in place, b's old .idx dropped
+        (["text"], "hand-back"),  # the commit done: as the result goes back to main()
+    ],
+)
+def test_a_signal_during_the_commit_waits_for_the_complete_dataset(
+    tmp_path, monkeypatch, capsys, sig, keys, at
+):
+    """A SIGTERM or Ctrl-C that comes while the new dataset is renamed into place over an older
+    one: it stopped the commit halfway (exit 143 / 130, "nothing written"), leaving the old
+    ``.bin`` without its ``.idx`` (the old dataset gone, the new one not there) or key a's new
+    dataset beside key b's broken one; one after the commit said "nothing written" of a complete
+    dataset. Now the commit runs with both held off: they arrive after it, and the run is a
+    success (0, the summary) with the note that the signal came too late to stop it."""
+    import megatron_latentmoe.data.indexed as indexed
+    from megatron_latentmoe.data.indexed import check_indexed_dataset
+
+    tool = _load_tool("preprocess_data")
+    old = _write_jsonl(tmp_path / "old.jsonl", [{k: "old" for k in keys}])
+    new = _write_jsonl(tmp_path / "new.jsonl", [{k: f"new {i}" for k in keys} for i in range(5)])
+    argv = ["--output-prefix", str(tmp_path / "ds"), "--json-keys", *keys, "--no-progress"]
+    assert tool.main(["--input", str(old), *argv]) == 0
+    capsys.readouterr()
+    replace, summary, renames = os.replace, indexed.PreprocessSummary, []
+
+    def signalled_replace(src, dst):
+        renames.append(dst)
+        if len(renames) == at:
+            os.kill(os.getpid(), sig)
+        return replace(src, dst)
+
+    def signalled_summary(**kwargs):
+        os.kill(os.getpid(), sig)
+        return summary(**kwargs)
+
+    monkeypatch.setattr(os, "replace", signalled_replace)
+    if at == "hand-back":
+        monkeypatch.setattr(indexed, "PreprocessSummary", signalled_summary)
+    handlers = signal.getsignal(sig)
+    assert tool.main(["--input", str(new), *argv]) == 0
     out, err = capsys.readouterr()
-    names = sorted(f.name for f in tmp_path.iterdir())
-    if code == 143:
-        assert batches == ([256] if where == "batch" else [256, 256, 88])
-        assert err == "interrupted: nothing written (temporary files removed)\n"
-        assert names == ["in.jsonl"]
-    else:
-        assert out.startswith("PreprocessSummary(") or "600" in out, out
-        assert err == (
-            "note: SIGTERM arrived as the dataset was renamed into place: it is complete\n"
-        )
-        assert names == ["ds.bin", "ds.idx", "in.jsonl"]
+    assert (
+        err == f"note: {sig.name} arrived as the dataset was renamed into place: it is complete\n"
+    )
+    assert out.startswith("documents: 5 "), out
+    prefixes = [tmp_path / "ds"] if len(keys) == 1 else [tmp_path / f"ds_{k}" for k in keys]
+    assert [check_indexed_dataset(str(p)) for p in prefixes] == [5] * len(keys)
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
+        ["new.jsonl", "old.jsonl", *(p.name + e for p in prefixes for e in (".bin", ".idx"))]
+    )
+    assert signal.getsignal(sig) is handlers
+
+
+@pytest.mark.parametrize("at, keys", [(1, ["text"]), (3, ["a", "b"])])
+def test_ctrl_c_during_the_library_commit_raises_after_it(tmp_path, monkeypatch, at, keys):
+    """``preprocess_jsonl`` called from Python, Ctrl-C (Python's own handler) during the rename
+    over an older dataset: the KeyboardInterrupt comes once every key's new dataset is in place
+    (it left the old ``.bin`` without its ``.idx``). From another thread, where Python can set
+    no handler, the same run writes the dataset and leaves the handlers alone."""
+    import threading
+
+    from megatron_latentmoe.data.indexed import check_indexed_dataset
+
+    prefix = tmp_path / "ds"
+    preprocess_jsonl(
+        _write_jsonl(tmp_path / "old.jsonl", [{k: "old" for k in keys}]), prefix, json_keys=keys
+    )
+    new = _write_jsonl(tmp_path / "new.jsonl", [{k: f"new {i}" for k in keys} for i in range(5)])
+    replace, renames = os.replace, []
+
+    def signalled_replace(src, dst):
+        renames.append(dst)
+        if len(renames) == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", signalled_replace)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            preprocess_jsonl(new, prefix, json_keys=keys)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    prefixes = [prefix] if len(keys) == 1 else [tmp_path / f"ds_{k}" for k in keys]
+    assert [check_indexed_dataset(str(p)) for p in prefixes] == [5] * len(keys)
+
+    monkeypatch.setattr(os, "replace", replace)
+    handlers, done = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)], []
+    thread = threading.Thread(
+        target=lambda: done.append(preprocess_jsonl(new, tmp_path / "t", json_keys=keys[:1]))
+    )
+    thread.start()
+    thread.join()
+    assert done and check_indexed_dataset(str(tmp_path / "t")) == 5
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,12 +25,12 @@ DEFAULTS = dict(
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The (input, output_prefix, keyword arguments but ``interrupted``) of each
-    preprocess_jsonl call; the call does ``calls.then()`` (return the summary by default), then
-    records whether ``interrupted()`` says a signal came, in ``calls.interrupted``."""
+    """The (input, output_prefix, keyword arguments but ``interrupted`` and ``on_commit``) of
+    each preprocess_jsonl call; the call does ``calls.then()`` (return the summary by default),
+    then records whether ``interrupted()`` says a signal came, in ``calls.interrupted``."""
     seen = []
 
-    def spy(input, output_prefix, interrupted, **kwargs):
+    def spy(input, output_prefix, interrupted, on_commit, **kwargs):
         seen.append((input, output_prefix, kwargs))
         assert interrupted() is False
         try:
