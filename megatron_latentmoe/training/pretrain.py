@@ -267,6 +267,8 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
+        DataLeftError,
+        checks_data_left,
         ckpt_step_warning,
         layout_changed,
         legacy_layout_refusal,
@@ -347,7 +349,7 @@ def _main(check_only: bool = False) -> int:
     exclude_from_step_time(balance_logger.excluded)
     if args.save:
         on_save_error(partial(stop_if_save_disk_failed, args))
-    datasets_provider = fstep.train_valid_test_datasets_provider
+    datasets_provider = checks_data_left(fstep.train_valid_test_datasets_provider)
     if args.moe_qb_calibrate_batches:
         calibration = QBCalibration(
             args.moe_qb_calibrate_batches,
@@ -369,6 +371,10 @@ def _main(check_only: bool = False) -> int:
             fstep.forward_step,
         )
     except SaveDiskFailure:  # rank 0 has said so
+        return 2
+    except DataLeftError as err:  # every rank alike: said once
+        if rank() == 0:
+            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_latentmoe.checkpoint_layout import RELEASE, TRACKER_FILE
 
-from . import copy_checkpoints, iter_dir, read_jsonl, run_entry, scratch_dir
+from . import LAUNCH, copy_checkpoints, iter_dir, read_jsonl, run_entry, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -176,3 +176,29 @@ def test_a_release_checkpoint_on_load_continues_the_data_and_says_so():
     assert "WARNING: --load" not in run.output
     assert re.search(r"iteration\s+1/\s+1 \| consumed samples:\s+8 \|", run.output)
     assert first["loss"] != ref[3]["loss"]
+
+
+def test_a_release_whose_consumed_samples_pass_this_runs_data_is_refused_in_one_line():
+    """The checkpoint of 4 (32 consumed samples) made a release on ``--load``, this run's
+    training data 3 documents of the corpus (``--split 2,0,998``: under 32 samples, in whole
+    epochs): megatron-core 0.19.2 continued the data after the 32 and asserted "no samples left
+    to consume" on the rank, a traceback after building the model. Now one line naming the
+    counts and --finetune, exit 2; with --finetune the run trains from sample 0."""
+    whole, _ = whole_run()
+    base = scratch_dir() / "formats_release_past_data"
+    base.mkdir()
+    shutil.copytree(iter_dir(whole, 4), base / RELEASE)
+    (base / TRACKER_FILE).write_text(RELEASE)
+    args = EP1 + ["--train-iters", "1", "--split", "2,0,998", "--load", str(base)]
+    refused = run_entry(args, nproc=1, launcher=LAUNCH)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert re.search(
+        rf"pretrain_stable_latentmoe: error: --load {base}: a release checkpoint without "
+        r"--finetune continues the training data after the 32 samples its run consumed, and this "
+        r"run reads 8 more, but this run's training data holds \d+ samples .* pass --finetune to "
+        r"start the data from sample 0 ",
+        refused.output,
+    ), refused.output[-3000:]
+    assert refused.output.count("error:") == 1 and "Traceback" not in refused.output
+    run = run_entry(args + ["--finetune"], nproc=1).check()
+    assert re.search(r"iteration\s+1/\s+1 \| consumed samples:\s+8 \|", run.output)

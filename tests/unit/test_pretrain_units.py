@@ -224,7 +224,8 @@ def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, t
     run = _Run(monkeypatch, tmp_path)
     assert run() == 0
     container = ("container", ("model config", "transformer config"))
-    provider = run.fstep.train_valid_test_datasets_provider
+    ((_, provider, _, _),) = run.named("pretrain")  # the datasets checked against the load
+    assert provider.__wrapped__ is run.fstep.train_valid_test_datasets_provider
     assert [e[0] for e in run.events] == list(MAIN_STEPS)
     assert run.named("checked_args") == [(False,)]
     assert run.named("set_global_variables") == run.named("init_cpu_world") == [(run.args,)]
@@ -322,7 +323,7 @@ def test_main_wires_rescoring_and_calibration(monkeypatch, tmp_path):
     assert run.named("set_batch_recorder") == [(rescore,)]
     assert run.named("install_finalize_hook") == [(("finalize", run.logger, rescore),)]
     ((_, provider, _, _),) = run.named("pretrain")
-    assert provider.__wrapped__ is run.fstep.train_valid_test_datasets_provider
+    assert provider.__wrapped__.__wrapped__ is run.fstep.train_valid_test_datasets_provider
     assert rescore.step_end.func is balance_logging.balance_step_end  # with this run's logger
     assert rescore.step_end.keywords == dict(balance_logger=run.logger)
 
@@ -489,6 +490,27 @@ def test_main_stops_at_a_batch_outside_the_vocabulary_in_one_line(monkeypatch, t
     assert run() == 2
     assert capsys.readouterr().err == (
         "pretrain_stable_latentmoe: error: a micro-batch of --data-path /d holds token id 9\n"
+    )
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_main_stops_at_a_data_offset_its_datasets_cannot_serve_in_one_line(
+    monkeypatch, tmp_path, capsys, rank
+):
+    """The loaded checkpoint's data offset past this run's datasets (``resume.data_left_refusal``,
+    decided alike on every rank where Megatron builds them): exit 2 on each rank, the line once
+    (rank 0), where Megatron's sampler asserted on every rank."""
+    from megatron_latentmoe.training.resume import DataLeftError
+
+    run = _Run(monkeypatch, tmp_path)
+    monkeypatch.setenv("RANK", rank)
+    run.raises = DataLeftError("--load /c: a release checkpoint without --finetune continues")
+    assert run() == 2
+    assert capsys.readouterr().err == (
+        "pretrain_stable_latentmoe: error: --load /c: a release checkpoint without --finetune "
+        "continues\n"
+        if rank == "0"
+        else ""
     )
 
 
