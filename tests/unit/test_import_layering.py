@@ -44,20 +44,24 @@ def test_no_package_module_imports_the_entry_point():
     resumes from is ``training/resume.py``'s)."""
     package = os.path.join(REPO, "megatron_latentmoe")
     entry = os.path.join(package, "training", "pretrain.py")
-    bad = []
-    for folder, _, files in os.walk(package):
+    assert not _imports_where(package, _imports_the_entry_point, skip=entry)
+
+
+def _imports_where(folder: str, matches, skip: str | None = None) -> list[str]:
+    """``path:line`` of every import statement in the ``.py`` files below ``folder`` (but
+    ``skip``) for which ``matches(node)`` is true."""
+    found = []
+    for below, _, files in os.walk(folder):
         for name in files:
-            path = os.path.join(folder, name)
-            if not name.endswith(".py") or path == entry:
+            path = os.path.join(below, name)
+            if not name.endswith(".py") or path == skip:
                 continue
             with open(path) as f:
                 tree = ast.parse(f.read())
-            bad += [
-                f"{os.path.relpath(path, REPO)}:{n.lineno}"
-                for n in ast.walk(tree)
-                if _imports_the_entry_point(n)
+            found += [
+                f"{os.path.relpath(path, REPO)}:{n.lineno}" for n in ast.walk(tree) if matches(n)
             ]
-    assert not bad, bad
+    return found
 
 
 def _imports_training(node) -> bool:
@@ -75,21 +79,7 @@ def test_the_data_layer_imports_nothing_from_training():
     """``megatron_latentmoe/data/`` sits below ``training/`` (which imports it): the file-system
     checks and the one-line argparse errors both use are ``megatron_latentmoe.files``' and
     ``megatron_latentmoe.cli_errors``' (the corpus CLI once took them from ``training/``)."""
-    data = os.path.join(REPO, "megatron_latentmoe", "data")
-    bad = []
-    for folder, _, files in os.walk(data):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            with open(path) as f:
-                tree = ast.parse(f.read())
-            bad += [
-                f"{os.path.relpath(path, REPO)}:{n.lineno}"
-                for n in ast.walk(tree)
-                if _imports_training(n)
-            ]
-    assert not bad, bad
+    assert not _imports_where(os.path.join(REPO, "megatron_latentmoe", "data"), _imports_training)
 
 
 def test_the_shared_file_checks_import_neither_megatron_nor_torch():

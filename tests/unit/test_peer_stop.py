@@ -91,17 +91,23 @@ except RuntimeError as err:
 """
 
 
-def test_a_real_gloo_collective_with_a_peer_gone_is_recognised(tmp_path):
+def _two_ranks(script: str, tmp_path) -> tuple[list[subprocess.Popen], list[str]]:
+    """``script`` run as ranks 0 and 1 of a gloo world (argv: rank, rendezvous file): the
+    processes and their outputs."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", REAL_GLOO, str(rank), str(tmp_path / "rendezvous")],
+            [sys.executable, "-c", script, str(rank), str(tmp_path / "rendezvous")],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for rank in (0, 1)
     ]
-    out = [p.communicate(timeout=120)[0] for p in procs]
+    return procs, [p.communicate(timeout=120)[0] for p in procs]
+
+
+def test_a_real_gloo_collective_with_a_peer_gone_is_recognised(tmp_path):
+    procs, out = _two_ranks(REAL_GLOO, tmp_path)
     assert procs[1].returncode == 2, out[1]
     # which of the two depends on what was in flight when the socket went (both seen here)
     assert out[0].startswith(("Connection closed by peer [", "Read error [")), out[0]
@@ -123,16 +129,7 @@ print("exit", _end_world())
 def test_a_rank_gone_before_the_runs_last_barrier_costs_the_other_one_line(tmp_path):
     """The entry point's last barrier (after ``pretrain``): a rank killed just before it was a
     gloo traceback on the others (measured in a 2-rank torchrun run); now their one line, exit 1."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", END_OF_RUN, str(rank), str(tmp_path / "rendezvous")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    out = [p.communicate(timeout=120)[0] for p in procs]
+    procs, out = _two_ranks(END_OF_RUN, tmp_path)
     assert procs[1].returncode == 9, out[1]
     assert "Traceback" not in out[0], out[0]
     line, code = out[0].strip().splitlines()[-2:]
