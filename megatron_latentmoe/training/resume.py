@@ -386,8 +386,8 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
     0``: "128, 113" for the validation data; a plain resume of 16 with ``--train-iters 8`` (and
     ``--override-opt_param-scheduler``): "128, 99". A release gets there without ``--finetune``
     (:func:`release_data_warning`; a longer run sizes its data for its longer self: no way out).
-    With ``--rampup-batch-size`` (smaller first batches) the offset alone is checked;
-    ``--skip-train`` reads from sample 0, ``--phase-transition-iterations`` per phase."""
+    ``--skip-train`` reads from sample 0, ``--phase-transition-iterations`` per phase
+    (``--rampup-batch-size`` is refused by the flag check)."""
     if args.skip_train or getattr(args, "phase_transition_iterations", None):
         return None  # --skip-train: Megatron's loaders start at sample 0
     release = args.iteration == 0
@@ -404,8 +404,7 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
         "run trained on, or pass --finetune to load its model alone and start the data over"
     )
     consumed = args.consumed_train_samples
-    reads = 0 if args.rampup_batch_size else max(0, args.train_iters - args.iteration)
-    reads *= args.global_batch_size
+    reads = max(0, args.train_iters - args.iteration) * args.global_batch_size
     if train_len is not None and consumed + max(reads, 1) > train_len:
         return (
             f"{head} training data after the {consumed} samples its run consumed, and this run "

@@ -837,7 +837,6 @@ def _data_args(**flags):
         consumed_valid_samples=128,
         train_iters=1,
         global_batch_size=8,
-        rampup_batch_size=None,
         phase_transition_iterations=None,
         skip_train=False,
         full_validation=False,
@@ -876,9 +875,6 @@ def test_a_release_whose_consumed_samples_pass_the_training_data_is_refused():
     # Megatron's loaders start at 0 (--skip-train) or per phase: not decided here
     assert resume.data_left_refusal(_data_args(skip_train=True), 99, 1) is None
     assert resume.data_left_refusal(_data_args(phase_transition_iterations=[2]), 99, 1) is None
-    # smaller first batches with --rampup-batch-size: only the offset itself is checked
-    assert resume.data_left_refusal(_data_args(rampup_batch_size=[4, 4, 8]), 129, 129) is None
-    assert resume.data_left_refusal(_data_args(rampup_batch_size=[4, 4, 8]), 128, 129)
 
 
 def test_a_plain_resume_past_this_runs_training_data_is_refused():
