@@ -183,15 +183,7 @@ def run_entry(
     outlive the test and slow the rest of the session) and returns exit -9 with its output and a
     line saying so."""
     start = time.time()
-    proc = subprocess.Popen(
-        command(extra, nproc, launcher),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=environment(),
-        bufsize=1,
-    )
+    proc = start_launcher(command(extra, nproc, launcher), own_session=False)
     expired = threading.Event()
 
     def expire():
@@ -247,6 +239,22 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def start_launcher(cmd: list[str], own_session: bool = True) -> subprocess.Popen:
+    """``cmd`` (:func:`command`'s) started from the repository with the tests' environment, its
+    output and errors one line-buffered text stream; ``own_session``: in a session of its own,
+    so that a test can kill it and its ranks (:func:`kill_tree`) without killing itself."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=environment(),
+        start_new_session=own_session,
+        bufsize=1,
+    )
+
+
 def run_and_kill(
     extra: list[str],
     should_kill: Callable[[str], bool],
@@ -258,16 +266,7 @@ def run_and_kill(
     is true for an output line. Returns the output up to then; with another ``sig`` (SIGTERM),
     the output until the processes have exited."""
     start = time.time()
-    proc = subprocess.Popen(
-        command(extra, nproc),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=environment(),
-        start_new_session=True,
-        bufsize=1,
-    )
+    proc = start_launcher(command(extra, nproc))
     lines, killed = [], False
     try:
         for line in proc.stdout:

@@ -18,13 +18,12 @@ import pytest
 
 from . import (
     LAUNCH,
-    REPO,
     command,
-    environment,
     iter_dir,
     kill_during_save,
     kill_tree,
     run_entry,
+    start_launcher,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -66,16 +65,7 @@ def kill_one_rank(extra: list[str], victim: int, should_kill, monitor_s: float =
     cmd = command(extra, launcher=LAUNCH)
     at = cmd.index(LAUNCH) + 1
     cmd[at:at] = ["--monitor-interval", str(monitor_s)]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=environment(),
-        start_new_session=True,
-        bufsize=1,
-    )
+    proc = start_launcher(cmd)
     lines, killed, start = [], False, time.time()
     try:
         for line in proc.stdout:
