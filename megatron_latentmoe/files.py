@@ -18,7 +18,7 @@ WRITABLE_FOLDER = "give a folder this run can create or write in"
 
 REMOUNT = "once the disk is checked (the kernel log says why), remount it read-write"
 """What to do about a file system the kernel turned read-only under a write (EROFS): said by
-:func:`write_disk_full_error` and by a checkpoint save's line (``training.file_checks``)."""
+:func:`write_disk_failure_error` and by a checkpoint save's line (``training.file_checks``)."""
 
 
 def nearest_existing(path: str | os.PathLike) -> Path:
@@ -103,7 +103,7 @@ def _holds(flag: str, folder: str, path: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def write_disk_full_error(
+def write_disk_failure_error(
     err: BaseException, folders: list[tuple[str, str]], written: bool = False
 ) -> str | None:
     """The one line for ``err`` where it is (or came from) an ``OSError`` ENOSPC, or EROFS, a

@@ -303,10 +303,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as err:  # a full disk, or one turned read-only: a traceback before
-        from megatron_latentmoe.files import write_disk_full_error
+        from megatron_latentmoe.files import write_disk_failure_error
 
         output = os.path.abspath(args.output_prefix)  # its cut files are removed: room again
-        line = write_disk_full_error(err, [("--output-prefix", output)], written=True)
+        line = write_disk_failure_error(err, [("--output-prefix", output)], written=True)
         if line is None:
             raise
         print(f"{parser.prog}: error: {line}", file=sys.stderr)

@@ -270,10 +270,10 @@ def main(argv: list | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as err:  # a full disk, or one turned read-only: as preprocess_data.py
-        from megatron_latentmoe.files import write_disk_full_error
+        from megatron_latentmoe.files import write_disk_failure_error
 
         output = os.path.join(out_dir, name)
-        line = write_disk_full_error(err, [("--output-prefix", output)], written=True)
+        line = write_disk_failure_error(err, [("--output-prefix", output)], written=True)
         if line is None:
             raise
         print(f"{p.prog}: error: {line}", file=sys.stderr)

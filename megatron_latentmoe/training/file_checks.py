@@ -15,7 +15,7 @@ left behind; Megatron's save calls :func:`stop_if_save_disk_failed`, which makes
 saves (rank 0's creation of the ``iter_*`` folder failed: a line naming neither the save nor the
 checkpoint a resume loads). A disk that fills up under another write of the run (the balance JSONL,
 TensorBoard's event files, Megatron's dataset index cache) was a traceback on the rank that
-wrote; ``pretrain._main`` makes it one line per such rank (``files.write_disk_full_error`` of
+wrote; ``pretrain._main`` makes it one line per such rank (``files.write_disk_failure_error`` of
 :func:`written_folders`).
 """
 

@@ -21,7 +21,7 @@ Order of work (everything that can be wrong about the command line fails before 
    disk, or meets it turned read-only, ends the run with one line
    (:func:`.file_checks.stop_if_save_disk_failed`), so does a full disk (or one the kernel
    turned read-only) under another write of the run, on each rank that hit it
-   (:func:`megatron_latentmoe.files.write_disk_full_error`); a rank whose collective fails
+   (:func:`megatron_latentmoe.files.write_disk_failure_error`); a rank whose collective fails
    because another rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`),
    there and in the barrier that ends the run.
 
@@ -227,9 +227,9 @@ def _main(check_only: bool = False) -> int:
             )
             return 2
         except OSError as err:  # a full disk: a traceback before (its writes name no file)
-            from megatron_latentmoe.files import write_disk_full_error
+            from megatron_latentmoe.files import write_disk_failure_error
 
-            line = write_disk_full_error(
+            line = write_disk_failure_error(
                 err, [("--data-cache-path", default_data_dir)], written=True
             )
             if line is None:
@@ -247,7 +247,7 @@ def _main(check_only: bool = False) -> int:
     from megatron.training.global_vars import set_global_variables
 
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
-    from megatron_latentmoe.files import write_disk_full_error
+    from megatron_latentmoe.files import write_disk_failure_error
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
         balance_step_end,
@@ -397,7 +397,7 @@ def _main(check_only: bool = False) -> int:
             return 1
         # a full disk outside a save: the balance JSONL, TensorBoard, the dataset index cache
         # (megatron-core 0.19.2 raises a bare Exception from numpy's OSError there)
-        line = write_disk_full_error(err, written_folders(args, jsonl_path))
+        line = write_disk_failure_error(err, written_folders(args, jsonl_path))
         if line is None:
             raise
         print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)  # each rank that hit it

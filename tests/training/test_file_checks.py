@@ -134,14 +134,15 @@ def test_a_disk_turned_read_only_under_a_save_is_told_and_the_unfinished_save_le
 
 
 def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp_path, monkeypatch):
-    """``write_disk_full_error``: an ENOSPC a run's write ran into (the balance JSONL, TensorBoard,
-    Megatron's dataset cache) names the file (or, where the error names none, the run's folder
-    whose disk is full), what is free there and the flag that moves it; anything else: None."""
+    """``write_disk_failure_error``: an ENOSPC a run's write ran into (the balance JSONL,
+    TensorBoard, Megatron's dataset cache) names the file (or, where the error names none, the
+    run's folder whose disk is full), what is free there and the flag that moves it; anything
+    else: None."""
     import errno
     import shutil
     from types import SimpleNamespace
 
-    from megatron_latentmoe.files import write_disk_full_error
+    from megatron_latentmoe.files import write_disk_failure_error
     from megatron_latentmoe.training import file_checks
 
     runs = tmp_path / "runs"
@@ -166,18 +167,18 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
         return OSError(errno.ENOSPC, "No space left on device", filename)
 
     jsonl = str(tmp_path / "ckpt" / "balance.jsonl")
-    assert write_disk_full_error(enospc(jsonl), folders) == (
+    assert write_disk_failure_error(enospc(jsonl), folders) == (
         f"the disk filled up writing {jsonl} ({free} free); free space there or give "
         "--balance-log-file a file on a larger disk"
     )
     npy = str(tmp_path / "data" / "a" / "cache" / "GPTDataset_indices" / "x-document_index.npy")
     wrapped = RuntimeError("dataset build failed")
     wrapped.__cause__ = enospc(npy)
-    assert write_disk_full_error(wrapped, folders) == (
+    assert write_disk_failure_error(wrapped, folders) == (
         f"the disk filled up writing {npy} ({free} free); free space there or give "
         "--data-cache-path a folder on a larger disk"
     )
-    assert write_disk_full_error(enospc("/elsewhere/f"), folders).endswith("; free space there")
+    assert write_disk_failure_error(enospc("/elsewhere/f"), folders).endswith("; free space there")
     # TensorBoard's writer thread: no file name; the folder on a full disk is named
     real = shutil.disk_usage
 
@@ -186,16 +187,16 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
         return real(path)._replace(free=0) if full else real(path)
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
-    assert write_disk_full_error(enospc(), folders) == (
+    assert write_disk_failure_error(enospc(), folders) == (
         f"the disk filled up writing in --tensorboard-dir {runs / 'tb'} (0.0 MB free); free "
         "space there or give --tensorboard-dir a folder on a larger disk"
     )
-    assert write_disk_full_error(enospc(), folders[2:]) == (
+    assert write_disk_failure_error(enospc(), folders[2:]) == (
         "the disk filled up writing a file of the run (the error names none); free space on "
         "the disks the run writes to"
     )
-    assert write_disk_full_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
-    assert write_disk_full_error(ValueError("x"), folders) is None
+    assert write_disk_failure_error(OSError(errno.EACCES, "denied", jsonl), folders) is None
+    assert write_disk_failure_error(ValueError("x"), folders) is None
 
 
 def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(tmp_path):
@@ -206,7 +207,7 @@ def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(
     a nameless one of a run is no folder's. A full disk wins where the error holds both."""
     import errno
 
-    from megatron_latentmoe.files import write_disk_full_error
+    from megatron_latentmoe.files import write_disk_failure_error
 
     jsonl = str(tmp_path / "ckpt" / "balance.jsonl")
     folders = [("--balance-log-file", str(tmp_path / "ckpt")), ("--save", str(tmp_path))]
@@ -216,19 +217,19 @@ def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(
 
     wrapped = RuntimeError("event file flush failed")
     wrapped.__context__ = erofs(jsonl)
-    assert write_disk_full_error(wrapped, folders) == (
+    assert write_disk_failure_error(wrapped, folders) == (
         f"the file system turned read-only writing {jsonl}; once the disk is checked (the kernel "
         "log says why), remount it read-write or give --balance-log-file a file on another disk"
     )
-    assert write_disk_full_error(erofs(), folders[1:], written=True) == (
+    assert write_disk_failure_error(erofs(), folders[1:], written=True) == (
         f"the file system turned read-only writing in --save {tmp_path}; once the disk is "
         "checked (the kernel log says why), remount it read-write or give --save a folder on "
         "another disk"
     )
-    assert write_disk_full_error(erofs(), folders) == (
+    assert write_disk_failure_error(erofs(), folders) == (
         "the file system turned read-only writing a file of the run (the error names none); "
         "once the disk is checked (the kernel log says why), remount it read-write"
     )
     both = erofs(jsonl)
     both.__context__ = OSError(errno.ENOSPC, "No space left on device", jsonl)
-    assert write_disk_full_error(both, folders).startswith(f"the disk filled up writing {jsonl}")
+    assert write_disk_failure_error(both, folders).startswith(f"the disk filled up writing {jsonl}")

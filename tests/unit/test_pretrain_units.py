@@ -833,7 +833,7 @@ def test_checked_args_name_a_refused_flag_the_checkpoint_gave(monkeypatch):
 
 def test_main_ends_a_full_disk_outside_a_save_in_one_line(monkeypatch, tmp_path, capsys):
     """An ``OSError`` ENOSPC out of Megatron's ``pretrain`` (the balance JSONL, TensorBoard, the
-    dataset cache: a traceback before): this rank's line (``files.write_disk_full_error``),
+    dataset cache: a traceback before): this rank's line (``files.write_disk_failure_error``),
     exit 2; another ``OSError`` is re-raised."""
     import errno
     import shutil
