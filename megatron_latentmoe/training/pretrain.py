@@ -114,6 +114,7 @@ def _checked(args, has_cuda: bool):
         load_refusal,
         loaded_arg,
         pretrained_refusal,
+        save_tracker_refusal,
     )
 
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
@@ -131,6 +132,7 @@ def _checked(args, has_cuda: bool):
         ckpt_step_refusal(args, load_arg),
         format_refusal(args, load_arg),
         folder_refusal("--save", args.save),
+        save_tracker_refusal(args),
         folder_refusal("--data-cache-path", args.data_cache_path),
         None if args.data_cache_path else folder_refusal(DEFAULT_CACHE_ORIGIN, default_data_dir),
     ):
@@ -280,6 +282,7 @@ def _main(check_only: bool = False) -> int:
         release_data_warning,
         repair_checkpoint_tracker,
         repair_non_persistent_checkpoints,
+        repair_save_folder,
         resumed_by_args,
         saved_args,
         shape_refusal,
@@ -306,6 +309,8 @@ def _main(check_only: bool = False) -> int:
     if args.load and rank() == 0:
         repair_checkpoint_tracker(args.load, load_format(args))
         repair_non_persistent_checkpoints(args)
+    if rank() == 0:
+        repair_save_folder(args)
     load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
     if load_arg:
         warning = ckpt_step_warning(args, load_arg)

@@ -104,12 +104,15 @@ def repair_checkpoint_tracker(
         and _complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
     )
     if named is not None and named in complete:
-        return named
-    if not complete:
-        return None
-    best = (
-        complete[-1] if named is None else max([i for i in complete if i <= named] or complete[-1:])
+        return named  # a damaged one: load_refusal's
+    # the newest complete one at or before the tracker's iteration, else the newest
+    order = sorted(complete, key=lambda i: (named is None or i <= named, i), reverse=True)
+    best = next(
+        (i for i in order if not _deleted_in_part(os.path.join(load_dir, iteration_dir_name(i)))),
+        None,
     )
+    if best is None:
+        return None
     if not write:
         return best
     tmp = f"{tracker}.tmp{os.getpid()}"
@@ -122,6 +125,84 @@ def repair_checkpoint_tracker(
         flush=True,
     )
     return best
+
+
+def _deleted_in_part(path: str) -> bool:
+    """A ``torch_dist`` folder that looks complete (:func:`_complete_checkpoint`) but lacks a
+    shard file its ``.metadata`` names, or has one shorter: what a kill leaves of a checkpoint
+    whose deletion it cut (megatron-core 0.19.2's ``--save-retain-interval`` and non-persistent
+    cleanups remove a folder with ``shutil.rmtree``, in the file system's order). One whose
+    ``.metadata`` cannot be read is not judged here (:func:`load_refusal` says so)."""
+    if checkpoint_format(path) != "torch_dist":
+        return False
+    try:
+        return _shard_problem(Path(path)) is not None
+    except Exception:  # noqa: BLE001 - an unreadable .metadata: load_refusal's
+        return False
+
+
+def repair_save_folder(args) -> None:
+    """``--save`` made safe for Megatron's saves (rank 0, at start-up, after ``--load``'s repair
+    :func:`repair_checkpoint_tracker`):
+
+    - its tracker, where ``--save`` is not ``--load``, repaired as ``--load``'s; one that still
+      names nothing readable (no complete checkpoint there) is removed. megatron-core 0.19.2's
+      save with ``--save-retain-interval`` reads it as an iteration number, and a tracker a kill
+      cut failed its first save with "ValueError: invalid literal for int() with base 10: ''"
+      on every rank; with ``--load`` that folder, Megatron's load printed "ERROR: Invalid
+      metadata file" and exited 0, having trained nothing;
+    - its unfinished ``iter_*`` folders (complete in no format, :data:`AUTO_FORMAT`: no torch
+      DCP ``.metadata``, no legacy rank file; what a save that met a full or read-only disk, or
+      a kill, left), but the one the tracker names, are removed: Megatron saves into an
+      existing folder as it is, so its save of that iteration mixed the old files with its own.
+    """
+    save = getattr(args, "save", None)
+    if not save or not os.path.isdir(save):
+        return
+    tracker = os.path.join(save, TRACKER_FILE)
+    if args.load is None or os.path.normpath(args.load) != os.path.normpath(save):
+        repair_checkpoint_tracker(save, args.ckpt_format)
+    text = _tracker_text(save)
+    if os.path.isfile(tracker) and not (text == RELEASE or (text or "").isdecimal()):
+        os.remove(tracker)
+        print(
+            f"[{PROG}] {tracker} named nothing readable, and no checkpoint in --save {save} is "
+            "complete: removed it",
+            flush=True,
+        )
+    named = int(text) if text and text.isdecimal() else None
+    unfinished = sorted(
+        entry
+        for entry in os.listdir(save)
+        if (iteration := iteration_of_dir_name(entry)) is not None
+        and iteration != named
+        and os.path.isdir(os.path.join(save, entry))
+        and not _complete_checkpoint(os.path.join(save, entry), AUTO_FORMAT)
+    )
+    for entry in unfinished:
+        shutil.rmtree(os.path.join(save, entry))
+    if unfinished:
+        print(
+            f"[{PROG}] removed the unfinished checkpoint folder(s) {', '.join(unfinished)} in "
+            f"--save {save} (a save cut by a kill or a full or read-only disk): a save of that "
+            "iteration would have mixed their files with its own",
+            flush=True,
+        )
+
+
+def save_tracker_refusal(args) -> str | None:
+    """One line when ``--save-retain-interval`` meets a ``release`` tracker in ``--save`` (a
+    release checkpoint saved or resumed there): megatron-core 0.19.2's first save reads the
+    tracker as an iteration number and fails on every rank with "ValueError: invalid literal for
+    int() with base 10: 'release'", after the iterations before it."""
+    retain, save = getattr(args, "save_retain_interval", None), getattr(args, "save", None)
+    if not retain or not save or _tracker_text(save) != RELEASE:
+        return None
+    return (
+        f"--save-retain-interval {retain} with --save {save}, whose {TRACKER_FILE} says "
+        "release: megatron-core 0.19.2's first save would fail reading it as an iteration "
+        "number; give --save another folder, or leave --save-retain-interval out"
+    )
 
 
 def repair_non_persistent_checkpoints(args) -> None:
@@ -552,8 +633,6 @@ def _torch_dist_refusal(path: Path) -> str | None:
     """A complete-looking ``torch_dist`` folder (``metadata.json`` and ``.metadata`` present)
     whose metadata cannot be read, or whose shard files are missing or shorter than
     ``.metadata`` says."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         meta = json.loads((path / "metadata.json").read_text())
         if not isinstance(meta, dict):
@@ -561,9 +640,17 @@ def _torch_dist_refusal(path: Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"{path / 'metadata.json'} cannot be read ({e})"
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        return _shard_problem(path)
     except Exception as e:  # noqa: BLE001 - any unpickling / IO problem of a cut or corrupt file
         return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
+
+
+def _shard_problem(path: Path) -> str | None:
+    """The first shard file that torch DCP's ``.metadata`` in ``path`` names and that is missing
+    or shorter than it says; raises what reading ``.metadata`` raises."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(path)).read_metadata().storage_data
     needed: dict[str, int] = {}
     for info in storage.values():
         end = info.offset + info.length

@@ -7,6 +7,7 @@ newest complete one removed, so that Megatron's next non-persistent save keeps t
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -16,6 +17,8 @@ from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_nam
 from megatron_latentmoe.training.resume import (
     repair_checkpoint_tracker,
     repair_non_persistent_checkpoints,
+    repair_save_folder,
+    save_tracker_refusal,
 )
 
 
@@ -294,3 +297,125 @@ def test_a_twice_killed_run_resumes_from_its_complete_non_persistent_checkpoint(
     ref, chain = read_jsonl(base / "w"), read_jsonl(jsonl)
     assert sorted(chain) == list(range(1, 9)), sorted(chain)
     assert [chain[i]["loss"] for i in range(5, 9)] == [ref[i]["loss"] for i in range(5, 9)]
+
+
+def test_a_checkpoint_whose_deletion_a_kill_cut_is_never_chosen(tmp_path):
+    """megatron-core 0.19.2 deletes an old checkpoint (``--save-retain-interval``, the
+    non-persistent cleanup) with ``shutil.rmtree``, in the file system's order: a kill midway
+    can leave ``.metadata`` and ``metadata.json`` without the shard file. A repair (the tracker
+    cut) took such a folder for complete and named it; Megatron's load then failed on every rank.
+    Every cut point of every deletion order: the repair names the whole iteration 2."""
+    import itertools
+
+    from tests.training import dcp_checkpoint
+
+    whole = dcp_checkpoint(tmp_path, 2)
+    files = sorted(p.name for p in whole.iterdir())
+    for order in itertools.permutations(files):
+        for cut in range(1, len(files)):
+            shutil.rmtree(tmp_path / iteration_dir_name(4), ignore_errors=True)
+            deleted = dcp_checkpoint(tmp_path, 4)
+            for name in order[:cut]:
+                (deleted / name).unlink()
+            (tmp_path / TRACKER_FILE).write_text("")
+            assert repair_checkpoint_tracker(str(tmp_path), write=False) == 2, order[:cut]
+
+
+def _save_args(tmp_path, **flags):
+    args = dict(save=str(tmp_path / "save"), load=str(tmp_path / "load"), ckpt_format="torch_dist")
+    return SimpleNamespace(**{**args, "save_retain_interval": None, **flags})
+
+
+def test_save_folder_repair_names_the_complete_checkpoint_and_removes_unfinished_ones(
+    tmp_path, capsys
+):
+    """``--save`` other than ``--load``: its tracker, cut by a kill, made megatron-core 0.19.2's
+    save with ``--save-retain-interval`` fail (``int('')``); it is repaired as ``--load``'s,
+    removed where no checkpoint there is complete. Unfinished folders (a save cut by a kill, a
+    full or read-only disk) are removed, so that a later save of their iteration does not mix
+    their files with its own; complete ones and the one the tracker names stay."""
+    from tests.training import dcp_checkpoint
+
+    args = _save_args(tmp_path)
+    save = tmp_path / "save"
+    save.mkdir()
+    dcp_checkpoint(save, 2)
+    (save / iteration_dir_name(4)).mkdir()  # the save a read-only disk stopped
+    (save / iteration_dir_name(6)).mkdir()
+    (save / iteration_dir_name(6) / "__0_0.distcp").write_bytes(b"old")  # a kill, mid-write
+    (save / TRACKER_FILE).write_text("")
+    repair_save_folder(args)
+    assert sorted(p.name for p in save.iterdir()) == [iteration_dir_name(2), TRACKER_FILE]
+    assert (save / TRACKER_FILE).read_text() == "2"
+    out = capsys.readouterr().out
+    assert "resuming from the newest complete checkpoint, iteration 2" in out
+    assert (
+        f"removed the unfinished checkpoint folder(s) iter_0000004, iter_0000006 in --save {save}"
+    ) in out
+
+    shutil.rmtree(save / iteration_dir_name(2))
+    (save / TRACKER_FILE).write_text("")
+    (save / iteration_dir_name(8)).mkdir()
+    repair_save_folder(args)
+    assert sorted(p.name for p in save.iterdir()) == []
+    assert (
+        f"{save / TRACKER_FILE} named nothing readable, and no checkpoint in --save {save} is "
+        "complete: removed it"
+    ) in capsys.readouterr().out
+
+
+def test_the_folder_the_tracker_names_is_left_to_the_load_checks(tmp_path):
+    """``--save`` is ``--load``: the tracker is ``--load``'s repair's; a folder it names is not
+    removed (the load checks judge it), another unfinished one is."""
+    save = tmp_path / "save"
+    for i in (4, 6):
+        (save / iteration_dir_name(i)).mkdir(parents=True)
+    (save / TRACKER_FILE).write_text("4")
+    repair_save_folder(_save_args(tmp_path, load=str(save)))
+    assert sorted(p.name for p in save.iterdir()) == [iteration_dir_name(4), TRACKER_FILE]
+    assert (save / TRACKER_FILE).read_text() == "4"
+
+
+def test_a_release_tracker_in_save_with_save_retain_interval_is_refused(tmp_path):
+    """megatron-core 0.19.2's first save with ``--save-retain-interval`` read ``release`` as an
+    iteration number: a ValueError traceback on every rank."""
+    args = _save_args(tmp_path)
+    (tmp_path / "save").mkdir()
+    (tmp_path / "save" / TRACKER_FILE).write_text("release")
+    assert save_tracker_refusal(args) is None
+    args.save_retain_interval = 2
+    assert save_tracker_refusal(args) == (
+        f"--save-retain-interval 2 with --save {args.save}, whose {TRACKER_FILE} says release: "
+        "megatron-core 0.19.2's first save would fail reading it as an iteration number; give "
+        "--save another folder, or leave --save-retain-interval out"
+    )
+    (tmp_path / "save" / TRACKER_FILE).write_text("4")
+    assert save_tracker_refusal(args) is None
+
+
+@pytest.mark.slow
+def test_a_cut_save_tracker_and_an_unfinished_folder_meet_the_next_run(tmp_path):
+    """A run killed during a save into ``--save`` (not ``--load``), restarted with the same
+    flags: its cut tracker there failed the first save with "ValueError: invalid literal for
+    int() with base 10: ''" on every rank (``--save-retain-interval``); the unfinished folder's
+    files stayed among those of the new save of that iteration. Now both are cleared at
+    start-up, and the new save of iteration 2 is whole and alone in its folder."""
+    from tests.training import iter_dir, run_entry
+
+    save = tmp_path / "save"
+    iter_dir(save, 2).mkdir(parents=True)
+    (iter_dir(save, 2) / "__1_0.distcp").write_bytes(b"from the cut save")
+    (save / TRACKER_FILE).write_text("")
+    run = run_entry(
+        ["--train-iters", "2", "--save-interval", "1", "--save-retain-interval", "1"]
+        + ["--save", str(save), "--load", str(tmp_path / "load")]
+        + ["--expert-model-parallel-size", "1", "--balance-log-file", str(tmp_path / "b.jsonl")],
+        nproc=1,
+    ).check()
+    assert "removed the unfinished checkpoint folder(s) iter_0000002" in run.output
+    assert (save / TRACKER_FILE).read_text() == "2"
+    assert sorted(p.name for p in iter_dir(save, 2).iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "metadata.json",
+    ]
