@@ -265,7 +265,7 @@ def _main(check_only: bool = False) -> int:
         install_finalize_hook,
         model_config_from_args,
     )
-    from megatron_latentmoe.training.qb_calibrate import QBCalibration
+    from megatron_latentmoe.training.qb_calibrate import QBCalibration, kept_bias_line
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
@@ -364,6 +364,7 @@ def _main(check_only: bool = False) -> int:
             micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.decoder_seq_length,
             log=lambda line: print(line, flush=True),
+            kept_bias=kept_bias_line(args, saved, path, load_arg) if load_arg else None,
         )
         datasets_provider = calibration.wrap_datasets_provider(datasets_provider)
         wrap_train_step(calibration.wrap_train_step)  # outermost: before a rescored first step

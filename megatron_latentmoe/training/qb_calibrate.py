@@ -6,7 +6,8 @@ seeds 1234 / 1 / 2, the worst iteration of many runs. ``benchmarks/bench_balance
 that one bias solved on other batches at the initial weights routes batch 1 at 0.70 / 0.95 / 0.88.
 
 Calibration solves that bias inside the run, once, when training starts at iteration 0 (a fresh
-run or ``--finetune``; a resumed run keeps its checkpoint's bias):
+run or ``--finetune``; a resumed run keeps its checkpoint's bias, and so does a run that resumes
+a ``release`` checkpoint of a QB run without ``--finetune``: :func:`kept_bias_line`):
 
 1. the pool: the LAST ``N`` global batches of the run's own sample order (Megatron's training
    sampler started at ``(train_iters - N) * global_batch_size``), so iteration 1's batch is never
@@ -43,6 +44,30 @@ QB_CALIBRATION_DAMPING = 0.5
 the race's model (seed 1234, N = 16): the undamped update (1.0) fits the pool faster (MaxVio 0.007
 / 0.006 against 0.013 / 0.009 in the two MoE layers) and routes iteration 1 alike (0.750 against
 0.742); on a fixed pool the kept best iterate makes either safe."""
+
+
+def kept_bias_line(args, saved, path: str | None, load_arg: str | None) -> str | None:
+    """The log line of a run that keeps the QB bias it loads instead of calibrating, or None
+    (it calibrates): one that ``--load``s a ``release`` checkpoint (``path``, its args ``saved``;
+    ``load_arg``: :func:`.resume.loaded_arg`) without ``--finetune`` and saved by a run that
+    balanced with QB. megatron-core 0.19.2 starts it at iteration 0 with that checkpoint's
+    model, its ``router.expert_bias`` included, and continues its data
+    (:func:`.resume.release_data_warning`): it goes on with the trained router, as a resumed
+    run does. ``--finetune`` starts over (the data from sample 0): it calibrates."""
+    from megatron_latentmoe.fields import QUANTILE_HISTOGRAM, balancer_list
+    from megatron_latentmoe.training.resume import loads_release
+
+    if load_arg != "load" or args.finetune or not loads_release(path) or saved is None:
+        return None
+    if QUANTILE_HISTOGRAM not in balancer_list(
+        getattr(saved, "moe_router_load_balancing_type", None)
+    ):
+        return None
+    return (
+        f"[QB calibration] skipped (--moe-qb-calibrate-batches {args.moe_qb_calibrate_batches}): "
+        f"the model loads its QB bias from the release checkpoint {path}; pass --finetune to "
+        "calibrate anew"
+    )
 
 
 @dataclass(frozen=True)
@@ -117,8 +142,12 @@ class QBCalibration:
         decoder_seq_length: int | None = None,
         log: Callable[[str], None] = print,
         num_microbatches: Callable[[], int] | None = None,
+        kept_bias: str | None = None,
     ) -> None:
+        """``kept_bias``: :func:`kept_bias_line`'s line, logged (rank 0) in place of the
+        calibration."""
         self.num_batches = num_batches
+        self.kept_bias = kept_bias
         self.first_sample = (train_iters - num_batches) * global_batch_size
         self.schedule = dict(
             seq_length=seq_length,
@@ -158,8 +187,11 @@ class QBCalibration:
             if not self._done:
                 self._done = True
                 call = signature.bind(*args, **kwargs).arguments
-                if call.get("iteration") == 0:
+                first = call.get("iteration") == 0
+                if first and self.kept_bias is None:
                     self.calibrate(call)
+                elif first and (not dist.is_initialized() or dist.get_rank() == 0):
+                    self.log(self.kept_bias)
             return train_step(*args, **kwargs)
 
         return train_step_after_qb_calibration

@@ -642,3 +642,46 @@ def test_calibration_runs_once(monkeypatch):
     step = cal.wrap_train_step(train_step)
     assert [step(None, None, None, None, None, iteration=0) for _ in range(2)] == [0, 0]
     assert seen == [0]
+
+
+def test_a_release_of_a_qb_run_resumed_keeps_its_bias(capsys):
+    """``--load`` of a release checkpoint (megatron-core 0.19.2: iteration 0, its model, the QB
+    bias included): calibration replaced that bias. Now it is kept, and one line says so; with
+    ``--finetune``, of another balancer's run, or of a non-release folder it calibrates."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.qb_calibrate import kept_bias_line
+
+    args = SimpleNamespace(finetune=False, moe_qb_calibrate_batches=2)
+    qb = SimpleNamespace(moe_router_load_balancing_type=["quantile_histogram"])
+    line = kept_bias_line(args, qb, "/ckpt/release", "load")
+    assert line == (
+        "[QB calibration] skipped (--moe-qb-calibrate-batches 2): the model loads its QB bias "
+        "from the release checkpoint /ckpt/release; pass --finetune to calibrate anew"
+    )
+    other = SimpleNamespace(moe_router_load_balancing_type="aux_loss")
+    assert kept_bias_line(args, other, "/ckpt/release", "load") is None
+    assert kept_bias_line(args, qb, "/ckpt/iter_0000004", "load") is None
+    assert kept_bias_line(args, qb, "/ckpt/release", "pretrained_checkpoint") is None
+    args.finetune = True
+    assert kept_bias_line(args, qb, "/ckpt/release", "load") is None
+
+    def train_step(
+        forward_step_func, data_iterator, model, config, forward_backward_func, iteration=None
+    ):
+        return iteration
+
+    cal = QBCalibration(
+        2,
+        train_iters=10,
+        global_batch_size=8,
+        seq_length=4,
+        micro_batch_size=1,
+        num_microbatches=lambda: 1,
+        kept_bias=line,
+    )
+    seen = []
+    cal.calibrate = lambda call: seen.append(call["iteration"])
+    step = cal.wrap_train_step(train_step)
+    assert [step(None, None, None, None, None, iteration=i) for i in (0, 1)] == [0, 1]
+    assert seen == [] and capsys.readouterr().out == line + "\n"
