@@ -256,6 +256,7 @@ def _main(check_only: bool = False) -> int:
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
+    from megatron_latentmoe.training.data_left import DataLeftError, checks_data_left
     from megatron_latentmoe.training.file_checks import (
         SaveDiskFailure,
         stop_if_save_disk_failed,
@@ -269,8 +270,6 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         AUTO_FORMAT,
-        DataLeftError,
-        checks_data_left,
         ckpt_step_warning,
         layout_changed,
         legacy_layout_refusal,

@@ -21,7 +21,7 @@ random weights after one warning line, a legacy ``torch`` checkpoint of another 
 trains nothing and exits 0 (:func:`legacy_layout_refusal`). :func:`load_refusal` reads only the
 tracker, ``metadata.json``, torch DCP's ``.metadata`` and the shard files' sizes (no tensor), so
 the flag check can afford it. A loaded data offset that this run's datasets cannot serve is known
-once Megatron builds them, after the model: :func:`data_left_refusal`.
+once Megatron builds them, after the model: :mod:`.data_left`.
 
 A layout Megatron does reshard: what it loads and what starts over (:func:`plan_layout_change`).
 """
@@ -447,88 +447,6 @@ def release_data_warning(args, saved, path: str | None, load_arg: str = "load") 
         "skipping Megatron's comparison of the checkpoint's model args (this entry point's shape "
         "check still runs)"
     )
-
-
-class DataLeftError(ValueError):
-    """The data offset a loaded checkpoint gives this run does not fit its datasets
-    (:func:`data_left_refusal`): every rank builds the same datasets and raises it alike."""
-
-
-def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str | None:
-    """One line when the samples the loaded checkpoint's run consumed (``args``, after Megatron's
-    load) do not fit this run's datasets (their lengths; None: not built). megatron-core 0.19.2
-    continues the data after them but sizes each dataset for this run's own samples, in whole
-    epochs of the data: ``MegatronPretrainingSampler`` asserted "no samples left to consume" on
-    every rank after the model was built, and where the offset fits but not the samples this run
-    reads after it, training stopped with a bare ``StopIteration``. Measured (CPU, 1 rank,
-    tiny.sh, global batch 8; a run of 16 iterations with ``--split 1,1,98``, 64 evaluated samples
-    every 4): its checkpoint of 16 made a release, loaded with ``--split 1,0,99``: "128, 99"
-    (``--train-iters 1``), a StopIteration (``20``: 128 + 160 of 198); of 8, with ``--eval-iters
-    0``: "128, 113" for the validation data; a plain resume of 16 with ``--train-iters 8`` (and
-    ``--override-opt_param-scheduler``): "128, 99". A release gets there without ``--finetune``
-    (:func:`release_data_warning`; a longer run sizes its data for its longer self: no way out).
-    ``--skip-train`` reads from sample 0, ``--phase-transition-iterations`` per phase
-    (``--rampup-batch-size`` is refused by the flag check)."""
-    if args.skip_train or getattr(args, "phase_transition_iterations", None):
-        return None  # --skip-train: Megatron's loaders start at sample 0
-    release = args.iteration == 0
-    head = f"--load {args.load}: " + (
-        "a release checkpoint without --finetune continues the"
-        if release
-        else f"the checkpoint of iteration {args.iteration} continues the"
-    )
-    ways = (
-        "pass --finetune to start the data from sample 0 (a larger --train-iters or "
-        "--train-samples sizes the data for that many samples alone)"
-        if release
-        else f"resume with a --train-iters above {args.iteration} and the data the checkpoint's "
-        "run trained on, or pass --finetune to load its model alone and start the data over"
-    )
-    consumed = args.consumed_train_samples
-    reads = max(0, args.train_iters - args.iteration) * args.global_batch_size
-    if train_len is not None and consumed + max(reads, 1) > train_len:
-        return (
-            f"{head} training data after the {consumed} samples its run consumed, and this run "
-            f"reads {reads} more, but this run's training data holds {train_len} samples (sized "
-            "for this run's samples in whole epochs of the data): megatron-core 0.19.2 fails on "
-            "every rank with 'no samples left to consume' at start or with a StopIteration; "
-            f"{ways}"
-        )
-    consumed = args.consumed_valid_samples
-    if valid_len is not None and not args.full_validation and consumed >= valid_len:
-        return (
-            f"{head} validation data after the {consumed} samples its run evaluated, but this "
-            f"run's validation data holds {valid_len} samples (sized for this run's evaluations "
-            "in whole epochs of the data, --eval-iters 0 included): megatron-core 0.19.2 fails "
-            f"on every rank at start with 'no samples left to consume'; {ways}"
-        )
-    return None
-
-
-def checks_data_left(provider):
-    """Megatron's datasets provider, raising :class:`DataLeftError` where the datasets it builds
-    cannot serve the loaded checkpoint's data offset (:func:`data_left_refusal`): their lengths
-    are known only once built (Megatron's loaders are built right after, from the same
-    lengths). ``functools.wraps`` copies the ``is_distributed`` that Megatron reads."""
-    import functools
-
-    @functools.wraps(provider)
-    def provider_checking_data_left(*a, **kw):
-        from megatron.training import get_args
-
-        train_ds, valid_ds, test_ds = provider(*a, **kw)
-        refusal = data_left_refusal(
-            get_args(), _length(train_ds), None if isinstance(valid_ds, list) else _length(valid_ds)
-        )
-        if refusal:
-            raise DataLeftError(refusal)
-        return train_ds, valid_ds, test_ds
-
-    return provider_checking_data_left
-
-
-def _length(dataset) -> int | None:
-    return None if dataset is None else len(dataset)
 
 
 def loaded_arg(args) -> str | None:

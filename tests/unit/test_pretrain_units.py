@@ -497,10 +497,11 @@ def test_main_stops_at_a_batch_outside_the_vocabulary_in_one_line(monkeypatch, t
 def test_main_stops_at_a_data_offset_its_datasets_cannot_serve_in_one_line(
     monkeypatch, tmp_path, capsys, rank
 ):
-    """The loaded checkpoint's data offset past this run's datasets (``resume.data_left_refusal``,
-    decided alike on every rank where Megatron builds them): exit 2 on each rank, the line once
-    (rank 0), where Megatron's sampler asserted on every rank."""
-    from megatron_latentmoe.training.resume import DataLeftError
+    """The loaded checkpoint's data offset past this run's datasets
+    (``data_left.data_left_refusal``, decided alike on every rank where Megatron builds them):
+    exit 2 on each rank, the line once (rank 0), where Megatron's sampler asserted on every
+    rank."""
+    from megatron_latentmoe.training.data_left import DataLeftError
 
     run = _Run(monkeypatch, tmp_path)
     monkeypatch.setenv("RANK", rank)

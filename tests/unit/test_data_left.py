@@ -1,0 +1,114 @@
+"""The data-left check (:mod:`megatron_latentmoe.training.data_left`): a loaded checkpoint's data
+offset that this run's datasets cannot serve, refused in one line."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_latentmoe.training import data_left
+
+
+def _data_args(**flags):
+    """Megatron's args after its load of a release of iteration 16 (global batch 8), this run
+    --train-iters 1: what :func:`data_left.data_left_refusal` reads."""
+    args = SimpleNamespace(
+        load="/ckpt",
+        iteration=0,
+        consumed_train_samples=128,
+        consumed_valid_samples=128,
+        train_iters=1,
+        global_batch_size=8,
+        phase_transition_iterations=None,
+        skip_train=False,
+        full_validation=False,
+    )
+    vars(args).update(flags)
+    return args
+
+
+RELEASE_WAYS = (
+    "pass --finetune to start the data from sample 0 (a larger --train-iters or --train-samples "
+    "sizes the data for that many samples alone)"
+)
+
+
+def test_a_release_whose_consumed_samples_pass_the_training_data_is_refused():
+    """Measured (CPU, tiny.sh; end to end: tests/training/test_ckpt_formats.py): megatron-core
+    0.19.2 asserted "no samples left to consume: 128, 99" where the release's 128 consumed
+    samples reach past this run's 99 (sized for its 8, in whole epochs), and stopped with a
+    StopIteration where the samples it reads after them do (128 + 160 > 198); 64 + 32 <= 99
+    trained."""
+    assert data_left.data_left_refusal(_data_args(), 99, None) == (
+        "--load /ckpt: a release checkpoint without --finetune continues the training data after "
+        "the 128 samples its run consumed, and this run reads 8 more, but this run's training "
+        "data holds 99 samples (sized for this run's samples in whole epochs of the data): "
+        "megatron-core 0.19.2 fails on every rank with 'no samples left to consume' at start or "
+        f"with a StopIteration; {RELEASE_WAYS}"
+    )
+    assert "reads 160 more, but this run's training data holds 198 samples" in (
+        data_left.data_left_refusal(_data_args(train_iters=20), 198, None)
+    )
+    fits = _data_args(consumed_train_samples=64, consumed_valid_samples=0, train_iters=4)
+    assert data_left.data_left_refusal(fits, 99, None) is None  # 96 of 99: trained (measured)
+    fits.train_iters = 5  # 64 + 40: the last sample read is the 104th
+    assert data_left.data_left_refusal(fits, 104, 1) is None
+    assert data_left.data_left_refusal(fits, 103, None)
+    # Megatron's loaders start at 0 (--skip-train) or per phase: not decided here
+    assert data_left.data_left_refusal(_data_args(skip_train=True), 99, 1) is None
+    assert data_left.data_left_refusal(_data_args(phase_transition_iterations=[2]), 99, 1) is None
+
+
+def test_a_plain_resume_past_this_runs_training_data_is_refused():
+    """Measured: the checkpoint of iteration 16 (128 samples) resumed with --train-iters 8 (and
+    --override-opt_param-scheduler) asserted "no samples left to consume: 128, 99"; a normal
+    resume's offset and what it reads add up to this run's samples, which its data holds."""
+    args = _data_args(iteration=16, train_iters=8, consumed_valid_samples=0)
+    assert data_left.data_left_refusal(args, 99, None) == (
+        "--load /ckpt: the checkpoint of iteration 16 continues the training data after the 128 "
+        "samples its run consumed, and this run reads 0 more, but this run's training data holds "
+        "99 samples (sized for this run's samples in whole epochs of the data): megatron-core "
+        "0.19.2 fails on every rank with 'no samples left to consume' at start or with a "
+        "StopIteration; resume with a --train-iters above 16 and the data the checkpoint's run "
+        "trained on, or pass --finetune to load its model alone and start the data over"
+    )
+    resumed = _data_args(iteration=16, train_iters=20, consumed_valid_samples=0)
+    assert data_left.data_left_refusal(resumed, 160, None) is None  # 128 + 32: sized for 160
+
+
+def test_a_release_whose_evaluated_samples_pass_the_validation_data_is_refused():
+    """Measured: a release whose run evaluated 128 samples, loaded where the validation data
+    holds 113 (sized for this run's evaluations; --eval-iters 0 too): "no samples left to
+    consume: 128, 113" on every rank. --full-validation starts it at 0; no validation data: no
+    check."""
+    args = _data_args(consumed_train_samples=64)
+    assert data_left.data_left_refusal(args, 99, 113) == (
+        "--load /ckpt: a release checkpoint without --finetune continues the validation data "
+        "after the 128 samples its run evaluated, but this run's validation data holds 113 "
+        "samples (sized for this run's evaluations in whole epochs of the data, --eval-iters 0 "
+        "included): megatron-core 0.19.2 fails on every rank at start with 'no samples left to "
+        f"consume'; {RELEASE_WAYS}"
+    )
+    assert data_left.data_left_refusal(args, 99, 129) is None
+    assert data_left.data_left_refusal(args, 99, None) is None
+    assert data_left.data_left_refusal(_data_args(full_validation=True), 9999, 113) is None
+
+
+def test_the_datasets_provider_refuses_datasets_that_cannot_serve_the_offset(monkeypatch):
+    """:func:`data_left.checks_data_left` over Megatron's provider: the datasets it builds pass
+    where the offset fits, :class:`data_left.DataLeftError` where not (their lengths, a validation
+    list not judged); Megatron's ``is_distributed`` kept (every rank builds its own)."""
+
+    def provider(num_samples, vp_stage=None):
+        return [0] * num_samples[0], [0] * num_samples[1], None
+
+    provider.is_distributed = True
+    args = _data_args(consumed_valid_samples=0)
+    monkeypatch.setitem(sys.modules, "megatron.training", SimpleNamespace(get_args=lambda: args))
+    checked = data_left.checks_data_left(provider)
+    assert checked.is_distributed is True
+    assert checked([136, 1, 0]) == ([0] * 136, [0], None)  # 128 + 8 samples: fits
+    with pytest.raises(data_left.DataLeftError, match="training data holds 135 samples"):
+        checked([135, 1, 0])
