@@ -13,10 +13,11 @@ Output names: with one key the dataset is ``<prefix>.bin`` / ``<prefix>.idx`` (`
 <prefix>``); with several keys each key gets ``<prefix>_<key>.bin`` / ``.idx``.
 
 Writes are atomic: everything goes to temporary names beside the target and is renamed only when
-all input was read without error; an old ``.idx`` is removed before its ``.bin`` is replaced and
-the new ``.idx`` is renamed last, so an interrupted run never leaves a readable half dataset
-(a ``kill -9`` may leave ``*.tmp<pid>`` files, which nothing reads); Ctrl-C and SIGTERM wait
-until the renames are done (``_signals_held``).
+all input was read without error; every old ``.idx`` is removed before any ``.bin`` is replaced and
+the new ``.idx`` files are renamed last (``_commit``), so an interrupted run never leaves a
+readable half dataset, nor one key's new dataset beside another's old one (a ``kill -9`` may
+leave ``*.tmp<pid>`` files, which nothing reads); Ctrl-C and SIGTERM wait until the renames are
+done (``_signals_held``).
 """
 
 from __future__ import annotations
@@ -585,6 +586,26 @@ def _signals_held():
             signal.raise_signal(s)
 
 
+def _commit(prefixes: list[str], tmp: dict[str, tuple[str, str]]) -> None:
+    """Rename each prefix's new ``.bin`` / ``.idx`` (``tmp[prefix]``) into place over an older
+    dataset, so that a kill or an ``OSError`` between any two steps leaves every prefix either
+    readable - all of them the old datasets, or all the readable ones new - or without its
+    ``.idx`` (refused by name: no Megatron indexed dataset there, rerun the preprocessing).
+    Every old ``.idx`` goes first, each with Megatron's sample-index cache of its dataset
+    (:func:`_drop_stale_index_cache`), then every new ``.bin``, then every new ``.idx`` (the
+    marker of a whole dataset). One prefix after another, a kill between two keys' commits left
+    one key's new dataset beside another's old one, and one right after an ``.idx`` went in left
+    the new dataset with the old dataset's sample indices, which Megatron reads as they are."""
+    for p in prefixes:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p + ".idx")
+        _drop_stale_index_cache(p)
+    for p in prefixes:
+        os.replace(tmp[p][0], p + ".bin")
+    for p in prefixes:
+        os.replace(tmp[p][1], p + ".idx")
+
+
 def preprocess_jsonl(
     input: PathLike,
     output_prefix: PathLike,
@@ -752,13 +773,7 @@ def preprocess_jsonl(
             stop_if_interrupted()
             if on_commit is not None:
                 on_commit()
-            # commit: drop each old .idx, then move the new .bin, then the new .idx (the marker)
-            for p in prefixes:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(p + ".idx")
-                os.replace(tmp[p][0], p + ".bin")
-                os.replace(tmp[p][1], p + ".idx")
-                _drop_stale_index_cache(p)
+            _commit(prefixes, tmp)
             committed = True
     finally:
         _W.clear()

@@ -1342,6 +1342,78 @@ def test_a_rerun_never_pairs_an_old_idx_with_a_new_bin(tmp_path, monkeypatch):
     assert renames == [("ds.bin", (new[0], None)), ("ds.idx", new)]
 
 
+class _Killed(BaseException):
+    """A ``kill -9`` in the middle of the commit: nothing after it runs (but ``finally``)."""
+
+
+@pytest.mark.parametrize("fails", ["OSError", "kill"])
+@pytest.mark.parametrize("at", [1, 2, 3, 4])
+def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
+    tmp_path, monkeypatch, at, fails
+):
+    """Two keys' datasets replaced, the commit stopped at its ``at``-th rename (an ``OSError``
+    from it, or a kill just after it): every prefix Megatron can read is of one write (the old
+    ones, or the new ones, never one of each), a new one has no sample-index cache of the old
+    (Megatron reads one as it is), and the others lack their .idx, which the flag check refuses
+    by name. A rerun writes both; a new .bin beside an old .idx is refused naming both."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+
+    other = ("train_data_path", "valid_data_path", "test_data_path", "data_args_path")
+    no_paths = dict.fromkeys((*other, "per_split_data_args_path"))
+
+    keys, prefix = ["a", "b"], tmp_path / "ds"
+    prefixes = [f"{prefix}_{k}" for k in keys]
+    old = _write_jsonl(tmp_path / "old.jsonl", [{k: "old" for k in keys}])
+    new = _write_jsonl(tmp_path / "new.jsonl", [{k: f"new {i}" for k in keys} for i in range(5)])
+    preprocess_jsonl(old, prefix, json_keys=keys, progress=False)
+    old_idx = Path(prefixes[0] + ".idx").read_bytes()
+    len_old_bin = os.path.getsize(prefixes[0] + ".bin")
+    for p in prefixes:
+        Path(p, "cache").mkdir(parents=True)
+    replace, renames = os.replace, []
+
+    def stopped_replace(src, dst):
+        renames.append(dst)
+        if len(renames) == at and fails == "OSError":
+            raise OSError(5, "Input/output error", dst)
+        replace(src, dst)
+        if len(renames) == at:
+            raise _Killed
+
+    monkeypatch.setattr(os, "replace", stopped_replace)
+    with pytest.raises(OSError if fails == "OSError" else _Killed):
+        preprocess_jsonl(new, prefix, json_keys=keys, progress=False)
+    monkeypatch.setattr(os, "replace", replace)
+    readable = {}
+    for p in prefixes:
+        if os.path.exists(p + ".idx"):
+            readable[p] = check_indexed_dataset(p)
+            assert readable[p] == 1 or not os.path.exists(os.path.join(p, "cache")), p
+            continue
+        with pytest.raises(FlagError) as err:
+            _check_data_paths(SimpleNamespace(**dict(no_paths, data_path=[p])))
+        assert str(err.value).startswith(
+            f"--data-path {p}: no Megatron indexed dataset there (missing {p}.idx). Give the path "
+            "prefix of a .bin/.idx pair (tools/preprocess_data.py writes one)"
+        )
+    assert set(readable.values()) in ({1}, {5}, set()), readable
+    assert len(readable) in (0, 2) or set(readable.values()) == {5}
+    preprocess_jsonl(new, prefix, json_keys=keys, progress=False)
+    assert [check_indexed_dataset(p) for p in prefixes] == [5, 5]
+    # a new .bin beside an old .idx (how a rename one key at a time could have left them)
+    Path(prefixes[0] + ".idx").write_bytes(old_idx)
+    with pytest.raises(PreprocessError) as err:
+        check_indexed_dataset(prefixes[0])
+    assert str(err.value).startswith(f"{prefixes[0]}.bin does not belong to its .idx: ")
+    assert str(err.value).endswith(
+        f"where {prefixes[0]}.idx ends its last sequence at byte {len_old_bin} (copy it again, "
+        "or rebuild the pair with tools/preprocess_data.py)"
+    )
+
+
 def test_a_key_without_text_in_any_document_is_refused(tmp_path):
     """Among several keys, one that holds no text in any document is refused by name (not an
     empty dataset for Megatron to fail on); nothing written, not even the other key's."""
