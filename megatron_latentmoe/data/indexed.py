@@ -386,7 +386,9 @@ def read_index_header(prefix: str) -> tuple[int, int, int, int]:
 def check_indexed_dataset(prefix: str) -> int:
     """The sequences of the Megatron indexed dataset ``prefix`` (``.idx`` + ``.bin``), after
     checking what megatron-core 0.19.2 reads of it: the header (version 1, a known token
-    dtype), the ``.idx`` long enough for the arrays its header announces, its arrays consistent
+    dtype), the ``.idx`` exactly as long as the arrays its header announces (and the sequence
+    modes that Megatron's writer adds for a multimodal dataset, which a GPT dataset does not
+    read: a file longer than that is no file Megatron's writer wrote), its arrays consistent
     with each other (no negative sequence length; each sequence pointer where the lengths before
     it end; document indices running from 0 to the sequence count, never decreasing) and the
     ``.bin`` exactly as long as its last sequence ends. What they catch (a ``.bin`` or ``.idx``
@@ -417,11 +419,19 @@ def check_indexed_dataset(prefix: str) -> int:
     pointers_at = lengths_at + 4 * sequences
     documents_at = pointers_at + 8 * sequences
     needed = documents_at + 8 * documents
-    size = os.path.getsize(idx)
+    size, counts = (
+        os.path.getsize(idx),
+        f"its header ({sequences} sequences, {documents} documents)",
+    )
     if size < needed:
         raise PreprocessError(
-            f"{idx} is cut short: {size} bytes, where its header ({sequences} sequences, "
-            f"{documents} documents) needs {needed} ({_REBUILD})"
+            f"{idx} is cut short: {size} bytes, where {counts} needs {needed} ({_REBUILD})"
+        )
+    if size not in (needed, needed + sequences):
+        raise PreprocessError(
+            f"{idx} is longer than {counts} says: {size} bytes, where its arrays end at byte "
+            f"{needed} ({needed + sequences} with Megatron's multimodal sequence modes); its "
+            f"header or its end is from another write ({_REBUILD})"
         )
     if sequences == 0:
         raise PreprocessError(f"{idx} holds no sequence: an empty dataset, nothing to train on")

@@ -404,6 +404,7 @@ def _corrupt_copies(tmp_path) -> tuple[str, dict[str, str]]:
         "bin_cut": (idx, size - 2),
         "bin_long": (idx, size + 2),
         "idx_cut": (idx[:-1], size),
+        "idx_long": (idx + bytes(5), size),  # header and arrays right, 5 bytes after them
         "idx_version": (idx[:9] + struct.pack("<Q", 2) + idx[17:], size),
         "idx_dtype": (idx[:17] + bytes([99]) + idx[18:], size),
         "idx_magic": (b"NOTMEGA!!" + idx[9:], size),
@@ -421,9 +422,11 @@ def _corrupt_copies(tmp_path) -> tuple[str, dict[str, str]]:
 
 
 def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path):
-    """A .bin or .idx cut short, another format version or dtype, a pair from two writes or an
-    empty dataset: one sentence naming the file (megatron-core failed on each in the middle of
-    training with a numpy / assert traceback, or trained on a .bin longer than its .idx says)."""
+    """A .bin or .idx cut short, another format version or dtype, a pair from two writes, an .idx
+    longer than its header's arrays or an empty dataset: one sentence naming the file (megatron-core
+    failed on each in the middle of training with a numpy / assert traceback, or trained on a .bin
+    longer than its .idx says; an .idx with bytes no header count covers it read without them:
+    no file its writer writes, its header or its end from another write)."""
     from megatron_latentmoe.data.indexed import check_indexed_dataset
 
     good, bad = _corrupt_copies(tmp_path)
@@ -440,6 +443,10 @@ def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path)
             f"its last sequence at byte {n} ({redo})",
             "idx_cut": f"{p}.idx is cut short: {whole - 1} bytes, where its header (3 sequences, "
             f"4 documents) needs {whole} ({redo})",
+            "idx_long": f"{p}.idx is longer than its header (3 sequences, 4 documents) says: "
+            f"{whole + 5} bytes, where its arrays end at byte {whole} ({whole + 3} with "
+            f"Megatron's multimodal sequence modes); its header or its end is from another write "
+            f"({redo})",
             "idx_version": f"{p}.idx: index format version 2; megatron-core 0.19.2 reads version "
             f"1 only ({redo})",
             "idx_dtype": f"{p}.idx: token dtype code 99 is none of megatron-core's DType codes "
@@ -450,11 +457,15 @@ def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path)
             "empty": f"{p}.idx holds no sequence: an empty dataset, nothing to train on",
         }[name]
 
-    assert len(bad) == 8
+    assert len(bad) == 9
     for name, prefix in bad.items():
         with pytest.raises(PreprocessError) as err:
             check_indexed_dataset(prefix)
         assert str(err.value) == expected(name, prefix), name
+    # Megatron's writer adds a sequence mode a byte for a multimodal dataset: a GPT dataset reads
+    # the rest of that .idx as any other
+    Path(bad["idx_long"] + ".idx").write_bytes(Path(good + ".idx").read_bytes() + bytes(3))
+    assert check_indexed_dataset(bad["idx_long"]) == 3
 
 
 def _damaged_index(tmp_path, name: str, lengths, pointers, documents) -> str:
