@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -272,33 +271,26 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():  # megatron.core's import-time notes about TE/Apex: noise here
         warnings.simplefilter("ignore")
         import megatron.core.datasets.indexed_dataset  # noqa: F401
-    from megatron_latentmoe.data.indexed import PreprocessError, preprocess_jsonl
+    from megatron_latentmoe.data.indexed import PreprocessError, StopOnSignals, preprocess_jsonl
 
-    signals, committing = [], []
-
-    def _stop(signum, frame):  # Ctrl-C, and SIGTERM (schedulers send it): temporaries removed
-        signals.append(signum)  # preprocess_jsonl's backstop if Python swallows the raise
-        if not committing:  # else the dataset is going into place: stopping would only lose it
-            raise KeyboardInterrupt
-
+    stop = StopOnSignals()
     created = _missing_folders(output_folder)
     summary = None
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, _stop) for s in stops}
     try:
-        summary = preprocess_jsonl(
-            args.input,
-            args.output_prefix,
-            tokenizer=args.tokenizer,
-            json_keys=args.json_keys,
-            append_eod=args.append_eod,
-            workers=args.workers,
-            progress=args.progress,
-            log_interval=args.log_interval,
-            trust_remote_code=args.trust_remote_code,
-            interrupted=lambda: bool(signals),
-            on_commit=lambda: committing.append(True),
-        )
+        with stop:
+            summary = preprocess_jsonl(
+                args.input,
+                args.output_prefix,
+                tokenizer=args.tokenizer,
+                json_keys=args.json_keys,
+                append_eod=args.append_eod,
+                workers=args.workers,
+                progress=args.progress,
+                log_interval=args.log_interval,
+                trust_remote_code=args.trust_remote_code,
+                interrupted=stop.interrupted,
+                on_commit=stop.on_commit,
+            )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -312,19 +304,13 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing written (temporary files removed)", file=sys.stderr)
-        return 128 + (signals[0] if signals else signal.SIGINT)  # 143 on SIGTERM, 130 on Ctrl-C
-    finally:  # main() called in-process: the caller's handlers again (None: not set from Python)
-        for s in stops:
-            signal.signal(s, signal.SIG_DFL if previous[s] is None else previous[s])
+        print(stop.INTERRUPTED, file=sys.stderr)
+        return stop.exit_status()  # 143 on SIGTERM, 130 on Ctrl-C
+    finally:
         if summary is None:
             _remove_empty(created)
-    if signals:  # recorded after preprocess_jsonl's last check: held off until the commit's end
-        print(
-            f"note: {signal.Signals(signals[0]).name} arrived as the dataset was renamed into "
-            "place: it is complete",
-            file=sys.stderr,
-        )
+    if stop.late_note():
+        print(stop.late_note(), file=sys.stderr)
     print(summary)
     remote = " --trust-remote-code" if args.trust_remote_code else ""
     print(

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR
@@ -154,13 +154,17 @@ def prepare_default_dataset(
     force: bool = False,
     progress: bool = False,
     workers: int = 1,
+    interrupted: Callable[[], bool] | None = None,
+    on_commit: Callable[[], None] | None = None,
 ) -> str:
     """Write the embedded corpus as a Megatron indexed dataset and return its path prefix.
 
     ``tokenizer``: the Hugging Face tokenizer's folder that tokenizes it (the shipped one when
     ``None``; a run's ``--tokenizer-model``, so that the dataset holds ids of the run's own
     tokenizer); ``trust_remote_code`` as in :func:`~.indexed.load_tokenizer`. ``name``: the
-    dataset's name, by default :func:`default_dataset_name` of the tokenizer.
+    dataset's name, by default :func:`default_dataset_name` of the tokenizer. ``interrupted``,
+    ``on_commit``: :func:`~.indexed.preprocess_jsonl`'s (a command's
+    :class:`~.indexed.StopOnSignals`).
 
     The prefix ``<output_dir>/<name>`` names ``<prefix>.bin`` and ``<prefix>.idx`` (Megatron's
     ``--data-path <prefix>``); a ``<prefix>.json`` beside them records what they were built from.
@@ -216,6 +220,8 @@ def prepare_default_dataset(
                 workers=workers,
                 progress=progress,
                 log_interval=0,  # no "Processed N documents" lines in a training run's log
+                interrupted=interrupted,
+                on_commit=on_commit,
             )
         except NoEosError:  # its advice, append_eod=False, is no option of this dataset's
             raise PreprocessError(
@@ -252,20 +258,31 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     from megatron_latentmoe.cli_errors import one_line_errors
 
-    from .indexed import PreprocessError, check_output_prefix
+    from .indexed import PreprocessError, StopOnSignals, check_output_prefix
 
     one_line_errors(p)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"argument --workers: expected an integer >= 1, got {args.workers}")
     out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
+    stop = StopOnSignals()
     try:
         if args.output_prefix:  # "DIR/" is refused as by tools/preprocess_data.py (not DIR.bin)
             check_output_prefix(args.output_prefix)
             out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
-        prefix = prepare_default_dataset(
-            out_dir, name, force=args.force, progress=True, workers=args.workers
-        )
+        with stop:
+            prefix = prepare_default_dataset(
+                out_dir,
+                name,
+                force=args.force,
+                progress=True,
+                workers=args.workers,
+                interrupted=stop.interrupted,
+                on_commit=stop.on_commit,
+            )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while tokenizing: as preprocess_data.py
+        print(stop.INTERRUPTED, file=sys.stderr)
+        return stop.exit_status()
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -278,6 +295,8 @@ def main(argv: list | None = None) -> int:
             raise
         print(f"{p.prog}: error: {line}", file=sys.stderr)
         return 2
+    if stop.late_note():
+        print(stop.late_note(), file=sys.stderr)
     record = json.loads(Path(prefix + ".json").read_text())
     print(f"default dataset: {record['documents']} documents, {record['tokens']:,} tokens")
     print(f"  --data-path {prefix}")

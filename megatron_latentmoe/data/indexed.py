@@ -596,6 +596,57 @@ def _signals_held():
             signal.raise_signal(s)
 
 
+class StopOnSignals:
+    """Ctrl-C and SIGTERM (schedulers send it) for a command that writes a dataset with
+    :func:`preprocess_jsonl`: inside ``with``, either raises ``KeyboardInterrupt`` (its temporaries
+    are then removed, nothing is written) until the dataset starts going into place; from then
+    on (:meth:`on_commit`) they are recorded only, the run being complete. Give the command's
+    ``preprocess_jsonl`` :meth:`interrupted` and :meth:`on_commit`; on a ``KeyboardInterrupt``
+    print :data:`INTERRUPTED` and exit :meth:`exit_status` (130 on Ctrl-C, 143 on SIGTERM); after
+    a complete run, :meth:`late_note` (None: no signal came). The caller's handlers are back after
+    the ``with`` (a ``main()`` called in-process)."""
+
+    INTERRUPTED = "interrupted: nothing written (temporary files removed)"
+    STOPS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.committing = False
+        self._previous: dict = {}
+
+    def _stop(self, signum, frame) -> None:
+        self.signals.append(signum)  # preprocess_jsonl's backstop if Python swallows the raise
+        if not self.committing:  # else the dataset is going into place: stopping would lose it
+            raise KeyboardInterrupt
+
+    def interrupted(self) -> bool:
+        return bool(self.signals)
+
+    def on_commit(self) -> None:
+        self.committing = True
+
+    def exit_status(self) -> int:
+        return 128 + (self.signals[0] if self.signals else signal.SIGINT)
+
+    def late_note(self) -> str | None:
+        """The note for stderr when a signal came after ``preprocess_jsonl``'s last check (held
+        off until the commit's end): the dataset is complete."""
+        if not self.signals:
+            return None
+        return (
+            f"note: {signal.Signals(self.signals[0]).name} arrived as the dataset was renamed "
+            "into place: it is complete"
+        )
+
+    def __enter__(self) -> StopOnSignals:
+        self._previous = {s: signal.signal(s, self._stop) for s in self.STOPS}
+        return self
+
+    def __exit__(self, *exc) -> None:  # None: a handler not set from Python; the default then
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
 def _commit(prefixes: list[str], tmp: dict[str, tuple[str, str]]) -> None:
     """Rename each prefix's new ``.bin`` / ``.idx`` (``tmp[prefix]``) into place over an older
     dataset, so that a kill or an ``OSError`` between any two steps leaves every prefix either

@@ -24,7 +24,12 @@ from megatron_latentmoe.data.corpus import (
     iter_corpus_texts,
     prepare_default_dataset,
 )
-from megatron_latentmoe.data.indexed import PreprocessError, load_tokenizer, preprocess_jsonl
+from megatron_latentmoe.data.indexed import (
+    PreprocessError,
+    StopOnSignals,
+    load_tokenizer,
+    preprocess_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -1445,13 +1450,17 @@ def test_one_key_may_hold_a_path_separator(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.bin", "out.idx"]
 
 
-def _signal_while_tokenizing(tmp_path, name: str, sig: int) -> tuple[int, str]:
-    """Run the CLI on the whole corpus, send ``sig`` once its temporary .bin exists; returns
-    the exit status and stderr."""
-    src = tmp_path / "big.jsonl"
-    _write_jsonl(src, [{"text": t} for t in iter_corpus_texts()])
+def _signal_while_tokenizing(
+    tmp_path, name: str, sig: int, command: list[str] | None = None
+) -> tuple[int, str]:
+    """Run the CLI on the whole corpus (``command``: another one, given ``--output-prefix``),
+    send ``sig`` once its temporary .bin exists; returns the exit status and stderr."""
+    if command is None:
+        src = tmp_path / "big.jsonl"
+        _write_jsonl(src, [{"text": t} for t in iter_corpus_texts()])
+        command = [sys.executable, str(CLI), "--input", str(src)]
     p = subprocess.Popen(
-        [sys.executable, str(CLI), "--input", str(src), "--output-prefix", str(tmp_path / name)],
+        [*command, "--output-prefix", str(tmp_path / name)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -1484,6 +1493,18 @@ def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
     assert code == 143, err
     assert "interrupted: nothing written" in err and "Traceback" not in err, err
     assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_the_default_dataset_cli_stopped_while_tokenizing_leaves_no_dataset(tmp_path, sig, code):
+    """python -m megatron_latentmoe.data.corpus, SIGTERM or Ctrl-C while it tokenizes: one line,
+    exit 128 + the signal as tools/preprocess_data.py, and no dataset, record or temporary file
+    (SIGTERM killed it with its temporaries left, Ctrl-C printed a traceback)."""
+    command = [sys.executable, "-m", "megatron_latentmoe.data.corpus"]
+    got, err = _signal_while_tokenizing(tmp_path, "ds", sig, command)
+    assert (got, err.splitlines()[-1]) == (code, StopOnSignals.INTERRUPTED), err
+    assert "Traceback" not in err, err
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ds.lock"]
 
 
 def _sigterm_swallowed():
