@@ -28,10 +28,18 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
     ``--override-opt_param-scheduler``): "128, 99". A release gets there without ``--finetune``
     (:func:`.resume.release_data_warning`; a longer run sizes its data for its longer self: no
     way out).
-    ``--skip-train`` reads from sample 0, ``--phase-transition-iterations`` per phase
-    (``--rampup-batch-size`` is refused by the flag check)."""
-    if args.skip_train or getattr(args, "phase_transition_iterations", None):
-        return None  # --skip-train: Megatron's loaders start at sample 0
+    Where the validation data holds the offset but not this run's evaluations after it
+    (:func:`_evaluations`; e.g. a release of a run that evaluated more often), the evaluation
+    that reaches its end stops with a ``StopIteration`` on every rank.
+
+    ``--skip-train``: megatron-core 0.19.2 builds no training loader and starts the validation one
+    at sample 0 (sized for one evaluation): nothing to check. ``--phase-transition-iterations``:
+    the training loader starts at this phase's samples (``(iteration - last transition) x global
+    batch``, sized for the phase and read to its end at most): not checked; the validation one
+    continues the checkpoint's evaluated samples as any (checked). ``--full-validation`` starts
+    the validation data at 0 (``--rampup-batch-size`` is refused by the flag check)."""
+    if args.skip_train:
+        return None
     release = args.iteration == 0
     head = f"--load {args.load}: " + (
         "a release checkpoint without --finetune continues the"
@@ -46,8 +54,10 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
         "run trained on, or pass --finetune to load its model alone and start the data over"
     )
     consumed = args.consumed_train_samples
-    reads = max(0, args.train_iters - args.iteration) * args.global_batch_size
-    if train_len is not None and consumed + max(reads, 1) > train_len:
+    end, exits = _last_iteration(args)
+    reads = max(0, end - args.iteration) * args.global_batch_size
+    phases = getattr(args, "phase_transition_iterations", None)
+    if train_len is not None and not phases and consumed + max(reads, 1) > train_len:
         return (
             f"{head} training data after the {consumed} samples its run consumed, and this run "
             f"reads {reads} more, but this run's training data holds {train_len} samples (sized "
@@ -56,14 +66,55 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
             f"{ways}"
         )
     consumed = args.consumed_valid_samples
-    if valid_len is not None and not args.full_validation and consumed >= valid_len:
+    if valid_len is None or args.full_validation:
+        return None
+    if consumed >= valid_len:
         return (
             f"{head} validation data after the {consumed} samples its run evaluated, but this "
             f"run's validation data holds {valid_len} samples (sized for this run's evaluations "
             "in whole epochs of the data, --eval-iters 0 included): megatron-core 0.19.2 fails "
             f"on every rank at start with 'no samples left to consume'; {ways}"
         )
+    evaluations = _evaluations(args, end, exits)
+    batch = getattr(args, "eval_global_batch_size", args.global_batch_size)
+    evaluates = evaluations * args.eval_iters * batch
+    if consumed + evaluates > valid_len:
+        return (
+            f"{head} validation data after the {consumed} samples its run evaluated, and this "
+            f"run evaluates {evaluates} more ({evaluations} evaluations of --eval-iters "
+            f"{args.eval_iters} x {batch} samples), but this run's validation data holds "
+            f"{valid_len} samples (sized for this run's evaluations in whole epochs of the data): "
+            "megatron-core 0.19.2 fails on every rank with a StopIteration in the evaluation "
+            f"that reaches its end; {ways}"
+        )
     return None
+
+
+def _last_iteration(args) -> tuple[int, bool]:
+    """(the iteration this run trains to, whether it exits there): megatron-core 0.19.2 trains
+    to ``--train-iters`` unless an ``--exit-interval`` multiple or a phase transition after the
+    loaded iteration comes first, where it saves and exits (``sys.exit``, no final evaluation).
+    ``--exit-duration-in-mins`` and signals may stop it sooner: not foreseen."""
+    start, last = args.iteration, args.train_iters
+    stops = [i for i in getattr(args, "phase_transition_iterations", None) or () if i > start]
+    if getattr(args, "exit_interval", None):
+        stops.append((start // args.exit_interval + 1) * args.exit_interval)
+    stop = min(stops, default=None)
+    if stop is not None and stop <= last:
+        return stop, True
+    return max(last, start), False
+
+
+def _evaluations(args, end: int, exits: bool) -> int:
+    """The evaluations of the validation data this run makes after the loaded iteration, as
+    megatron-core 0.19.2's train loop makes them: one at each multiple of ``--eval-interval``
+    after it up to ``end`` (from ``--start-eval-at-iter``), and one after the loop unless the run
+    exits at ``end`` (:func:`_last_iteration`); none with ``--eval-iters 0``."""
+    if not args.eval_iters:
+        return 0
+    first, interval = max(args.iteration + 1, args.start_eval_at_iter or 0), args.eval_interval
+    loop = end // interval - (first - 1) // interval if interval and end >= first else 0
+    return loop + (0 if exits else 1)
 
 
 def checks_data_left(provider):

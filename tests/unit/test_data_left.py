@@ -13,7 +13,7 @@ from megatron_latentmoe.training import data_left
 
 def _data_args(**flags):
     """Megatron's args after its load of a release of iteration 16 (global batch 8), this run
-    --train-iters 1: what :func:`data_left.data_left_refusal` reads."""
+    --train-iters 1, --eval-iters 0: what :func:`data_left.data_left_refusal` reads."""
     args = SimpleNamespace(
         load="/ckpt",
         iteration=0,
@@ -24,6 +24,10 @@ def _data_args(**flags):
         phase_transition_iterations=None,
         skip_train=False,
         full_validation=False,
+        eval_iters=0,
+        eval_interval=4,
+        start_eval_at_iter=None,
+        exit_interval=None,
     )
     vars(args).update(flags)
     return args
@@ -56,9 +60,12 @@ def test_a_release_whose_consumed_samples_pass_the_training_data_is_refused():
     fits.train_iters = 5  # 64 + 40: the last sample read is the 104th
     assert data_left.data_left_refusal(fits, 104, 1) is None
     assert data_left.data_left_refusal(fits, 103, None)
-    # Megatron's loaders start at 0 (--skip-train) or per phase: not decided here
+    # --skip-train: Megatron builds no training loader and starts the validation one at 0
     assert data_left.data_left_refusal(_data_args(skip_train=True), 99, 1) is None
-    assert data_left.data_left_refusal(_data_args(phase_transition_iterations=[2]), 99, 1) is None
+    # --exit-interval 2 of --train-iters 20: the run stops at 2, 16 samples read, not 160
+    stops = _data_args(train_iters=20, exit_interval=2)
+    assert data_left.data_left_refusal(stops, 144, None) is None
+    assert "reads 16 more" in data_left.data_left_refusal(stops, 143, None)
 
 
 def test_a_plain_resume_past_this_runs_training_data_is_refused():
@@ -112,3 +119,48 @@ def test_the_datasets_provider_refuses_datasets_that_cannot_serve_the_offset(mon
     assert checked([136, 1, 0]) == ([0] * 136, [0], None)  # 128 + 8 samples: fits
     with pytest.raises(data_left.DataLeftError, match="training data holds 135 samples"):
         checked([135, 1, 0])
+
+
+def test_a_phase_is_checked_for_its_validation_data_not_its_training_offset():
+    """--phase-transition-iterations: Megatron's training loader starts at this phase's own
+    samples ((iteration - last transition) x global batch, sized for the phase), whatever the
+    checkpoint's run consumed in all; its validation loader continues the checkpoint's
+    evaluated samples as any resume's, and asserts "no samples left to consume" alike."""
+    phase = _data_args(iteration=16, train_iters=32, phase_transition_iterations=[16, 24])
+    assert data_left.data_left_refusal(phase, 64, 200) is None  # training: the phase's 64 of 64
+    assert "validation data holds 113 samples" in data_left.data_left_refusal(phase, 64, 113)
+
+
+def test_validation_data_that_runs_out_in_the_middle_of_an_evaluation_is_refused():
+    """The validation data holds the evaluated samples' offset, not this run's evaluations after
+    it: Megatron evaluates --eval-iters x global batch at each multiple of --eval-interval after
+    the loaded iteration (from --start-eval-at-iter) and once after the loop, unless it exits
+    first (--exit-interval, a phase transition); the evaluation reaching the data's end stops."""
+    # a release whose run evaluated 128 samples, this run: 8 iterations, 2 x 8 samples at 4, 8
+    # and after the loop (3 x 16 = 48): 176 of its 200 fit, 175 do not
+    args = _data_args(train_iters=8, consumed_train_samples=0, eval_iters=2)
+    assert data_left.data_left_refusal(args, 999, 176) is None
+    assert data_left.data_left_refusal(args, 999, 175) == (
+        "--load /ckpt: a release checkpoint without --finetune continues the validation data "
+        "after the 128 samples its run evaluated, and this run evaluates 48 more (3 evaluations "
+        "of --eval-iters 2 x 8 samples), but this run's validation data holds 175 samples (sized "
+        "for this run's evaluations in whole epochs of the data): megatron-core 0.19.2 fails on "
+        "every rank with a StopIteration in the evaluation that reaches its end; "
+        f"{RELEASE_WAYS}"
+    )
+    # a resume of iteration 4: the evaluations at 8 and after the loop
+    resumed = _data_args(iteration=4, train_iters=8, consumed_train_samples=0, eval_iters=2)
+    assert data_left.data_left_refusal(resumed, 999, 160) is None
+    assert "evaluates 32 more (2 evaluations" in data_left.data_left_refusal(resumed, 999, 159)
+    # --start-eval-at-iter 8: the one at 8 and after the loop
+    args.start_eval_at_iter = 8
+    assert data_left.data_left_refusal(args, 999, 160) is None
+    assert "evaluates 32 more (2 evaluations" in data_left.data_left_refusal(args, 999, 159)
+    # --exit-interval 4: the one at 4, then the run exits (no final evaluation): 16
+    exits = _data_args(train_iters=8, consumed_train_samples=0, eval_iters=2, exit_interval=4)
+    assert data_left.data_left_refusal(exits, 999, 144) is None
+    assert "evaluates 16 more (1 evaluations" in data_left.data_left_refusal(exits, 999, 143)
+    # --eval-iters 0 or --full-validation: nothing read past the offset
+    assert data_left.data_left_refusal(_data_args(train_iters=8, eval_iters=0), 999, 129) is None
+    full = _data_args(train_iters=8, eval_iters=2, full_validation=True)
+    assert data_left.data_left_refusal(full, 999, 129) is None
