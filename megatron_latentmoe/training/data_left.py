@@ -37,8 +37,10 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
     the training loader starts at this phase's samples (``(iteration - last transition) x global
     batch``, sized for the phase and read to its end at most): not checked; the validation one
     continues the checkpoint's evaluated samples as any (checked). ``--full-validation`` starts
-    the validation data at 0 (``--rampup-batch-size`` is refused by the flag check)."""
-    if args.skip_train:
+    the validation data at 0 (``--rampup-batch-size`` is refused by the flag check).
+    ``--dataloader-type cyclic``: ``MegatronPretrainingRandomSampler`` wraps around the data
+    (epochs), never runs out; ``external``: the user's loaders: not checked."""
+    if args.skip_train or getattr(args, "dataloader_type", None) in ("cyclic", "external"):
         return None
     release = args.iteration == 0
     head = f"--load {args.load}: " + (
@@ -79,9 +81,10 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
     batch = getattr(args, "eval_global_batch_size", args.global_batch_size)
     evaluates = evaluations * args.eval_iters * batch
     if consumed + evaluates > valid_len:
+        plural = "" if evaluations == 1 else "s"
         return (
             f"{head} validation data after the {consumed} samples its run evaluated, and this "
-            f"run evaluates {evaluates} more ({evaluations} evaluations of --eval-iters "
+            f"run evaluates {evaluates} more ({evaluations} evaluation{plural} of --eval-iters "
             f"{args.eval_iters} x {batch} samples), but this run's validation data holds "
             f"{valid_len} samples (sized for this run's evaluations in whole epochs of the data): "
             "megatron-core 0.19.2 fails on every rank with a StopIteration in the evaluation "

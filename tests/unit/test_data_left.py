@@ -131,6 +131,15 @@ def test_a_phase_is_checked_for_its_validation_data_not_its_training_offset():
     assert "validation data holds 113 samples" in data_left.data_left_refusal(phase, 64, 113)
 
 
+def test_cyclic_and_external_data_loaders_are_not_checked():
+    """--dataloader-type cyclic: megatron-core 0.19.2's MegatronPretrainingRandomSampler wraps
+    around the data in epochs (no "no samples left" assert, no StopIteration); external: the
+    user's own loaders. The same offsets a single loader cannot serve pass."""
+    for kind, refused in (("single", True), ("cyclic", False), ("external", False)):
+        args = _data_args(dataloader_type=kind)
+        assert (data_left.data_left_refusal(args, 99, 100) is not None) is refused, kind
+
+
 def test_validation_data_that_runs_out_in_the_middle_of_an_evaluation_is_refused():
     """The validation data holds the evaluated samples' offset, not this run's evaluations after
     it: Megatron evaluates --eval-iters x global batch at each multiple of --eval-interval after
@@ -159,7 +168,7 @@ def test_validation_data_that_runs_out_in_the_middle_of_an_evaluation_is_refused
     # --exit-interval 4: the one at 4, then the run exits (no final evaluation): 16
     exits = _data_args(train_iters=8, consumed_train_samples=0, eval_iters=2, exit_interval=4)
     assert data_left.data_left_refusal(exits, 999, 144) is None
-    assert "evaluates 16 more (1 evaluations" in data_left.data_left_refusal(exits, 999, 143)
+    assert "evaluates 16 more (1 evaluation of" in data_left.data_left_refusal(exits, 999, 143)
     # --eval-iters 0 or --full-validation: nothing read past the offset
     assert data_left.data_left_refusal(_data_args(train_iters=8, eval_iters=0), 999, 129) is None
     full = _data_args(train_iters=8, eval_iters=2, full_validation=True)
