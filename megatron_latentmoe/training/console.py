@@ -1,10 +1,12 @@
 """The entry point's name and its rank-0 printing, for :mod:`.pretrain` and the modules that
 speak for it (:mod:`.resume`, :mod:`.file_checks`): every line a run prints starts with
-``[pretrain_stable_latentmoe]`` or ``pretrain_stable_latentmoe: error:``. Plain Python."""
+``[pretrain_stable_latentmoe]`` or ``pretrain_stable_latentmoe: error:`` (:func:`error`, which
+also gives the line to torchrun). Plain Python."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 PROG = "pretrain_stable_latentmoe"
 
@@ -18,6 +20,17 @@ def print0(*parts) -> None:
     """``print`` on rank 0 only, flushed."""
     if rank() == 0:
         print(*parts, flush=True)
+
+
+def error(line: str, after_peer: bool = False) -> None:
+    """Print ``pretrain_stable_latentmoe: error: <line>`` to stderr, flushed, and hand it to
+    torchrun's error file (:func:`.launch.tell_launcher`; ``after_peer``: this rank stops because
+    another rank did)."""
+    from megatron_latentmoe.training.launch import tell_launcher
+
+    full = f"{PROG}: error: {line}"
+    print(full, file=sys.stderr, flush=True)
+    tell_launcher(full, after_peer=after_peer)
 
 
 def peer_stopped_error(err: BaseException) -> str | None:

@@ -36,7 +36,7 @@ import sys
 import time
 from functools import partial
 
-from megatron_latentmoe.training.console import PROG, peer_stopped_error, print0, rank
+from megatron_latentmoe.training.console import PROG, error, peer_stopped_error, print0, rank
 
 
 def _startup_env() -> None:
@@ -202,7 +202,7 @@ def _main(check_only: bool = False) -> int:
     try:
         args, transformer_config, cpu_notes, default_data_dir = checked_args(has_cuda)
     except FlagError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        error(str(err))
         return 2
     if check_only:
         return 0
@@ -224,9 +224,7 @@ def _main(check_only: bool = False) -> int:
                 trust_remote_code=args.trust_remote_code,
             )
         except PreprocessError as err:  # e.g. a read-only file system
-            print(
-                f"{PROG}: error: the shipped corpus's dataset: {err}", file=sys.stderr, flush=True
-            )
+            error(f"the shipped corpus's dataset: {err}")
             return 2
         except OSError as err:  # a full disk: a traceback before (its writes name no file)
             from megatron_latentmoe.files import write_disk_failure_error
@@ -236,9 +234,7 @@ def _main(check_only: bool = False) -> int:
             )
             if line is None:
                 raise
-            print(
-                f"{PROG}: error: the shipped corpus's dataset: {line}", file=sys.stderr, flush=True
-            )
+            error(f"the shipped corpus's dataset: {line}")
             return 2
         tokenizer = f"{args.tokenizer_type} {args.tokenizer_model}"
         print0(f"[{PROG}] data: the shipped corpus, tokenized by {tokenizer} ({prefix}.bin/.idx)")
@@ -321,7 +317,7 @@ def _main(check_only: bool = False) -> int:
             getattr(args, load_arg), args, saved, load_flag(load_arg)
         ) or legacy_layout_refusal(args, saved, path, load_arg)
         if refusal:
-            print(f"{PROG}: error: {refusal}", file=sys.stderr, flush=True)
+            error(refusal)
             return 2
         warning = release_data_warning(args, saved, path, load_arg)
         if warning:
@@ -379,22 +375,20 @@ def _main(check_only: bool = False) -> int:
         return 2
     except DataLeftError as err:  # every rank alike: said once
         if rank() == 0:
-            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+            error(str(err))
         return 2
     except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        error(str(err))
         return 2
     except AssertionError as err:
         if not str(err).startswith("OptimizerParamScheduler:"):
             raise
         # Megatron's check on load (every rank hits it identically): say what to do about it.
-        print(
-            f"{PROG}: error: the checkpoint's LR / weight-decay schedule differs from this run's "
+        error(
+            "the checkpoint's LR / weight-decay schedule differs from this run's "
             f"flags ({err}). Pass --override-opt_param-scheduler to continue with this run's "
             "schedule (e.g. a longer --train-iters), or --use-checkpoint-opt_param-scheduler to "
-            "keep the checkpoint's.",
-            file=sys.stderr,
-            flush=True,
+            "keep the checkpoint's."
         )
         return 2
     except Exception as err:
@@ -405,7 +399,7 @@ def _main(check_only: bool = False) -> int:
         line = write_disk_failure_error(err, written_folders(args, jsonl_path))
         if line is None:
             raise
-        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)  # each rank that hit it
+        error(line)  # each rank that hit it
         return 2
 
     if balance_logger.is_logging_rank and balance_logger.history:
@@ -440,7 +434,7 @@ def _said_peer_stopped(err: BaseException) -> bool:
     be fixed on this rank, and the launcher names the rank that stopped."""
     line = peer_stopped_error(err)
     if line:
-        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        error(line, after_peer=True)
     return line is not None
 
 

@@ -3,7 +3,8 @@ or SIGKILL (the OOM killer). The other rank, waiting on it in a collective, prin
 traceback (``RuntimeError: [.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``, or
 ``Read error ...: Connection reset by peer`` after a kill); now it ends with one line naming
 itself, what gloo saw and where the cause is (``console.peer_stopped_error``), exit 1. The
-launcher's last line names the rank that stopped first."""
+launcher's last line names the rank that stopped first; plain torchrun's table shows its one line
+(the error file, ``console.error``)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def test_a_rank_that_stops_with_its_error_costs_the_other_one_line():
     assert re.fullmatch(PEER_LINE.format(rank=0), errors[1]), errors[1]
     assert run.output.splitlines()[-1] == "[launch] rank 1 exited with code 2 (its output is above)"
     assert run.returncode == 2
+
+
+def test_plain_torchrun_shows_the_failed_ranks_one_line_as_the_root_cause():
+    """Plain torchrun, the same run: its table showed ``error_file: <N/A>`` and "To enable
+    traceback see ..." for rank 1; now its one line (torchrun's error file for it)."""
+    run = run_entry(["--train-iters", "3", "--balance-log-file", "/dev/full"])
+    root = run.output[run.output.index("Root Cause (first observed failure):") :]
+    assert "  rank      : 1 (local_rank: 1)" in root, run.output[-6000:]
+    assert (
+        "  traceback : pretrain_stable_latentmoe: error: the disk filled up writing /dev/full ("
+    ) in root, run.output[-6000:]
+    assert run.returncode == 1  # torchrun's
 
 
 def kill_one_rank(extra: list[str], victim: int, should_kill, monitor_s: float = 0.1):

@@ -1,12 +1,15 @@
 """``megatron_latentmoe.training.launch``: torchrun whose failed run ends in one line (the first
-failed rank and its exit code) and that exit code, instead of a traceback."""
+failed rank and its exit code) and that exit code, instead of a traceback; and the error file
+through which a rank's one-line error reaches torchrun's table (``tell_launcher``)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.training import REPO, environment
+from megatron_latentmoe.training import launch
+from tests.training import LAUNCH, REPO, environment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,3 +51,116 @@ def test_a_failed_rank_ends_the_launch_in_one_line(tmp_path, how, code, line):
     if line is not None:
         assert proc.stdout.splitlines()[-1] == line, proc.stdout[-3000:]
         assert "rank 1: error: the one line a refusal prints" in proc.stdout
+
+
+ERROR_SCRIPT = """
+import os, pathlib, sys, time
+from megatron_latentmoe.training.console import error
+rank = int(os.environ["RANK"])
+if rank == 1:
+    error("the one line a refusal prints")
+    sys.exit(2)
+# rank 0 stops because rank 1 did (gloo's error in a real run), once rank 1 has said why
+theirs = pathlib.Path(os.environ["TORCHELASTIC_ERROR_FILE"].replace("/0/error.json", "/1/"))
+while not (theirs / "error.json").exists():
+    time.sleep(0.01)
+error("rank 0: another rank of this run stopped", after_peer=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize(
+    "launcher", ["torch.distributed.run", "megatron_latentmoe.training.launch"]
+)
+def test_torchrun_shows_the_ranks_one_line_error_and_the_rank_that_failed_first(tmp_path, launcher):
+    """Plain torchrun showed ``error_file: <N/A>`` and "To enable traceback see ..." for a rank's
+    one-line error, and on a tie of its whole-second timestamps named the lowest failed rank as
+    the root cause: here rank 0, which only saw rank 1 stop. Both ranks fail within torchrun's
+    --monitor-interval, so that it sees them in one poll, as when a rank's peers see it go at
+    once."""
+    script = tmp_path / "rank.py"
+    script.write_text(ERROR_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", launcher, "--standalone", "--monitor-interval", "2"]
+        + ["--nproc-per-node", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**environment(), "PYTHONPATH": str(REPO)},  # the script imports this checkout
+        timeout=100,
+    )
+    out = proc.stdout
+    if launcher == LAUNCH:
+        assert out.splitlines()[-1] == "[launch] rank 1 exited with code 2 (its output is above)"
+        assert proc.returncode == 2, out[-3000:]
+        return
+    assert proc.returncode == 1, out[-3000:]
+    assert "<N/A>" not in out and "To enable traceback" not in out, out[-3000:]
+    root = out[out.index("Root Cause (first observed failure):") :]
+    assert "  rank      : 1 (local_rank: 1)" in root, out[-3000:]
+    assert "  traceback : pretrain_stable_latentmoe: error: the one line a refusal prints" in root
+    assert "  traceback : pretrain_stable_latentmoe: error: rank 0: another rank" in out
+
+
+def _failure(tmp_path, rank: int, exitcode: int, line: str | None, after_peer: bool = False):
+    """torchrun's record of a failed rank, whose error file ``line`` was written to (by
+    ``tell_launcher``; None: none, as for a rank killed by a signal)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"{rank}.json"
+    if line is not None:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+        launch.tell_launcher(line, after_peer=after_peer)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_error_file_holds_the_line_and_a_whole_second_that_names_the_first_failure(
+    tmp_path, monkeypatch
+):
+    """All in one second: the refusing rank 1 stamped at its start, rank 0 (stopped because rank
+    1 did) at its end; torchrun's own choice and this launcher's both name rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
+    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
+    failures = {
+        0: _failure(tmp_path, 0, 1, "rank 0: peer stopped", after_peer=True),
+        1: _failure(tmp_path, 1, 2, "refused"),
+    }
+    assert [failures[r].timestamp for r in (0, 1)] == [1001, 1000]
+    assert failures[1].message == {"message": "refused", "extraInfo": {"timestamp": "1000"}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.json", "1.json"]  # no temp file
+    err = ChildFailedError("rank.py", failures)
+    assert err.get_first_failure()[0] == 1
+    assert launch._root_failure(err)[0] == 1
+    assert "traceback : refused" in str(err)
+
+
+def test_a_killed_rank_is_named_before_the_rank_that_saw_it_go(tmp_path, monkeypatch):
+    """Rank 1 killed (no error file: torchrun stamps it when it sees it, 1001 here) and rank 0,
+    that saw it go at 1000.5, stamped 1001 too: torchrun's tie names rank 0, this launcher
+    rank 1; where every failed rank only saw another stop (that one on another node), the first
+    of them."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
+    peer = _failure(tmp_path, 0, 1, "rank 0: peer stopped", after_peer=True)
+    monkeypatch.setattr(launch.time, "time", lambda: 1001.2)
+    killed = _failure(tmp_path, 1, -9, None)
+    err = ChildFailedError("rank.py", {0: peer, 1: killed})
+    assert err.get_first_failure()[0] == 0
+    assert launch._root_failure(err)[0] == 1
+    later = _failure(tmp_path, 1, 1, "rank 1: peer stopped", after_peer=True)
+    assert launch._root_failure(ChildFailedError("rank.py", {1: later, 0: peer}))[0] == 0
+
+
+def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value in (None, ""):  # "": torchrun's, where its logs go to /dev/null
+        if value is None:
+            monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", value)
+        launch.tell_launcher("refused")
+    assert list(tmp_path.iterdir()) == []
