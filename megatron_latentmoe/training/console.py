@@ -47,3 +47,19 @@ def peer_stopped_error(err: BaseException) -> str | None:
         f"rank {rank()}: another rank of this run stopped (gloo: {observed}); its own error is "
         "above, or the launcher's summary names it if it was killed"
     )
+
+
+def startup_peer_error(err: BaseException) -> str | None:
+    """The line (after ``error: ``) for a rank whose process groups could not be built because
+    another rank's process went away during start-up, or never joined
+    (:func:`..compat.gloo_peer.gloo_startup_peer_lost`); None for any other error."""
+    from megatron_latentmoe.compat.gloo_peer import gloo_startup_peer_lost
+
+    observed = gloo_startup_peer_lost(err)
+    if observed is None:
+        return None
+    return (
+        f"rank {rank()}: another rank of this run stopped while the process groups were built, "
+        f"or never joined them ({observed}); its own error is above, or the launcher's summary "
+        "names it if it was killed"
+    )

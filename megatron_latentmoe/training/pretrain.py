@@ -23,7 +23,8 @@ Order of work (everything that can be wrong about the command line fails before 
    turned read-only) under another write of the run, on each rank that hit it
    (:func:`megatron_latentmoe.files.write_disk_failure_error`); a rank whose collective fails
    because another rank stopped says so in one line, exit 1 (:func:`.console.peer_stopped_error`),
-   there and in the barrier that ends the run.
+   there and in the barrier that ends the run; so does one whose process groups (step 4) could
+   not be built because another rank went away (:func:`.console.startup_peer_error`).
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
 megatron_latentmoe.training.pretrain``.
@@ -36,7 +37,14 @@ import sys
 import time
 from functools import partial
 
-from megatron_latentmoe.training.console import PROG, error, peer_stopped_error, print0, rank
+from megatron_latentmoe.training.console import (
+    PROG,
+    error,
+    peer_stopped_error,
+    print0,
+    rank,
+    startup_peer_error,
+)
 
 
 def _startup_env() -> None:
@@ -177,7 +185,6 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.compat.training import (
         begin_run,
         exclude_from_step_time,
-        init_cpu_world,
         load_distributed_checkpoint_as_such,
         load_optional_checkpoint_keys,
         on_save_error,
@@ -295,7 +302,8 @@ def _main(check_only: bool = False) -> int:
     cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
 
     if not has_cuda:
-        init_cpu_world(args)
+        if not _started_cpu_world(args):
+            return 1
         from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
 
         apply_qb_gloo_compat()
@@ -409,6 +417,24 @@ def _main(check_only: bool = False) -> int:
         print("\n".join([f"[{PROG}] summary: {lines[0]}", *lines[1:]]), flush=True)
     print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
     return _end_world()
+
+
+def _started_cpu_world(args) -> bool:
+    """The gloo world and Megatron's parallel groups (``compat.training.init_cpu_world``); False
+    where another rank went away while they were built, or never joined them: said in one line
+    (:func:`.console.startup_peer_error`, measured: a gloo or store traceback before), and the
+    caller exits 1, as for a peer stopped later (:func:`_said_peer_stopped`)."""
+    from megatron_latentmoe.compat.training import init_cpu_world
+
+    try:
+        init_cpu_world(args)
+    except RuntimeError as err:
+        line = startup_peer_error(err)
+        if line is None:
+            raise
+        error(line, after_peer=True)
+        return False
+    return True
 
 
 def _end_world() -> int:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_latentmoe.compat.gloo_peer import gloo_peer_lost
+from megatron_latentmoe.compat.gloo_peer import gloo_peer_lost, gloo_startup_peer_lost
 from megatron_latentmoe.training import console
 
 PAIR = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:{}]"
@@ -137,3 +137,90 @@ def test_a_rank_gone_before_the_runs_last_barrier_costs_the_other_one_line(tmp_p
         "pretrain_stable_latentmoe: error: rank 0: another rank of this run stopped (gloo: "
     ), out[0]
     assert code == "exit 1", out[0]
+
+
+@pytest.mark.parametrize(
+    "message, observed",
+    [
+        (  # the peer had published its address and was gone before this rank connected
+            "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport"
+            "/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+            "remote=[127.0.0.1]:48031$0",
+            "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:48031",
+        ),
+        (  # gone before publishing it: torchrun's TCPStore waited the group's timeout for it
+            "wait timeout after 600000ms, keys: /default_pg/0//3//cpu//0/1",
+            "wait timeout after 600000ms",
+        ),
+        (  # a connection under way reset
+            f"{PAIR.format(537)} Read error [127.0.0.1]:25795: Connection reset by peer. {HANGING}",
+            "Read error [127.0.0.1]:25795: Connection reset by peer",
+        ),
+    ],
+)
+def test_start_up_errors_for_a_peer_process_gone_are_recognised(message, observed):
+    import torch
+
+    assert gloo_startup_peer_lost(RuntimeError(message)) == observed
+    assert gloo_startup_peer_lost(torch.distributed.DistStoreError(message)) == observed
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("Gloo connectFullMesh failed with [pair.cc:152] no device: eth9"),
+        RuntimeError("Wait timeout"),  # FileStore's: not what torchrun's ranks use
+        RuntimeError("initialise the (gloo) default process group first"),
+        ValueError("wait timeout after 600000ms, keys: /default_pg/0//3//cpu//0/1"),
+    ],
+)
+def test_other_start_up_errors_are_not_a_peer_gone(err, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert gloo_startup_peer_lost(err) is None
+    assert console.startup_peer_error(err) is None
+
+
+START_UP = """
+import os, sys, torch.distributed as dist
+from datetime import timedelta
+from types import SimpleNamespace
+from megatron_latentmoe.training.pretrain import _started_cpu_world
+rank = int(sys.argv[1])
+os.environ["RANK"] = sys.argv[1]
+port = open(sys.argv[2]).read()
+dist.init_process_group(
+    "gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2,
+    timeout=timedelta(seconds=3),
+)
+if rank == 1:
+    os._exit(9)  # killed before Megatron's parallel groups
+args = SimpleNamespace(
+    rank=0, world_size=2, distributed_timeout_minutes=0.05, tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+    context_parallel_size=1, seed=1234, data_parallel_random_init=False,
+    virtual_pipeline_model_parallel_size=None, num_distributed_optimizer_instances=1,
+    use_tp_pp_dp_mapping=False, use_gloo_process_groups=True,
+)
+print("started", _started_cpu_world(args))
+"""
+
+
+def test_a_rank_gone_while_the_process_groups_are_built_costs_the_other_one_line(tmp_path):
+    """Rank 1 gone after the default group, before Megatron's parallel groups (torchrun's kind of
+    store, a TCPStore): rank 0 waited the groups' timeout for it, then printed a store traceback
+    (measured, the ``DistStoreError`` above); now its one line and False (the entry exits 1)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port for rank 0's TCPStore
+        sock.bind(("127.0.0.1", 0))
+        (tmp_path / "rendezvous").write_text(str(sock.getsockname()[1]))
+    procs, out = _two_ranks(START_UP, tmp_path)  # the rendezvous file: the port
+    assert procs[1].returncode == 9, out[1]
+    assert "Traceback" not in out[0], out[0]
+    line, result = out[0].strip().splitlines()[-2:]
+    assert line == (
+        "pretrain_stable_latentmoe: error: rank 0: another rank of this run stopped while the "
+        "process groups were built, or never joined them (wait timeout after 3000ms); its own "
+        "error is above, or the launcher's summary names it if it was killed"
+    ), out[0]
+    assert result == "started False", out[0]
