@@ -56,20 +56,43 @@ def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     """A checkpoint folder a run can load: Megatron's distributed checkpoint (``torch_dist``)
     writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
     ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
-    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist).
-    :data:`AUTO_FORMAT`: a legacy ``torch`` folder by :func:`checkpoint_format` (as Megatron
-    tells them apart), any other needs torch DCP's ``.metadata``."""
+    ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist),
+    and not a ``torch_dist`` save cut before its ``metadata.json`` (:func:`_cut_torch_dist`).
+    :data:`AUTO_FORMAT`: each folder by its own format, as Megatron tells them apart
+    (:func:`checkpoint_format`; one with none of their files is not complete)."""
     if ckpt_format == AUTO_FORMAT:
-        if not os.path.isdir(path):
-            return False
-        ckpt_format = "torch" if checkpoint_format(path) == "torch" else "torch_dcp"
+        ckpt_format = checkpoint_format(path) or "torch_dcp"
     if ckpt_format == "torch_dist":
         return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
             os.path.join(path, ".metadata")
         )
     if ckpt_format in ("torch_dcp", "fsdp_dtensor"):
-        return os.path.isfile(os.path.join(path, ".metadata"))
+        return os.path.isfile(os.path.join(path, ".metadata")) and not _cut_torch_dist(path)
     return os.path.isdir(path) and any(os.scandir(path))
+
+
+COMMON_STATE = "common_state/"
+"""The start of the torch DCP key that megatron-core 0.19.2's ``dist_checkpointing.save`` gives
+every ``torch_dist`` checkpoint's common state (a ``ShardedObject``: ``common_state/shard_0_1``);
+a ``torch_dcp`` save (``torch.distributed.checkpoint.save`` of Megatron's state dict) has none."""
+
+
+def _cut_torch_dist(path: str) -> bool:
+    """A folder with torch DCP's ``.metadata`` and no ``metadata.json`` whose ``.metadata`` is a
+    ``torch_dist`` save's (:data:`COMMON_STATE`): that save was cut (a kill, a full or read-only
+    disk) after torch DCP's part and before Megatron's ``metadata.json``, or its deletion was.
+    By its files' names alone it is a complete ``torch_dcp`` checkpoint: a repair of ``--save``
+    kept it, and a later save of that iteration mixed its shard files with its own. One whose
+    ``.metadata`` cannot be read is not judged here (:func:`load_refusal` says so for a load)."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return False
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - a .metadata that is not torch DCP's, or cut
+        return False
+    return any(key.startswith(COMMON_STATE) for key in keys)
 
 
 def repair_checkpoint_tracker(
@@ -128,32 +151,88 @@ def repair_checkpoint_tracker(
 
 
 def _deleted_in_part(path: str) -> bool:
-    """A ``torch_dist`` folder that looks complete (:func:`_complete_checkpoint`) but lacks a
-    shard file its ``.metadata`` names, or has one shorter: what a kill leaves of a checkpoint
-    whose deletion it cut (megatron-core 0.19.2's ``--save-retain-interval`` and non-persistent
-    cleanups remove a folder with ``shutil.rmtree``, in the file system's order). One whose
-    ``.metadata`` cannot be read is not judged here (:func:`load_refusal` says so)."""
-    if checkpoint_format(path) != "torch_dist":
-        return False
+    """A folder that looks complete (:func:`_complete_checkpoint`) but lacks a file its format
+    needs: a ``torch_dist`` or ``torch_dcp`` one a shard file its ``.metadata`` names, or has one
+    shorter (:func:`_shard_problem`); a legacy ``torch`` one a rank file of the layout its saved
+    args give (:func:`_rank_file_problem`). What a kill leaves of a checkpoint whose deletion it
+    cut (megatron-core 0.19.2's ``--save-retain-interval`` and non-persistent cleanups remove a
+    folder with ``shutil.rmtree``, in the file system's order), or of a legacy save. One whose
+    ``.metadata`` or rank files cannot be read is not judged here (:func:`load_refusal` or
+    Megatron's load says so)."""
+    found = checkpoint_format(path)
     try:
-        return _shard_problem(Path(path)) is not None
-    except Exception:  # noqa: BLE001 - an unreadable .metadata: load_refusal's
+        if found == "torch":
+            return _rank_file_problem(Path(path)) is not None
+        if found in ("torch_dist", "torch_dcp"):
+            return _shard_problem(Path(path)) is not None
+    except Exception:  # noqa: BLE001 - an unreadable .metadata or rank file: the load's
         return False
+    return False
+
+
+RANK_FILE = "model_optim_rng.pt"
+"""A legacy ``torch`` checkpoint's file of one (tensor, pipeline, expert) rank, in its
+``mp_rank_*`` folder (megatron-core 0.19.2's ``get_checkpoint_name``)."""
+
+
+def _rank_file_problem(path: Path) -> str | None:
+    """The first file of the legacy ``torch`` checkpoint in ``path`` that is not there: the
+    :data:`RANK_FILE` of each rank of the layout its saved args give (``mp_rank_TT``, with
+    ``_PPP`` for more than one pipeline stage and ``_EEE`` for more than one expert rank, as
+    megatron-core 0.19.2's ``get_checkpoint_name`` names them), and the ``distrib_optim.pt``
+    beside it where its run saved the distributed optimizer's state. The args come from the
+    first rank file that can be read (memory-mapped: its tensors are not read); raises what
+    reading it raises where none can."""
+    import torch
+
+    files = sorted(path.glob(f"mp_rank_*/{RANK_FILE}"))
+    if not files:
+        return f"no rank file (mp_rank_*/{RANK_FILE}) in {path}"
+    error: Exception | None = None
+    for file in files:
+        try:
+            saved = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
+            break
+        except Exception as e:  # noqa: BLE001 - cut or corrupt: the next one may be whole
+            error = e
+    else:
+        raise error
+    tp, pp, ep = (
+        getattr(saved, f"{name}_model_parallel_size", None) or 1
+        for name in ("tensor", "pipeline", "expert")
+    )
+    needed = [RANK_FILE]
+    if getattr(saved, "use_distributed_optimizer", False) and not getattr(
+        saved, "no_save_optim", False
+    ):
+        needed.append("distrib_optim.pt")
+    for t in range(tp):
+        for p in range(pp):
+            for e in range(ep):
+                folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                folder += f"_{e:03d}" if ep > 1 else ""
+                for name in needed:
+                    if not (path / folder / name).is_file():
+                        return f"rank file {path / folder / name} is missing"
+    return None
 
 
 def repair_save_folder(args) -> None:
     """``--save`` made safe for Megatron's saves (rank 0, at start-up, after ``--load``'s repair
     :func:`repair_checkpoint_tracker`):
 
-    - its tracker, where ``--save`` is not ``--load``, repaired as ``--load``'s; one that still
-      names nothing readable (no complete checkpoint there) is removed. megatron-core 0.19.2's
+    - its tracker, where ``--save`` is not ``--load``, repaired as ``--load``'s, a checkpoint of
+      any format complete (:data:`AUTO_FORMAT`: this run does not load it; a later ``--load``
+      of that folder judges its format, :func:`format_refusal`); one that still names nothing
+      readable (no complete checkpoint there) is removed. megatron-core 0.19.2's
       save with ``--save-retain-interval`` reads it as an iteration number, and a tracker a kill
       cut failed its first save with "ValueError: invalid literal for int() with base 10: ''"
       on every rank; with ``--load`` that folder, Megatron's load printed "ERROR: Invalid
       metadata file" and exited 0, having trained nothing;
     - its unfinished ``iter_*`` folders (complete in no format, :data:`AUTO_FORMAT`: no torch
-      DCP ``.metadata``, no legacy rank file; what a save that met a full or read-only disk, or
-      a kill, left), but the one the tracker names, are removed: Megatron saves into an
+      DCP ``.metadata``, a ``torch_dist`` one without ``metadata.json``, no legacy rank file;
+      what a save that met a full or read-only disk, or a kill, left), but the one the tracker
+      names, are removed: Megatron saves into an
       existing folder as it is, so its save of that iteration mixed the old files with its own.
     """
     save = getattr(args, "save", None)
@@ -161,7 +240,7 @@ def repair_save_folder(args) -> None:
         return
     tracker = os.path.join(save, TRACKER_FILE)
     if args.load is None or os.path.normpath(args.load) != os.path.normpath(save):
-        repair_checkpoint_tracker(save, args.ckpt_format)
+        repair_checkpoint_tracker(save, AUTO_FORMAT)
     text = _tracker_text(save)
     if os.path.isfile(tracker) and not (text == RELEASE or (text or "").isdecimal()):
         os.remove(tracker)

@@ -321,6 +321,78 @@ def test_a_checkpoint_whose_deletion_a_kill_cut_is_never_chosen(tmp_path):
             assert repair_checkpoint_tracker(str(tmp_path), write=False) == 2, order[:cut]
 
 
+def _dcp_save(root, iteration, torch_dist: bool):
+    """torch DCP's part of a save at ``root/iter_N`` (``.metadata``, one shard file), no
+    ``metadata.json``: a complete ``torch_dcp`` checkpoint, or (``torch_dist``: with the common
+    state megatron-core 0.19.2's torch_dist save adds) a torch_dist save cut before its last
+    file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_latentmoe.training.resume import COMMON_STATE
+
+    state = {"w": torch.arange(64.0)}
+    if torch_dist:
+        state[COMMON_STATE + "shard_0_1"] = "the common state"
+    path = root / iteration_dir_name(iteration)
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def _legacy_checkpoint(root, iteration, ep=2):
+    """A legacy torch checkpoint of two expert ranks saved with the distributed optimizer: each
+    rank folder's model file (its args) and distrib_optim.pt."""
+    import torch
+
+    saved = SimpleNamespace(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep,
+        use_distributed_optimizer=True,
+        no_save_optim=False,
+    )
+    path = root / iteration_dir_name(iteration)
+    for e in range(ep):
+        rank = path / f"mp_rank_00_{e:03d}"
+        rank.mkdir(parents=True)
+        torch.save({"args": saved}, rank / "model_optim_rng.pt")
+        torch.save({}, rank / "distrib_optim.pt")
+    return path
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dcp", "torch"])
+def test_a_checkpoint_of_another_format_whose_deletion_a_kill_cut_is_never_chosen(
+    tmp_path, ckpt_format
+):
+    """As for torch_dist: a torch_dcp folder's shard files against its ``.metadata``, a legacy
+    torch folder's rank files against the layout its saved args give (distrib_optim.pt
+    included), by the run's format and auto-detected. Every set of files a deletion can have
+    removed: the repair names the whole iteration 2."""
+    import itertools
+
+    from megatron_latentmoe.training.resume import AUTO_FORMAT
+
+    def make(iteration):
+        if ckpt_format == "torch":
+            return _legacy_checkpoint(tmp_path, iteration)
+        return _dcp_save(tmp_path, iteration, torch_dist=False)
+
+    make(2)
+    folder = make(4)
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    (tmp_path / TRACKER_FILE).write_text("")
+    for each in (ckpt_format, AUTO_FORMAT):
+        assert repair_checkpoint_tracker(str(tmp_path), each, write=False) == 4
+    for cut in range(1, len(files)):
+        for deleted in itertools.combinations(files, cut):
+            shutil.rmtree(folder)
+            make(4)
+            for name in deleted:
+                (folder / name).unlink()
+            for each in (ckpt_format, AUTO_FORMAT):
+                assert repair_checkpoint_tracker(str(tmp_path), each, write=False) == 2, deleted
+
+
 def _save_args(tmp_path, **flags):
     args = dict(save=str(tmp_path / "save"), load=str(tmp_path / "load"), ckpt_format="torch_dist")
     return SimpleNamespace(**{**args, "save_retain_interval": None, **flags})
@@ -364,6 +436,42 @@ def test_save_folder_repair_names_the_complete_checkpoint_and_removes_unfinished
     ) in capsys.readouterr().out
 
 
+def test_a_torch_dist_save_cut_before_its_metadata_json_is_unfinished(tmp_path, capsys):
+    """torch DCP's ``.metadata`` without Megatron's ``metadata.json`` is a complete torch_dcp
+    checkpoint by its files' names; a torch_dist save cut between the two looked like one and
+    was kept in ``--save``, its shard files mixed with a later save's of that iteration. Its
+    ``.metadata`` tells them apart: the cut save is removed, the torch_dcp checkpoint kept."""
+    from megatron_latentmoe.training.resume import AUTO_FORMAT, _complete_checkpoint
+
+    save = tmp_path / "save"
+    save.mkdir()
+    cut, dcp = _dcp_save(save, 2, torch_dist=True), _dcp_save(save, 4, torch_dist=False)
+    (cut / "__1_0.distcp").write_bytes(b"a rank of the cut save")
+    assert not _complete_checkpoint(str(cut), AUTO_FORMAT)
+    assert _complete_checkpoint(str(dcp), AUTO_FORMAT)
+    repair_save_folder(_save_args(tmp_path))
+    assert sorted(p.name for p in save.iterdir()) == [iteration_dir_name(4), TRACKER_FILE]
+    assert "removed the unfinished checkpoint folder(s) iter_0000002 in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("other", ["torch_dcp", "torch"])
+def test_a_cut_save_tracker_names_a_complete_checkpoint_of_another_format(tmp_path, other):
+    """``--save`` other than ``--load``, a torch_dist run: a complete checkpoint of another
+    format there is a checkpoint still (this run does not load it; a later --load of the folder
+    judges its format), so a cut tracker is repaired to name it, not removed as naming
+    nothing."""
+    save = tmp_path / "save"
+    save.mkdir()
+    if other == "torch":
+        _legacy_checkpoint(save, 2)
+    else:
+        _dcp_save(save, 2, torch_dist=False)
+    (save / TRACKER_FILE).write_text("")
+    repair_save_folder(_save_args(tmp_path))
+    assert (save / TRACKER_FILE).read_text() == "2"
+    assert (save / iteration_dir_name(2)).is_dir()
+
+
 def test_the_folder_the_tracker_names_is_left_to_the_load_checks(tmp_path):
     """``--save`` is ``--load``: the tracker is ``--load``'s repair's; a folder it names is not
     removed (the load checks judge it), another unfinished one is."""
@@ -403,7 +511,7 @@ def test_a_cut_save_tracker_and_an_unfinished_folder_meet_the_next_run(tmp_path)
     from tests.training import iter_dir, run_entry
 
     save = tmp_path / "save"
-    iter_dir(save, 2).mkdir(parents=True)
+    _dcp_save(save, 2, torch_dist=True)  # cut after torch DCP's .metadata
     (iter_dir(save, 2) / "__1_0.distcp").write_bytes(b"from the cut save")
     (save / TRACKER_FILE).write_text("")
     run = run_entry(
