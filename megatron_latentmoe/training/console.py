@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_latentmoe.error_file import tell_launcher
+
 PROG = "pretrain_stable_latentmoe"
 
 
@@ -24,10 +26,8 @@ def print0(*parts) -> None:
 
 def error(line: str, after_peer: bool = False) -> None:
     """Print ``pretrain_stable_latentmoe: error: <line>`` to stderr, flushed, and hand it to
-    torchrun's error file (:func:`.launch.tell_launcher`; ``after_peer``: this rank stops because
-    another rank did)."""
-    from megatron_latentmoe.training.launch import tell_launcher
-
+    torchrun's error file (:func:`megatron_latentmoe.error_file.tell_launcher`; ``after_peer``:
+    this rank stops because another rank did)."""
     full = f"{PROG}: error: {line}"
     print(full, file=sys.stderr, flush=True)
     tell_launcher(full, after_peer=after_peer)

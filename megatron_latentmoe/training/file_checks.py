@@ -24,13 +24,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
 from megatron_latentmoe.files import REMOUNT, megabytes, nearest_existing, os_error
-from megatron_latentmoe.training.console import PROG, rank
+from megatron_latentmoe.training.console import error, rank
 from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
 
@@ -198,7 +197,7 @@ def stop_if_save_disk_failed(args, err: BaseException, iteration: int) -> None:
         return
     if rank() == 0:
         line = disk_failure_error(args.save, iteration, args.ckpt_format, code)
-        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        error(line)
     if every_rank:
         torch.distributed.barrier()
     raise SaveDiskFailure from None

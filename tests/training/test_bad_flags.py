@@ -26,6 +26,7 @@ from . import (
     REPO,
     args_file_args,
     environment,
+    run_entry,
     scratch_dir,
     tiny_args,
     write_dataset,
@@ -682,6 +683,18 @@ def test_entry_point_process_exits_2_before_heavy_work():
     start = time.time()
     proc = _run([str(ENTRY), *_argv(name)])
     _check(name, proc.returncode, proc.stdout, time.time() - start)
+
+
+def test_plain_torchrun_shows_a_misspelt_flags_one_line():
+    """Megatron's parser, with ours (``cli_errors.one_line_errors``), under plain torchrun: its
+    table showed ``error_file: <N/A>`` for argparse's one line."""
+    run = run_entry(["--train-itres", "3"], nproc=1)
+    root = run.output[run.output.index("Root Cause (first observed failure):") :]
+    assert "  exitcode  : 2 " in root, run.output[-3000:]
+    assert (
+        "  traceback : pretrain_stable_latentmoe.py: error: unrecognized arguments: "
+        "--train-itres 3 (all flags: --help)"
+    ) in root, run.output[-3000:]
 
 
 def test_a_shared_width_the_export_refuses_trains_with_a_warning():

@@ -1,13 +1,17 @@
 """``megatron_latentmoe.training.launch``: torchrun whose failed run ends in one line (the first
 failed rank and its exit code) and that exit code, instead of a traceback; and the error file
-through which a rank's one-line error reaches torchrun's table (``tell_launcher``)."""
+through which a rank's one-line error reaches torchrun's table (``error_file.tell_launcher``)."""
 
+import errno
+import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_latentmoe import error_file
 from megatron_latentmoe.training import launch
 from tests.training import LAUNCH, REPO, environment
 
@@ -111,7 +115,7 @@ def _failure(tmp_path, rank: int, exitcode: int, line: str | None, after_peer: b
     path = tmp_path / f"{rank}.json"
     if line is not None:
         os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
-        launch.tell_launcher(line, after_peer=after_peer)
+        error_file.tell_launcher(line, after_peer=after_peer)
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
 
@@ -123,7 +127,7 @@ def test_the_error_file_holds_the_line_and_a_whole_second_that_names_the_first_f
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")
-    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
+    monkeypatch.setattr(error_file.time, "time", lambda: 1000.5)
     failures = {
         0: _failure(tmp_path, 0, 1, "rank 0: peer stopped", after_peer=True),
         1: _failure(tmp_path, 1, 2, "refused"),
@@ -144,9 +148,9 @@ def test_a_killed_rank_is_named_before_the_rank_that_saw_it_go(tmp_path, monkeyp
     of them."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
+    monkeypatch.setattr(error_file.time, "time", lambda: 1000.5)
     peer = _failure(tmp_path, 0, 1, "rank 0: peer stopped", after_peer=True)
-    monkeypatch.setattr(launch.time, "time", lambda: 1001.2)
+    monkeypatch.setattr(error_file.time, "time", lambda: 1001.2)
     killed = _failure(tmp_path, 1, -9, None)
     err = ChildFailedError("rank.py", {0: peer, 1: killed})
     assert err.get_first_failure()[0] == 0
@@ -162,5 +166,43 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
             monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
         else:
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", value)
-        launch.tell_launcher("refused")
+        error_file.tell_launcher("refused")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_filled_the_disk_hands_its_line_to_torchrun(tmp_path, monkeypatch):
+    """Rank 0's line for a checkpoint save that filled ``--save``'s disk (``file_checks``, which
+    printed it with ``print``: plain torchrun's table showed ``<N/A>``)."""
+    from megatron_latentmoe.training import file_checks
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("RANK", "0")
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    args = SimpleNamespace(save=str(save), ckpt_format="torch_dist")
+    with pytest.raises(file_checks.SaveDiskFailure):
+        file_checks.stop_if_save_disk_failed(args, OSError(errno.ENOSPC, "No space left"), 3)
+    line = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    assert line.startswith(
+        f"pretrain_stable_latentmoe: error: --save {save}: the disk filled up while saving the "
+        "checkpoint of iteration 3 ("
+    ), line
+
+
+def test_a_misspelt_flag_hands_its_line_to_torchrun(tmp_path, monkeypatch, capsys):
+    """argparse's one line (``cli_errors.one_line_errors``: the entry point's parser, the tools')
+    goes to torchrun's error file too, exit 2 as before."""
+    import argparse
+
+    from megatron_latentmoe.cli_errors import one_line_errors
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    parser = argparse.ArgumentParser(prog="prog.py")
+    parser.add_argument("--train-iters", type=int)
+    one_line_errors(parser)
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["--train-itres", "3"])
+    assert stop.value.code == 2
+    line = "prog.py: error: unrecognized arguments: --train-itres 3 (all flags: --help)"
+    assert capsys.readouterr().err == line + "\n"
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == line
