@@ -32,7 +32,7 @@ if __name__ == "__main__":  # the guard matters: torch_dist checkpoint saving sp
             r"Only transformer-engine>=",
             UserWarning,
         )
-    from megatron_latentmoe.training.pretrain import main
+    from megatron_latentmoe.training.pretrain import process_main
 
     check_only = sys.argv[1:2] == ["--check-flags"]
-    sys.exit(main(sys.argv[2:] if check_only else None, check_only=check_only))
+    sys.exit(process_main(sys.argv[2:] if check_only else None, check_only=check_only))

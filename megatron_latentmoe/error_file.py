@@ -3,8 +3,9 @@ torchrun's failure table shows that line (``error_file: .../error.json``, ``trac
 pretrain_stable_latentmoe: error: ...``) instead of ``error_file: <N/A>`` and "To enable
 traceback see ...". Its writers: the entry point's errors (``training.console.error``) and every
 command line's argparse error (:mod:`megatron_latentmoe.cli_errors`: a misspelt flag under plain
-torchrun); its reader besides torchrun: ``training.launch``. Below ``data/`` and ``training/``
-(``cli_errors`` imports it): plain Python, no Megatron, no torch.
+torchrun); its reader besides torchrun: ``training.launch``. An unexpected exception's traceback
+reaches it through torch's ``record`` instead (``training.pretrain.process_main``). Below
+``data/`` and ``training/`` (``cli_errors`` imports it): plain Python, no Megatron, no torch.
 
 Which rank failed first: torchrun takes the smallest error-file timestamp, in whole seconds,
 ties to the lowest local rank. A rank that stopped because another one did stamps its file at the

@@ -27,7 +27,7 @@ Order of work (everything that can be wrong about the command line fails before 
    not be built because another rank went away (:func:`.console.startup_peer_error`).
 
 Entry point: ``examples/pretrain_stable_latentmoe.py`` (torchrun), or ``python -m
-megatron_latentmoe.training.pretrain``.
+megatron_latentmoe.training.pretrain``; both run :func:`process_main`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ def main(argv: list[str] | None = None, check_only: bool = False) -> int:
         return _main(check_only)
     finally:
         sys.argv = saved_argv
+
+
+def process_main(argv: list[str] | None = None, check_only: bool = False) -> int | None:
+    """:func:`main` as a process's entry point (``examples/pretrain_stable_latentmoe.py``,
+    ``python -m``), wrapped in torch's ``record`` (the torchrun convention): an unexpected
+    exception's traceback also goes to torchrun's error file, so that plain torchrun's table shows
+    it instead of ``error_file: <N/A>``. A one-line error (:func:`.console.error`) returns its
+    exit code, it does not raise: its file is left as it is; ``SystemExit`` passes unchanged
+    (``record`` returns None for a ``SystemExit(0)``, ``--help``'s: ``sys.exit`` reads 0)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(main)(argv, check_only=check_only)
 
 
 def checked_args(has_cuda: bool):
@@ -493,4 +505,4 @@ def _make_balance_logger(args, jsonl_path):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_main())

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_latentmoe import error_file
 from megatron_latentmoe.training import launch
-from tests.training import LAUNCH, REPO, environment
+from tests.training import ENTRY, LAUNCH, REPO, environment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +206,60 @@ def test_a_misspelt_flag_hands_its_line_to_torchrun(tmp_path, monkeypatch, capsy
     line = "prog.py: error: unrecognized arguments: --train-itres 3 (all flags: --help)"
     assert capsys.readouterr().err == line + "\n"
     assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == line
+
+
+ENTRY_SCRIPT = """
+import runpy, sys
+from megatron_latentmoe.training import pretrain
+from megatron_latentmoe.training.console import error
+
+
+def refuse(check_only=False):
+    error("the one line a refusal prints")
+    return 2
+
+
+def crash(check_only=False):
+    raise RuntimeError("a bug the entry point does not expect")
+
+
+how, entry = sys.argv[1:]
+del sys.argv[1:]
+pretrain._main = {"refuse": refuse, "crash": crash, "help": lambda check_only: sys.exit(0)}[how]
+runpy.run_path(entry, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("how", ["crash", "refuse", "help"])
+def test_plain_torchrun_shows_a_crashs_traceback_and_a_refusals_one_line(tmp_path, how):
+    """The entry point (``pretrain.process_main``, torch's ``record``) under plain torchrun: an
+    unexpected exception's traceback is in torchrun's table (``error_file: <N/A>`` and "To enable
+    traceback see ..." before), a refusal's one line is left as it is, and the exit codes are the
+    rank's own (1 for the exception, 2 for the refusal, 0 for ``--help``'s ``SystemExit(0)``)."""
+    (tmp_path / "rank.py").write_text(ENTRY_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        + [str(tmp_path / "rank.py"), how, str(ENTRY)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**environment(), "PYTHONPATH": str(REPO)},
+        timeout=100,
+    )
+    out = proc.stdout
+    if how == "help":
+        assert proc.returncode == 0, out[-3000:]
+        return
+    assert proc.returncode == 1, out[-3000:]  # torchrun's own, for any failed rank
+    assert "<N/A>" not in out and "To enable traceback" not in out, out[-3000:]
+    root = out[out.index("Root Cause (first observed failure):") :]
+    if how == "crash":
+        assert "  exitcode  : 1 " in root, out[-3000:]
+        assert "  traceback : Traceback (most recent call last):" in root, out[-3000:]
+        assert "RuntimeError: a bug the entry point does not expect" in root, out[-3000:]
+    else:
+        assert "  exitcode  : 2 " in root, out[-3000:]
+        assert (
+            "  traceback : pretrain_stable_latentmoe: error: the one line a refusal prints" in root
+        )
