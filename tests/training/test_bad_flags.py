@@ -651,7 +651,7 @@ def outcomes():
 
     run = [name for name in CASES if _runs_here(name)]
     for name in run:
-        (scratch_dir() / f"bad_flags_cache_{name}").mkdir()
+        (scratch_dir() / f"bad_flags_cache_{name}").mkdir(exist_ok=True)
     docs = scratch_dir() / "small_corpus.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
     preprocess_jsonl(docs, SMALL_CORPUS, progress=False)
@@ -680,6 +680,8 @@ def test_fails_fast_naming_the_flag(outcomes, name):
 
 def test_entry_point_process_exits_2_before_heavy_work():
     name = "latent_not_divisible_by_tp"
+    # its --data-cache-path (the outcomes fixture makes it for all cases; this test runs alone too)
+    (scratch_dir() / f"bad_flags_cache_{name}").mkdir(exist_ok=True)
     start = time.time()
     proc = _run([str(ENTRY), *_argv(name)])
     _check(name, proc.returncode, proc.stdout, time.time() - start)
