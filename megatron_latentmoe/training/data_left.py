@@ -30,7 +30,11 @@ def data_left_refusal(args, train_len: int | None, valid_len: int | None) -> str
     way out).
     Where the validation data holds the offset but not this run's evaluations after it
     (:func:`_evaluations`; e.g. a release of a run that evaluated more often), the evaluation
-    that reaches its end stops with a ``StopIteration`` on every rank.
+    that reaches its end stops with a ``StopIteration`` on every rank. Measured (same set-up,
+    ``--split 98,1,1``): a run of 16 iterations evaluating 32 samples every 2 (256 evaluated)
+    made a release, loaded with ``--train-iters 16 --eval-interval 4 --eval-iters 8``: "256, 320
+    more (5 evaluations ...), 354" (3 epochs of 118); without the check, a traceback ending in
+    ``StopIteration`` in the evaluation at iteration 8 (256 + 64 read at 4, 64 more past 354).
 
     ``--skip-train``: megatron-core 0.19.2 builds no training loader and starts the validation one
     at sample 0 (sized for one evaluation): nothing to check. ``--phase-transition-iterations``:
