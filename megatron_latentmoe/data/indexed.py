@@ -350,6 +350,29 @@ def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> list[str]:
     return [f"{output_prefix}_{k}" for k in keys]
 
 
+_TMP_TAG = ".tmp"
+"""A write's temporaries: ``<prefix>.bin.tmp<pid>`` and ``<prefix>.idx.tmp<pid>``."""
+
+
+def stopped_write_leftover(prefix: str) -> str | None:
+    """Where ``<prefix>.idx`` is missing, a file that shows a write of the dataset stopped before
+    it finished (:func:`preprocess_jsonl` renames the ``.idx`` into place last, :func:`_commit`):
+    ``<prefix>.bin``, else one of its temporaries (a ``kill -9`` leaves them); None if neither."""
+    if os.path.isfile(prefix + ".bin"):
+        return prefix + ".bin"
+    folder, name = os.path.split(prefix)
+    try:
+        names = sorted(os.listdir(folder or "."))
+    except OSError:
+        return None
+    for ext in (".bin", ".idx"):
+        for n in names:
+            tail = n.removeprefix(name + ext + _TMP_TAG)
+            if tail != n and tail.isdigit():
+                return os.path.join(folder, n)
+    return None
+
+
 def _drop_stale_index_cache(prefix: str) -> None:
     """Remove Megatron's sample-index cache of a replaced dataset.
 
@@ -746,7 +769,7 @@ def preprocess_jsonl(
             f"output_prefix={os.fspath(output_prefix)!r}: {why}; {WRITABLE_FOLDER}"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = f".tmp{os.getpid()}"
+    tag = f"{_TMP_TAG}{os.getpid()}"
     tmp = {p: (p + ".bin" + tag, p + ".idx" + tag) for p in prefixes}
     builders = {}
     pool = None

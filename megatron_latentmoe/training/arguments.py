@@ -46,6 +46,7 @@ from megatron_latentmoe.data.indexed import (
     check_indexed_dataset,
     max_token_id_in_head,
     read_index_header,
+    stopped_write_leftover,
 )
 from megatron_latentmoe.fields import (
     ADDED,
@@ -191,6 +192,14 @@ def _check_data_paths(args) -> None:
             )
         for prefix in data_prefixes(paths):
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            leftover = stopped_write_leftover(prefix) if ".idx" in missing else None
+            if leftover:
+                raise FlagError(
+                    f"{flag} {prefix}: no Megatron indexed dataset there (missing "
+                    f"{' and '.join(prefix + e for e in missing)}, but {leftover} is there): a "
+                    "tools/preprocess_data.py run stopped before it finished leaves that (it "
+                    "renames the .idx into place last). Rerun it to write the dataset."
+                )
             if missing:
                 raise FlagError(
                     f"{flag} {prefix}: no Megatron indexed dataset there (missing "

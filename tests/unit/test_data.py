@@ -1411,9 +1411,10 @@ def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
             continue
         with pytest.raises(FlagError) as err:
             _check_data_paths(SimpleNamespace(**dict(no_paths, data_path=[p])))
-        assert str(err.value).startswith(
-            f"--data-path {p}: no Megatron indexed dataset there (missing {p}.idx). Give the path "
-            "prefix of a .bin/.idx pair (tools/preprocess_data.py writes one)"
+        assert str(err.value) == (
+            f"--data-path {p}: no Megatron indexed dataset there (missing {p}.idx, but {p}.bin "
+            "is there): a tools/preprocess_data.py run stopped before it finished leaves that "
+            "(it renames the .idx into place last). Rerun it to write the dataset."
         )
     assert set(readable.values()) in ({1}, {5}, set()), readable
     assert len(readable) in (0, 2) or set(readable.values()) == {5}
@@ -1481,9 +1482,32 @@ def _signal_while_tokenizing(
 
 
 def test_killed_run_leaves_no_dataset(tmp_path):
-    """SIGKILL while tokenizing: no <prefix>.bin/.idx appear (only *.tmp<pid> files may stay)."""
+    """SIGKILL while tokenizing: no <prefix>.bin/.idx appear, only its .bin.tmp<pid>, which the
+    flag check names as a stopped preprocess run's (it was the no-dataset line alone); a prefix
+    with no such file (nor a temporary of another name's) keeps that line."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+
     _signal_while_tokenizing(tmp_path, "killed", signal.SIGKILL)
     assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
+    (tmp, *_), p = (f for f in tmp_path.iterdir() if f.name != "big.jsonl"), tmp_path / "killed"
+    assert re.fullmatch(r"killed\.bin\.tmp\d+", tmp.name), tmp.name
+    paths = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+    args = dict.fromkeys((*paths, "data_args_path", "per_split_data_args_path"))
+    with pytest.raises(FlagError) as err:
+        _check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)])))
+    assert str(err.value) == (
+        f"--valid-data-path {p}: no Megatron indexed dataset there (missing {p}.bin and {p}.idx, "
+        f"but {tmp} is there): a tools/preprocess_data.py run stopped before it finished leaves "
+        "that (it renames the .idx into place last). Rerun it to write the dataset."
+    )
+    with pytest.raises(FlagError) as err:
+        _check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)[:-1]])))
+    assert str(err.value).startswith(
+        f"--valid-data-path {str(p)[:-1]}: no Megatron indexed dataset there (missing "
+        f"{str(p)[:-1]}.bin and {str(p)[:-1]}.idx). Give the path prefix of a .bin/.idx pair"
+    )
 
 
 def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
