@@ -44,6 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED  # noqa: E402
 
 # Megatron-LM's tools/preprocess_data.py (core_v0.19, with megatron.training's tokenizer flags)
 # has more flags than this tool; --tokenizer-type and --partitions are checked in megatron_refusal.
@@ -53,7 +54,11 @@ if __package__ in (None, ""):  # run as a script from a source checkout
 # accepted and named in a note.
 _FLAG = {"action": "store_true"}
 _NO_SEARCH = "this tool has no worker-count search; set --workers N"
-_HF_FOLDER = "the tokenizer is the Hugging Face folder given by --tokenizer-model"
+_TOKENIZER_FLAG_KWARGS = {
+    "--tokenizer-special-tokens": {"nargs": "+"},
+    "--tokenizer-hf-no-use-fast": _FLAG,
+    "--tokenizer-hf-no-include-special-tokens": _FLAG,
+}
 MEGATRON_FLAGS: dict[tuple[str, ...], tuple[dict, str | None]] = {
     ("--keep-newlines",): (_FLAG, None),  # read only with --split-sentences
     ("--lang",): ({}, None),  # read only with --split-sentences
@@ -80,19 +85,10 @@ MEGATRON_FLAGS: dict[tuple[str, ...], tuple[dict, str | None]] = {
     ("--find-optimal-num-workers",): (_FLAG, _NO_SEARCH),
     ("--workers-to-check",): ({"nargs": "+", "type": int}, _NO_SEARCH),
     ("--max-documents",): ({"type": int}, _NO_SEARCH),
-    ("--vocab-file",): ({}, _HF_FOLDER),
-    ("--merge-file",): ({}, _HF_FOLDER),
-    ("--tokenizer-metadata",): ({}, _HF_FOLDER),
-    ("--tokenizer-special-tokens",): (
-        {"nargs": "+"},
-        "it adds tokens to the vocabulary; add them to the tokenizer folder instead "
-        "(add_special_tokens, save_pretrained)",
-    ),
-    ("--tokenizer-hf-no-use-fast",): (_FLAG, "this tool uses the tokenizer's fast version"),
-    ("--tokenizer-hf-no-include-special-tokens",): (
-        _FLAG,
-        "this tool writes tokenizer(text).input_ids, special tokens included",
-    ),
+    **{
+        (flag,): (_TOKENIZER_FLAG_KWARGS.get(flag, {}), why)
+        for flag, (_, why) in TOKENIZER_FLAGS_NOT_HONOURED.items()
+    },
 }
 HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
 

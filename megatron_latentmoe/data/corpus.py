@@ -12,7 +12,8 @@ The package ships, in ``megatron_latentmoe/data/assets/``:
 
 ``prepare_default_dataset(output_dir)`` tokenizes the corpus into Megatron's ``.bin``/``.idx``
 (once; later calls reuse it while corpus, tokenizer and format are unchanged) and returns the path
-prefix to give Megatron as ``--data-path``. ``tokenizer=DIR`` tokenizes it with another Hugging
+prefix to give Megatron as ``--data-path``; the dataset a tokenizer folder made before its files
+changed is removed then. ``tokenizer=DIR`` tokenizes it with another Hugging
 Face tokenizer (a run's ``--tokenizer-model``), into a dataset of its own name
 (:func:`default_dataset_name`). From the shell::
 
@@ -95,8 +96,8 @@ def _tokenizer_files(tokenizer: Path) -> list[Path]:
     )
 
 
-def _hash_files(paths: list[Path]) -> str:
-    h = hashlib.sha256()
+def _hash_files(paths: list[Path], *extra: bytes) -> str:
+    h = hashlib.sha256(b"".join(extra))
     for p in paths:
         h.update(p.name.encode())
         h.update(p.read_bytes())
@@ -110,39 +111,85 @@ def _fingerprint(corpus: Path, tokenizer_dir: Path) -> dict:
     }
 
 
-def default_dataset_name(tokenizer: str | Path | None = None) -> str:
+def default_dataset_name(
+    tokenizer: str | Path | None = None, trust_remote_code: bool = False
+) -> str:
     """The shipped corpus's dataset name for a tokenizer: ``default_corpus`` for the shipped one
     (``None``, or a folder with the same files), else ``default_corpus_<12 hex digits of the
-    sha256 of its files>``. So each tokenizer's dataset has a name of its own in a cache folder
-    (none overwrites another's), a tokenizer whose files change gets a new one (tokenized
-    again), and a run resumed with the same tokenizer (``--use-checkpoint-args``) finds the same
-    one. Reads the tokenizer's files (no weights) and the shipped one's: 0.6 ms measured for
-    another 4096-id tokenizer; none for the shipped folder itself."""
+    sha256 of its files>`` (and of ``trust_remote_code``, where True: a tokenizer's own code,
+    run or not, may give other ids). So each tokenizer's dataset has a name of its own in a
+    cache folder (none overwrites another's), a tokenizer whose files change gets a new one
+    (tokenized again; the old one goes, :func:`_drop_replaced_datasets`), and a run resumed with
+    the same tokenizer (``--use-checkpoint-args``) finds the same one. Megatron's other options
+    that change its ids are refused with the shipped corpus
+    (:data:`~.indexed.TOKENIZER_FLAGS_NOT_HONOURED`). Reads the tokenizer's files (no weights)
+    and the shipped one's: 0.6 ms measured for another 4096-id tokenizer; none for the shipped
+    folder itself."""
     if tokenizer is None:
         return DEFAULT_DATASET_NAME
     path = Path(tokenizer)
     if path.resolve() == DEFAULT_TOKENIZER_DIR.resolve():
         return DEFAULT_DATASET_NAME
-    digest = _hash_files(_tokenizer_files(path))
-    if digest == _hash_files(_tokenizer_files(DEFAULT_TOKENIZER_DIR)):
-        return DEFAULT_DATASET_NAME  # a copy of the shipped one
+    files = _tokenizer_files(path)
+    if _hash_files(files) == _hash_files(_tokenizer_files(DEFAULT_TOKENIZER_DIR)):
+        return DEFAULT_DATASET_NAME  # a copy of the shipped one: no code of its own
+    digest = _hash_files(files, *([b"trust_remote_code"] if trust_remote_code else []))
     return f"{DEFAULT_DATASET_NAME}_{digest[:12]}"
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
-    """Serialise concurrent preparations of the same dataset (e.g. every rank of a torchrun)."""
+def _file_lock(path: Path, wait: bool = True):
+    """Serialise concurrent preparations of the same dataset (e.g. every rank of a torchrun).
+    Yields whether the lock is held: ``wait=False`` does not wait for another holder (False);
+    not POSIX: no lock (atomic renames still keep the dataset whole), False."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: atomic renames still keep the dataset whole
-        yield
+    except ImportError:
+        yield False
         return
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _drop_replaced_datasets(out: Path, name: str, record: dict) -> list[str]:
+    """Remove from ``out`` the datasets of the shipped corpus that the same tokenizer folder
+    (``record["tokenizer"]``, with the same ``trust_remote_code``) made before its files
+    changed: its new files gave this dataset a new ``name`` (:func:`default_dataset_name`), so
+    nothing finds them any more, and each change of the folder (e.g. a tokenizer retrained in
+    place) would leave another. One another process holds the lock of is left (it may be
+    making it again, its tokenizer's files put back). Returns the prefixes removed."""
+    from .indexed import _drop_stale_index_cache
+
+    dropped = []
+    for stamp in sorted(out.glob(DEFAULT_DATASET_NAME + "_*.json")):
+        other = stamp.name.removesuffix(".json")
+        try:
+            have = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            continue
+        same = ("tokenizer", "trust_remote_code")
+        if other == name or any(have.get(k, False) != record[k] for k in same):
+            continue
+        prefix = str(out / other)
+        with _file_lock(out / (other + ".lock"), wait=False) as held:
+            if not held:
+                continue
+            for path in (prefix + ".idx", prefix + ".bin", str(stamp)):  # .idx first: no
+                with contextlib.suppress(FileNotFoundError):  # readable half
+                    os.remove(path)
+            _drop_stale_index_cache(prefix)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(out / (other + ".lock"))
+        dropped.append(prefix)
+    return dropped
 
 
 def prepare_default_dataset(
@@ -181,7 +228,7 @@ def prepare_default_dataset(
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
     tokenizer = DEFAULT_TOKENIZER_DIR if tokenizer is None else Path(tokenizer)
     if name is None:
-        name = default_dataset_name(tokenizer)
+        name = default_dataset_name(tokenizer, trust_remote_code)
     prefix = out / name
     stamp = prefix.with_name(name + ".json")
     want = _fingerprint(DEFAULT_CORPUS_PATH, tokenizer)
@@ -234,11 +281,13 @@ def prepare_default_dataset(
             want,
             documents=summary.documents,
             tokens=summary.tokens,
-            tokenizer=str(tokenizer),
+            tokenizer=os.path.abspath(tokenizer),
+            trust_remote_code=trust_remote_code,
         )
         tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, stamp)
+        _drop_replaced_datasets(out, name, record)
     return str(prefix)
 
 

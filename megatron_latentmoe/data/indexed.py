@@ -87,6 +87,31 @@ class PreprocessSummary:
 # --------------------------------------------------------------------------------------- Tokenizer
 
 
+_HF_FOLDER = "the tokenizer is the Hugging Face folder given by --tokenizer-model"
+TOKENIZER_FLAGS_NOT_HONOURED: dict[str, tuple[str, str]] = {
+    "--vocab-file": ("vocab_file", _HF_FOLDER),
+    "--merge-file": ("merge_file", _HF_FOLDER),
+    "--tokenizer-metadata": ("metadata_path", _HF_FOLDER),
+    "--tokenizer-special-tokens": (
+        "special_tokens",
+        "it adds tokens to the vocabulary; add them to the tokenizer folder instead "
+        "(add_special_tokens, save_pretrained)",
+    ),
+    "--tokenizer-hf-no-use-fast": (
+        "tokenizer_hf_no_use_fast",
+        "the folder's fast tokenizer is used",
+    ),
+    "--tokenizer-hf-no-include-special-tokens": (
+        "tokenizer_hf_no_include_special_tokens",
+        "tokenizer(text).input_ids is written, special tokens included",
+    ),
+}
+"""Megatron's flags that change the ids of its ``HuggingFaceTokenizer`` and that the preprocessing
+here cannot honour (:func:`load_tokenizer` loads the ``--tokenizer-model`` folder as it is): each
+flag's args attribute, and why. tools/preprocess_data.py refuses them; so does a training run on
+the shipped corpus, which it tokenizes with the run's tokenizer (:mod:`.corpus`)."""
+
+
 def load_tokenizer(tokenizer: PathLike | Any | None = None, trust_remote_code: bool = False):
     """A Hugging Face tokenizer from a folder (the shipped one when ``None``) or an object as is.
 

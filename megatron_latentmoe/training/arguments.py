@@ -41,6 +41,7 @@ from megatron_latentmoe.cli_errors import one_line_errors
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
 from megatron_latentmoe.data.indexed import (
     HEAD_BYTES,
+    TOKENIZER_FLAGS_NOT_HONOURED,
     PreprocessError,
     Vocabulary,
     check_indexed_dataset,
@@ -575,6 +576,14 @@ def validate_stable_latentmoe_args(
                 "tokenizer (Megatron's tools/preprocess_data.py), or --tokenizer-type "
                 "HuggingFaceTokenizer"
             )
+        for flag, (dest, why) in TOKENIZER_FLAGS_NOT_HONOURED.items():
+            if getattr(args, dest, None):  # else a dataset of other ids than the run's
+                raise FlagError(
+                    f"{_flag_text(flag, getattr(args, dest))} without --data-path: the shipped "
+                    f"corpus is tokenized with the tokenizer folder as it is ({why}); allowed: "
+                    "leave it out, or --data-path PREFIX of a dataset made with this tokenizer "
+                    "(Megatron's tools/preprocess_data.py)"
+                )
         if args.split is not None:  # counted from the corpus: nothing is tokenized yet
             from megatron_latentmoe.data.corpus import default_corpus_sequences
 

@@ -160,7 +160,10 @@ def _checked(args, has_cuda: bool):
             raise FlagError(refusal)
     if default_data_dir is not None:
         args.data_path = [
-            os.path.join(default_data_dir, default_dataset_name(args.tokenizer_model))
+            os.path.join(
+                default_data_dir,
+                default_dataset_name(args.tokenizer_model, args.trust_remote_code),
+            )
         ]
         if args.split is None:
             args.split = "98,2,0"

@@ -1816,6 +1816,64 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     assert rebuilds() == 0
 
 
+def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(tmp_path, monkeypatch):
+    """prepare_default_dataset, the tokenizing replaced by a spy: ``trust_remote_code`` (which
+    may run a tokenizer's own code, other ids) names a dataset of its own, where the dataset made
+    without it was reused; the dataset a tokenizer folder made before its files changed is
+    removed when the new one is written (it stayed, one more at each change), but not the one
+    made with the other ``trust_remote_code``, nor another tokenizer's, nor one whose lock
+    another process holds."""
+    import shutil
+
+    from megatron_latentmoe.data import corpus, indexed
+
+    src = _write_jsonl(tmp_path / "one.jsonl", [{"text": SAMPLES[0]}])
+    preprocess_jsonl(src, tmp_path / "one", progress=False)  # a valid dataset for the spy
+    builds = []
+
+    def spy(input, output_prefix, **kwargs):
+        builds.append(kwargs["trust_remote_code"])
+        for ext in (".bin", ".idx"):
+            shutil.copy(tmp_path / f"one{ext}", output_prefix + ext)
+        return types.SimpleNamespace(documents=1, tokens=2)
+
+    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    out, tok = tmp_path / "data", shutil.copytree(DEFAULT_TOKENIZER_DIR, tmp_path / "tok")
+    with open(tok / "tokenizer_config.json", "a") as f:
+        f.write("\n")  # no longer the shipped tokenizer's files
+    shipped = corpus.prepare_default_dataset(out)
+
+    def prepare(trust: bool) -> str:
+        return corpus.prepare_default_dataset(out, tokenizer=tok, trust_remote_code=trust)
+
+    plain, trusted = prepare(False), prepare(True)
+    assert plain != trusted and (prepare(False), prepare(True)) == (plain, trusted)
+    assert builds == [False, False, True]
+    for prefix in (plain, trusted):
+        assert re.fullmatch(r"default_corpus_[0-9a-f]{12}", os.path.basename(prefix))
+    assert corpus.default_dataset_name(DEFAULT_TOKENIZER_DIR, trust_remote_code=True) == (
+        "default_corpus"  # the shipped files run no code of their own
+    )
+
+    def files() -> set[str]:
+        return {f.name for f in out.iterdir()}
+
+    def dataset(prefix: str) -> set[str]:
+        return {os.path.basename(prefix) + ext for ext in (".bin", ".idx", ".json", ".lock")}
+
+    with open(tok / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    Path(plain, "cache").mkdir(parents=True)  # Megatron's sample indices of it
+    changed = prepare(False)
+    assert files() == dataset(shipped) | dataset(trusted) | dataset(changed)
+    with open(tok / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    with corpus._file_lock(Path(trusted + ".lock")):  # another process holds it
+        again = prepare(True)
+    assert files() == dataset(shipped) | dataset(trusted) | dataset(changed) | dataset(again)
+    assert builds == [False, False, True, False, True]
+
+
 def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path, monkeypatch):
     """The record's sha256 hashes the corpus, then the tokenizer files in sorted name order: a
     folder listed in another order (another file system, a copy) is the same tokenizer, not a
@@ -2107,3 +2165,43 @@ def test_default_dataset_with_a_tokenizer_without_eos_says_what_a_run_can_do(
         "takes --no-append-eod"
     )
     assert not any(p.suffix in (".bin", ".idx", ".json") for p in out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "flags, shown",
+    [
+        (["--vocab-file", "vocab.json"], "--vocab-file vocab.json"),
+        (["--merge-file", "merges.txt"], "--merge-file merges.txt"),
+        (["--tokenizer-metadata", "meta.json"], "--tokenizer-metadata meta.json"),
+        (["--tokenizer-special-tokens", "<a>", "<b>"], "--tokenizer-special-tokens <a> <b>"),
+        (["--tokenizer-hf-no-use-fast"], "--tokenizer-hf-no-use-fast"),
+        (["--tokenizer-hf-no-include-special-tokens"], "--tokenizer-hf-no-include-special-tokens"),
+    ],
+)
+def test_a_tokenizer_flag_the_shipped_corpus_cannot_honour_is_refused(monkeypatch, flags, shown):
+    """Without --data-path, a Megatron flag that changes its HuggingFaceTokenizer's ids and that
+    the shipped corpus's tokenizing cannot honour is refused in one line, naming it and why (the
+    dataset was the folder's ids as they are, under the same cached name, while the run's
+    tokenizer gave others)."""
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()
+    from megatron_latentmoe.compat.training import parse_with_our_flags
+    from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED
+    from megatron_latentmoe.training.arguments import (
+        FlagError,
+        add_stable_latentmoe_args,
+        validate_stable_latentmoe_args,
+    )
+    from tests.training import tiny_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *tiny_args(), *flags])
+    args = parse_with_our_flags(add_stable_latentmoe_args)
+    with pytest.raises(FlagError) as err:
+        validate_stable_latentmoe_args(args, has_cuda=False, have_te=False)
+    assert str(err.value) == (
+        f"{shown} without --data-path: the shipped corpus is tokenized with the tokenizer folder "
+        f"as it is ({TOKENIZER_FLAGS_NOT_HONOURED[flags[0]][1]}); allowed: leave it out, or "
+        "--data-path PREFIX of a dataset made with this tokenizer (Megatron's "
+        "tools/preprocess_data.py)"
+    )

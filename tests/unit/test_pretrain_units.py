@@ -639,6 +639,7 @@ class _Checked:
             data_cache_path=None,
             split=None,
             tokenizer_model=None,
+            trust_remote_code=False,
             data_path=None,
         )
         vars(self.args).update(flags)
