@@ -527,3 +527,28 @@ def test_a_cut_save_tracker_and_an_unfinished_folder_meet_the_next_run(tmp_path)
         "__0_0.distcp",
         "metadata.json",
     ]
+
+
+def test_each_metadata_file_is_read_once_until_it_changes(tmp_path, monkeypatch):
+    """The start-up checks each judge every ``iter_*`` folder (a repair with ``write=False``);
+    each torch_dcp-looking folder's ``.metadata`` was unpickled by each (201 times for 50
+    folders, 20 s: ``resume._dcp_metadata``). Now once per process, and again where the file
+    is another: here a torch_dcp checkpoint's replaced by a cut torch_dist save's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reads = []
+    original = FileSystemReader.read_metadata
+
+    def read_metadata(self, *a, **kw):
+        reads.append(os.path.basename(self.path))
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
+    _dcp_save(tmp_path, 2, torch_dist=False)
+    newest = _dcp_save(tmp_path, 4, torch_dist=False)
+    for _ in range(3):
+        assert repair_checkpoint_tracker(str(tmp_path), "torch_dcp", write=False) == 4
+    assert sorted(reads) == [iteration_dir_name(2), iteration_dir_name(4)]
+    cut = _dcp_save(tmp_path / "other", 4, torch_dist=True)
+    os.replace(cut / ".metadata", newest / ".metadata")
+    assert repair_checkpoint_tracker(str(tmp_path), "torch_dcp", write=False) == 2
