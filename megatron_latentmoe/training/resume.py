@@ -61,9 +61,17 @@ def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     ``metadata.json`` (with one, Megatron's ``_get_checkpoint_format`` takes it for torch_dist),
     and not a ``torch_dist`` save cut before its ``metadata.json`` (:func:`_cut_torch_dist`).
     :data:`AUTO_FORMAT`: each folder by its own format, as Megatron tells them apart
-    (:func:`checkpoint_format`; one with none of their files is not complete)."""
+    (:func:`checkpoint_format`; one with none of their files is not complete). ``torch_dist``:
+    a legacy ``torch`` folder by its own rule too: megatron-core 0.19.2's ``load_checkpoint``
+    detects each folder's format for a torch_dist run (``_get_checkpoint_format``) and loads a
+    legacy one (:func:`format_refusal`); by the torch_dist rule alone a tracker cut next to one
+    was not repaired and Megatron's load of it printed "ERROR: Invalid metadata file" and exited
+    0, having trained nothing, and ``--ckpt-step`` of one was refused."""
+    found = checkpoint_format(path)
     if ckpt_format == AUTO_FORMAT:
-        ckpt_format = checkpoint_format(path) or "torch_dcp"
+        ckpt_format = found or "torch_dcp"
+    elif ckpt_format == "torch_dist" and found == "torch":
+        ckpt_format = "torch"
     if ckpt_format == "torch_dist":
         return os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(
             os.path.join(path, ".metadata")

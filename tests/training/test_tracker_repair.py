@@ -552,3 +552,21 @@ def test_each_metadata_file_is_read_once_until_it_changes(tmp_path, monkeypatch)
     cut = _dcp_save(tmp_path / "other", 4, torch_dist=True)
     os.replace(cut / ".metadata", newest / ".metadata")
     assert repair_checkpoint_tracker(str(tmp_path), "torch_dcp", write=False) == 2
+
+
+def test_a_torch_dist_run_counts_a_legacy_checkpoint_complete(tmp_path):
+    """megatron-core 0.19.2 loads a legacy torch checkpoint in a ``--ckpt-format torch_dist``
+    run (its ``load_checkpoint`` detects each folder's format). By the torch_dist rule alone it
+    was not complete: a tracker a kill cut next to one was left cut, and Megatron's load printed
+    "ERROR: Invalid metadata file" and exited 0, having trained nothing. Now it is repaired to
+    the legacy checkpoint, and one whose deletion a kill cut is not chosen."""
+    from tests.training import dcp_checkpoint
+
+    dcp_checkpoint(tmp_path, 2)
+    legacy = _legacy_checkpoint(tmp_path, 4)
+    (tmp_path / TRACKER_FILE).write_text("")
+    assert repair_checkpoint_tracker(str(tmp_path), "torch_dist") == 4
+    assert (tmp_path / TRACKER_FILE).read_text() == "4"
+    (legacy / "mp_rank_00_001" / "distrib_optim.pt").unlink()
+    (tmp_path / TRACKER_FILE).write_text("")
+    assert repair_checkpoint_tracker(str(tmp_path), "torch_dist", write=False) == 2

@@ -744,6 +744,18 @@ def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_pa
     assert _load_refusal(root, ckpt_step=6) is None  # left to the line above
 
 
+def test_ckpt_step_of_a_legacy_checkpoint_is_not_refused_in_a_torch_dist_run(tmp_path):
+    """megatron-core 0.19.2 loads a legacy torch checkpoint with --ckpt-format torch_dist (it
+    detects each folder's format): --ckpt-step of one was refused as "not a complete
+    checkpoint", and the complete ones listed left it out."""
+    root = _checkpoints(tmp_path, [2], tracker=b"2")
+    (tmp_path / iteration_dir_name(6) / "mp_rank_00").mkdir(parents=True)
+    assert resume.ckpt_step_refusal(_step_args(root, 6)) is None
+    assert resume.ckpt_step_refusal(_step_args(root, 4)).endswith(
+        "(complete ones: 2, 6), or leave --ckpt-step out to load the tracker's"
+    )
+
+
 def test_ckpt_step_advice_without_a_tracker_says_what_megatron_does_instead(tmp_path):
     """Leaving --ckpt-step out loads the tracker's checkpoint only where there is a tracker:
     without one the start-up repair writes one naming the newest complete checkpoint, and with
