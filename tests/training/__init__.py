@@ -170,6 +170,17 @@ class Run:
         return self
 
 
+def error_lines(output: str) -> list[str]:
+    """The one-line errors (``...: error: ...``) the ranks printed in a run's ``output``; plain
+    torchrun's failure table repeats a rank's line from its error file (``  traceback :
+    pretrain_stable_latentmoe: error: ...``): not counted."""
+    return [
+        line
+        for line in output.splitlines()
+        if ": error: " in line and not line.lstrip().startswith("traceback :")
+    ]
+
+
 def run_entry(
     extra: list[str],
     nproc: int = 2,

@@ -19,7 +19,7 @@ import pytest
 from megatron_latentmoe.training.file_checks import checkpoint_bytes, save_space_warning
 from megatron_latentmoe.training.resume import saved_args
 
-from . import LAUNCH, iter_dir, mounted_ext4, mounted_tmpfs, read_jsonl, run_entry
+from . import LAUNCH, error_lines, iter_dir, mounted_ext4, mounted_tmpfs, read_jsonl, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_resume_loads_the_last_che
         assert "successfully saved checkpoint from iteration       1" in run.output, run.output[
             -3000:
         ]  # the disk held the first checkpoint
-        errors = [line for line in run.output.splitlines() if "error: --save" in line]
+        errors = [line for line in error_lines(run.output) if "error: --save" in line]
         assert len(errors) == 1, run.output[-6000:]
         assert re.fullmatch(_full_disk_line(ckpt), errors[0]), errors[0]
         # torchrun's summary: the first rank to exit left with 2; the other one too, or torchrun
@@ -109,7 +109,7 @@ def test_a_full_disk_under_the_balance_jsonl_is_one_line(tmp_path):
     with mounted_tmpfs(tmp_path / "disk", "size=4k") as disk:
         jsonl = disk / "balance.jsonl"
         run = run_entry(["--train-iters", "12", "--balance-log-file", str(jsonl)])
-    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    errors = error_lines(run.output)
     assert errors[0] == (
         f"pretrain_stable_latentmoe: error: the disk filled up writing {jsonl} (0.0 MB free); "
         "free space there or give --balance-log-file a file on a larger disk"
@@ -131,7 +131,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tm
     assert "Traceback" not in run.output and "Exception in thread" not in run.output, run.output[
         -6000:
     ]
-    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    errors = error_lines(run.output)
     assert errors[0] == (
         f"pretrain_stable_latentmoe: error: the disk filled up writing in --tensorboard-dir "
         f"{disk / 'tb'} (0.0 MB free); free space there or give --tensorboard-dir a folder on a "
@@ -169,7 +169,7 @@ def test_a_disk_turned_read_only_fails_the_next_save_in_one_line(tmp_path, struc
         )
         assert struck_at, run.output[-3000:]
         left = sorted(p.name for p in ckpt.iterdir())
-    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    errors = error_lines(run.output)
     kept = f" \\(the unfinished {iter_dir(ckpt, 4)} is left there: it cannot be removed\\)"
     assert re.fullmatch(
         rf"pretrain_stable_latentmoe: error: --save {ckpt}: the file system turned read-only "
@@ -202,7 +202,7 @@ def test_async_save_on_a_full_disk_is_the_same_one_line(tmp_path):
         )
         left = sorted(p.name for p in ckpt.iterdir())
     assert re.search(r"^\s+async_save \.+ False$", run.output, re.M), run.output[-3000:]
-    errors = [line for line in run.output.splitlines() if ": error: " in line]
+    errors = error_lines(run.output)
     assert len(errors) == 1 and re.fullmatch(_full_disk_line(ckpt), errors[0]), errors
     exits = re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M)
     assert exits[-1] == "2" and set(exits) <= {"2", "-15"}, run.output[-3000:]

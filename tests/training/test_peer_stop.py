@@ -20,6 +20,7 @@ import pytest
 from . import (
     LAUNCH,
     command,
+    error_lines,
     iter_dir,
     kill_during_save,
     kill_tree,
@@ -34,10 +35,6 @@ PEER_LINE = (
     r"(Connection closed by peer|Read error) \[127\.0\.0\.1\]:\d+(: Connection reset by peer)?\); "
     r"its own error is above, or the launcher's summary names it if it was killed"
 )
-
-
-def error_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if ": error: " in line]
 
 
 def test_a_rank_that_stops_with_its_error_costs_the_other_one_line():
