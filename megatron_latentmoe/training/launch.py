@@ -20,6 +20,7 @@ tie with the rank that saw it go. Plain Python.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from megatron_latentmoe.error_file import AFTER_PEER
@@ -40,6 +41,18 @@ def _root_failure(err):
     return rank, failures[rank]
 
 
+def _said_and_terminated(failure) -> int | None:
+    """The exit code of a rank that wrote its one-line error (its error file) and that torchrun
+    then ended with SIGTERM on its way out, another rank having exited first: 1 where it stopped
+    because another rank did, else 2 (the entry point's codes); None for any other failure.
+    Measured: a save that filled the disk, said by rank 0 after the ranks' barrier, while rank 1
+    exited 2 first (torchrun's table: rank 0, exitcode -15, with rank 0's line)."""
+    message = failure.error_file_data.get("message")
+    if failure.exitcode != -signal.SIGTERM or not isinstance(message, dict):
+        return None
+    return 1 if message.get("extraInfo", {}).get(AFTER_PEER) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -50,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         rank, failure = _root_failure(err)
         code = failure.exitcode  # torchrun's -N: killed by signal N
         how = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
+        said = _said_and_terminated(failure)
+        if said is not None:
+            code = said
+            how = f"exited with its error, code {code} (torchrun's SIGTERM ended it on its way out)"
         print(f"[{PROG}] rank {rank} {how} (its output is above)", file=sys.stderr, flush=True)
         return code if code > 0 else 128 - code
     return 0

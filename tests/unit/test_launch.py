@@ -159,6 +159,27 @@ def test_a_killed_rank_is_named_before_the_rank_that_saw_it_go(tmp_path, monkeyp
     assert launch._root_failure(ChildFailedError("rank.py", {1: later, 0: peer}))[0] == 0
 
 
+def test_a_rank_ended_by_sigterm_after_its_line_is_named_with_its_code(tmp_path, monkeypatch):
+    """Rank 0 said its line (a save that filled the disk), rank 1 exited 2 first, silently, and
+    torchrun ended rank 0 with SIGTERM on its way out: torchrun's root cause is rank 0 (its
+    earlier stamp), exitcode -15. This launcher names it with the entry point's code, 2 (1 for a
+    rank stopped by a peer), not "killed by signal 15" and 143 (measured in
+    tests/training/test_disk_full.py's runs)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.setattr(error_file.time, "time", lambda: 1000.5)
+    said = _failure(tmp_path, 0, -15, "pretrain_stable_latentmoe: error: --save /c: full")
+    monkeypatch.setattr(error_file.time, "time", lambda: 1002.5)
+    quiet = _failure(tmp_path, 1, 2, None)
+    err = ChildFailedError("rank.py", {0: said, 1: quiet})
+    rank, failure = launch._root_failure(err)
+    assert rank == 0 and launch._said_and_terminated(failure) == 2
+    peer = _failure(tmp_path, 1, -15, "rank 1: peer stopped", after_peer=True)
+    assert launch._said_and_terminated(peer) == 1
+    assert launch._said_and_terminated(quiet) is None  # no line: its own exit code
+    assert launch._said_and_terminated(_failure(tmp_path, 2, -9, None)) is None  # killed
+
+
 def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for value in (None, ""):  # "": torchrun's, where its logs go to /dev/null
