@@ -217,6 +217,20 @@ RANK_FILE = "model_optim_rng.pt"
 ``mp_rank_*`` folder (megatron-core 0.19.2's ``get_checkpoint_name``)."""
 
 
+def _rank_files(path: Path) -> list[Path]:
+    """The :data:`RANK_FILE` of each rank folder of the legacy ``torch`` checkpoint in ``path``,
+    sorted (rank 0's first)."""
+    return sorted(path.glob(f"mp_rank_*/{RANK_FILE}"))
+
+
+def _rank_file_args(file: Path):
+    """The run's arguments saved in a legacy rank file (memory-mapped: its tensors are not
+    read); raises what reading it raises."""
+    import torch
+
+    return torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
+
+
 def _rank_file_problem(path: Path) -> str | None:
     """The first file of the legacy ``torch`` checkpoint in ``path`` that is not there: the
     :data:`RANK_FILE` of each rank of the layout its saved args give (``mp_rank_TT``, with
@@ -225,15 +239,13 @@ def _rank_file_problem(path: Path) -> str | None:
     beside it where its run saved the distributed optimizer's state. The args come from the
     first rank file that can be read (memory-mapped: its tensors are not read); raises what
     reading it raises where none can."""
-    import torch
-
-    files = sorted(path.glob(f"mp_rank_*/{RANK_FILE}"))
+    files = _rank_files(path)
     if not files:
         return f"no rank file (mp_rank_*/{RANK_FILE}) in {path}"
     error: Exception | None = None
     for file in files:
         try:
-            saved = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
+            saved = _rank_file_args(file)
             break
         except Exception as e:  # noqa: BLE001 - cut or corrupt: the next one may be whole
             error = e
@@ -598,13 +610,8 @@ def saved_args(path: str | None):
     if path is None:
         return None
     if checkpoint_format(path) == "torch":
-        import glob
-
-        import torch
-
-        files = sorted(glob.glob(os.path.join(path, "mp_rank_0*", "model_optim_rng.pt")))
         try:
-            return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["args"]
+            return _rank_file_args(_rank_files(Path(path))[0])
         except Exception:  # noqa: BLE001 - unreadable: Megatron will report it
             return None
     from megatron.core import dist_checkpointing
