@@ -1752,7 +1752,32 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
         assert json.loads(Path(default_prefix + ".json").read_text())["sha256"] == record["sha256"]
 
 
-def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, monkeypatch):
+@pytest.fixture
+def tokenizing_spy(tmp_path, monkeypatch) -> list[dict]:
+    """prepare_default_dataset's tokenizing replaced by a spy: it records each call's keyword
+    arguments (the list returned) and writes a valid one-document dataset
+    (``tmp_path/one.bin`` / ``.idx``, copied) at the prefix it is given."""
+    import shutil
+
+    from megatron_latentmoe.data import indexed
+
+    src = _write_jsonl(tmp_path / "one.jsonl", [{"text": SAMPLES[0]}])
+    preprocess_jsonl(src, tmp_path / "one", progress=False)
+    calls = []
+
+    def spy(input, output_prefix, **kwargs):
+        calls.append(kwargs)
+        for ext in (".bin", ".idx"):
+            shutil.copy(tmp_path / f"one{ext}", output_prefix + ext)
+        return types.SimpleNamespace(documents=1, tokens=2)
+
+    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    return calls
+
+
+def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(
+    tmp_path, monkeypatch, tokenizing_spy
+):
     """prepare_default_dataset's reuse rule, the tokenizing replaced by a spy: it rebuilds when
     forced, when the .idx is gone, when the record's format version is another, when a tokenizer
     file changed (other ids for the same corpus), and not when another process built the dataset
@@ -1761,21 +1786,9 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     import contextlib
     import shutil
 
-    from megatron_latentmoe.data import corpus, indexed
+    from megatron_latentmoe.data import corpus
 
-    builds = []
-    src = tmp_path / "one.jsonl"
-    src.write_text(json.dumps({"text": SAMPLES[0]}) + "\n")
-    pair = {ext: str(tmp_path / f"one{ext}") for ext in (".bin", ".idx")}
-    preprocess_jsonl(src, tmp_path / "one", progress=False)  # a valid dataset for the spy
-
-    def spy(input, output_prefix, **kwargs):
-        builds.append(kwargs["tokenizer"])
-        for ext in (".bin", ".idx"):
-            shutil.copy(pair[ext], output_prefix + ext)
-        return types.SimpleNamespace(documents=1, tokens=2)
-
-    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
+    builds = tokenizing_spy
     out = tmp_path / "data"
     record = out / "default_corpus.json"
 
@@ -1797,7 +1810,7 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     assert rebuilds() == 0  # the same files elsewhere
     with open(tokenizer / "tokenizer_config.json", "a") as f:
         f.write("\n")
-    assert (rebuilds(), rebuilds(), builds[-1]) == (1, 0, tokenizer)
+    assert (rebuilds(), rebuilds(), builds[-1]["tokenizer"]) == (1, 0, tokenizer)
     # a file renamed (same bytes, same order): another tokenizer for HF, so rebuilt
     (tokenizer / "special_tokens_map.json").rename(tokenizer / "special_tokens_map.json.bak")
     assert (rebuilds(), rebuilds()) == (1, 0)
@@ -1808,7 +1821,7 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
 
     @contextlib.contextmanager
     def another_process_builds_it(path):
-        shutil.copy(pair[".idx"], out / "default_corpus.idx")
+        shutil.copy(tmp_path / "one.idx", out / "default_corpus.idx")
         yield
 
     (out / "default_corpus.idx").unlink()
@@ -1816,7 +1829,9 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(tmp_path, m
     assert rebuilds() == 0
 
 
-def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(tmp_path, monkeypatch):
+def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(
+    tmp_path, tokenizing_spy
+):
     """prepare_default_dataset, the tokenizing replaced by a spy: ``trust_remote_code`` (which
     may run a tokenizer's own code, other ids) names a dataset of its own, where the dataset made
     without it was reused; the dataset a tokenizer folder made before its files changed is
@@ -1825,19 +1840,11 @@ def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(tmp
     another process holds."""
     import shutil
 
-    from megatron_latentmoe.data import corpus, indexed
+    from megatron_latentmoe.data import corpus
 
-    src = _write_jsonl(tmp_path / "one.jsonl", [{"text": SAMPLES[0]}])
-    preprocess_jsonl(src, tmp_path / "one", progress=False)  # a valid dataset for the spy
-    builds = []
+    def builds() -> list[bool]:
+        return [call["trust_remote_code"] for call in tokenizing_spy]
 
-    def spy(input, output_prefix, **kwargs):
-        builds.append(kwargs["trust_remote_code"])
-        for ext in (".bin", ".idx"):
-            shutil.copy(tmp_path / f"one{ext}", output_prefix + ext)
-        return types.SimpleNamespace(documents=1, tokens=2)
-
-    monkeypatch.setattr(indexed, "preprocess_jsonl", spy)
     out, tok = tmp_path / "data", shutil.copytree(DEFAULT_TOKENIZER_DIR, tmp_path / "tok")
     with open(tok / "tokenizer_config.json", "a") as f:
         f.write("\n")  # no longer the shipped tokenizer's files
@@ -1848,7 +1855,7 @@ def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(tmp
 
     plain, trusted = prepare(False), prepare(True)
     assert plain != trusted and (prepare(False), prepare(True)) == (plain, trusted)
-    assert builds == [False, False, True]
+    assert builds() == [False, False, True]
     for prefix in (plain, trusted):
         assert re.fullmatch(r"default_corpus_[0-9a-f]{12}", os.path.basename(prefix))
     assert corpus.default_dataset_name(DEFAULT_TOKENIZER_DIR, trust_remote_code=True) == (
@@ -1871,7 +1878,7 @@ def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(tmp
     with corpus._file_lock(Path(trusted + ".lock")):  # another process holds it
         again = prepare(True)
     assert files() == dataset(shipped) | dataset(trusted) | dataset(changed) | dataset(again)
-    assert builds == [False, False, True, False, True]
+    assert builds() == [False, False, True, False, True]
 
 
 def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path, monkeypatch):
