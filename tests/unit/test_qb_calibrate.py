@@ -65,32 +65,37 @@ def test_padding_is_not_counted():
     assert history[0] == _max_vio(padded, torch.zeros(N), valid_M)
 
 
-def test_only_a_run_that_starts_at_iteration_0_calibrates_once():
+def _calibrated_iterations(start: int, kept_bias: str | None = None) -> list[int]:
+    """The iterations a :class:`QBCalibration` (its ``calibrate`` a spy) calibrates at, its
+    wrapped train step run at iterations ``start`` and ``start + 1``."""
+
     def train_step(
         forward_step_func, data_iterator, model, config, forward_backward_func, iteration=None
     ):
         return iteration
 
-    def calls(start: int) -> list[int]:
-        cal = QBCalibration(
-            2,
-            train_iters=10,
-            global_batch_size=8,
-            seq_length=4,
-            micro_batch_size=1,
-            num_microbatches=lambda: 1,
-        )
-        seen = []
-        cal.calibrate = lambda call: seen.append(call["iteration"])
-        step = cal.wrap_train_step(train_step)
-        assert [step(None, None, None, None, None, iteration=i) for i in (start, start + 1)] == [
-            start,
-            start + 1,
-        ]
-        return seen
+    cal = QBCalibration(
+        2,
+        train_iters=10,
+        global_batch_size=8,
+        seq_length=4,
+        micro_batch_size=1,
+        num_microbatches=lambda: 1,
+        kept_bias=kept_bias,
+    )
+    seen = []
+    cal.calibrate = lambda call: seen.append(call["iteration"])
+    step = cal.wrap_train_step(train_step)
+    assert [step(None, None, None, None, None, iteration=i) for i in (start, start + 1)] == [
+        start,
+        start + 1,
+    ]
+    return seen
 
-    assert calls(0) == [0]  # a fresh run (or --finetune): once, before its first step
-    assert calls(5) == []  # resumed: the checkpoint's bias
+
+def test_only_a_run_that_starts_at_iteration_0_calibrates_once():
+    assert _calibrated_iterations(0) == [0]  # a fresh run (or --finetune): once, before step 1
+    assert _calibrated_iterations(5) == []  # resumed: the checkpoint's bias
 
 
 def test_wrappers_refuse_a_train_step_without_megatrons_argument_names():
@@ -666,22 +671,5 @@ def test_a_release_of_a_qb_run_resumed_keeps_its_bias(capsys):
     args.finetune = True
     assert kept_bias_line(args, qb, "/ckpt/release", "load") is None
 
-    def train_step(
-        forward_step_func, data_iterator, model, config, forward_backward_func, iteration=None
-    ):
-        return iteration
-
-    cal = QBCalibration(
-        2,
-        train_iters=10,
-        global_batch_size=8,
-        seq_length=4,
-        micro_batch_size=1,
-        num_microbatches=lambda: 1,
-        kept_bias=line,
-    )
-    seen = []
-    cal.calibrate = lambda call: seen.append(call["iteration"])
-    step = cal.wrap_train_step(train_step)
-    assert [step(None, None, None, None, None, iteration=i) for i in (0, 1)] == [0, 1]
-    assert seen == [] and capsys.readouterr().out == line + "\n"
+    assert _calibrated_iterations(0, kept_bias=line) == []
+    assert capsys.readouterr().out == line + "\n"
