@@ -1,7 +1,7 @@
 """The entry point's name and its rank-0 printing, for :mod:`.pretrain` and the modules that
-speak for it (:mod:`.resume`, :mod:`.file_checks`): every line a run prints starts with
-``[pretrain_stable_latentmoe]`` or ``pretrain_stable_latentmoe: error:`` (:func:`error`, which
-also gives the line to torchrun). Plain Python."""
+speak for it (:mod:`.resume`, :mod:`.checkpoint_repair`, :mod:`.file_checks`): every line a run
+prints starts with ``[pretrain_stable_latentmoe]`` or ``pretrain_stable_latentmoe: error:``
+(:func:`error`, which also gives the line to torchrun). Plain Python."""
 
 from __future__ import annotations
 

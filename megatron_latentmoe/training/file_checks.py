@@ -29,8 +29,8 @@ from pathlib import Path
 
 from megatron_latentmoe.checkpoint_layout import iteration_dir_name, tracked_checkpoint_dir
 from megatron_latentmoe.files import REMOUNT, megabytes, nearest_existing, os_error
+from megatron_latentmoe.training.checkpoint_repair import repair_checkpoint_tracker
 from megatron_latentmoe.training.console import error, rank
-from megatron_latentmoe.training.resume import repair_checkpoint_tracker
 
 
 def checkpoint_bytes(args) -> int | None:

@@ -11,10 +11,10 @@ Order of work (everything that can be wrong about the command line fails before 
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
    (``compat.cpu``), and ``megatron.training``'s CUDA walls moved aside (``compat.training``);
 5. ``--load`` given (or ``--pretrained-checkpoint``, which Megatron loads where ``--load`` holds
-   no checkpoint; :mod:`.resume`): a checkpoint tracker left broken by a kill is repaired;
-   a damaged checkpoint, or one Megatron fails to load with this run's ``--ckpt-format``, is
-   refused at step 1, one of another model shape or (legacy ``torch``) parallel layout here;
-   a layout change Megatron reshards is planned;
+   no checkpoint; :mod:`.resume`): a checkpoint tracker left broken by a kill is repaired
+   (:mod:`.checkpoint_repair`); a damaged checkpoint, or one Megatron fails to load with this
+   run's ``--ckpt-format``, is refused at step 1, one of another model shape or (legacy
+   ``torch``) parallel layout here; a layout change Megatron reshards is planned;
 6. ``pretrain(cfg_container, datasets, ModelType.encoder_or_decoder, forward_step)`` where
    ``cfg_container.model`` builds the model with ``build_gpt_model`` and installs the step-end
    hook (grads -> QB bias update -> balance logging); a checkpoint save that fills ``--save``'s
@@ -127,6 +127,7 @@ def _checked(args, has_cuda: bool):
         uses_default_data,
         validate_stable_latentmoe_args,
     )
+    from megatron_latentmoe.training.checkpoint_repair import save_tracker_refusal
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
         ckpt_step_refusal,
@@ -134,7 +135,6 @@ def _checked(args, has_cuda: bool):
         load_refusal,
         loaded_arg,
         pretrained_refusal,
-        save_tracker_refusal,
     )
 
     validate_stable_latentmoe_args(args, has_cuda=has_cuda)
@@ -274,6 +274,12 @@ def _main(check_only: bool = False) -> int:
         default_jsonl_path,
         make_finalize_model_grads_func,
     )
+    from megatron_latentmoe.training.checkpoint_repair import (
+        AUTO_FORMAT,
+        repair_checkpoint_tracker,
+        repair_non_persistent_checkpoints,
+        repair_save_folder,
+    )
     from megatron_latentmoe.training.data_left import DataLeftError, checks_data_left
     from megatron_latentmoe.training.file_checks import (
         SaveDiskFailure,
@@ -287,7 +293,6 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_calibrate import QBCalibration, kept_bias_line
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
-        AUTO_FORMAT,
         ckpt_step_warning,
         layout_changed,
         legacy_layout_refusal,
@@ -297,9 +302,6 @@ def _main(check_only: bool = False) -> int:
         loads_release,
         plan_layout_change,
         release_data_warning,
-        repair_checkpoint_tracker,
-        repair_non_persistent_checkpoints,
-        repair_save_folder,
         resumed_by_args,
         saved_args,
         shape_refusal,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
-from megatron_latentmoe.training.resume import (
+from megatron_latentmoe.training.checkpoint_repair import (
     repair_checkpoint_tracker,
     repair_non_persistent_checkpoints,
     repair_save_folder,
@@ -329,7 +329,7 @@ def _dcp_save(root, iteration, torch_dist: bool):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_latentmoe.training.resume import COMMON_STATE
+    from megatron_latentmoe.training.checkpoint_repair import COMMON_STATE
 
     state = {"w": torch.arange(64.0)}
     if torch_dist:
@@ -370,7 +370,7 @@ def test_a_checkpoint_of_another_format_whose_deletion_a_kill_cut_is_never_chose
     removed: the repair names the whole iteration 2."""
     import itertools
 
-    from megatron_latentmoe.training.resume import AUTO_FORMAT
+    from megatron_latentmoe.training.checkpoint_repair import AUTO_FORMAT
 
     def make(iteration):
         if ckpt_format == "torch":
@@ -441,7 +441,7 @@ def test_a_torch_dist_save_cut_before_its_metadata_json_is_unfinished(tmp_path, 
     checkpoint by its files' names; a torch_dist save cut between the two looked like one and
     was kept in ``--save``, its shard files mixed with a later save's of that iteration. Its
     ``.metadata`` tells them apart: the cut save is removed, the torch_dcp checkpoint kept."""
-    from megatron_latentmoe.training.resume import AUTO_FORMAT, _complete_checkpoint
+    from megatron_latentmoe.training.checkpoint_repair import AUTO_FORMAT, _complete_checkpoint
 
     save = tmp_path / "save"
     save.mkdir()
@@ -532,8 +532,8 @@ def test_a_cut_save_tracker_and_an_unfinished_folder_meet_the_next_run(tmp_path)
 def test_each_metadata_file_is_read_once_until_it_changes(tmp_path, monkeypatch):
     """The start-up checks each judge every ``iter_*`` folder (a repair with ``write=False``);
     each torch_dcp-looking folder's ``.metadata`` was unpickled by each (201 times for 50
-    folders, 20 s: ``resume._dcp_metadata``). Now once per process, and again where the file
-    is another: here a torch_dcp checkpoint's replaced by a cut torch_dist save's."""
+    folders, 20 s: ``checkpoint_repair._dcp_metadata``). Now once per process, and again where the
+    file is another: here a torch_dcp checkpoint's replaced by a cut torch_dist save's."""
     from torch.distributed.checkpoint import FileSystemReader
 
     reads = []

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_latentmoe.training import console, pretrain, resume
+from megatron_latentmoe.training import checkpoint_repair, console, pretrain, resume
 
 
 def test_startup_env_sets_megatrons_variables_unless_given(monkeypatch):
@@ -161,17 +161,23 @@ class _Run:
             (situ, "set_cpu_compile"),
             (forward_step, "set_balance_logger"),
             (forward_step, "set_batch_recorder"),
-            (resume, "repair_non_persistent_checkpoints"),
+            (checkpoint_repair, "repair_non_persistent_checkpoints"),
             (resume, "plan_layout_change"),
             (resume, "legacy_layout_refusal"),  # reads the folder (tests/training meet it)
         ):
             monkeypatch.setattr(module, name, recorder(name))
         monkeypatch.setattr(pretrain, "checked_args", checked_args)
-        monkeypatch.setattr(  # its answers (write=False) are left to tests/training
-            resume,
-            "repair_checkpoint_tracker",
-            lambda d, f, write=True: event(("repair_checkpoint_tracker", d, f)) if write else None,
-        )
+        # looked up in both: the entry point and the --save repair take it from checkpoint_repair,
+        # loaded_arg and resumed_checkpoint from resume; its answers (write=False) are left to
+        # tests/training
+        for module in (checkpoint_repair, resume):
+            monkeypatch.setattr(
+                module,
+                "repair_checkpoint_tracker",
+                lambda d, f, write=True: (
+                    event(("repair_checkpoint_tracker", d, f)) if write else None
+                ),
+            )
         monkeypatch.setattr(
             resume, "saved_args", lambda path: event(("saved_args", path)) or self.saved
         )
@@ -463,7 +469,9 @@ def test_main_repairs_the_tracker_on_rank_0_only(monkeypatch, tmp_path):
     assert run.named("repair_non_persistent_checkpoints") == []
     run = _Run(monkeypatch, tmp_path, load=str(tmp_path), auto_detect_ckpt_format=True)
     assert run() == 0
-    assert run.named("repair_checkpoint_tracker") == [(str(tmp_path), resume.AUTO_FORMAT)]
+    assert run.named("repair_checkpoint_tracker") == [
+        (str(tmp_path), checkpoint_repair.AUTO_FORMAT)
+    ]
 
 
 def test_main_explains_megatrons_schedule_mismatch_on_load(monkeypatch, tmp_path, capsys):
@@ -972,10 +980,17 @@ def test_every_check_reads_the_folder_megatron_loads(monkeypatch, tmp_path, caps
         ckpt_step=step,
         hidden_size=128,
     )
-    real = {name: getattr(resume, name) for name in ("saved_args", "repair_checkpoint_tracker")}
+    real = [
+        (module, name, getattr(module, name))
+        for module, name in (
+            (resume, "saved_args"),
+            (resume, "repair_checkpoint_tracker"),
+            (checkpoint_repair, "repair_checkpoint_tracker"),
+        )
+    ]
     run = _Run(monkeypatch, tmp_path, **flags)
-    for name, function in real.items():  # _Run fakes them
-        monkeypatch.setattr(resume, name, function)
+    for module, name, function in real:  # _Run fakes them
+        monkeypatch.setattr(module, name, function)
     assert os.path.relpath(resume.resumed_by_args(run.args, load_arg), root) == loaded
     assert run() == 2  # the shape check read that folder's args
     assert read == [loaded]

@@ -1,7 +1,8 @@
 """What ``--load`` resumes from (``training/resume.py``), called directly with small inputs: a tmp
 dir, a namespace of flags, fakes for Megatron's loaders. The entry point's use of it is
 ``test_pretrain_units.py``'s; whole resumed runs are ``tests/training/test_resume.py``'s and
-``test_ckpt_formats.py``'s; the tracker repair is ``tests/training/test_tracker_repair.py``'s."""
+``test_ckpt_formats.py``'s; what makes a checkpoint folder complete is
+``test_checkpoint_repair.py``'s, the tracker repair ``tests/training/test_tracker_repair.py``'s."""
 
 from __future__ import annotations
 
@@ -12,45 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
-from megatron_latentmoe.training import resume
+from megatron_latentmoe.training import checkpoint_repair, resume
 from tests.training import dcp_checkpoint
-
-
-def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path):
-    path = tmp_path / iteration_dir_name(2)
-    path.mkdir()
-    (path / "__0_0.distcp").write_text("shard")
-    complete = []
-    for name in ("metadata.json", ".metadata"):
-        (path / name).write_text("{}")
-        complete.append(resume._complete_checkpoint(str(path), "torch_dist"))
-    (path / "metadata.json").unlink()  # torch DCP's .metadata alone: Megatron had not finished
-    complete.append(resume._complete_checkpoint(str(path), "torch_dist"))
-    assert complete == [False, True, False]
-
-
-@pytest.mark.parametrize("ckpt_format", ["torch_dcp", "fsdp_dtensor"])
-def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckpt_format):
-    """Megatron saves these with torch.distributed.checkpoint.save alone: no metadata.json."""
-    path = tmp_path / iteration_dir_name(2)
-    path.mkdir()
-    (path / "__0_0.distcp").write_text("shard")
-    complete = [resume._complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
-    (path / ".metadata").write_text("{}")
-    complete.append(resume._complete_checkpoint(str(path), ckpt_format))
-    assert complete == [False, True]
-    (tmp_path / TRACKER_FILE).write_bytes(b"")  # cut by a kill: repaired to the complete one
-    assert resume.repair_checkpoint_tracker(str(tmp_path), ckpt_format) == 2
-    assert (tmp_path / TRACKER_FILE).read_text() == "2"
-
-
-def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
-    path = tmp_path / iteration_dir_name(2)
-    assert not resume._complete_checkpoint(str(path), "torch")  # absent
-    path.mkdir()
-    assert not resume._complete_checkpoint(str(path), "torch")  # created, nothing written
-    (path / "mp_rank_00").mkdir()
-    assert resume._complete_checkpoint(str(path), "torch")
 
 
 def test_auto_detected_formats_are_each_complete_by_their_own_rule(tmp_path):
@@ -63,17 +27,17 @@ def test_auto_detected_formats_are_each_complete_by_their_own_rule(tmp_path):
     (tmp_path / iteration_dir_name(9)).mkdir()
     (tmp_path / iteration_dir_name(9) / "__0_0.distcp").write_text("shard")  # killed mid-save
     (tmp_path / TRACKER_FILE).write_text("6")
-    auto = resume.AUTO_FORMAT
+    auto = checkpoint_repair.AUTO_FORMAT
     assert [
-        resume._complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
+        checkpoint_repair._complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
         for i in (3, 6, 9, 12)
     ] == [True, True, False, False]
-    assert resume.repair_checkpoint_tracker(str(tmp_path), auto) == 6
+    assert checkpoint_repair.repair_checkpoint_tracker(str(tmp_path), auto) == 6
     assert (tmp_path / TRACKER_FILE).read_text() == "6"
     assert resume.load_format(SimpleNamespace(ckpt_format="torch_dist")) == "torch_dist"
     assert (
         resume.load_format(SimpleNamespace(ckpt_format="torch_dist", auto_detect_ckpt_format=True))
-        == resume.AUTO_FORMAT
+        == checkpoint_repair.AUTO_FORMAT
     )
 
 

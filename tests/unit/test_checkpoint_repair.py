@@ -1,0 +1,50 @@
+"""What makes a checkpoint folder complete (``training/checkpoint_repair.py``), called directly
+with a tmp dir: a save cut by a kill is not. The repairs built on it are
+``tests/training/test_tracker_repair.py``'s; ``--auto-detect-ckpt-format``'s rule, each folder by
+its own format, is ``test_resume_units.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
+from megatron_latentmoe.training import checkpoint_repair
+
+
+def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path):
+    path = tmp_path / iteration_dir_name(2)
+    path.mkdir()
+    (path / "__0_0.distcp").write_text("shard")
+    complete = []
+    for name in ("metadata.json", ".metadata"):
+        (path / name).write_text("{}")
+        complete.append(checkpoint_repair._complete_checkpoint(str(path), "torch_dist"))
+    (path / "metadata.json").unlink()  # torch DCP's .metadata alone: Megatron had not finished
+    complete.append(checkpoint_repair._complete_checkpoint(str(path), "torch_dist"))
+    assert complete == [False, True, False]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dcp", "fsdp_dtensor"])
+def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckpt_format):
+    """Megatron saves these with torch.distributed.checkpoint.save alone: no metadata.json."""
+    path = tmp_path / iteration_dir_name(2)
+    path.mkdir()
+    (path / "__0_0.distcp").write_text("shard")
+    complete = [checkpoint_repair._complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
+    (path / ".metadata").write_text("{}")
+    complete.append(checkpoint_repair._complete_checkpoint(str(path), ckpt_format))
+    assert complete == [False, True]
+    (tmp_path / TRACKER_FILE).write_bytes(b"")  # cut by a kill: repaired to the complete one
+    assert checkpoint_repair.repair_checkpoint_tracker(str(tmp_path), ckpt_format) == 2
+    assert (tmp_path / TRACKER_FILE).read_text() == "2"
+
+
+def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
+    path = tmp_path / iteration_dir_name(2)
+    assert not checkpoint_repair._complete_checkpoint(str(path), "torch")  # absent
+    path.mkdir()
+    assert not checkpoint_repair._complete_checkpoint(
+        str(path), "torch"
+    )  # created, nothing written
+    (path / "mp_rank_00").mkdir()
+    assert checkpoint_repair._complete_checkpoint(str(path), "torch")
