@@ -8,7 +8,7 @@ checkpoints', their cut folders removed too (:func:`repair_non_persistent_checkp
 ``--save``'s, its unfinished ``iter_*`` folders removed (:func:`repair_save_folder`; a ``release``
 tracker there that Megatron's save fails on: :func:`save_tracker_refusal`). What they judge a
 folder by: its format as Megatron tells it (:func:`checkpoint_format`), whether it is complete
-(:func:`_complete_checkpoint`) and whether a file its format needs is gone (a deletion a kill
+(:func:`complete_checkpoint`) and whether a file its format needs is gone (a deletion a kill
 cut: :func:`_deleted_in_part`), read from its files' names and sizes, torch DCP's ``.metadata``
 and a legacy checkpoint's saved args (no tensor).
 """
@@ -33,7 +33,7 @@ AUTO_FORMAT = "auto"
 """The ``ckpt_format`` of a run with ``--auto-detect-ckpt-format``: each folder's own."""
 
 
-def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
+def complete_checkpoint(path: str, ckpt_format: str) -> bool:
     """A checkpoint folder a run can load: Megatron's distributed checkpoint (``torch_dist``)
     writes ``metadata.json`` after everything else (torch DCP's ``.metadata`` just before it);
     ``torch_dcp`` and ``fsdp_dtensor`` are torch DCP's ``save`` alone, ``.metadata`` last and no
@@ -147,7 +147,7 @@ def repair_checkpoint_tracker(
         iteration
         for entry in os.listdir(load_dir)
         if (iteration := iteration_of_dir_name(entry)) is not None
-        and _complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
+        and complete_checkpoint(os.path.join(load_dir, entry), ckpt_format)
     )
     if named is not None and named in complete:
         return named  # a damaged one: load_refusal's
@@ -174,9 +174,9 @@ def repair_checkpoint_tracker(
 
 
 def _deleted_in_part(path: str) -> bool:
-    """A folder that looks complete (:func:`_complete_checkpoint`) but lacks a file its format
+    """A folder that looks complete (:func:`complete_checkpoint`) but lacks a file its format
     needs: a ``torch_dist`` or ``torch_dcp`` one a shard file its ``.metadata`` names, or has one
-    shorter (:func:`_shard_problem`); a legacy ``torch`` one a rank file of the layout its saved
+    shorter (:func:`shard_problem`); a legacy ``torch`` one a rank file of the layout its saved
     args give (:func:`_rank_file_problem`). What a kill leaves of a checkpoint whose deletion it
     cut (megatron-core 0.19.2's ``--save-retain-interval`` and non-persistent cleanups remove a
     folder with ``shutil.rmtree``, in the file system's order), or of a legacy save. One whose
@@ -187,13 +187,13 @@ def _deleted_in_part(path: str) -> bool:
         if found == "torch":
             return _rank_file_problem(Path(path)) is not None
         if found in ("torch_dist", "torch_dcp"):
-            return _shard_problem(Path(path)) is not None
+            return shard_problem(Path(path)) is not None
     except Exception:  # noqa: BLE001 - an unreadable .metadata or rank file: the load's
         return False
     return False
 
 
-def _shard_problem(path: Path) -> str | None:
+def shard_problem(path: Path) -> str | None:
     """The first shard file that torch DCP's ``.metadata`` in ``path`` names and that is missing
     or shorter than it says; raises what reading ``.metadata`` raises (:func:`_dcp_metadata`)."""
     for name, end in _dcp_metadata(path).shard_ends:
@@ -213,13 +213,13 @@ RANK_FILE = "model_optim_rng.pt"
 ``mp_rank_*`` folder (megatron-core 0.19.2's ``get_checkpoint_name``)."""
 
 
-def _rank_files(path: Path) -> list[Path]:
+def rank_files(path: Path) -> list[Path]:
     """The :data:`RANK_FILE` of each rank folder of the legacy ``torch`` checkpoint in ``path``,
     sorted (rank 0's first)."""
     return sorted(path.glob(f"mp_rank_*/{RANK_FILE}"))
 
 
-def _rank_file_args(file: Path):
+def rank_file_args(file: Path):
     """The run's arguments saved in a legacy rank file (memory-mapped: its tensors are not
     read); raises what reading it raises."""
     import torch
@@ -235,13 +235,13 @@ def _rank_file_problem(path: Path) -> str | None:
     beside it where its run saved the distributed optimizer's state. The args come from the
     first rank file that can be read (memory-mapped: its tensors are not read); raises what
     reading it raises where none can."""
-    files = _rank_files(path)
+    files = rank_files(path)
     if not files:
         return f"no rank file (mp_rank_*/{RANK_FILE}) in {path}"
     error: Exception | None = None
     for file in files:
         try:
-            saved = _rank_file_args(file)
+            saved = rank_file_args(file)
             break
         except Exception as e:  # noqa: BLE001 - cut or corrupt: the next one may be whole
             error = e
@@ -291,7 +291,7 @@ def repair_save_folder(args) -> None:
     tracker = os.path.join(save, TRACKER_FILE)
     if args.load is None or os.path.normpath(args.load) != os.path.normpath(save):
         repair_checkpoint_tracker(save, AUTO_FORMAT)
-    text = _tracker_text(save)
+    text = tracker_text(save)
     if os.path.isfile(tracker) and not (text == RELEASE or (text or "").isdecimal()):
         os.remove(tracker)
         print(
@@ -306,7 +306,7 @@ def repair_save_folder(args) -> None:
         if (iteration := iteration_of_dir_name(entry)) is not None
         and iteration != named
         and os.path.isdir(os.path.join(save, entry))
-        and not _complete_checkpoint(os.path.join(save, entry), AUTO_FORMAT)
+        and not complete_checkpoint(os.path.join(save, entry), AUTO_FORMAT)
     )
     for entry in unfinished:
         shutil.rmtree(os.path.join(save, entry))
@@ -325,7 +325,7 @@ def save_tracker_refusal(args) -> str | None:
     tracker as an iteration number and fails on every rank with "ValueError: invalid literal for
     int() with base 10: 'release'", after the iterations before it."""
     retain, save = getattr(args, "save_retain_interval", None), getattr(args, "save", None)
-    if not retain or not save or _tracker_text(save) != RELEASE:
+    if not retain or not save or tracker_text(save) != RELEASE:
         return None
     return (
         f"--save-retain-interval {retain} with --save {save}, whose {TRACKER_FILE} says "
@@ -357,12 +357,12 @@ def repair_non_persistent_checkpoints(args) -> None:
     tracker = folder and os.path.join(folder, TRACKER_FILE)
     if not tracker or not os.path.isfile(tracker):
         return
-    named = _tracker_text(folder)
+    named = tracker_text(folder)
     if named == RELEASE:  # Megatron refuses it: "Non-persistent checkpoint can't be a release"
         return
     ckpt_format = args.ckpt_format  # Megatron saves them in it, --auto-detect-ckpt-format or not
     is_complete = {
-        iteration: _complete_checkpoint(os.path.join(folder, entry), ckpt_format)
+        iteration: complete_checkpoint(os.path.join(folder, entry), ckpt_format)
         for entry in os.listdir(folder)
         if (iteration := iteration_of_dir_name(entry)) is not None
         and os.path.isdir(os.path.join(folder, entry))
@@ -419,7 +419,7 @@ def non_persistent_dir(args, load_dir: str | None = None) -> str | None:
     return os.path.join(load_dir, _NON_PERSISTENT_CKPT_SUBDIR)
 
 
-def _tracker_text(load_dir: str) -> str | None:
+def tracker_text(load_dir: str) -> str | None:
     """What ``load_dir``'s tracker holds, stripped (None: no tracker, or unreadable)."""
     try:
         return Path(load_dir, TRACKER_FILE).read_text().strip()

@@ -38,14 +38,14 @@ from megatron_latentmoe.checkpoint_layout import (
 )
 from megatron_latentmoe.training.checkpoint_repair import (
     AUTO_FORMAT,
-    _complete_checkpoint,
-    _rank_file_args,
-    _rank_files,
-    _shard_problem,
-    _tracker_text,
     checkpoint_format,
+    complete_checkpoint,
     non_persistent_dir,
+    rank_file_args,
+    rank_files,
     repair_checkpoint_tracker,
+    shard_problem,
+    tracker_text,
 )
 from megatron_latentmoe.training.console import PROG, print0
 
@@ -72,7 +72,7 @@ def resumed_checkpoint(
     ``release`` tracker still loads ``release``. ``non_persistent``
     (:func:`.checkpoint_repair.non_persistent_dir`): the newest global non-persistent checkpoint
     there where its iteration is that iteration or newer."""
-    release = _tracker_text(load_dir) == RELEASE
+    release = tracker_text(load_dir) == RELEASE
     iteration = ckpt_step or (
         0 if release else repair_checkpoint_tracker(load_dir, ckpt_format, write=False)
     )
@@ -119,7 +119,7 @@ def resumed_by_args(args, load_arg: str | None = None) -> str | None:
 
 def ckpt_step_refusal(args, load_arg: str = "load") -> str | None:
     """One line when ``--ckpt-step N`` makes Megatron load a folder that is not there or not
-    complete (:func:`.checkpoint_repair._complete_checkpoint` by this run's format): megatron-core
+    complete (:func:`.checkpoint_repair.complete_checkpoint` by this run's format): megatron-core
     0.19.2 failed after building the model and optimizer, on every rank, with "FileNotFoundError:
     [Errno 2] No such file or directory: '.../iter_0000005'" (measured: CPU, one rank, tiny.sh, an
     empty --load, --ckpt-step 5)."""
@@ -127,14 +127,14 @@ def ckpt_step_refusal(args, load_arg: str = "load") -> str | None:
     path = step and load_dir and resumed_by_args(args, load_arg)
     if not path or path != os.path.join(load_dir, iteration_dir_name(step)):
         return None
-    if _complete_checkpoint(path, load_format(args)):
+    if complete_checkpoint(path, load_format(args)):
         return None
     what = "is not a complete checkpoint" if os.path.isdir(path) else "is not there"
     complete = sorted(
         i
         for e in (os.listdir(load_dir) if os.path.isdir(load_dir) else ())
         if (i := iteration_of_dir_name(e)) is not None
-        and _complete_checkpoint(os.path.join(load_dir, e), load_format(args))
+        and complete_checkpoint(os.path.join(load_dir, e), load_format(args))
     )
     head = f"--ckpt-step {step}: {path} {what} ({load_flag(load_arg)} {load_dir}); "
     tracked = os.path.isfile(os.path.join(load_dir, TRACKER_FILE))
@@ -237,7 +237,7 @@ def saved_args(path: str | None):
         return None
     if checkpoint_format(path) == "torch":
         try:
-            return _rank_file_args(_rank_files(Path(path))[0])
+            return rank_file_args(rank_files(Path(path))[0])
         except Exception:  # noqa: BLE001 - unreadable: Megatron will report it
             return None
     from megatron.core import dist_checkpointing
@@ -312,7 +312,7 @@ def _torch_dist_refusal(path: Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"{path / 'metadata.json'} cannot be read ({e})"
     try:
-        return _shard_problem(path)
+        return shard_problem(path)
     except Exception as e:  # noqa: BLE001 - any unpickling / IO problem of a cut or corrupt file
         return f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e})"
 
@@ -341,7 +341,7 @@ def load_refusal(args, load_arg: str = "load") -> str | None:
     path = resumed_by_args(args, load_arg)
     if path is None:
         return None
-    tracker, text = root / TRACKER_FILE, _tracker_text(load_dir) or ""
+    tracker, text = root / TRACKER_FILE, tracker_text(load_dir) or ""
     if not os.path.isdir(path):
         if (
             text.isdecimal()
@@ -355,7 +355,7 @@ def load_refusal(args, load_arg: str = "load") -> str | None:
                 + (f", or delete {tracker} to start from scratch" if resumes else "")
             )
         return None
-    if not _complete_checkpoint(path, load_format(args)) or checkpoint_format(path) != (
+    if not complete_checkpoint(path, load_format(args)) or checkpoint_format(path) != (
         "torch_dist"
     ):
         return None

@@ -441,14 +441,14 @@ def test_a_torch_dist_save_cut_before_its_metadata_json_is_unfinished(tmp_path, 
     checkpoint by its files' names; a torch_dist save cut between the two looked like one and
     was kept in ``--save``, its shard files mixed with a later save's of that iteration. Its
     ``.metadata`` tells them apart: the cut save is removed, the torch_dcp checkpoint kept."""
-    from megatron_latentmoe.training.checkpoint_repair import AUTO_FORMAT, _complete_checkpoint
+    from megatron_latentmoe.training.checkpoint_repair import AUTO_FORMAT, complete_checkpoint
 
     save = tmp_path / "save"
     save.mkdir()
     cut, dcp = _dcp_save(save, 2, torch_dist=True), _dcp_save(save, 4, torch_dist=False)
     (cut / "__1_0.distcp").write_bytes(b"a rank of the cut save")
-    assert not _complete_checkpoint(str(cut), AUTO_FORMAT)
-    assert _complete_checkpoint(str(dcp), AUTO_FORMAT)
+    assert not complete_checkpoint(str(cut), AUTO_FORMAT)
+    assert complete_checkpoint(str(dcp), AUTO_FORMAT)
     repair_save_folder(_save_args(tmp_path))
     assert sorted(p.name for p in save.iterdir()) == [iteration_dir_name(4), TRACKER_FILE]
     assert "removed the unfinished checkpoint folder(s) iter_0000002 in" in capsys.readouterr().out

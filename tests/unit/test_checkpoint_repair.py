@@ -18,9 +18,9 @@ def test_a_distributed_checkpoint_is_complete_with_both_metadata_files(tmp_path)
     complete = []
     for name in ("metadata.json", ".metadata"):
         (path / name).write_text("{}")
-        complete.append(checkpoint_repair._complete_checkpoint(str(path), "torch_dist"))
+        complete.append(checkpoint_repair.complete_checkpoint(str(path), "torch_dist"))
     (path / "metadata.json").unlink()  # torch DCP's .metadata alone: Megatron had not finished
-    complete.append(checkpoint_repair._complete_checkpoint(str(path), "torch_dist"))
+    complete.append(checkpoint_repair.complete_checkpoint(str(path), "torch_dist"))
     assert complete == [False, True, False]
 
 
@@ -30,9 +30,9 @@ def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckp
     path = tmp_path / iteration_dir_name(2)
     path.mkdir()
     (path / "__0_0.distcp").write_text("shard")
-    complete = [checkpoint_repair._complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
+    complete = [checkpoint_repair.complete_checkpoint(str(path), ckpt_format)]  # killed mid-save
     (path / ".metadata").write_text("{}")
-    complete.append(checkpoint_repair._complete_checkpoint(str(path), ckpt_format))
+    complete.append(checkpoint_repair.complete_checkpoint(str(path), ckpt_format))
     assert complete == [False, True]
     (tmp_path / TRACKER_FILE).write_bytes(b"")  # cut by a kill: repaired to the complete one
     assert checkpoint_repair.repair_checkpoint_tracker(str(tmp_path), ckpt_format) == 2
@@ -41,10 +41,8 @@ def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckp
 
 def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
     path = tmp_path / iteration_dir_name(2)
-    assert not checkpoint_repair._complete_checkpoint(str(path), "torch")  # absent
+    assert not checkpoint_repair.complete_checkpoint(str(path), "torch")  # absent
     path.mkdir()
-    assert not checkpoint_repair._complete_checkpoint(
-        str(path), "torch"
-    )  # created, nothing written
+    assert not checkpoint_repair.complete_checkpoint(str(path), "torch")  # created, nothing written
     (path / "mp_rank_00").mkdir()
-    assert checkpoint_repair._complete_checkpoint(str(path), "torch")
+    assert checkpoint_repair.complete_checkpoint(str(path), "torch")

@@ -29,7 +29,7 @@ def test_auto_detected_formats_are_each_complete_by_their_own_rule(tmp_path):
     (tmp_path / TRACKER_FILE).write_text("6")
     auto = checkpoint_repair.AUTO_FORMAT
     assert [
-        checkpoint_repair._complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
+        checkpoint_repair.complete_checkpoint(str(tmp_path / iteration_dir_name(i)), auto)
         for i in (3, 6, 9, 12)
     ] == [True, True, False, False]
     assert checkpoint_repair.repair_checkpoint_tracker(str(tmp_path), auto) == 6
