@@ -71,12 +71,13 @@ def main(argv: list[str] | None = None, check_only: bool = False) -> int:
 
 def process_main(argv: list[str] | None = None, check_only: bool = False) -> int | None:
     """:func:`main` as a process's entry point (``examples/pretrain_stable_latentmoe.py``,
-    ``python -m``), wrapped in torch's ``record`` (the torchrun convention): an unexpected
+    ``python -m``), wrapped in torch's ``record`` (the torchrun convention;
+    :func:`..compat.record.record`: torch DCP's ``CheckpointException`` too): an unexpected
     exception's traceback also goes to torchrun's error file, so that plain torchrun's table shows
     it instead of ``error_file: <N/A>``. A one-line error (:func:`.console.error`) returns its
     exit code, it does not raise: its file is left as it is; ``SystemExit`` passes unchanged
     (``record`` returns None for a ``SystemExit(0)``, ``--help``'s: ``sys.exit`` reads 0)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from megatron_latentmoe.compat.record import record
 
     return record(main)(argv, check_only=check_only)
 

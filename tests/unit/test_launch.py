@@ -244,19 +244,37 @@ def crash(check_only=False):
     raise RuntimeError("a bug the entry point does not expect")
 
 
+def save_failed(check_only=False):  # torch DCP's, a BaseException: not a full disk
+    import traceback
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        raise OSError(5, "Input/output error", "/ckpt/iter_0000003/__0_0.distcp")
+    except OSError as err:
+        failure = (err, traceback.extract_tb(err.__traceback__))
+    raise CheckpointException("CheckpointException", {0: failure})
+
+
 how, entry = sys.argv[1:]
 del sys.argv[1:]
-pretrain._main = {"refuse": refuse, "crash": crash, "help": lambda check_only: sys.exit(0)}[how]
+pretrain._main = {
+    "refuse": refuse,
+    "crash": crash,
+    "save_failed": save_failed,
+    "help": lambda check_only: sys.exit(0),
+}[how]
 runpy.run_path(entry, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("how", ["crash", "refuse", "help"])
+@pytest.mark.parametrize("how", ["crash", "save_failed", "refuse", "help"])
 def test_plain_torchrun_shows_a_crashs_traceback_and_a_refusals_one_line(tmp_path, how):
     """The entry point (``pretrain.process_main``, torch's ``record``) under plain torchrun: an
     unexpected exception's traceback is in torchrun's table (``error_file: <N/A>`` and "To enable
-    traceback see ..." before), a refusal's one line is left as it is, and the exit codes are the
-    rank's own (1 for the exception, 2 for the refusal, 0 for ``--help``'s ``SystemExit(0)``)."""
+    traceback see ..." before), torch DCP's ``CheckpointException`` (a ``BaseException``, which
+    ``record`` alone let through: ``<N/A>``) with the failure it carries, a refusal's one line is
+    left as it is, and the exit codes are the rank's own (1 for the exceptions, 2 for the
+    refusal, 0 for ``--help``'s ``SystemExit(0)``)."""
     (tmp_path / "rank.py").write_text(ENTRY_SCRIPT)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
@@ -275,10 +293,18 @@ def test_plain_torchrun_shows_a_crashs_traceback_and_a_refusals_one_line(tmp_pat
     assert proc.returncode == 1, out[-3000:]  # torchrun's own, for any failed rank
     assert "<N/A>" not in out and "To enable traceback" not in out, out[-3000:]
     root = out[out.index("Root Cause (first observed failure):") :]
-    if how == "crash":
+    raised = {
+        "crash": ["RuntimeError: a bug the entry point does not expect"],
+        "save_failed": [  # the exception, and the rank's failure it carries
+            "checkpoint.api.CheckpointException: CheckpointException ranks:",
+            "OSError: [Errno 5] Input/output error: '/ckpt/iter_0000003/__0_0.distcp'",
+        ],
+    }
+    if how in raised:
         assert "  exitcode  : 1 " in root, out[-3000:]
         assert "  traceback : Traceback (most recent call last):" in root, out[-3000:]
-        assert "RuntimeError: a bug the entry point does not expect" in root, out[-3000:]
+        for text in raised[how]:
+            assert text in root, out[-3000:]
     else:
         assert "  exitcode  : 2 " in root, out[-3000:]
         assert (
