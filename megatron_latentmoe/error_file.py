@@ -28,10 +28,13 @@ AFTER_PEER = "another_rank_stopped"
 def tell_launcher(line: str, after_peer: bool = False) -> None:
     """Write this process's one-line error ``line`` (all of it, ``<prog>: error: ...``) to
     torchrun's error file for it, where torchrun set ``TORCHELASTIC_ERROR_FILE`` (atomically: a
-    temporary file renamed); ``after_peer``: the rank stops because another rank did. A file that
+    temporary file renamed); ``after_peer``: the rank stops because another rank did, and a line
+    already in the file stays, the cause this rank said first (torch 2.13's torchrun makes each
+    attempt's folder anew): rank 0's full ``--save`` disk, said before the ranks' barrier in
+    which a peer then went away (``training.file_checks.stop_if_save_disk_failed``). A file that
     cannot be written leaves torchrun's ``<N/A>``: the line is printed anyway."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    if not path or (after_peer and os.path.exists(path)):
         return
     now = time.time()
     extra = {"timestamp": str(math.ceil(now) if after_peer else math.floor(now))}

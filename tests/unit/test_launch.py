@@ -191,6 +191,18 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_line_said_first_stays_when_the_rank_then_stops_because_of_a_peer(tmp_path, monkeypatch):
+    """Rank 0 said its save's full disk, then a peer went away in the ranks' barrier: the
+    peer-stopped line (marked, stamped at the end of its second) replaced the cause before."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(error_file.time, "time", lambda: 1000.5)
+    error_file.tell_launcher("--save /c: full")
+    error_file.tell_launcher("rank 0: peer stopped", after_peer=True)
+    message = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert message == {"message": "--save /c: full", "extraInfo": {"timestamp": "1000"}}
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temp file
+
+
 def test_a_save_that_filled_the_disk_hands_its_line_to_torchrun(tmp_path, monkeypatch):
     """Rank 0's line for a checkpoint save that filled ``--save``'s disk (``file_checks``, which
     printed it with ``print``: plain torchrun's table showed ``<N/A>``)."""

@@ -6,6 +6,7 @@ The whole runs are tests/training/test_peer_stop.py's."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -224,3 +225,43 @@ def test_a_rank_gone_while_the_process_groups_are_built_costs_the_other_one_line
         "error is above, or the launcher's summary names it if it was killed"
     ), out[0]
     assert result == "started False", out[0]
+
+
+SAVE_BARRIER = """
+import errno, os, sys, torch.distributed as dist
+from types import SimpleNamespace
+from torch.distributed.checkpoint import CheckpointException
+from megatron_latentmoe.training.file_checks import stop_if_save_disk_failed
+from megatron_latentmoe.training.pretrain import _said_peer_stopped
+rank = int(sys.argv[1])
+os.environ["RANK"] = sys.argv[1]
+os.environ["TORCHELASTIC_ERROR_FILE"] = f"{sys.argv[2]}.{rank}.json"
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+if rank == 1:
+    dist.barrier = lambda: os._exit(9)  # killed after the ranks agreed, before their barrier
+args = SimpleNamespace(save=os.path.dirname(sys.argv[2]), ckpt_format="torch_dist")
+full = CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+try:
+    stop_if_save_disk_failed(args, full, 3)
+except RuntimeError as err:  # as pretrain's _main handles it
+    print("peer stopped:", _said_peer_stopped(err))
+"""
+
+
+def test_a_rank_gone_in_the_barrier_after_a_full_save_disk_leaves_rank_0s_line_to_torchrun(
+    tmp_path,
+):
+    """Rank 0 said the save's full disk (its error file), then rank 1 went away in the ranks'
+    barrier after it (``file_checks.stop_if_save_disk_failed``): rank 0's peer-stopped line is
+    printed, and its error file keeps the full disk (the peer-stopped line replaced it before)."""
+    procs, out = _two_ranks(SAVE_BARRIER, tmp_path)
+    assert procs[1].returncode == 9, out[1]
+    lines = out[0].strip().splitlines()
+    assert lines[-3].startswith(f"pretrain_stable_latentmoe: error: --save {tmp_path}: the disk ")
+    assert lines[-2].startswith(
+        "pretrain_stable_latentmoe: error: rank 0: another rank of this run stopped (gloo: "
+    ), out[0]
+    assert lines[-1] == "peer stopped: True", out[0]
+    message = json.loads((tmp_path / "rendezvous.0.json").read_text())["message"]
+    assert message == {"message": lines[-3], "extraInfo": message["extraInfo"]}, message
+    assert list(message["extraInfo"]) == ["timestamp"], message  # not marked after a peer
