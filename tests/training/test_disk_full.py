@@ -39,13 +39,14 @@ def _full_disk_line(ckpt) -> str:
     )
 
 
-def _check_torchrun_summary(output: str) -> None:
+def _check_torchrun_summary(output: str, peer_may_stop: bool = False) -> None:
     """Plain torchrun's table: every rank left with 2, or torchrun ended it (SIGTERM) as it does
     every rank once one has failed; its root cause is a rank that left with 2, or the rank that
     said the line (its error file, stamped first) and that torchrun's SIGTERM ended on its way
-    out, another rank having exited first."""
+    out, another rank having exited first. ``peer_may_stop``: rank 0 alone failed, and another
+    rank may see it gone before torchrun's SIGTERM reaches it: its line says so, exit 1."""
     exits = re.findall(r"^\s+exitcode\s+: (\S+)", output, re.M)
-    assert set(exits) <= {"2", "-15"}, output[-3000:]
+    assert set(exits) <= {"2", "-15"} | ({"1"} if peer_may_stop else set()), output[-3000:]
     root = output[output.index("Root Cause (first observed failure):") :]
     said = "  traceback : pretrain_stable_latentmoe: error: " in root
     assert exits[-1] == "2" or said, output[-3000:]
@@ -191,7 +192,7 @@ def test_a_disk_turned_read_only_fails_the_next_save_in_one_line(tmp_path, struc
     # the other rank: nothing, or the line saying another rank stopped (rank 0 alone failed)
     assert len(errors) <= 2 and all(": rank 1: another rank of" in e for e in errors[1:]), errors
     assert "[rank0]:" not in run.output and "[rank1]:" not in run.output  # no traceback
-    _check_torchrun_summary(run.output)
+    _check_torchrun_summary(run.output, peer_may_stop=struck == "between saves")
     expected = ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     assert left == [n for n in expected if struck == "during a save" or n != "iter_0000004"]
 
