@@ -11,11 +11,11 @@ The package ships, in ``megatron_latentmoe/data/assets/``:
   ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <dir>``.
 
 ``prepare_default_dataset(output_dir)`` tokenizes the corpus into Megatron's ``.bin``/``.idx``
-(once; later calls reuse it while corpus, tokenizer and format are unchanged) and returns the path
-prefix to give Megatron as ``--data-path``; the dataset a tokenizer folder made before its files
-changed is removed then. ``tokenizer=DIR`` tokenizes it with another Hugging
-Face tokenizer (a run's ``--tokenizer-model``), into a dataset of its own name
-(:func:`default_dataset_name`). From the shell::
+(once; later calls reuse it while corpus, tokenizer, format and the versions of the libraries
+that tokenize are unchanged) and returns the path prefix to give Megatron as ``--data-path``; the
+dataset a tokenizer folder made before its files changed is removed then. ``tokenizer=DIR``
+tokenizes it with another Hugging Face tokenizer (a run's ``--tokenizer-model``), into a dataset
+of its own name (:func:`default_dataset_name`). From the shell::
 
     python -m megatron_latentmoe.data.corpus --output-prefix DIR/name
 """
@@ -104,10 +104,36 @@ def _hash_files(paths: list[Path], *extra: bytes) -> str:
     return h.hexdigest()
 
 
+_TOKENIZING_LIBRARIES = ("tokenizers", "transformers")
+"""The libraries that turn text into ids (``indexed.load_tokenizer``: transformers'
+``AutoTokenizer``, its fast tokenizers run by ``tokenizers``; the ``[hf]`` extra): a new version
+may give other ids for the same files (a pre-tokenizer or special-token fix), so the record
+keeps their versions and a dataset made under others is tokenized again, in place (its name,
+which a ``--use-checkpoint-args`` resume finds, stays). That costs 6.3 s once per upgrade
+(tokenizing the shipped corpus: one worker, 2 CPU cores, transformers already imported); reading
+the versions (installed metadata, no import) 1.2 ms at every start, of a 3.2 ms cache hit.
+Libraries only some tokenizers need (``sentencepiece``,
+``tiktoken``) are not kept: installing one would tokenize every dataset again."""
+
+
+def _library_versions() -> dict[str, str | None]:
+    """The installed version of each of :data:`_TOKENIZING_LIBRARIES` (None: not installed)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in _TOKENIZING_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:  # tokenizing says what to install
+            versions[name] = None
+    return versions
+
+
 def _fingerprint(corpus: Path, tokenizer_dir: Path) -> dict:
     return {
         "format": _FORMAT_VERSION,
         "sha256": _hash_files([corpus, *_tokenizer_files(tokenizer_dir)]),
+        "libraries": _library_versions(),
     }
 
 
@@ -117,11 +143,14 @@ def default_dataset_name(
     """The shipped corpus's dataset name for a tokenizer: ``default_corpus`` for the shipped one
     (``None``, or a folder with the same files), else ``default_corpus_<12 hex digits of the
     sha256 of its files>`` (and of ``trust_remote_code``, where True: a tokenizer's own code,
-    run or not, may give other ids). So each tokenizer's dataset has a name of its own in a
-    cache folder (none overwrites another's), a tokenizer whose files change gets a new one
-    (tokenized again; the old one goes, :func:`_drop_replaced_datasets`), and a run resumed with
-    the same tokenizer (``--use-checkpoint-args``) finds the same one. Megatron's other options
-    that change its ids are refused with the shipped corpus
+    run or not, may give other ids; the module an ``auto_map`` names is one of the folder's
+    files, but one it takes from another Hub repository, ``repo--module.Class``, is not: its
+    version is only known by asking the Hub, at every start; remove ``<name>.json`` to tokenize
+    again after it changed). So each tokenizer's dataset has a name of its own in a cache folder
+    (none overwrites another's), a tokenizer whose files change gets a new one (tokenized again;
+    the old one goes, :func:`_drop_replaced_datasets`), and a run resumed with the same
+    tokenizer (``--use-checkpoint-args``) finds the same one. Megatron's other options that
+    change its ids are refused with the shipped corpus
     (:data:`~.indexed.TOKENIZER_FLAGS_NOT_HONOURED`). Reads the tokenizer's files (no weights)
     and the shipped one's: 0.6 ms measured for another 4096-id tokenizer; none for the shipped
     folder itself."""
@@ -216,9 +245,10 @@ def prepare_default_dataset(
     The prefix ``<output_dir>/<name>`` names ``<prefix>.bin`` and ``<prefix>.idx`` (Megatron's
     ``--data-path <prefix>``); a ``<prefix>.json`` beside them records what they were built from.
     If both exist, pass ``indexed.check_indexed_dataset`` and that record matches the shipped
-    corpus and the tokenizer, nothing is done (a few milliseconds). Safe to call from several
-    processes at once (a file lock serialises them) and safe to kill (files are written under
-    temporary names and renamed at the end).
+    corpus, the tokenizer and the libraries' versions (:data:`_TOKENIZING_LIBRARIES`), nothing
+    is done (a few milliseconds). Safe to call from several processes at once (a file lock
+    serialises them) and safe to kill (files are written under temporary names and renamed at
+    the end).
     """
     from megatron_latentmoe.files import WRITABLE_FOLDER, folder_problem
 

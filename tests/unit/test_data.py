@@ -1739,10 +1739,15 @@ def test_default_dataset_is_cached(default_prefix, hf_tok):
     assert default_corpus_sequences() == len(ds)  # counted without tokenizing, as --split checks
     assert int(ds.sequence_lengths.sum()) == record["tokens"]
     assert ds[0].tolist() == hf_tok(texts[0]).input_ids + [0]
-    # a stale record makes it rebuild
-    Path(default_prefix + ".json").write_text(json.dumps(dict(record, sha256="stale")))
-    prepare_default_dataset(bin_path.parent)
-    assert bin_path.stat().st_mtime_ns != mtime
+    # a record of another transformers version makes it rebuild: the ids are tokenized again
+    # (here zeroed, which check_indexed_dataset cannot see), under the same name
+    stale = dict(record, libraries=dict(record["libraries"], transformers="4.0.0"))
+    Path(default_prefix + ".json").write_text(json.dumps(stale))
+    bin_path.write_bytes(bytes(bin_path.stat().st_size))
+    assert prepare_default_dataset(bin_path.parent) == default_prefix
+    ds = IndexedDataset(default_prefix)  # held: its ids live in its mmap, closed when it goes
+    assert ds[0].tolist() == hf_tok(texts[0]).input_ids + [0]
+    assert json.loads(Path(default_prefix + ".json").read_text()) == record
     # so does a dataset that lost its .idx, or whose record is not JSON
     for broken in (Path(default_prefix + ".idx").unlink, Path(default_prefix + ".json").write_text):
         broken(*([] if broken.__name__ == "unlink" else ["{not json"]))
@@ -1779,12 +1784,15 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(
     tmp_path, monkeypatch, tokenizing_spy
 ):
     """prepare_default_dataset's reuse rule, the tokenizing replaced by a spy: it rebuilds when
-    forced, when the .idx is gone, when the record's format version is another, when a tokenizer
-    file changed (other ids for the same corpus), and not when another process built the dataset
-    while this one waited for the lock (every rank of a torchrun calls it); a dataset that fails
-    ``check_indexed_dataset`` is rebuilt."""
+    forced, when the .idx is gone, when the record's format version is another, when the
+    version of a library that tokenizes is another (or the record kept none), when a tokenizer
+    file changed (other ids for the same corpus), and not when another process built the
+    dataset while this one waited for the lock (every rank of a torchrun calls it); a dataset
+    that fails ``check_indexed_dataset`` is rebuilt."""
     import contextlib
     import shutil
+    from collections.abc import Callable
+    from importlib import metadata
 
     from megatron_latentmoe.data import corpus
 
@@ -1804,6 +1812,30 @@ def test_default_dataset_is_rebuilt_exactly_when_its_record_is_stale(
     assert stamp["format"] == corpus._FORMAT_VERSION
     record.write_text(json.dumps(dict(stamp, format=corpus._FORMAT_VERSION - 1)))
     assert rebuilds() == 1
+    # another version of a library that tokenizes (an upgrade may give other ids), one not
+    # installed, a record that kept none (written before they were kept): rebuilt, in place
+    installed = metadata.version
+    now = {n: installed(n) for n in ("tokenizers", "transformers")}
+    assert stamp["libraries"] == now
+
+    def versions(changed: dict) -> Callable[[str], str]:
+        def version(n: str) -> str:
+            if n not in changed:
+                return installed(n)
+            if changed[n] is None:
+                raise metadata.PackageNotFoundError(n)
+            return changed[n]
+
+        return version
+
+    for changed in ({"transformers": "99.0"}, {"tokenizers": "99.0"}, {"tokenizers": None}):
+        monkeypatch.setattr(metadata, "version", versions(changed))
+        assert (rebuilds(), rebuilds()) == (1, 0)
+        assert json.loads(record.read_text())["libraries"] == dict(now, **changed)
+    monkeypatch.setattr(metadata, "version", installed)
+    assert rebuilds() == 1
+    record.write_text(json.dumps({k: v for k, v in stamp.items() if k != "libraries"}))
+    assert (rebuilds(), rebuilds()) == (1, 0)
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(DEFAULT_TOKENIZER_DIR, tokenizer)
     monkeypatch.setattr(corpus, "DEFAULT_TOKENIZER_DIR", tokenizer)
@@ -1900,7 +1932,8 @@ def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path,
         monkeypatch.setattr(Path, "iterdir", lambda self, o=order: iter(o(listing(self))))
         seen.append(corpus._fingerprint(tmp_path / "c.jsonl", tmp_path / "tok"))
     want = hashlib.sha256(b"c.jsonlcorpusa.json1b.json2c.txt3").hexdigest()
-    assert seen == [{"format": corpus._FORMAT_VERSION, "sha256": want}] * 2
+    libraries = corpus._library_versions()
+    assert seen == [{"format": corpus._FORMAT_VERSION, "sha256": want, "libraries": libraries}] * 2
 
 
 @pytest.fixture(scope="module")
@@ -1949,11 +1982,13 @@ def test_default_dataset_with_another_tokenizer_holds_its_ids(
     assert {k: now[k] for k in shipped} == shipped
 
 
-def test_default_dataset_name_says_which_tokenizer(other_tokenizer, tmp_path):
+def test_default_dataset_name_says_which_tokenizer(other_tokenizer, tmp_path, monkeypatch):
     """``default_corpus`` for the shipped tokenizer, by path or a copy of its files; another
     tokenizer's name follows its files (a changed file: another name, so it is tokenized again),
-    not the weights of a model folder beside them nor the folder's path."""
+    not the weights of a model folder beside them, the folder's path nor the libraries'
+    versions."""
     import shutil
+    from importlib import metadata
 
     from megatron_latentmoe.data.corpus import default_dataset_name
 
@@ -1965,6 +2000,9 @@ def test_default_dataset_name_says_which_tokenizer(other_tokenizer, tmp_path):
     moved = shutil.copytree(other_tokenizer, tmp_path / "model")
     (moved / "model.safetensors").write_bytes(b"weights")
     assert default_dataset_name(moved) == other != "default_corpus"
+    # nor the versions of transformers/tokenizers (kept in the record: a resume finds the name)
+    monkeypatch.setattr(metadata, "version", lambda n: "99.0")
+    assert default_dataset_name(moved) == other
     with open(moved / "tokenizer_config.json", "a") as f:
         f.write("\n")
     assert default_dataset_name(moved) not in (other, "default_corpus")
