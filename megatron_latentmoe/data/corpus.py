@@ -137,6 +137,27 @@ def _fingerprint(corpus: Path, tokenizer_dir: Path) -> dict:
     }
 
 
+def _made_under_other_libraries(stamp: Path, want: dict) -> str:
+    """Why a dataset that is there is tokenized again, where only the libraries' versions
+    (:data:`_TOKENIZING_LIBRARIES`) tell it from the one wanted: said where it cannot be (a
+    read-only cache: a shared one a library upgrade made stale); "" otherwise."""
+    try:
+        have = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(have, dict) or any(
+        have.get(k) != v for k, v in want.items() if k != "libraries"
+    ):
+        return ""
+    made = have.get("libraries") or {}
+    changed = [
+        f"{name} {made.get(name) or 'unknown'} (this run: {version or 'not installed'})"
+        for name, version in want["libraries"].items()
+        if made.get(name) != version
+    ]
+    return f" (its {stamp.stem} was tokenized with " + ", ".join(changed) + ": to be made again)"
+
+
 def default_dataset_name(
     tokenizer: str | Path | None = None, trust_remote_code: bool = False
 ) -> str:
@@ -279,7 +300,10 @@ def prepare_default_dataset(
         return str(prefix)
     why = folder_problem(out)  # the lock file's open was an OSError traceback on a read-only one
     if why is not None:
-        raise PreprocessError(f"output_dir={str(out)!r}: {why}; {WRITABLE_FOLDER}")
+        raise PreprocessError(
+            f"output_dir={str(out)!r}: {why}{_made_under_other_libraries(stamp, want)}; "
+            + WRITABLE_FOLDER
+        )
     out.mkdir(parents=True, exist_ok=True)
     with _file_lock(prefix.with_name(name + ".lock")):
         if up_to_date():  # another process built it while we waited

@@ -1913,6 +1913,45 @@ def test_a_tokenizer_folders_dataset_follows_its_files_and_trust_remote_code(
     assert builds() == [False, False, True, False, True]
 
 
+def test_a_read_only_cache_made_under_other_libraries_says_so(
+    tmp_path, monkeypatch, tokenizing_spy
+):
+    """A read-only (e.g. shared) cache whose dataset another transformers version made must be
+    tokenized again and cannot be: the line says why, with both versions; where the dataset is
+    missing or its tokenizer's files changed, the line is the plain one."""
+    from importlib import metadata
+
+    from megatron_latentmoe.data import corpus
+
+    out = tmp_path / "data"
+    corpus.prepare_default_dataset(out)
+    record = out / "default_corpus.json"
+    stamp = json.loads(record.read_text())
+    made = dict(stamp["libraries"], transformers="4.0.0")
+    record.write_text(json.dumps(dict(stamp, libraries=made)))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests run as root
+    plain = f"output_dir={str(out)!r}: {out} is not writable"
+    advice = "; give a folder this run can create or write in"
+    now = metadata.version("transformers")
+    for record_text, clause in (
+        (json.dumps(dict(stamp, libraries=made)), f"transformers 4.0.0 (this run: {now})"),
+        (json.dumps({k: v for k, v in stamp.items() if k != "libraries"}), None),
+        (json.dumps(dict(stamp, libraries=made, sha256="other")), ""),
+        ("{not json", ""),
+    ):
+        record.write_text(record_text)
+        if clause is None:  # a record written before the versions were kept: both unknown
+            clause = ", ".join(
+                f"{n} unknown (this run: {metadata.version(n)})"
+                for n in ("tokenizers", "transformers")
+            )
+        said = f" (its default_corpus was tokenized with {clause}: to be made again)"
+        with pytest.raises(PreprocessError) as e:
+            corpus.prepare_default_dataset(out)
+        assert str(e.value) == plain + (said if clause else "") + advice
+    assert len(tokenizing_spy) == 1
+
+
 def test_default_dataset_fingerprint_does_not_follow_the_listing_order(tmp_path, monkeypatch):
     """The record's sha256 hashes the corpus, then the tokenizer files in sorted name order: a
     folder listed in another order (another file system, a copy) is the same tokenizer, not a
