@@ -217,7 +217,7 @@ def written_folders(args, jsonl_path: str | None) -> list[tuple[str, str]]:
     if cache:
         pairs.append(("--data-cache-path", cache))
     else:
-        from megatron_latentmoe.training.arguments import data_prefixes
+        from megatron_latentmoe.training.data_args import data_prefixes
 
         prefixes = data_prefixes(getattr(args, "data_path", None))
         pairs += [("--data-cache-path", os.path.join(p, "cache")) for p in prefixes]

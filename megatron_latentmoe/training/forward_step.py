@@ -113,7 +113,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args, get_tokenizer, print_rank_0
 
-    from megatron_latentmoe.training.arguments import data_description, run_vocabulary
+    from megatron_latentmoe.training.data_args import data_description, run_vocabulary
 
     args = get_args()
     tokenizer = get_tokenizer()

@@ -3,9 +3,9 @@
 
 Order of work (everything that can be wrong about the command line fails before anything heavy):
 
-1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (:class:`FlagError`, exit 2),
-   run Megatron's ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its
-   validation too);
+1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (the data flags':
+   :mod:`.data_args`; :class:`FlagError`, exit 2), run Megatron's ``validate_args``, build the
+   ``StableLatentMoETransformerConfig`` (its validation too);
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
@@ -120,15 +120,17 @@ def _checked(args, has_cuda: bool):
     from megatron_latentmoe.files import folder_refusal
     from megatron_latentmoe.training.arguments import (
         FlagError,
-        apply_default_tokenizer,
-        data_vocabulary_refusal,
         expert_layout_refusal,
         interleaved_schedule_refusal,
         megatron_refusal,
-        uses_default_data,
         validate_stable_latentmoe_args,
     )
     from megatron_latentmoe.training.checkpoint_repair import save_tracker_refusal
+    from megatron_latentmoe.training.data_args import (
+        apply_default_tokenizer,
+        data_vocabulary_refusal,
+        uses_default_data,
+    )
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (
         ckpt_step_refusal,

@@ -782,7 +782,7 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     import struct
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import FlagError, _check_split
+    from megatron_latentmoe.training.data_args import FlagError, check_split
 
     def dataset(name: str, sequences: int) -> str:
         prefix = str(tmp_path / name)  # only the .idx header is read
@@ -798,13 +798,13 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     small, large = dataset("small", 400), dataset("large", 600)
     ok = [(None, [large]), ("98,2,0", [small]), ("99,1,0", [small]), ("1", [small])]
     for split, paths in ok:
-        _check_split(args(split, paths))
+        check_split(args(split, paths))
     # a blend with --eval-iters 0: only a split without validation and test parts
-    _check_split(args("100,0,0", ["0.5", large, "0.5", small], eval_iters=0))
+    check_split(args("100,0,0", ["0.5", large, "0.5", small], eval_iters=0))
     with pytest.raises(
         FlagError, match=r"^--data-path with 2 datasets \(a blend\), --eval-iters 0 "
     ):
-        _check_split(args("98,2,0", ["0.5", large, "0.5", small], eval_iters=0))
+        check_split(args("98,2,0", ["0.5", large, "0.5", small], eval_iters=0))
     # 969,30,1 at 400 sequences: the test part is [round(399.6), round(400)) = [400, 400)
     bad = [
         (None, [small], "test"),
@@ -815,7 +815,7 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     ]
     for split, paths, part in bad:
         with pytest.raises(FlagError, match=rf"gives the {part} part none" if part else "--split"):
-            _check_split(args(split, paths))
+            check_split(args(split, paths))
 
 
 def test_linear_biases_from_a_checkpoint_are_refused():
@@ -913,7 +913,7 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
 def test_a_data_path_whose_index_is_not_megatrons_is_refused(tmp_path):
     """``--split`` counts a dataset's sequences from its ``.idx`` header: a file that is not a
     Megatron index (another magic, or cut short) is refused naming it, not a struct error."""
-    from megatron_latentmoe.training.arguments import FlagError, _sequence_count
+    from megatron_latentmoe.training.data_args import FlagError, _sequence_count
 
     prefix = str(tmp_path / "corpus")
     for header in (b"NOTANIDX" + bytes(18), b"MMIDIDX\x00\x00" + bytes(10)):
@@ -931,7 +931,7 @@ def test_the_shipped_corpus_and_tokenizer_are_used_only_when_none_is_given():
     ``--tokenizer-type HuggingFaceTokenizer`` alone, the shipped one)."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import apply_default_tokenizer, uses_default_data
+    from megatron_latentmoe.training.data_args import apply_default_tokenizer, uses_default_data
 
     none = dict(
         mock_data=False,

@@ -1,5 +1,5 @@
 """A ``--data-path`` dataset whose token ids are outside the run's vocabulary, deeper in the
-``.bin`` than the head the flag check reads (``arguments.data_vocabulary_refusal``; its case is
+``.bin`` than the head the flag check reads (``data_args.data_vocabulary_refusal``; its case is
 ``data_path_made_with_another_tokenizer`` in test_bad_flags): the first micro-batch that holds
 one stops the run with one line and exit 2 (``forward_step.get_batch``), where megatron-core
 0.19.2 raised ``IndexError: index out of range in self`` in the embedding, a traceback on every

@@ -562,18 +562,18 @@ def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
     rank starts: the flag, the prefix, then what is wrong."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
 
     good, bad = _corrupt_copies(tmp_path)
     paths = dict(data_path=None, train_data_path=None, valid_data_path=None, test_data_path=None)
     args = dict(paths, data_args_path=None, per_split_data_args_path=None)
-    _check_data_paths(SimpleNamespace(**dict(args, data_path=["0.5", good, "0.5", good])))
+    check_data_paths(SimpleNamespace(**dict(args, data_path=["0.5", good, "0.5", good])))
     for flag, value in (
         ("data_path", ["0.5", good, "0.5", bad["bin_cut"]]),
         ("train_data_path", [bad["bin_cut"]]),
     ):
         with pytest.raises(FlagError) as err:
-            _check_data_paths(SimpleNamespace(**dict(args, **{flag: value})))
+            check_data_paths(SimpleNamespace(**dict(args, **{flag: value})))
         assert str(err.value).startswith(
             f"--{flag.replace('_', '-')} {bad['bin_cut']}: {bad['bin_cut']}.bin is cut short: "
         ), str(err.value)
@@ -582,7 +582,7 @@ def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
     pointers = numpy.frombuffer(Path(good + ".idx").read_bytes()[46 : 46 + 24], numpy.int64)
     damaged = _damaged_index(tmp_path, "swapped", lengths, pointers[[1, 0, 2]], numpy.arange(4))
     with pytest.raises(FlagError) as err:
-        _check_data_paths(SimpleNamespace(**dict(args, data_path=[damaged])))
+        check_data_paths(SimpleNamespace(**dict(args, data_path=[damaged])))
     assert str(err.value).startswith(
         f"--data-path {damaged}: {damaged}.idx is corrupt: sequence 0 starts at byte "
     ), str(err.value)
@@ -1375,7 +1375,7 @@ def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
     from types import SimpleNamespace
 
     from megatron_latentmoe.data.indexed import check_indexed_dataset
-    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
 
     other = ("train_data_path", "valid_data_path", "test_data_path", "data_args_path")
     no_paths = dict.fromkeys((*other, "per_split_data_args_path"))
@@ -1410,7 +1410,7 @@ def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
             assert readable[p] == 1 or not os.path.exists(os.path.join(p, "cache")), p
             continue
         with pytest.raises(FlagError) as err:
-            _check_data_paths(SimpleNamespace(**dict(no_paths, data_path=[p])))
+            check_data_paths(SimpleNamespace(**dict(no_paths, data_path=[p])))
         assert str(err.value) == (
             f"--data-path {p}: no Megatron indexed dataset there (missing {p}.idx, but {p}.bin "
             "is there): a tools/preprocess_data.py run stopped before it finished leaves that "
@@ -1487,7 +1487,7 @@ def test_killed_run_leaves_no_dataset(tmp_path):
     with no such file (nor a temporary of another name's) keeps that line."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import FlagError, _check_data_paths
+    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
 
     _signal_while_tokenizing(tmp_path, "killed", signal.SIGKILL)
     assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
@@ -1496,14 +1496,14 @@ def test_killed_run_leaves_no_dataset(tmp_path):
     paths = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
     args = dict.fromkeys((*paths, "data_args_path", "per_split_data_args_path"))
     with pytest.raises(FlagError) as err:
-        _check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)])))
+        check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)])))
     assert str(err.value) == (
         f"--valid-data-path {p}: no Megatron indexed dataset there (missing {p}.bin and {p}.idx, "
         f"but {tmp} is there): a tools/preprocess_data.py run stopped before it finished leaves "
         "that (it renames the .idx into place last). Rerun it to write the dataset."
     )
     with pytest.raises(FlagError) as err:
-        _check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)[:-1]])))
+        check_data_paths(SimpleNamespace(**dict(args, valid_data_path=[str(p)[:-1]])))
     assert str(err.value).startswith(
         f"--valid-data-path {str(p)[:-1]}: no Megatron indexed dataset there (missing "
         f"{str(p)[:-1]}.bin and {str(p)[:-1]}.idx). Give the path prefix of a .bin/.idx pair"

@@ -635,7 +635,7 @@ class _Checked:
         from megatron_latentmoe import files
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
-        from megatron_latentmoe.training import arguments
+        from megatron_latentmoe.training import arguments, data_args
 
         self.events = []
         event = self.events.append
@@ -676,10 +676,10 @@ class _Checked:
             (arguments, "validate_stable_latentmoe_args"): lambda args, has_cuda: event(
                 ("validate ours", has_cuda)
             ),
-            (arguments, "uses_default_data"): lambda args: self.default_data,
-            (arguments, "apply_default_tokenizer"): apply_default_tokenizer,
+            (data_args, "uses_default_data"): lambda args: self.default_data,
+            (data_args, "apply_default_tokenizer"): apply_default_tokenizer,
             (arguments, "expert_layout_refusal"): lambda args: self.layout_refusal,
-            (arguments, "data_vocabulary_refusal"): lambda args: (
+            (data_args, "data_vocabulary_refusal"): lambda args: (
                 event(("data vocabulary",)) or self.vocabulary_refusal
             ),
             (arguments, "interleaved_schedule_refusal"): lambda args, group: (
