@@ -1,12 +1,17 @@
 """The one error line every command line of the package prints for a bad flag (the entry point,
-``tools/``, ``python -m megatron_latentmoe.data.corpus``): here, below ``training/`` and
-``data/``, so that the data layer does not import the training layer for it."""
+``tools/``, ``python -m megatron_latentmoe.data.corpus``), and the entry point's bad-flag
+exception: here, below ``training/`` and ``data/``, so that the data layer does not import the
+training layer for it."""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron_latentmoe.error_file import tell_launcher
+
+
+class FlagError(ValueError):
+    """A bad command line; the message names the flag(s). Raised before any heavy work."""
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:

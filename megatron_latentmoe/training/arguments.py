@@ -37,7 +37,7 @@ import re
 import shlex
 import traceback
 
-from megatron_latentmoe.cli_errors import one_line_errors
+from megatron_latentmoe.cli_errors import FlagError, one_line_errors
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
 from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED
 from megatron_latentmoe.fields import (
@@ -51,7 +51,6 @@ from megatron_latentmoe.fields import (
 )
 from megatron_latentmoe.training.console import PROG
 from megatron_latentmoe.training.data_args import (
-    FlagError,
     check_data_paths,
     check_split,
     uses_default_data,

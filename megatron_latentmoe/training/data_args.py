@@ -23,6 +23,7 @@ import os
 import warnings
 from collections.abc import Iterable
 
+from megatron_latentmoe.cli_errors import FlagError
 from megatron_latentmoe.data.indexed import (
     HEAD_BYTES,
     PreprocessError,
@@ -32,10 +33,6 @@ from megatron_latentmoe.data.indexed import (
     read_index_header,
     stopped_write_leftover,
 )
-
-
-class FlagError(ValueError):
-    """A bad command line; the message names the flag(s). Raised before any heavy work."""
 
 
 def data_prefixes(paths: list[str] | None) -> Iterable[str]:

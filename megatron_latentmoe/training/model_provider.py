@@ -26,6 +26,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
+from megatron_latentmoe.cli_errors import FlagError
 from megatron_latentmoe.config import StableLatentMoETransformerConfig
 from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
@@ -33,7 +34,6 @@ from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME
 from megatron_latentmoe.moe.layer import use_legacy_names_of
 from megatron_latentmoe.training.arguments import (
     BACKENDS,
-    FlagError,
     flag_message,
     megatron_config_refusal,
 )

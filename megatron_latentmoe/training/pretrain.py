@@ -90,9 +90,9 @@ def checked_args(has_cuda: bool):
     Returns ``(args, transformer_config, cpu_notes, default_data_dir)``; a bad flag raises
     ``FlagError``. Needs the compat shims of ``_main`` applied first.
     """
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.compat.training import parse_with_our_flags
     from megatron_latentmoe.training.arguments import (
-        FlagError,
         add_stable_latentmoe_args,
         checkpoint_origin,
     )
@@ -110,6 +110,7 @@ def _checked(args, has_cuda: bool):
     """``checked_args`` after parsing (and ``--use-checkpoint-args``' load)."""
     from megatron.training.arguments import validate_args
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.compat.training import apply_cpu_training_compat, cpu_training_defaults
     from megatron_latentmoe.data.corpus import (
         DEFAULT_CACHE_ORIGIN,
@@ -119,7 +120,6 @@ def _checked(args, has_cuda: bool):
     )
     from megatron_latentmoe.files import folder_refusal
     from megatron_latentmoe.training.arguments import (
-        FlagError,
         expert_layout_refusal,
         interleaved_schedule_refusal,
         megatron_refusal,
@@ -219,9 +219,9 @@ def _main(check_only: bool = False) -> int:
     apply_core_compat()
     if not has_cuda:
         apply_cpu_compat()
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.data.corpus import prepare_default_dataset
     from megatron_latentmoe.data.indexed import PreprocessError
-    from megatron_latentmoe.training.arguments import FlagError
 
     begin_run()
     try:

@@ -264,8 +264,8 @@ def load_checkpoint_args(args) -> set[str]:
     checkpoint's, not as flags the user typed)."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.fields import ADDED
-    from megatron_latentmoe.training.arguments import FlagError
 
     if args.load is None and args.pretrained_checkpoint is None:
         raise FlagError(

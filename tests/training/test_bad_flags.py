@@ -782,7 +782,8 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
     import struct
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.data_args import FlagError, check_split
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.data_args import check_split
 
     def dataset(name: str, sequences: int) -> str:
         prefix = str(tmp_path / name)  # only the .idx header is read
@@ -824,7 +825,8 @@ def test_linear_biases_from_a_checkpoint_are_refused():
     names the setting, not a flag that does not exist."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import FlagError, validate_stable_latentmoe_args
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.arguments import validate_stable_latentmoe_args
 
     args = SimpleNamespace(
         spec=None,
@@ -851,7 +853,8 @@ def test_pipeline_split_check_leaves_each_other_stage_one_layer():
     other stage, not more."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import FlagError, _check_pipeline_split
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.arguments import _check_pipeline_split
 
     def split(first, last=None, pp=2):
         return SimpleNamespace(
@@ -913,7 +916,8 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
 def test_a_data_path_whose_index_is_not_megatrons_is_refused(tmp_path):
     """``--split`` counts a dataset's sequences from its ``.idx`` header: a file that is not a
     Megatron index (another magic, or cut short) is refused naming it, not a struct error."""
-    from megatron_latentmoe.training.data_args import FlagError, _sequence_count
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.data_args import _sequence_count
 
     prefix = str(tmp_path / "corpus")
     for header in (b"NOTANIDX" + bytes(18), b"MMIDIDX\x00\x00" + bytes(10)):
@@ -1083,9 +1087,9 @@ def test_refusals_that_depend_on_a_gpu_with_transformer_engine(
     import sys
     import warnings
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.compat import apply_python311_compat
     from megatron_latentmoe.training.arguments import (
-        FlagError,
         add_stable_latentmoe_args,
         validate_stable_latentmoe_args,
     )

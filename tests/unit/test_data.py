@@ -562,7 +562,8 @@ def test_a_bad_data_path_is_refused_by_the_flag_check_naming_its_flag(tmp_path):
     rank starts: the flag, the prefix, then what is wrong."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.data_args import check_data_paths
 
     good, bad = _corrupt_copies(tmp_path)
     paths = dict(data_path=None, train_data_path=None, valid_data_path=None, test_data_path=None)
@@ -1374,8 +1375,9 @@ def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
     by name. A rerun writes both; a new .bin beside an old .idx is refused naming both."""
     from types import SimpleNamespace
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.data.indexed import check_indexed_dataset
-    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
+    from megatron_latentmoe.training.data_args import check_data_paths
 
     other = ("train_data_path", "valid_data_path", "test_data_path", "data_args_path")
     no_paths = dict.fromkeys((*other, "per_split_data_args_path"))
@@ -1487,7 +1489,8 @@ def test_killed_run_leaves_no_dataset(tmp_path):
     with no such file (nor a temporary of another name's) keeps that line."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.data_args import FlagError, check_data_paths
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.data_args import check_data_paths
 
     _signal_while_tokenizing(tmp_path, "killed", signal.SIGKILL)
     assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
@@ -2270,10 +2273,10 @@ def test_a_tokenizer_flag_the_shipped_corpus_cannot_honour_is_refused(monkeypatc
     from megatron_latentmoe.compat import apply_python311_compat
 
     apply_python311_compat()
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.compat.training import parse_with_our_flags
     from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED
     from megatron_latentmoe.training.arguments import (
-        FlagError,
         add_stable_latentmoe_args,
         validate_stable_latentmoe_args,
     )

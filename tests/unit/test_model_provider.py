@@ -440,9 +440,9 @@ def test_a_config_refusal_names_the_flags(monkeypatch):
     apply_python311_compat()
     from megatron.training import argument_utils
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.fields import ConfigError
     from megatron_latentmoe.training import model_provider
-    from megatron_latentmoe.training.arguments import FlagError
 
     def refuse(args, config_class):
         raise ConfigError(

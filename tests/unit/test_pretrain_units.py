@@ -132,7 +132,7 @@ class _Run:
         def checked_args(has_cuda):
             event(("checked_args", has_cuda))
             if self.flag_error:
-                from megatron_latentmoe.training.arguments import FlagError
+                from megatron_latentmoe.cli_errors import FlagError
 
                 raise FlagError(self.flag_error)
             return self.args, "transformer config", self.cpu_notes, self.default_data_dir
@@ -752,7 +752,7 @@ def test_checked_args_name_the_shipped_corpus_dataset_after_the_runs_tokenizer(
 def test_checked_args_keep_the_users_choices(monkeypatch, capsys):
     """A --data-cache-path holds the shipped corpus's tokens; a given --split is kept; a given
     tokenizer is not announced; on CUDA nothing of the CPU compat; --use-checkpoint-args first."""
-    from megatron_latentmoe.training.arguments import FlagError
+    from megatron_latentmoe.cli_errors import FlagError
 
     checked = _Checked(monkeypatch, data_cache_path="/scratch", split="90,10,0")
     checked.default_tokenizer = False
@@ -790,7 +790,7 @@ def test_checked_args_refuse_a_pretrained_checkpoint_megatron_fails_to_load(monk
     """--pretrained-checkpoint where --load holds none: the start-up checks of --load judge it
     (here a torch_dist checkpoint with --ckpt-format torch; before, Megatron's RuntimeError
     traceback on every rank after building the model)."""
-    from megatron_latentmoe.training.arguments import FlagError
+    from megatron_latentmoe.cli_errors import FlagError
     from tests.training import dcp_checkpoint
 
     pre = tmp_path / "pre"
@@ -808,7 +808,7 @@ def test_checked_args_refuse_a_pretrained_checkpoint_megatron_fails_to_load(monk
 
 @pytest.mark.parametrize("refusal", ["layout", "megatron", "interleaved"])
 def test_checked_args_refusals_are_flag_errors(monkeypatch, refusal):
-    from megatron_latentmoe.training.arguments import FlagError
+    from megatron_latentmoe.cli_errors import FlagError
 
     checked = _Checked(monkeypatch)
     checked.layout_refusal = "--expert-model-parallel-size 3" if refusal == "layout" else None
@@ -828,7 +828,7 @@ def test_checked_args_refusals_are_flag_errors(monkeypatch, refusal):
 
 
 def test_checked_args_name_a_refused_flag_the_checkpoint_gave(monkeypatch):
-    from megatron_latentmoe.training.arguments import FlagError
+    from megatron_latentmoe.cli_errors import FlagError
 
     checked = _Checked(monkeypatch, use_checkpoint_args=True)
     checked.layout_refusal = "--expert-model-parallel-size 3 is not allowed"

@@ -260,7 +260,7 @@ def test_use_checkpoint_args_takes_our_model_flags_from_each_checkpoint(monkeypa
     ],
 )
 def test_use_checkpoint_args_refusals(monkeypatch, flags, message):
-    from megatron_latentmoe.training.arguments import FlagError
+    from megatron_latentmoe.cli_errors import FlagError
 
     with pytest.raises(FlagError, match=message):
         _checkpoint_args(monkeypatch, {}, **flags)
