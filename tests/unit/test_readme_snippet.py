@@ -1,5 +1,6 @@
 """The README's "Using the block from Megatron-Core" snippet runs as printed, and its commands and
-flags are accepted by their programs (docs do not rot).
+flags (and those of the converter's README and the balance race's report) are accepted by their
+programs (docs do not rot).
 
 The snippet is executed in a 1-process gloo world with Megatron's parallel state (what the README
 says it needs); the model it builds must hold the README's Stable LatentMoE layers and the QB
@@ -16,9 +17,13 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
+
 from tests.parallel.launcher import run_distributed
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+CONVERT_README = README.parent / "megatron_latentmoe" / "convert" / "README.md"
+BALANCE_RACE = README.parent / "benchmarks" / "BALANCE_RACE.md"
 
 
 def _snippet() -> str:
@@ -66,6 +71,8 @@ PROGRAM = re.compile(
 )
 # flags the README names for programs that are not this repository's (pip, pytest)
 FOREIGN_FLAGS = {"--no-deps", "--ignore-requires-python", "--durations"}
+# the entry point, as the README's prose gives its flags (a flag alone)
+PRETRAIN = "examples/run_torchrun.sh examples/args/tiny.sh"
 
 
 class _Parsed(Exception):
@@ -122,23 +129,29 @@ def _argv(text: str) -> list[list[str]]:
     """A documented argument list as command lines: ``[--optional flags]`` kept, other
     ``[placeholders]``, ``...`` and a shell comment dropped, a placeholder in capitals (``N``,
     ``SAVE_DIR``) given the value 1, and ``a | b`` (a flag's alternatives) one command line per
-    alternative."""
+    alternative, as is ``a|b|c`` (a value's: the other such values at their first)."""
     text = re.sub(r"\[([^]]*)\]", lambda m: m[1] if m[1].startswith("-") else "", text)
     text = re.sub(r"(^|\s)#.*", "", text).replace("...", " ")
     words = ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in shlex.split(text)]
-    if "|" not in words:
-        return [words]
-    start = words.index("|") - 1
-    choices = " ".join(words[start:]).split(" | ")
-    return [words[:start] + choice.split() for choice in choices]
+    if "|" in words:
+        start = words.index("|") - 1
+        choices = " ".join(words[start:]).split(" | ")
+        return [words[:start] + choice.split() for choice in choices]
+    first = [w.split("|")[0] for w in words]
+    lines = [first]
+    for i, word in enumerate(words):
+        lines += [[*first[:i], value, *first[i + 1 :]] for value in word.split("|")[1:]]
+    return lines
 
 
-def readme_commands() -> list[tuple[str, str]]:
-    """``(program, arguments)`` of every command in the README: the lines of its code blocks and
-    its inline code that runs a program of this repository or starts with a flag (a flag alone
-    is the entry point's, as the README's prose gives it)."""
-    text = README.read_text(encoding="utf-8")
-    spans = [line for block in FENCE.findall(text) for line in block.splitlines()]
+def readme_commands(doc: Path = README) -> list[tuple[str, str]]:
+    """``(program, arguments)`` of every command in ``doc``: the lines of its code blocks (a
+    line ending in ``\\`` continued) and its inline code that runs a program of this repository
+    or, in the README, starts with a flag (a flag alone is the entry point's, as the README's
+    prose gives it; the other docs' prose names flags of several programs)."""
+    text = doc.read_text(encoding="utf-8")
+    blocks = [block.replace("\\\n", " ") for block in FENCE.findall(text)]
+    spans = [line for block in blocks for line in block.splitlines()]
     spans += [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", FENCE.sub("", text))]
     commands = []
     for span in spans:
@@ -146,23 +159,15 @@ def readme_commands() -> list[tuple[str, str]]:
         match = PROGRAM.match(span)
         if match and (match["run"] or match["args"]):  # not a file named alone
             commands.append((match["prog"], match["args"].strip()))
-        elif span.startswith("--") and " " in span and span.split()[0] not in FOREIGN_FLAGS:
-            commands.append(("examples/run_torchrun.sh examples/args/tiny.sh", span))
+        elif doc == README and span.startswith("--") and " " in span:
+            if span.split()[0] not in FOREIGN_FLAGS:
+                commands.append((PRETRAIN, span))
     return commands
 
 
-def test_every_readme_command_is_accepted_by_its_program():
-    commands = readme_commands()
-    programs = {program for program, _ in commands}
-    # the README's commands, found (a change of its wording must not empty this test)
-    assert {
-        "examples/run_torchrun.sh examples/args/tiny.sh",
-        "-m megatron_latentmoe.convert",
-        "tools/generate_hf.py",
-        "benchmarks/bench_training_balance.py",
-        "tools/gpu_checks.sh",
-    } <= programs and len(commands) >= 30
-    parsers = {program: _parser_for(program) for program in programs}
+def _refused(commands: list[tuple[str, str]]) -> list[str]:
+    """The commands (one line each) their program refuses."""
+    parsers = {program: _parser_for(program) for program in {p for p, _ in commands}}
     refused = []
     for program, args in commands:
         if not program.startswith("-m"):  # the script and its args file exist
@@ -182,14 +187,59 @@ def test_every_readme_command_is_accepted_by_its_program():
                     parser.parse_args(argv)
             except SystemExit:
                 refused.append(f"{program} {shlex.join(argv)}: {err.getvalue().strip()}")
-    assert refused == []
+    return refused
 
 
-def test_every_flag_the_readme_names_is_one_of_its_programs():
+def test_every_readme_command_is_accepted_by_its_program():
+    commands = readme_commands()
+    programs = {program for program, _ in commands}
+    # the README's commands, found (a change of its wording must not empty this test)
+    assert {
+        PRETRAIN,
+        "-m megatron_latentmoe.convert",
+        "tools/generate_hf.py",
+        "benchmarks/bench_training_balance.py",
+        "tools/gpu_checks.sh",
+    } <= programs and len(commands) >= 30
+    assert _refused(commands) == []
+
+
+@pytest.mark.parametrize(
+    "doc, expected",
+    [
+        (CONVERT_README, {"-m megatron_latentmoe.convert"}),
+        (
+            BALANCE_RACE,
+            {
+                "examples/run_torchrun.sh examples/args/k3_sparse_tiny.sh",
+                "benchmarks/bench_training_balance.py",
+                "benchmarks/bench_step_balancers.py",
+                "benchmarks/bench_balance_floor.py",
+            },
+        ),
+    ],
+    ids=["convert_readme", "balance_race"],
+)
+def test_every_command_of_the_other_docs_is_accepted_by_its_program(doc, expected):
+    """The converter's README (its three commands, every ``--dtype`` / ``--expert-dtype``
+    choice) and the balance race's report (each run's flags and ``--methods`` names, which the
+    race's parser takes only from its ``METHODS``)."""
+    commands = readme_commands(doc)
+    assert expected <= {program for program, _ in commands}
+    assert _refused(commands) == []
+
+
+@pytest.mark.parametrize(
+    "doc", [README, CONVERT_README, BALANCE_RACE], ids=["readme", "convert_readme", "balance_race"]
+)
+def test_every_flag_the_readme_names_is_one_of_its_programs(doc):
     """Every ``--flag`` in the README, prose included (``--split``, ``--eod-mask-loss``), is one
     of the entry point's or of another README program's (``--check``, ``--out``, and
-    ``--split-sentences``, which tools/preprocess_data.py refuses by name), or pip's / pytest's."""
-    programs = {program for program, _ in readme_commands()} | {
+    ``--split-sentences``, which tools/preprocess_data.py refuses by name), or pip's / pytest's;
+    so is every one of the converter's README and the balance race's report (a family such as
+    ``--verify-*``: some flag's prefix)."""
+    programs = {program for program, _ in readme_commands(doc)} | {
+        PRETRAIN,
         "tools/preprocess_data.py",
         "tools/plot_balance.py",
     }
@@ -204,5 +254,10 @@ def test_every_flag_the_readme_names_is_one_of_its_programs():
             if isinstance(action, argparse._SubParsersAction):
                 for sub in action.choices.values():
                     known |= set(sub._option_string_actions)
-    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README.read_text(encoding="utf-8")))
-    assert sorted(named - known) == []
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", doc.read_text(encoding="utf-8")))
+    unknown = [
+        flag
+        for flag in sorted(named - known)
+        if not (flag.endswith("-") and any(k.startswith(flag) for k in known))
+    ]
+    assert unknown == []
