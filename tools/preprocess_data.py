@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED  # noqa: E402
+from megatron_latentmoe.data.hf_tokenizer import TOKENIZER_FLAGS_NOT_HONOURED  # noqa: E402
 
 # Megatron-LM's tools/preprocess_data.py (core_v0.19, with megatron.training's tokenizer flags)
 # has more flags than this tool; --tokenizer-type and --partitions are checked in megatron_refusal.
@@ -267,7 +267,9 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():  # megatron.core's import-time notes about TE/Apex: noise here
         warnings.simplefilter("ignore")
         import megatron.core.datasets.indexed_dataset  # noqa: F401
-    from megatron_latentmoe.data.indexed import PreprocessError, StopOnSignals, preprocess_jsonl
+    from megatron_latentmoe.data.errors import PreprocessError
+    from megatron_latentmoe.data.indexed import preprocess_jsonl
+    from megatron_latentmoe.data.signals import StopOnSignals
 
     stop = StopOnSignals()
     created = _missing_folders(output_folder)

@@ -56,7 +56,8 @@ from megatron_latentmoe.data.corpus import (  # noqa: E402
     EOD_TOKEN,
     PAD_TOKEN,
 )
-from megatron_latentmoe.data.indexed import PreprocessError, iter_jsonl_texts  # noqa: E402
+from megatron_latentmoe.data.errors import PreprocessError  # noqa: E402
+from megatron_latentmoe.data.jsonl import iter_jsonl_texts  # noqa: E402
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1

@@ -1,7 +1,7 @@
 """Embedded default corpus + tokenizer, and JSONL -> Megatron indexed dataset preprocessing.
 
 The shipped assets' locations live here, so that :mod:`.corpus` (the default dataset) and
-:mod:`.indexed` (the preprocessing, which defaults to the shipped tokenizer) both import them
+:mod:`.hf_tokenizer` (the preprocessing's tokenizer, the shipped one by default) both import them
 from the package, not from each other."""
 
 from pathlib import Path

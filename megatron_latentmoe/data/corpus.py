@@ -69,8 +69,8 @@ DEFAULT_CACHE_ORIGIN = (
 
 def iter_corpus_texts(path: str | Path = DEFAULT_CORPUS_PATH, key: str = "text") -> Iterator[str]:
     """Yield the documents' texts of a JSONL(.gz) corpus (the shipped one by default), each line
-    checked as the preprocessor checks it (``indexed.iter_jsonl_texts``)."""
-    from .indexed import iter_jsonl_texts  # lazy: keeps `import corpus` light
+    checked as the preprocessor checks it (``jsonl.iter_jsonl_texts``)."""
+    from .jsonl import iter_jsonl_texts  # lazy: keeps `import corpus` light
 
     yield from iter_jsonl_texts(path, key)
 
@@ -105,7 +105,7 @@ def _hash_files(paths: list[Path], *extra: bytes) -> str:
 
 
 _TOKENIZING_LIBRARIES = ("tokenizers", "transformers")
-"""The libraries that turn text into ids (``indexed.load_tokenizer``: transformers'
+"""The libraries that turn text into ids (``hf_tokenizer.load_tokenizer``: transformers'
 ``AutoTokenizer``, its fast tokenizers run by ``tokenizers``; the ``[hf]`` extra): a new version
 may give other ids for the same files (a pre-tokenizer or special-token fix), so the record
 keeps their versions and a dataset made under others is tokenized again, in place (its name,
@@ -172,7 +172,7 @@ def default_dataset_name(
     the old one goes, :func:`_drop_replaced_datasets`), and a run resumed with the same
     tokenizer (``--use-checkpoint-args``) finds the same one. Megatron's other options that
     change its ids are refused with the shipped corpus
-    (:data:`~.indexed.TOKENIZER_FLAGS_NOT_HONOURED`). Reads the tokenizer's files (no weights)
+    (:data:`~.hf_tokenizer.TOKENIZER_FLAGS_NOT_HONOURED`). Reads the tokenizer's files (no weights)
     and the shipped one's: 0.6 ms measured for another 4096-id tokenizer; none for the shipped
     folder itself."""
     if tokenizer is None:
@@ -216,7 +216,7 @@ def _drop_replaced_datasets(out: Path, name: str, record: dict) -> list[str]:
     nothing finds them any more, and each change of the folder (e.g. a tokenizer retrained in
     place) would leave another. One another process holds the lock of is left (it may be
     making it again, its tokenizer's files put back). Returns the prefixes removed."""
-    from .indexed import _drop_stale_index_cache
+    from .indexed import drop_stale_index_cache
 
     dropped = []
     for stamp in sorted(out.glob(DEFAULT_DATASET_NAME + "_*.json")):
@@ -235,7 +235,7 @@ def _drop_replaced_datasets(out: Path, name: str, record: dict) -> list[str]:
             for path in (prefix + ".idx", prefix + ".bin", str(stamp)):  # .idx first: no
                 with contextlib.suppress(FileNotFoundError):  # readable half
                     os.remove(path)
-            _drop_stale_index_cache(prefix)
+            drop_stale_index_cache(prefix)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(out / (other + ".lock"))
         dropped.append(prefix)
@@ -258,14 +258,14 @@ def prepare_default_dataset(
 
     ``tokenizer``: the Hugging Face tokenizer's folder that tokenizes it (the shipped one when
     ``None``; a run's ``--tokenizer-model``, so that the dataset holds ids of the run's own
-    tokenizer); ``trust_remote_code`` as in :func:`~.indexed.load_tokenizer`. ``name``: the
+    tokenizer); ``trust_remote_code`` as in :func:`~.hf_tokenizer.load_tokenizer`. ``name``: the
     dataset's name, by default :func:`default_dataset_name` of the tokenizer. ``interrupted``,
     ``on_commit``: :func:`~.indexed.preprocess_jsonl`'s (a command's
-    :class:`~.indexed.StopOnSignals`).
+    :class:`~.signals.StopOnSignals`).
 
     The prefix ``<output_dir>/<name>`` names ``<prefix>.bin`` and ``<prefix>.idx`` (Megatron's
     ``--data-path <prefix>``); a ``<prefix>.json`` beside them records what they were built from.
-    If both exist, pass ``indexed.check_indexed_dataset`` and that record matches the shipped
+    If both exist, pass ``index_file.check_indexed_dataset`` and that record matches the shipped
     corpus, the tokenizer and the libraries' versions (:data:`_TOKENIZING_LIBRARIES`), nothing
     is done (a few milliseconds). Safe to call from several processes at once (a file lock
     serialises them) and safe to kill (files are written under temporary names and renamed at
@@ -274,7 +274,10 @@ def prepare_default_dataset(
     from megatron_latentmoe.files import WRITABLE_FOLDER, folder_problem
 
     # lazy: keeps `import corpus` light (numpy, Megatron)
-    from .indexed import NoEosError, PreprocessError, check_indexed_dataset, preprocess_jsonl
+    from .errors import PreprocessError
+    from .hf_tokenizer import NoEosError
+    from .index_file import check_indexed_dataset
+    from .indexed import preprocess_jsonl
 
     out = Path(output_dir) if output_dir is not None else default_cache_dir()
     tokenizer = DEFAULT_TOKENIZER_DIR if tokenizer is None else Path(tokenizer)
@@ -361,7 +364,9 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     from megatron_latentmoe.cli_errors import one_line_errors
 
-    from .indexed import PreprocessError, StopOnSignals, check_output_prefix
+    from .errors import PreprocessError
+    from .indexed import check_output_prefix
+    from .signals import StopOnSignals
 
     one_line_errors(p)
     args = p.parse_args(argv)

@@ -39,7 +39,7 @@ import traceback
 
 from megatron_latentmoe.cli_errors import FlagError, one_line_errors
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR, is_shipped_tokenizer
-from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED
+from megatron_latentmoe.data.hf_tokenizer import TOKENIZER_FLAGS_NOT_HONOURED
 from megatron_latentmoe.fields import (
     ADDED,
     BY_NAME,

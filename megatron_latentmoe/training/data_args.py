@@ -24,9 +24,9 @@ import warnings
 from collections.abc import Iterable
 
 from megatron_latentmoe.cli_errors import FlagError
-from megatron_latentmoe.data.indexed import (
+from megatron_latentmoe.data.errors import PreprocessError
+from megatron_latentmoe.data.index_file import (
     HEAD_BYTES,
-    PreprocessError,
     Vocabulary,
     check_indexed_dataset,
     max_token_id_in_head,
@@ -126,7 +126,7 @@ def data_vocabulary_refusal(args) -> str | None:
     tokenizer, which megatron-core 0.19.2 trains on until the embedding raises ``IndexError:
     index out of range in self`` on every rank (an id past the padded embedding), or trains on
     silently (an id in its padding rows). Reads the first ``HEAD_BYTES`` of each ``.bin``
-    (:func:`~megatron_latentmoe.data.indexed.max_token_id_in_head`); the batches check the rest
+    (:func:`~megatron_latentmoe.data.index_file.max_token_id_in_head`); the batches check the rest
     (``forward_step.get_batch``). None: no refusal, or no dataset flag, or a tokenizer that
     cannot be built here."""
     datasets = [

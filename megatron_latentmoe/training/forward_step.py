@@ -55,7 +55,7 @@ def set_batch_recorder(recorder) -> None:
 
 
 def set_vocabulary(vocabulary, data: str = "the data") -> None:
-    """The :class:`~megatron_latentmoe.data.indexed.Vocabulary` whose ids every micro-batch
+    """The :class:`~megatron_latentmoe.data.index_file.Vocabulary` whose ids every micro-batch
     must hold (None: not checked), and how a refusal names the data (``data``: its flags)."""
     global _VOCABULARY, _DATA
     _VOCABULARY, _DATA = vocabulary, data

@@ -221,7 +221,7 @@ def _main(check_only: bool = False) -> int:
         apply_cpu_compat()
     from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.data.corpus import prepare_default_dataset
-    from megatron_latentmoe.data.indexed import PreprocessError
+    from megatron_latentmoe.data.errors import PreprocessError
 
     begin_run()
     try:

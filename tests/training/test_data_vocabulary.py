@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from megatron_latentmoe.data.indexed import HEAD_BYTES
+from megatron_latentmoe.data.index_file import HEAD_BYTES
 
 from . import LAUNCH, run_entry, scratch_dir, write_dataset
 

@@ -24,12 +24,10 @@ from megatron_latentmoe.data.corpus import (
     iter_corpus_texts,
     prepare_default_dataset,
 )
-from megatron_latentmoe.data.indexed import (
-    PreprocessError,
-    StopOnSignals,
-    load_tokenizer,
-    preprocess_jsonl,
-)
+from megatron_latentmoe.data.errors import PreprocessError
+from megatron_latentmoe.data.hf_tokenizer import load_tokenizer
+from megatron_latentmoe.data.indexed import preprocess_jsonl
+from megatron_latentmoe.data.signals import StopOnSignals
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -211,7 +209,7 @@ def _train_tokenizer_cli(*args, **env):
 )
 def test_train_tokenizer_bad_corpus_is_one_line_exit_2(tmp_path, lines, message):
     """The corpus lines are checked by preprocess_data.py's own line parser
-    (``indexed.document_texts``), with its messages."""
+    (``jsonl.document_texts``), with its messages."""
     corpus = tmp_path / "in.jsonl"
     if lines is not None:
         corpus.write_text("\n".join(lines) + "\n")
@@ -432,7 +430,7 @@ def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path)
     failed on each in the middle of training with a numpy / assert traceback, or trained on a .bin
     longer than its .idx says; an .idx with bytes no header count covers it read without them:
     no file its writer writes, its header or its end from another write)."""
-    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.data.index_file import check_indexed_dataset
 
     good, bad = _corrupt_copies(tmp_path)
     assert check_indexed_dataset(good) == 3
@@ -502,10 +500,10 @@ def test_check_indexed_dataset_names_a_damaged_array(tmp_path, monkeypatch, chun
     first chunk of the vectorised check (``chunk`` 4 of 10 sequences)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron_latentmoe.data import indexed
-    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.data import index_file
+    from megatron_latentmoe.data.index_file import check_indexed_dataset
 
-    monkeypatch.setattr(indexed, "_CHUNK", chunk)
+    monkeypatch.setattr(index_file, "_CHUNK", chunk)
     builder = IndexedDatasetBuilder(str(tmp_path / "good.bin"), dtype=numpy.uint16)
     for n in range(1, 11):
         builder.add_document(numpy.arange(n, dtype=numpy.uint16), [n])
@@ -596,7 +594,7 @@ def test_the_flag_check_reads_the_largest_id_of_a_bins_head_only(tmp_path, dtype
     head is left to the batches (``forward_step.get_batch``)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron_latentmoe.data.indexed import HEAD_BYTES, max_token_id_in_head
+    from megatron_latentmoe.data.index_file import HEAD_BYTES, max_token_id_in_head
 
     prefix = str(tmp_path / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
@@ -1376,7 +1374,7 @@ def test_a_commit_stopped_between_renames_leaves_no_mix_of_old_and_new(
     from types import SimpleNamespace
 
     from megatron_latentmoe.cli_errors import FlagError
-    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.data.index_file import check_indexed_dataset
     from megatron_latentmoe.training.data_args import check_data_paths
 
     other = ("train_data_path", "valid_data_path", "test_data_path", "data_args_path")
@@ -1614,7 +1612,7 @@ def test_a_signal_during_the_commit_waits_for_the_complete_dataset(
     dataset. Now the commit runs with both held off: they arrive after it, and the run is a
     success (0, the summary) with the note that the signal came too late to stop it."""
     import megatron_latentmoe.data.indexed as indexed
-    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.data.index_file import check_indexed_dataset
 
     tool = _load_tool("preprocess_data")
     old = _write_jsonl(tmp_path / "old.jsonl", [{k: "old" for k in keys}])
@@ -1660,7 +1658,7 @@ def test_ctrl_c_during_the_library_commit_raises_after_it(tmp_path, monkeypatch,
     no handler, the same run writes the dataset and leaves the handlers alone."""
     import threading
 
-    from megatron_latentmoe.data.indexed import check_indexed_dataset
+    from megatron_latentmoe.data.index_file import check_indexed_dataset
 
     prefix = tmp_path / "ds"
     preprocess_jsonl(
@@ -2275,7 +2273,7 @@ def test_a_tokenizer_flag_the_shipped_corpus_cannot_honour_is_refused(monkeypatc
     apply_python311_compat()
     from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.compat.training import parse_with_our_flags
-    from megatron_latentmoe.data.indexed import TOKENIZER_FLAGS_NOT_HONOURED
+    from megatron_latentmoe.data.hf_tokenizer import TOKENIZER_FLAGS_NOT_HONOURED
     from megatron_latentmoe.training.arguments import (
         add_stable_latentmoe_args,
         validate_stable_latentmoe_args,

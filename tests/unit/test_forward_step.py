@@ -67,7 +67,7 @@ def test_a_batch_with_an_id_outside_the_vocabulary_is_refused(monkeypatch, key):
     the CP split) is checked against the run's vocabulary: one line naming the id, the
     tokenizer and what is allowed, where the embedding raised an IndexError traceback (a label
     out of range: a loss of a logit that is not there)."""
-    from megatron_latentmoe.data.indexed import Vocabulary
+    from megatron_latentmoe.data.index_file import Vocabulary
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)

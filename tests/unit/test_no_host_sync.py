@@ -184,7 +184,7 @@ def _forward_steps(rank, world_size):
 
     from megatron_latentmoe.compat import apply_python311_compat, initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
-    from megatron_latentmoe.data.indexed import Vocabulary
+    from megatron_latentmoe.data.index_file import Vocabulary
     from megatron_latentmoe.model import build_gpt_model
     from megatron_latentmoe.moe.balance_step import update_balance
     from megatron_latentmoe.ops.situ import set_cpu_compile

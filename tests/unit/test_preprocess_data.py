@@ -9,6 +9,7 @@ import pytest
 
 import megatron_latentmoe.data.indexed as indexed
 from megatron_latentmoe.data import DEFAULT_TOKENIZER_DIR
+from megatron_latentmoe.data.errors import PreprocessError
 from megatron_latentmoe.files import REMOUNT
 from tests.unit.test_data import _load_tool
 
@@ -97,7 +98,7 @@ def test_defaults_and_each_option_reach_the_preprocessor(
     "then, code, message",
     [
         (
-            indexed.PreprocessError("in.jsonl:3: malformed JSON"),
+            PreprocessError("in.jsonl:3: malformed JSON"),
             1,
             "error: in.jsonl:3: malformed JSON",
         ),
@@ -210,7 +211,7 @@ def test_an_output_folder_on_a_read_only_file_system_is_refused_by_flag(
     "then, code",
     [
         (OSError(28, "No space left on device"), 2),
-        (indexed.PreprocessError("in.jsonl:3: malformed JSON"), 1),
+        (PreprocessError("in.jsonl:3: malformed JSON"), 1),
         (KeyboardInterrupt(), 130),
         (OSError(5, "Input/output error"), None),  # re-raised
     ],
