@@ -93,3 +93,21 @@ def test_the_shared_file_checks_import_neither_megatron_nor_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_flag_checks_import_no_preprocessing():
+    """The entry point's flag checks (``training/arguments.py``, ``training/data_args.py``) read
+    ``--data-path``'s ``.bin``/``.idx`` pairs and refuse tokenizer flags with
+    ``data/index_file.py`` and ``data/hf_tokenizer.py``: importing them loads neither the
+    preprocessing (``data/indexed.py``: ``multiprocessing``, ``gzip``, ``json`` and the rest: 226
+    modules loaded with ``arguments`` when the checks lived there, 207 at the split) nor
+    ``transformers``."""
+    code = (
+        "import sys\n"
+        "import megatron_latentmoe.training.arguments\n"
+        "heavy = ('megatron_latentmoe.data.indexed', 'transformers')\n"
+        "bad = [m for m in heavy if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
