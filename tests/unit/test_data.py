@@ -1532,6 +1532,38 @@ def test_the_default_dataset_cli_stopped_while_tokenizing_leaves_no_dataset(tmp_
     assert sorted(f.name for f in tmp_path.iterdir()) == ["ds.lock"]
 
 
+def test_a_signal_while_the_progress_bar_is_made_waits_until_it_is_whole(tmp_path, monkeypatch):
+    """A SIGTERM whose KeyboardInterrupt came inside tqdm's ``__init__`` (the flake of the test
+    above: the signal is sent once the temporary .bin exists, just before the bar is made) left
+    a half-made bar whose ``__del__`` printed "Exception ignored in ... AttributeError" and a
+    traceback. The bar is now made with the signals held: the stop comes once it is whole, and
+    nothing is written."""
+    import gc
+
+    import tqdm.auto
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in SAMPLES])
+
+    class SignalledWhileMade(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            self.disable = False  # as tqdm's __init__ sets it, a bar drawn, before its position
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecodes: here
+                pass
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", SignalledWhileMade)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    with StopOnSignals() as stop, pytest.raises(KeyboardInterrupt):
+        preprocess_jsonl(
+            src, tmp_path / "out", interrupted=stop.interrupted, on_commit=stop.on_commit
+        )
+    gc.collect()
+    assert (unraisable, stop.signals) == ([], [signal.SIGTERM])
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def _sigterm_swallowed():
     """SIGTERM to this process, the handler's ``KeyboardInterrupt`` raised inside ``__del__``:
     Python prints and ignores it there ("Exception ignored in ..."), as it did once under load in
