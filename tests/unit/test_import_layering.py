@@ -10,6 +10,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _runs(code: str) -> None:
+    """``code`` runs in a fresh interpreter at the repository root (its asserts pass)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_model_and_training_import_no_converter_module():
     code = (
         "import sys\n"
@@ -20,8 +26,7 @@ def test_model_and_training_import_no_converter_module():
         "bad = [m for m in sys.modules if m.startswith('megatron_latentmoe.convert')]\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _runs(code)
 
 
 def _imports_the_entry_point(node) -> bool:
@@ -91,8 +96,7 @@ def test_the_shared_file_checks_import_neither_megatron_nor_torch():
         "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')]\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _runs(code)
 
 
 def test_the_flag_checks_import_no_preprocessing():
@@ -109,5 +113,4 @@ def test_the_flag_checks_import_no_preprocessing():
         "bad = [m for m in heavy if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _runs(code)
