@@ -38,6 +38,7 @@ layers) and read ``block.last_routing`` after a forward. The model's ``output_ro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 
@@ -48,7 +49,7 @@ from typing import Callable, NamedTuple  # noqa: UP035
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -744,31 +745,41 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """``PreTrainedModel.from_pretrained``; MXFP4 routed experts load dequantized (see "MXFP4
-        checkpoints") unless a ``quantization_config`` is passed."""
+        checkpoints") unless a ``quantization_config`` is passed. The other arguments mean what
+        they mean there: config overrides (``num_hidden_layers=2``, ``output_router_logits=True``),
+        ``attn_implementation``, ``output_loading_info``, ``config`` as an object or a path."""
         config = kwargs.get("config")
-        if config is None:
-            config = cls.config_class.from_pretrained(
-                pretrained_model_name_or_path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-            )
-        if kwargs.get("quantization_config") is None and _is_mxfp4_experts(
+        if kwargs.get("quantization_config") is None and not isinstance(config, PretrainedConfig):
+            source = pretrained_model_name_or_path if config is None else config  # None or a path
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            probe = cls.config_class.from_pretrained(source, **hub)
+            if _is_mxfp4_experts(getattr(probe, "quantization_config", None)):
+                # the config with the overrides among kwargs, as transformers' AutoModel loads it
+                rest = {k: v for k, v in kwargs.items() if k not in (*_HUB_KWARGS, "config")}
+                own = {k: rest.pop(k) for k in ("dtype", "torch_dtype") if k in rest}
+                config, unused = cls.config_class.from_pretrained(
+                    source, return_unused_kwargs=True, **hub, **rest
+                )
+                kwargs = {**hub, **unused, **own, "config": config}
+        if kwargs.get("quantization_config") is not None or not _is_mxfp4_experts(
             getattr(config, "quantization_config", None)
         ):
-            dense = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
-            kwargs["config"] = type(config).from_dict(dense)
-            dequantize, unregister = _register_mxfp4_loading()
-            try:
-                model = super().from_pretrained(
-                    pretrained_model_name_or_path, *model_args, **kwargs
-                )
-            finally:
-                unregister()
-            model._weight_conversions = [  # nothing to revert: the loaded model is dense
-                c
-                for c in getattr(model, "_weight_conversions", None) or []
-                if not any(isinstance(op, dequantize) for op in getattr(c, "operations", ()))
-            ]
-            return model
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        dense = copy.deepcopy(config)  # keeps what to_dict() drops (e.g. attn_implementation)
+        del dense.quantization_config
+        kwargs["config"] = dense
+        dequantize, unregister = _register_mxfp4_loading()
+        try:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        finally:
+            unregister()
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, output_loading_info)
+        model._weight_conversions = [  # nothing to revert: the loaded model is dense
+            c
+            for c in getattr(model, "_weight_conversions", None) or []
+            if not any(isinstance(op, dequantize) for op in getattr(c, "operations", ()))
+        ]
+        return loaded
 
     def _init_weights(self, module: nn.Module) -> None:
         # torch.nn.init is looked up at call time so transformers can guard it during loading.

@@ -323,7 +323,8 @@ def test_a_star_import_of_reference_gives_the_config_and_all_of_the_modeling_cod
 
 
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
-    allowed_top = {"torch", "transformers", "__future__", "dataclasses", "functools", "typing"}
+    allowed_top = {"torch", "transformers"}
+    allowed_top |= {"__future__", "copy", "dataclasses", "functools", "typing"}  # stdlib
     for name in REMOTE_CODE_FILES:
         tree = ast.parse((Path(hf_pkg.__file__).parent / name).read_text())
         for node in ast.walk(tree):
