@@ -381,6 +381,23 @@ def test_static_cache_with_left_padding_equals_each_sequence_alone():
             torch.testing.assert_close(step.logits[row, -1], alone[0, -1], rtol=1e-10, atol=1e-10)
 
 
+def test_greedy_generate_of_a_left_padded_batch_equals_each_prompt_alone():
+    """What the README tells a user batching prompts of different lengths (a tokenizer loaded
+    with ``padding_side="left"``): greedy ``generate`` of the left-padded batch gives each
+    prompt's own continuation, token for token (fp64; with the padding unmasked it does not)."""
+    model = make_model("sdpa")
+    gen = torch.Generator().manual_seed(7)
+    long, short = (torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in (7, 4))
+    pad = model.config.eos_token_id
+    ids = torch.stack([long, torch.cat([torch.full((3,), pad), short])])
+    mask = (torch.arange(7) >= torch.tensor([[0], [3]])).long()
+    greedy = dict(do_sample=False, max_new_tokens=6, pad_token_id=pad)
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, **greedy)[:, 7:]
+        alone = [model.generate(p[None], **greedy)[0, len(p) :] for p in (long, short)]
+    assert batch.tolist() == [a.tolist() for a in alone]
+
+
 @contextlib.contextmanager
 def _no_torch_function_modes():
     """Run without the torch-function modes an earlier in-process Megatron test left entered
