@@ -145,8 +145,10 @@ def _made_under_other_libraries(stamp: Path, want: dict) -> str:
         have = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return ""
-    if not isinstance(have, dict) or any(
-        have.get(k) != v for k, v in want.items() if k != "libraries"
+    if (
+        not isinstance(have, dict)
+        or have.get("libraries") == want["libraries"]  # its files are what is wrong
+        or any(have.get(k) != v for k, v in want.items() if k != "libraries")
     ):
         return ""
     made = have.get("libraries") or {}

@@ -1950,8 +1950,9 @@ def test_a_read_only_cache_made_under_other_libraries_says_so(
     tmp_path, monkeypatch, tokenizing_spy
 ):
     """A read-only (e.g. shared) cache whose dataset another transformers version made must be
-    tokenized again and cannot be: the line says why, with both versions; where the dataset is
-    missing or its tokenizer's files changed, the line is the plain one."""
+    tokenized again and cannot be: the line says why, with both versions; where its tokenizer's
+    files changed, or a dataset made under these versions is missing, the line is the plain
+    one."""
     from importlib import metadata
 
     from megatron_latentmoe.data import corpus
@@ -1982,6 +1983,11 @@ def test_a_read_only_cache_made_under_other_libraries_says_so(
         with pytest.raises(PreprocessError) as e:
             corpus.prepare_default_dataset(out)
         assert str(e.value) == plain + (said if clause else "") + advice
+    record.write_text(json.dumps(stamp))  # made under these versions, its .bin gone: plain
+    os.remove(out / "default_corpus.bin")
+    with pytest.raises(PreprocessError) as e:
+        corpus.prepare_default_dataset(out)
+    assert str(e.value) == plain + advice
     assert len(tokenizing_spy) == 1
 
 
