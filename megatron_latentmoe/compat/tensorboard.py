@@ -5,7 +5,7 @@ The writer writes from its own thread (``_AsyncWriterThread``). A write that fai
 disk: ``OSError: [Errno 28] No space left on device``, no file named) is kept in the thread's
 ``exception`` and re-raised, and the writer raises that same exception in the training thread at
 its next write or flush (Megatron's next ``add_scalar``; its flush at the end of training), where
-the entry point says it in one line (``file_checks.write_disk_failure_error``). The re-raise inside
+the entry point says it in one line (``files.write_disk_failure_error``). The re-raise inside
 the thread also reached ``threading.excepthook``, which printed it as a second, thread traceback
 ("Exception in thread Thread-1: ...", seen in a 2-rank run whose ``--tensorboard-dir`` was on a
 full 4 KiB tmpfs), interleaved with that line. Only that thread's kept exception is left

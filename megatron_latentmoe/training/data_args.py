@@ -1,6 +1,7 @@
 """The checks and defaults of the entry point's data flags: this module's one job (the other
-flags and their checks are :mod:`.arguments`', whose ``validate_stable_latentmoe_args`` calls
-these; whether the data a resumed run still has fits is :mod:`.data_left`'s).
+flags and their checks are :mod:`.arguments`', whose ``validate_stable_latentmoe_args`` runs the
+dataset checks here; the entry point, :mod:`.pretrain`, applies the defaults and the vocabulary
+check; whether the data a resumed run still has fits is :mod:`.data_left`'s).
 
 No dataset flag (``--data-path``, ``--train-data-path`` ..., ``--data-args-path``,
 ``--per-split-data-args-path``, ``--mock-data``): the run trains on the shipped corpus
@@ -9,10 +10,8 @@ No dataset flag (``--data-path``, ``--train-data-path`` ..., ``--data-args-path`
 ``.bin``/``.idx`` pair (:func:`check_data_paths`), ``--split`` against its sequences
 (:func:`check_split`), the token ids at its head against the run's vocabulary
 (:func:`data_vocabulary_refusal`; :func:`run_vocabulary` and :func:`data_description` serve the
-batches' check too, ``forward_step.get_batch``).
-
-:class:`FlagError`, the error of every flag check of the entry point, is defined here, below
-:mod:`.arguments`, which raises it too (its callers take it from there).
+batches' check too, ``forward_step.get_batch``). Each check raises the entry point's
+:class:`~megatron_latentmoe.cli_errors.FlagError`, as :mod:`.arguments`' do.
 """
 
 from __future__ import annotations

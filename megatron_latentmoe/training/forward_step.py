@@ -42,7 +42,7 @@ class OutOfVocabularyError(ValueError):
 
 
 def set_balance_logger(logger) -> None:
-    """The :class:`BalanceLogger` that receives training losses (None: none)."""
+    """The :class:`.balance_logging.BalanceLogger` that receives training losses (None: none)."""
     global _BALANCE_LOGGER
     _BALANCE_LOGGER = logger
 

@@ -4,8 +4,8 @@
 Order of work (everything that can be wrong about the command line fails before anything heavy):
 
 1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (the data flags':
-   :mod:`.data_args`; :class:`FlagError`, exit 2), run Megatron's ``validate_args``, build the
-   ``StableLatentMoETransformerConfig`` (its validation too);
+   :mod:`.data_args`; :class:`..cli_errors.FlagError`, exit 2), run Megatron's
+   ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its validation too);
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker

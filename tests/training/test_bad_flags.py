@@ -1115,6 +1115,7 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
     one line at start-up (else a ModuleNotFoundError traceback on every rank)."""
     from types import SimpleNamespace
 
+    from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.training import arguments
 
     monkeypatch.setattr(arguments, "_have_nvrx", lambda: False)
@@ -1125,7 +1126,7 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
         use_persistent_ckpt_worker=True,
         async_strategy="nvrx",
     )
-    with pytest.raises(arguments.FlagError) as err:
+    with pytest.raises(FlagError) as err:
         arguments._check_checkpointing_and_schedule(args, has_cuda=True)
     assert str(err.value) == (
         "--async-strategy nvrx (the default with --async-save) needs nvidia-resiliency-ext, "
