@@ -1,5 +1,11 @@
 """Embedded default corpus + tokenizer, and JSONL -> Megatron indexed dataset preprocessing.
 
+The shipped corpus's dataset is :mod:`.corpus`'s, the preprocessing :mod:`.indexed`'s; what it
+uses: reading the JSONL (:mod:`.jsonl`), the tokenizer (:mod:`.hf_tokenizer`), reading and
+checking a written ``.bin``/``.idx`` pair (:mod:`.index_file`, which the entry point's flag checks
+use too), Ctrl-C and SIGTERM around a write (:mod:`.signals`), and the error bad input raises
+(:mod:`.errors`).
+
 The shipped assets' locations live here, so that :mod:`.corpus` (the default dataset) and
 :mod:`.hf_tokenizer` (the preprocessing's tokenizer, the shipped one by default) both import them
 from the package, not from each other."""
