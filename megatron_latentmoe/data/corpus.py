@@ -151,7 +151,8 @@ def _made_under_other_libraries(stamp: Path, want: dict) -> str:
         or any(have.get(k) != v for k, v in want.items() if k != "libraries")
     ):
         return ""
-    made = have.get("libraries") or {}
+    made = have.get("libraries")
+    made = made if isinstance(made, dict) else {}  # a record edited by hand: versions unknown
     changed = [
         f"{name} {made.get(name) or 'unknown'} (this run: {version or 'not installed'})"
         for name, version in want["libraries"].items()

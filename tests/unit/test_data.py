@@ -1970,11 +1970,13 @@ def test_a_read_only_cache_made_under_other_libraries_says_so(
     for record_text, clause in (
         (json.dumps(dict(stamp, libraries=made)), f"transformers 4.0.0 (this run: {now})"),
         (json.dumps({k: v for k, v in stamp.items() if k != "libraries"}), None),
+        (json.dumps(dict(stamp, libraries="edited by hand")), None),
         (json.dumps(dict(stamp, libraries=made, sha256="other")), ""),
         ("{not json", ""),
     ):
         record.write_text(record_text)
-        if clause is None:  # a record written before the versions were kept: both unknown
+        if clause is None:  # a record without versions (written before they were kept, or
+            # edited by hand): both unknown
             clause = ", ".join(
                 f"{n} unknown (this run: {metadata.version(n)})"
                 for n in ("tokenizers", "transformers")
