@@ -50,12 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_latentmoe.cli_errors import one_line_errors  # noqa: E402
-from megatron_latentmoe.data.corpus import (  # noqa: E402
-    DEFAULT_CORPUS_PATH,
-    DEFAULT_TOKENIZER_DIR,
-    EOD_TOKEN,
-    PAD_TOKEN,
-)
+from megatron_latentmoe.data import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR  # noqa: E402
+from megatron_latentmoe.data.corpus import EOD_TOKEN, PAD_TOKEN  # noqa: E402
 from megatron_latentmoe.data.errors import PreprocessError  # noqa: E402
 from megatron_latentmoe.data.jsonl import iter_jsonl_texts  # noqa: E402
 

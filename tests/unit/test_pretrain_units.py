@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_latentmoe.checkpoint_layout import RELEASE, TRACKER_FILE
 from megatron_latentmoe.training import checkpoint_repair, console, pretrain, resume
 
 
@@ -431,11 +432,11 @@ def test_main_warns_on_rank_0_that_a_release_checkpoint_ignores_ckpt_step(
 ):
     """megatron-core 0.19.2 loads ``release`` whatever --ckpt-step says, silently; now a
     warning line names both (rank 0 only)."""
-    (tmp_path / resume.TRACKER_FILE).write_text("release")
-    (tmp_path / resume.RELEASE).mkdir()
+    (tmp_path / TRACKER_FILE).write_text("release")
+    (tmp_path / RELEASE).mkdir()
     warning = (
         f"[pretrain_stable_latentmoe] WARNING: --ckpt-step 5 is ignored: --load {tmp_path} holds "
-        f"a release checkpoint ({resume.TRACKER_FILE}: release), which megatron-core 0.19.2 "
+        f"a release checkpoint ({TRACKER_FILE}: release), which megatron-core 0.19.2 "
         f"loads whatever --ckpt-step says: {tmp_path}/release"
     )
     for rank, printed in (("0", [warning]), ("1", [])):
@@ -911,12 +912,12 @@ def _tree(root, persistent, tracker, non_persistent=None):
     if non_persistent is not None:
         folders.append((root / "np", iteration_dir_name(non_persistent)))
         (root / "np").mkdir()
-        (root / "np" / resume.TRACKER_FILE).write_text(str(non_persistent))
+        (root / "np" / TRACKER_FILE).write_text(str(non_persistent))
     for folder, name in folders:
         (folder / name).mkdir()
         for file in (".metadata", "metadata.json"):
             (folder / name / file).write_text("{}")
-    (root / resume.TRACKER_FILE).write_text(tracker)
+    (root / TRACKER_FILE).write_text(tracker)
 
 
 # (flag, persistent folders, tracker, non-persistent iteration, --ckpt-step, the folder loaded)
