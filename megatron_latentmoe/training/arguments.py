@@ -58,6 +58,17 @@ from megatron_latentmoe.training.data_args import (
 
 BACKENDS = {"local": "local", "transformer_engine": "te"}
 
+_LAYER_PATTERN_DESTS = (
+    "heterogeneous_layers_config_path",
+    "heterogeneous_layers_config_encoded_json",
+    # Mamba/hybrid models' patterns: megatron-core 0.19.2's validate_args sets --num-layers to
+    # the pattern's length, and GPTModel ignores the layer kinds ("M*-" trained 3 layers of
+    # attention + MoE instead of tiny.sh's 4, silently)
+    "hybrid_layer_pattern",
+    "hybrid_override_pattern",
+)
+"""Megatron flags that set the layers some other way than this model's flags: refused."""
+
 
 # ------------------------------------------------------------------------------------ parser
 def _find_action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
@@ -181,8 +192,8 @@ def validate_stable_latentmoe_args(
             "--multi-latent-attention is not supported: attention is Megatron's GQA "
             "self-attention with RoPE (--group-query-attention --num-query-groups N)"
         )
-    for dest in ("heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json"):
-        if getattr(args, dest):
+    for dest in _LAYER_PATTERN_DESTS:
+        if getattr(args, dest, None):
             raise FlagError(
                 f"--{dest.replace('_', '-')} {getattr(args, dest)} is not allowed: this model's "
                 "layers are set by its flags; allowed: none"
@@ -270,6 +281,7 @@ def validate_stable_latentmoe_args(
         )
     if impl == "transformer_engine" and not has_cuda:
         raise FlagError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+    _check_attention_backend(args.attention_backend, impl)
     if args.fp8 is not None or args.fp4 is not None:
         flag = "--fp8-format" if args.fp8 is not None else "--fp4-format"
         value = args.fp8 if args.fp8 is not None else args.fp4
@@ -426,6 +438,32 @@ def validate_stable_latentmoe_args(
             "an integer >= 1"
         )
     _check_qb_calibration(args)
+
+
+def _check_attention_backend(backend, impl: str) -> None:
+    """``--attention-backend`` picks one of Transformer Engine's attention kernels (megatron-core
+    0.19.2 sets TE's ``NVTE_*_ATTN`` variables from it). ``local`` (Megatron's own attention)
+    it takes only with ``--spec local``: its ``validate_args`` reads ``args.spec[0]``, a
+    TypeError traceback on every rank where no ``--spec`` is given, and this entry point's own
+    builder would not swap the attention anyway. With ``--transformer-impl local`` the attention
+    is Megatron's unfused one whatever the flag says: flash or fused would be silently ignored."""
+    name = getattr(backend, "name", backend)
+    if impl == "local":
+        refused, allowed = ("local", "flash", "fused"), "auto or unfused"
+    else:
+        refused, allowed = ("local",), "auto, flash, fused or unfused"
+    if name in refused:
+        why = (
+            "megatron-core 0.19.2 takes it only with --spec local, and this entry point's layer "
+            "spec is chosen by --transformer-impl (local: Megatron's own attention)"
+            if name == "local"
+            else "it picks a Transformer Engine kernel, and the local layers run Megatron's own "
+            "unfused attention"
+        )
+        raise FlagError(
+            f"--attention-backend {name} is not allowed with --transformer-impl {impl}: {why}; "
+            f"allowed: {allowed}"
+        )
 
 
 def _have_nvrx() -> bool:

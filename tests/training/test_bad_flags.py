@@ -261,6 +261,13 @@ CASES = {
             "are set by its flags; allowed: none"
         ],
     ),
+    "hybrid_layer_pattern": (  # else --num-layers becomes its length, its layer kinds ignored
+        ["--hybrid-override-pattern", "M*-"],
+        [
+            "--hybrid-override-pattern M*- is not allowed: this model's layers are set by its "
+            "flags; allowed: none"
+        ],
+    ),
     "multi_token_prediction": (
         ["--mtp-num-layers", "1"],
         [
@@ -335,6 +342,22 @@ CASES = {
     "grouped_gemm_with_local_layers": (
         ["--moe-grouped-gemm"],
         ["--moe-grouped-gemm needs --transformer-impl transformer_engine"],
+    ),
+    "local_attention_backend": (  # else validate_args' TypeError (args.spec is None)
+        ["--attention-backend", "local"],
+        [
+            "--attention-backend local is not allowed with --transformer-impl local: "
+            "megatron-core 0.19.2 takes it only with --spec local",
+            "allowed: auto or unfused",
+        ],
+    ),
+    "flash_attention_backend_with_local_layers": (  # else silently Megatron's own attention
+        ["--attention-backend", "flash"],
+        [
+            "--attention-backend flash is not allowed with --transformer-impl local: it picks a "
+            "Transformer Engine kernel, and the local layers run Megatron's own unfused "
+            "attention; allowed: auto or unfused"
+        ],
     ),
     "flex_dispatcher_without_gpus": (
         ["--moe-token-dispatcher-type", "flex"],
@@ -559,7 +582,12 @@ CASES = {
 }
 # refusals only on a machine without Transformer Engine (FP8: or without a GPU); with TE the run
 # would go on into heavy work, so these are not run there
-WITHOUT_TE = {"fp8_without_te_or_gpu", "fp4_without_te_or_gpu", "transformer_engine_not_installed"}
+WITHOUT_TE = {
+    "fp8_without_te_or_gpu",
+    "fp4_without_te_or_gpu",
+    "transformer_engine_not_installed",
+    "flash_attention_backend_with_local_layers",
+}
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
     "persistent_checkpoint_worker_without_a_gpu",
@@ -1056,6 +1084,16 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
             None,
         ),
         (["--fp8-format", "e4m3"], True, True, None),  # TE chosen by default on a GPU with TE
+        (["--attention-backend", "flash"], True, True, None),  # a TE kernel, with TE
+        (  # megatron-core 0.19.2 takes it only with --spec local, which this entry point refuses
+            ["--attention-backend", "local"],
+            True,
+            True,
+            "--attention-backend local is not allowed with --transformer-impl transformer_engine: "
+            "megatron-core 0.19.2 takes it only with --spec local, and this entry point's layer "
+            "spec is chosen by --transformer-impl (local: Megatron's own attention); allowed: "
+            "auto, flash, fused or unfused",
+        ),
         *(  # else megatron-core 0.19.2's router raises at the first forward, on every rank
             (
                 ["--moe-router-load-balancing-type", "aux_loss", "--moe-router-fusion"],
@@ -1083,7 +1121,7 @@ def test_refusals_that_depend_on_a_gpu_with_transformer_engine(
     """The flag check on machines these tests cannot be (a GPU, TE installed), in one process:
     FP8 with the local layers, the layernorm recompute and the router fusion without TE (or a
     GPU, for the fusion), are refused by name; the same flags pass where the machine allows
-    them."""
+    them (``--attention-backend flash`` too; ``local`` is refused with TE as well)."""
     import sys
     import warnings
 
