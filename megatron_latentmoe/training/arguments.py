@@ -316,6 +316,13 @@ def validate_stable_latentmoe_args(
             "--moe-router-fusion needs Transformer Engine and a CUDA GPU (its fused top-k "
             "routing kernels); allowed without them: off"
         )
+    if args.use_precision_aware_optimizer and not have_te and not args.optimizer_cpu_offload:
+        # else megatron-core 0.19.2's OptimizerConfig imports TE's FusedAdam while the optimizer
+        # is built: a ModuleNotFoundError traceback on every rank, after the model is built
+        raise FlagError(
+            "--use-precision-aware-optimizer needs Transformer Engine (megatron-core 0.19.2 "
+            "takes its FusedAdam), which is not installed; allowed without TE: off"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         # Megatron's combined 1F1B schedule asks forward_step for a schedule plan that splits
         # the MoE layer into its own nodes: ours returns the model output and the Stable

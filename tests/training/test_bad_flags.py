@@ -359,6 +359,13 @@ CASES = {
             "attention; allowed: auto or unfused"
         ],
     ),
+    "precision_aware_optimizer_without_te": (  # else a ModuleNotFoundError, every rank
+        ["--use-precision-aware-optimizer", "--use-distributed-optimizer"],
+        [
+            "--use-precision-aware-optimizer needs Transformer Engine (megatron-core 0.19.2 takes "
+            "its FusedAdam), which is not installed; allowed without TE: off"
+        ],
+    ),
     "flex_dispatcher_without_gpus": (
         ["--moe-token-dispatcher-type", "flex"],
         ["--moe-token-dispatcher-type flex needs GPUs (DeepEP); use alltoall"],
@@ -587,6 +594,7 @@ WITHOUT_TE = {
     "fp4_without_te_or_gpu",
     "transformer_engine_not_installed",
     "flash_attention_backend_with_local_layers",
+    "precision_aware_optimizer_without_te",
 }
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
@@ -1085,6 +1093,7 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
         ),
         (["--fp8-format", "e4m3"], True, True, None),  # TE chosen by default on a GPU with TE
         (["--attention-backend", "flash"], True, True, None),  # a TE kernel, with TE
+        (["--use-precision-aware-optimizer", "--use-distributed-optimizer"], True, True, None),
         (  # megatron-core 0.19.2 takes it only with --spec local, which this entry point refuses
             ["--attention-backend", "local"],
             True,
