@@ -445,6 +445,7 @@ def validate_stable_latentmoe_args(
             "an integer >= 1"
         )
     _check_qb_calibration(args)
+    check_wandb(args)
 
 
 def _check_attention_backend(backend, impl: str) -> None:
@@ -470,6 +471,34 @@ def _check_attention_backend(backend, impl: str) -> None:
         raise FlagError(
             f"--attention-backend {name} is not allowed with --transformer-impl {impl}: {why}; "
             f"allowed: {allowed}"
+        )
+
+
+def check_wandb(args) -> None:
+    """``--wandb-project``: megatron-core 0.19.2's W&B writer (``global_vars._set_wandb_writer``,
+    on the last rank, after start-up) raises a ValueError without ``--wandb-exp-name``, a
+    TypeError without ``--wandb-save-dir`` or ``--save`` (its files go to ``--save``/wandb) and
+    a ModuleNotFoundError where ``wandb`` is not installed: each a traceback. Refused here."""
+    project = getattr(args, "wandb_project", "")
+    if not project:
+        return
+    if not args.wandb_exp_name:
+        raise FlagError(
+            f"--wandb-project {project} needs --wandb-exp-name NAME (the W&B run's name); "
+            "allowed without it: no --wandb-project"
+        )
+    if not args.wandb_save_dir and not args.save:
+        raise FlagError(
+            f"--wandb-project {project} needs --wandb-save-dir DIR or --save DIR (W&B's files "
+            "go to --save's wandb/ folder by default)"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise FlagError(
+            f"--wandb-project {project} needs the wandb package, which is not installed "
+            "(pip install wandb); allowed without it: no --wandb-project (TensorBoard: "
+            "--tensorboard-dir)"
         )
 
 

@@ -359,6 +359,14 @@ CASES = {
             "attention; allowed: auto or unfused"
         ],
     ),
+    "wandb_without_a_run_name": (  # else Megatron's ValueError traceback, last rank
+        ["--wandb-project", "proj"],
+        ["--wandb-project proj needs --wandb-exp-name NAME (the W&B run's name)"],
+    ),
+    "wandb_not_installed": (  # else a ModuleNotFoundError traceback, last rank
+        ["--wandb-project", "proj", "--wandb-exp-name", "run1"],
+        ["--wandb-project proj needs the wandb package, which is not installed"],
+    ),
     "precision_aware_optimizer_without_te": (  # else a ModuleNotFoundError, every rank
         ["--use-precision-aware-optimizer", "--use-distributed-optimizer"],
         [
@@ -603,10 +611,21 @@ WITHOUT_GPU = {  # refusals only without a GPU
 }
 
 
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+WITHOUT_WANDB = {"wandb_not_installed"}
+
+
 def _runs_here(name: str) -> bool:
     import torch
 
-    return not (HAS_TE and name in WITHOUT_TE or torch.cuda.is_available() and name in WITHOUT_GPU)
+    return not (
+        HAS_TE
+        and name in WITHOUT_TE
+        or torch.cuda.is_available()
+        and name in WITHOUT_GPU
+        or HAS_WANDB
+        and name in WITHOUT_WANDB
+    )
 
 
 HEAVY_MARKERS = (
@@ -1181,3 +1200,29 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
     )
     args.async_strategy = "mcore"
     arguments._check_checkpointing_and_schedule(args, has_cuda=True)
+
+
+def test_wandb_needs_a_folder_for_its_files(monkeypatch):
+    """``--wandb-project`` with a run name but neither ``--wandb-save-dir`` nor ``--save``:
+    megatron-core 0.19.2 joins ``--save`` (None) with "wandb", a TypeError traceback on the last
+    rank; one line instead. Either folder (wandb installed), or no project, passes the check."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training.arguments import check_wandb
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "wandb" else find_spec(name, *a),
+    )
+    args = dict(wandb_project="proj", wandb_exp_name="run1", wandb_save_dir="", save=None)
+    with pytest.raises(FlagError) as err:
+        check_wandb(SimpleNamespace(**args))
+    assert str(err.value) == (
+        "--wandb-project proj needs --wandb-save-dir DIR or --save DIR (W&B's files go to "
+        "--save's wandb/ folder by default)"
+    )
+    for given in ({"wandb_project": ""}, {"save": "ckpt"}, {"wandb_save_dir": "wandb"}):
+        check_wandb(SimpleNamespace(**dict(args, **given)))
