@@ -303,6 +303,7 @@ def _main(check_only: bool = False) -> int:
         load_format,
         loaded_arg,
         loads_release,
+        optimizer_refusal,
         plan_layout_change,
         release_data_warning,
         resumed_by_args,
@@ -341,18 +342,21 @@ def _main(check_only: bool = False) -> int:
             print0(f"[{PROG}] WARNING: {warning}")
         path = resumed_by_args(args, load_arg)
         saved = saved_args(path)
-        refusal = shape_refusal(
-            getattr(args, load_arg), args, saved, load_flag(load_arg)
-        ) or legacy_layout_refusal(args, saved, path, load_arg)
+        # megatron-core 0.19.2 loads the model alone, from iteration 0, where it fine-tunes (it
+        # sets --finetune for --pretrained-checkpoint) and from a release checkpoint
+        model_only = args.finetune or load_arg != "load" or loads_release(path)
+        load_dir, flag = getattr(args, load_arg), load_flag(load_arg)
+        refusal = (
+            shape_refusal(load_dir, args, saved, flag)
+            or legacy_layout_refusal(args, saved, path, load_arg)
+            or (None if model_only else optimizer_refusal(args, saved, load_dir, flag))
+        )
         if refusal:
             error(refusal)
             return 2
         warning = release_data_warning(args, saved, path, load_arg)
         if warning:
             print0(f"[{PROG}] WARNING: {warning}")
-        # megatron-core 0.19.2 loads the model alone, from iteration 0, where it fine-tunes (it
-        # sets --finetune for --pretrained-checkpoint) and from a release checkpoint
-        model_only = args.finetune or load_arg != "load" or loads_release(path)
         restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)

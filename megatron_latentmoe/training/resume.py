@@ -494,6 +494,23 @@ def shape_refusal(load_dir: str, args, saved, flag: str = "--load") -> str | Non
     )
 
 
+def optimizer_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
+    """One line where the checkpoint was saved with ``--no-save-optim`` (its args, ``saved``) and
+    this run restores its optimizer (no ``--no-load-optim``; the caller leaves out the loads of
+    the model alone: ``--finetune``, ``--pretrained-checkpoint``, a release): megatron-core
+    0.19.2's load skips the absent state in its sharded read but then reads
+    ``state_dict['optimizer']``, a ``KeyError`` traceback on every rank ("Unable to load
+    optimizer from checkpoint"; measured: 2 ranks, tiny.sh, saved with --no-save-optim)."""
+    if saved is None or args.no_load_optim or not getattr(saved, "no_save_optim", False):
+        return None
+    return (
+        f"{flag} {load_dir}: the checkpoint was saved with --no-save-optim (it holds no "
+        "optimizer state), which megatron-core 0.19.2 fails to load; add --no-load-optim (the "
+        "optimizer and its learning-rate schedule start anew, the iteration number goes on) or "
+        "--finetune (the weights alone, from iteration 0)"
+    )
+
+
 LAYOUT_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",

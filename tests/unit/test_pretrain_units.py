@@ -396,6 +396,32 @@ def test_main_refuses_a_checkpoint_of_another_model_shape(monkeypatch, tmp_path,
     )
 
 
+@pytest.mark.parametrize(
+    "flags, refused",
+    [({}, True), (dict(no_load_optim=True), False), (dict(finetune=True), False)],
+)
+def test_main_refuses_to_restore_the_optimizer_a_checkpoint_has_not(
+    monkeypatch, tmp_path, capsys, flags, refused
+):
+    """A checkpoint saved with --no-save-optim, resumed without --no-load-optim: megatron-core
+    0.19.2's load read ``state_dict['optimizer']``, a KeyError traceback on every rank; now one
+    line, exit 2, before the loop. With --no-load-optim, or --finetune (the weights alone), the
+    run goes on."""
+    run = _Run(monkeypatch, tmp_path, load="ckpt", **flags)
+    run.saved = SimpleNamespace(no_save_optim=True)
+    assert run() == (2 if refused else 0)
+    assert bool(run.named("pretrain")) is not refused
+    err = capsys.readouterr().err
+    assert err == (
+        "pretrain_stable_latentmoe: error: --load ckpt: the checkpoint was saved with "
+        "--no-save-optim (it holds no optimizer state), which megatron-core 0.19.2 fails to "
+        "load; add --no-load-optim (the optimizer and its learning-rate schedule start anew, "
+        "the iteration number goes on) or --finetune (the weights alone, from iteration 0)\n"
+        if refused
+        else ""
+    )
+
+
 def test_main_checks_the_pretrained_checkpoint_megatron_falls_back_to(
     monkeypatch, tmp_path, capsys
 ):
