@@ -439,6 +439,20 @@ def validate_stable_latentmoe_args(
         )
     _check_pipeline_split(args)
     _check_checkpointing_and_schedule(args, has_cuda)
+    for flag, value, where, allowed in (
+        ("--log-interval", args.log_interval, "after the first iteration", ""),
+        (
+            "--eval-interval",
+            args.eval_interval,
+            "while it sizes the validation data",
+            " (no evaluation: --eval-iters 0)",
+        ),
+    ):
+        if value < 1:  # measured: 0 was a ZeroDivisionError traceback on every rank
+            raise FlagError(
+                f"{flag} {value} is not allowed: megatron-core 0.19.2 divides by it {where}; "
+                f"allowed: an integer >= 1{allowed}"
+            )
     if args.balance_log_loads_interval < 1:
         raise FlagError(
             f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "

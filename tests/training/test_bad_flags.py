@@ -589,6 +589,20 @@ CASES = {
             "at least 8",
         ],
     ),
+    "log_interval_zero": (  # else a ZeroDivisionError traceback after iteration 1, every rank
+        ["--log-interval", "0"],
+        [
+            "--log-interval 0 is not allowed: megatron-core 0.19.2 divides by it after the first "
+            "iteration; allowed: an integer >= 1"
+        ],
+    ),
+    "eval_interval_zero": (  # else a ZeroDivisionError traceback sizing the datasets, every rank
+        ["--eval-interval", "0", "--eval-iters", "1"],
+        [
+            "--eval-interval 0 is not allowed: megatron-core 0.19.2 divides by it while it sizes "
+            "the validation data; allowed: an integer >= 1 (no evaluation: --eval-iters 0)"
+        ],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
