@@ -316,6 +316,14 @@ def validate_stable_latentmoe_args(
             "--moe-router-fusion needs Transformer Engine and a CUDA GPU (its fused top-k "
             "routing kernels); allowed without them: off"
         )
+    if args.tp_comm_overlap and impl != "transformer_engine":
+        # megatron-core 0.19.2: only TE's layers read it (its userbuffers), and initialize()
+        # imports TE for them: without TE a RuntimeError traceback on every rank before the model
+        raise FlagError(
+            "--tp-comm-overlap needs --transformer-impl transformer_engine (Transformer Engine's "
+            "userbuffers, on CUDA GPUs; megatron-core 0.19.2's local layers do not overlap); "
+            f"allowed with --transformer-impl {impl}: off"
+        )
     if args.use_precision_aware_optimizer and not have_te and not args.optimizer_cpu_offload:
         # else megatron-core 0.19.2's OptimizerConfig imports TE's FusedAdam while the optimizer
         # is built: a ModuleNotFoundError traceback on every rank, after the model is built

@@ -603,6 +603,17 @@ CASES = {
             "the validation data; allowed: an integer >= 1 (no evaluation: --eval-iters 0)"
         ],
     ),
+    # else, without TE, a RuntimeError traceback on every rank ("needs 'yaml' and
+    # 'transformer_engine' packages"); with TE, megatron-core's local layers ignore it
+    "tp_comm_overlap_with_local_layers": (
+        ["--transformer-impl", "local", "--tp-comm-overlap", "--sequence-parallel"]
+        + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
+        [
+            "--tp-comm-overlap needs --transformer-impl transformer_engine (Transformer Engine's "
+            "userbuffers, on CUDA GPUs; megatron-core 0.19.2's local layers do not overlap); "
+            "allowed with --transformer-impl local: off"
+        ],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
