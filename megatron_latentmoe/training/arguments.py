@@ -661,7 +661,11 @@ def _config_fields_as_flags(args, text: str) -> str:
         dest = _ARG_DEST.get(field, field)
         if field not in fields or not hasattr(args, dest):
             continue
-        value, flag = getattr(args, dest), flag_for_field(field)
+        given_as = field
+        alias = _CONFIG_ALIASES.get(field)
+        if alias and getattr(args, alias) and not getattr(args, dest):
+            given_as = dest = alias  # set by the deprecated flag, the one given
+        value, flag = getattr(args, dest), flag_for_field(given_as)
         given = f"{flag} not given" if value is False or value is None else _flag_text(flag, value)
         named.append(f"{field}: {given}")
     return "; ".join(named)
@@ -731,6 +735,11 @@ def _check_qb_calibration(args) -> None:
 
 _ARG_DEST = {"num_moe_experts": "num_experts"}
 """Config fields whose ``megatron.training`` args attribute has another name."""
+
+_CONFIG_ALIASES = {"moe_router_padding_for_quantization": "moe_router_padding_for_fp8"}
+"""Config fields that a deprecated one also sets (megatron-core 0.19.2's
+``TransformerConfig.__post_init__``): a check naming the field names the deprecated flag where
+that is the one given."""
 
 
 def flag_for_field(field: str) -> str:

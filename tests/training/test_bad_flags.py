@@ -614,6 +614,13 @@ CASES = {
             "allowed with --transformer-impl local: off"
         ],
     ),
+    "deprecated_flag_named_as_given": (  # not as the field it sets, "not given"
+        ["--moe-router-padding-for-fp8", "--save-interval", "1000"],
+        [
+            "fp8/fp4 must be specified when moe_router_padding_for_quantization is True. "
+            "(moe_router_padding_for_quantization: --moe-router-padding-for-fp8)"
+        ],
+    ),
     # the same check on the shipped corpus (1404 documents): 1 in 10000 is 0.14 of a sequence
     "split_leaves_the_shipped_corpus_a_part_without_data": (  # Megatron would hang building it
         ["--split", "9999,1,0"],
