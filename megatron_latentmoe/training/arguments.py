@@ -843,6 +843,37 @@ def expert_layout_refusal(args) -> str | None:
     return _grid_refusal(args.world_size, sizes, ", or a smaller --expert-model-parallel-size")
 
 
+def optimizer_instances_refusal(args) -> str | None:
+    """``--num-distributed-optimizer-instances N`` (N > 1): megatron-core 0.19.2's parallel state
+    splits the data-parallel ranks (x context parallel) and the experts' data-parallel ranks
+    into N groups, asserting that N divides both, and builds them with ``einops``: each rank
+    failed in ``initialize_model_parallel`` with an AssertionError or an ImportError traceback
+    (measured: tiny.sh, 2 CPU ranks, N 2: EP2, then EP1 without einops). None where it can."""
+    n = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if n <= 1 or _grid_refusal(args.world_size, _model_parallel_sizes(args)):
+        return None  # or the grid is refused first (validate_args)
+    flag = f"--num-distributed-optimizer-instances {n}"
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sizes = [("data-parallel x context-parallel size", args.world_size // (tp * pp))]
+    if getattr(args, "num_experts", None) and not expert_layout_refusal(args):
+        expert_grid = args.expert_model_parallel_size * (args.expert_tensor_parallel_size or tp)
+        sizes.append(("experts' data-parallel size", args.world_size // (expert_grid * pp)))
+    for what, size in sizes:
+        if size % n:
+            return (
+                f"{flag} is not allowed with {args.world_size} processes: the {what} is {size}, "
+                f"which {n} does not divide; allowed: a divisor of {size}"
+            )
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is None:
+        return (
+            f"{flag} needs the einops package (megatron-core 0.19.2 builds the instances' "
+            "groups with it), which is not installed (pip install einops); allowed without it: 1"
+        )
+    return None
+
+
 def megatron_refusal(args, err: Exception) -> str:
     """One line for an assert of Megatron's ``validate_args``: its own text, and for the commonest
     (a process count that the model-parallel layout or the batch does not divide) the flags and

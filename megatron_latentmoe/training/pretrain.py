@@ -123,6 +123,7 @@ def _checked(args, has_cuda: bool):
         expert_layout_refusal,
         interleaved_schedule_refusal,
         megatron_refusal,
+        optimizer_instances_refusal,
         validate_stable_latentmoe_args,
     )
     from megatron_latentmoe.training.checkpoint_repair import save_tracker_refusal
@@ -175,7 +176,7 @@ def _checked(args, has_cuda: bool):
     cpu_notes = [] if has_cuda else cpu_training_defaults(args)
     if not has_cuda:
         apply_cpu_training_compat()
-    refusal = expert_layout_refusal(args)
+    refusal = expert_layout_refusal(args) or optimizer_instances_refusal(args)
     if refusal:
         raise FlagError(refusal)
     try:

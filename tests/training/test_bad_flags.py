@@ -1258,3 +1258,59 @@ def test_wandb_needs_a_folder_for_its_files(monkeypatch):
     )
     for given in ({"wandb_project": ""}, {"save": "ckpt"}, {"wandb_save_dir": "wandb"}):
         check_wandb(SimpleNamespace(**dict(args, **given)))
+
+
+@pytest.mark.parametrize(
+    "world_size, ep, einops, refusal",
+    [
+        (
+            2,
+            2,
+            True,
+            "the experts' data-parallel size is 1, which 2 does not divide; allowed: a "
+            "divisor of 1",
+        ),
+        (4, 4, True, "the experts' data-parallel size is 1, which 2 does not divide"),
+        (3, 1, True, "the data-parallel x context-parallel size is 3, which 2 does not divide"),
+        (2, 1, False, "needs the einops package"),
+        (2, 1, True, None),
+        (4, 2, True, None),
+    ],
+)
+def test_distributed_optimizer_instances_divide_both_data_parallel_sizes(
+    monkeypatch, world_size, ep, einops, refusal
+):
+    """``--num-distributed-optimizer-instances 2``: megatron-core 0.19.2's parallel state asserts
+    that the instances divide the data-parallel size (x CP) and the experts' one, and imports
+    einops to build their groups: an AssertionError / ImportError traceback on every rank
+    (measured on tiny.sh, 2 CPU ranks); one line instead."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.arguments import optimizer_instances_refusal
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if einops else None) if name == "einops" else find_spec(name, *a)
+        ),
+    )
+    args = SimpleNamespace(
+        num_distributed_optimizer_instances=2,
+        num_experts=8,
+        world_size=world_size,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=None,
+    )
+    got = optimizer_instances_refusal(args)
+    if refusal is None:
+        assert got is None
+    else:
+        assert got.startswith("--num-distributed-optimizer-instances 2 ") and refusal in got, got
+    assert (
+        optimizer_instances_refusal(SimpleNamespace(num_distributed_optimizer_instances=1)) is None
+    )
