@@ -330,19 +330,23 @@ def preprocess_jsonl(
 
         size = input_path.stat().st_size
         disable = tqdm_disable(progress)
-        # the bar is made with Ctrl-C / SIGTERM held: their KeyboardInterrupt inside tqdm's
-        # __init__ left a half-made bar whose __del__ printed "Exception ignored in ...
-        # AttributeError: 'tqdm_asyncio' object has no attribute 'pos'" and its traceback (a
-        # SIGTERM test's flake); the signal then comes once the bar is whole
-        with signals_held():
-            bar = tqdm(
-                total=size,
-                unit="B",
-                unit_scale=True,
-                desc=f"tokenizing {input_path.name}",
-                disable=disable,
-            )
-        with open(input_path, "rb") as raw, bar:
+        with contextlib.ExitStack() as closing:
+            # the bar is made with Ctrl-C / SIGTERM held: their KeyboardInterrupt inside tqdm's
+            # __init__ left a half-made bar whose __del__ printed "Exception ignored in ...
+            # AttributeError: 'tqdm_asyncio' object has no attribute 'pos'" and its traceback (a
+            # SIGTERM test's flake); the signal then comes once the bar is whole, and the bar is
+            # closed on its way out (else its last line came after the command's own, at exit)
+            with signals_held():
+                bar = closing.enter_context(
+                    tqdm(
+                        total=size,
+                        unit="B",
+                        unit_scale=True,
+                        desc=f"tokenizing {input_path.name}",
+                        disable=disable,
+                    )
+                )
+            raw = closing.enter_context(open(input_path, "rb"))
             done = 0
             log_every = log_interval if bar.disable else 0
             next_log, t_read = log_every, time.time()

@@ -1536,21 +1536,28 @@ def test_a_signal_while_the_progress_bar_is_made_waits_until_it_is_whole(tmp_pat
     """A SIGTERM whose KeyboardInterrupt came inside tqdm's ``__init__`` (the flake of the test
     above: the signal is sent once the temporary .bin exists, just before the bar is made) left
     a half-made bar whose ``__del__`` printed "Exception ignored in ... AttributeError" and a
-    traceback. The bar is now made with the signals held: the stop comes once it is whole, and
-    nothing is written."""
+    traceback. The bar is now made with the signals held: the stop comes once it is whole, the
+    bar is closed on its way out, and nothing is written."""
     import gc
 
     import tqdm.auto
 
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in SAMPLES])
 
+    made, closed = [], []
+
     class SignalledWhileMade(tqdm.auto.tqdm):
         def __init__(self, *args, **kwargs):
+            made.append(self)  # held here: closed only by the code under test, not by __del__
             self.disable = False  # as tqdm's __init__ sets it, a bar drawn, before its position
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # the handler runs at the next bytecodes: here
                 pass
             super().__init__(*args, **kwargs)
+
+        def close(self):
+            closed.append(self)
+            super().close()
 
     monkeypatch.setattr(tqdm.auto, "tqdm", SignalledWhileMade)
     unraisable = []
@@ -1559,6 +1566,10 @@ def test_a_signal_while_the_progress_bar_is_made_waits_until_it_is_whole(tmp_pat
         preprocess_jsonl(
             src, tmp_path / "out", interrupted=stop.interrupted, on_commit=stop.on_commit
         )
+    # closed on the interrupt's way out, before the command prints its line (a fresh clone's
+    # run of the CLI test saw the bar's last line after it, drawn at exit by __del__)
+    assert closed == made
+    made.clear()
     gc.collect()
     assert (unraisable, stop.signals) == ([], [signal.SIGTERM])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["in.jsonl"]
