@@ -1234,6 +1234,18 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
     arguments._check_checkpointing_and_schedule(args, has_cuda=True)
 
 
+def _pretend_installed(monkeypatch, package: str, installed: bool) -> None:
+    """``importlib.util.find_spec(package)`` answers as if ``package`` were (not) installed."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if installed else None) if name == package else find_spec(name, *a)
+        ),
+    )
+
+
 def test_wandb_needs_a_folder_for_its_files(monkeypatch):
     """``--wandb-project`` with a run name but neither ``--wandb-save-dir`` nor ``--save``:
     megatron-core 0.19.2 joins ``--save`` (None) with "wandb", a TypeError traceback on the last
@@ -1243,12 +1255,7 @@ def test_wandb_needs_a_folder_for_its_files(monkeypatch):
     from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.training.arguments import check_wandb
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: object() if name == "wandb" else find_spec(name, *a),
-    )
+    _pretend_installed(monkeypatch, "wandb", True)
     args = dict(wandb_project="proj", wandb_exp_name="run1", wandb_save_dir="", save=None)
     with pytest.raises(FlagError) as err:
         check_wandb(SimpleNamespace(**args))
@@ -1288,14 +1295,7 @@ def test_distributed_optimizer_instances_divide_both_data_parallel_sizes(
 
     from megatron_latentmoe.training.arguments import optimizer_instances_refusal
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: (
-            (object() if einops else None) if name == "einops" else find_spec(name, *a)
-        ),
-    )
+    _pretend_installed(monkeypatch, "einops", einops)
     args = SimpleNamespace(
         num_distributed_optimizer_instances=2,
         num_experts=8,
