@@ -467,7 +467,7 @@ def validate_stable_latentmoe_args(
             "an integer >= 1"
         )
     _check_qb_calibration(args)
-    check_wandb(args)
+    _check_wandb(args)
 
 
 def _check_attention_backend(backend, impl: str) -> None:
@@ -496,7 +496,7 @@ def _check_attention_backend(backend, impl: str) -> None:
         )
 
 
-def check_wandb(args) -> None:
+def _check_wandb(args) -> None:
     """``--wandb-project``: megatron-core 0.19.2's W&B writer (``global_vars._set_wandb_writer``,
     on the last rank, after start-up) raises a ValueError without ``--wandb-exp-name``, a
     TypeError without ``--wandb-save-dir`` or ``--save`` (its files go to ``--save``/wandb) and

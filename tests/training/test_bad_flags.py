@@ -1253,18 +1253,18 @@ def test_wandb_needs_a_folder_for_its_files(monkeypatch):
     from types import SimpleNamespace
 
     from megatron_latentmoe.cli_errors import FlagError
-    from megatron_latentmoe.training.arguments import check_wandb
+    from megatron_latentmoe.training.arguments import _check_wandb
 
     _pretend_installed(monkeypatch, "wandb", True)
     args = dict(wandb_project="proj", wandb_exp_name="run1", wandb_save_dir="", save=None)
     with pytest.raises(FlagError) as err:
-        check_wandb(SimpleNamespace(**args))
+        _check_wandb(SimpleNamespace(**args))
     assert str(err.value) == (
         "--wandb-project proj needs --wandb-save-dir DIR or --save DIR (W&B's files go to "
         "--save's wandb/ folder by default)"
     )
     for given in ({"wandb_project": ""}, {"save": "ckpt"}, {"wandb_save_dir": "wandb"}):
-        check_wandb(SimpleNamespace(**dict(args, **given)))
+        _check_wandb(SimpleNamespace(**dict(args, **given)))
 
 
 @pytest.mark.parametrize(
