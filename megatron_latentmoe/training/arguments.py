@@ -514,9 +514,7 @@ def _check_wandb(args) -> None:
             f"--wandb-project {project} needs --wandb-save-dir DIR or --save DIR (W&B's files "
             "go to --save's wandb/ folder by default)"
         )
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is None:
+    if not _installed("wandb"):
         raise FlagError(
             f"--wandb-project {project} needs the wandb package, which is not installed "
             "(pip install wandb); allowed without it: no --wandb-project (TensorBoard: "
@@ -524,10 +522,12 @@ def _check_wandb(args) -> None:
         )
 
 
-def _have_nvrx() -> bool:
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (found, not imported): what a flag needs that
+    megatron-core imports only later, on the ranks (nvidia-resiliency-ext, wandb, einops)."""
     import importlib.util
 
-    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+    return importlib.util.find_spec(package) is not None
 
 
 def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
@@ -575,7 +575,7 @@ def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
             "first save; allowed without a GPU: no --use-persistent-ckpt-worker (synchronous "
             "saves)"
         )
-    if args.async_strategy == "nvrx" and not _have_nvrx():
+    if args.async_strategy == "nvrx" and not _installed("nvidia_resiliency_ext"):
         raise FlagError(
             "--async-strategy nvrx (the default with --async-save) needs nvidia-resiliency-ext, "
             "which is not installed; allowed: --async-strategy mcore"
@@ -864,9 +864,7 @@ def optimizer_instances_refusal(args) -> str | None:
                 f"{flag} is not allowed with {args.world_size} processes: the {what} is {size}, "
                 f"which {n} does not divide; allowed: a divisor of {size}"
             )
-    import importlib.util
-
-    if importlib.util.find_spec("einops") is None:
+    if not _installed("einops"):
         return (
             f"{flag} needs the einops package (megatron-core 0.19.2 builds the instances' "
             "groups with it), which is not installed (pip install einops); allowed without it: 1"

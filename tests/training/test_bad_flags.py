@@ -1216,7 +1216,7 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
     from megatron_latentmoe.cli_errors import FlagError
     from megatron_latentmoe.training import arguments
 
-    monkeypatch.setattr(arguments, "_have_nvrx", lambda: False)
+    _pretend_installed(monkeypatch, "nvidia_resiliency_ext", False)
     args = SimpleNamespace(
         rampup_batch_size=None,
         async_save=True,
