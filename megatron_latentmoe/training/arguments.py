@@ -176,11 +176,24 @@ def validate_stable_latentmoe_args(
     args, *, has_cuda: bool | None = None, have_te: bool | None = None
 ) -> None:
     """Check and resolve our flags on the freshly parsed namespace (no side effects besides
-    filling the 'auto' defaults). Raises :class:`FlagError` naming the flag."""
+    filling the 'auto' defaults). Raises :class:`FlagError` naming the flag: the first refusal
+    of these steps, in this order."""
     has_cuda = _has_cuda() if has_cuda is None else has_cuda
     have_te = _have_te() if have_te is None else have_te
+    _refuse_unsupported_flags(args)
+    _check_model_config(args)
+    _check_backend(args, has_cuda, have_te)
+    _check_data(args)
+    _check_sequence_length(args)
+    _check_pipeline_split(args)
+    _check_checkpointing_and_schedule(args, has_cuda)
+    _check_intervals(args)
+    _check_qb_calibration(args)
+    _check_wandb(args)
 
-    # ---- things Megatron's parser accepts but this model cannot be
+
+def _refuse_unsupported_flags(args) -> None:
+    """Things Megatron's parser accepts but this model cannot be."""
     if args.spec:
         raise FlagError(
             f"--spec {' '.join(map(str, args.spec))} is not allowed: the layer spec is Stable "
@@ -229,7 +242,9 @@ def validate_stable_latentmoe_args(
                 f"--hidden-act {' or '.join(BY_NAME['hidden_act'].kind)}"
             )
 
-    # ---- the model config's rules, on the flags (resolving the "auto" defaults first)
+
+def _check_model_config(args) -> None:
+    """The model config's rules, on the flags (resolving the "auto" defaults first)."""
     if args.num_experts is None:
         raise FlagError("--num-experts is required: Stable LatentMoE is a mixture-of-experts model")
     if args.num_layers is None:
@@ -267,7 +282,10 @@ def validate_stable_latentmoe_args(
             f"use {QUANTILE_HISTOGRAM} or drop --eod-mask-loss"
         )
 
-    # ---- backend and precision
+
+def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
+    """Backend and precision: what this machine (a CUDA GPU, Transformer Engine) can run of the
+    layers, kernels and parallelism the flags ask for; resolves ``--transformer-impl``."""
     impl = args.transformer_impl
     if impl is None:
         impl = "transformer_engine" if (have_te and has_cuda) else "local"
@@ -385,7 +403,10 @@ def validate_stable_latentmoe_args(
     if not has_cuda and args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"  # no GPU: gloo is the only backend that works
 
-    # ---- data
+
+def _check_data(args) -> None:
+    """The data flags: the shipped corpus or ``--data-path`` (with :mod:`.data_args`), the
+    validation sets and the tokenizer folder."""
     if uses_default_data(args):
         if args.no_default_data:
             raise FlagError(
@@ -436,6 +457,11 @@ def validate_stable_latentmoe_args(
             args.tokenizer_model = str(DEFAULT_TOKENIZER_DIR)
         if not os.path.exists(args.tokenizer_model):
             raise FlagError(f"--tokenizer-model {args.tokenizer_model}: no such file or folder")
+
+
+def _check_sequence_length(args) -> None:
+    """``--seq-length``: given, and split evenly by sequence parallelism."""
+    tp = args.tensor_model_parallel_size
     if args.seq_length is None:
         raise FlagError("--seq-length is required")
     if tp > 1 and args.seq_length % tp:
@@ -445,8 +471,10 @@ def validate_stable_latentmoe_args(
             f"{tp} --sequence-parallel: a multiple of {tp} (sequence parallelism splits every "
             "sequence over the tensor-parallel ranks)"
         )
-    _check_pipeline_split(args)
-    _check_checkpointing_and_schedule(args, has_cuda)
+
+
+def _check_intervals(args) -> None:
+    """The logging and evaluation intervals: Megatron's and the balance log's."""
     for flag, value, where, allowed in (
         ("--log-interval", args.log_interval, "after the first iteration", ""),
         (
@@ -466,8 +494,6 @@ def validate_stable_latentmoe_args(
             f"--balance-log-loads-interval {args.balance_log_loads_interval} is not allowed: "
             "an integer >= 1"
         )
-    _check_qb_calibration(args)
-    _check_wandb(args)
 
 
 def _check_attention_backend(backend, impl: str) -> None:
