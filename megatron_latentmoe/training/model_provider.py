@@ -32,11 +32,8 @@ from megatron_latentmoe.fields import ConfigError
 from megatron_latentmoe.model import build_gpt_model
 from megatron_latentmoe.moe.checkpoint_names import LEGACY_NORM_NAME
 from megatron_latentmoe.moe.layer import use_legacy_names_of
-from megatron_latentmoe.training.arguments import (
-    BACKENDS,
-    flag_message,
-    megatron_config_refusal,
-)
+from megatron_latentmoe.training.arguments import BACKENDS, flag_message
+from megatron_latentmoe.training.megatron_refusals import megatron_config_refusal
 
 _FINALIZE_HOOK = None  # set by install_finalize_hook (pretrain.main) before the model is built
 

@@ -5,7 +5,8 @@ Order of work (everything that can be wrong about the command line fails before 
 
 1. parse Megatron's flags plus ours (:mod:`.arguments`), check ours (the data flags':
    :mod:`.data_args`; :class:`..cli_errors.FlagError`, exit 2), run Megatron's
-   ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its validation too);
+   ``validate_args``, build the ``StableLatentMoETransformerConfig`` (its validation too; what
+   Megatron refuses, told in flags: :mod:`.megatron_refusals`);
 2. without ``--data-path``: tokenize the shipped corpus once (cached) and use the shipped tokenizer;
 3. ``set_global_variables`` (tokenizer, TensorBoard writer, timers);
 4. on a machine without CUDA: a gloo world, Megatron's parallel groups and a CPU RNG tracker
@@ -119,18 +120,18 @@ def _checked(args, has_cuda: bool):
         default_tokenizer_dir,
     )
     from megatron_latentmoe.files import folder_refusal
-    from megatron_latentmoe.training.arguments import (
-        expert_layout_refusal,
-        interleaved_schedule_refusal,
-        megatron_refusal,
-        optimizer_instances_refusal,
-        validate_stable_latentmoe_args,
-    )
+    from megatron_latentmoe.training.arguments import validate_stable_latentmoe_args
     from megatron_latentmoe.training.checkpoint_repair import save_tracker_refusal
     from megatron_latentmoe.training.data_args import (
         apply_default_tokenizer,
         data_vocabulary_refusal,
         uses_default_data,
+    )
+    from megatron_latentmoe.training.megatron_refusals import (
+        expert_layout_refusal,
+        interleaved_schedule_refusal,
+        megatron_refusal,
+        optimizer_instances_refusal,
     )
     from megatron_latentmoe.training.model_provider import transformer_config_from_args
     from megatron_latentmoe.training.resume import (

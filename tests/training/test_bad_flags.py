@@ -971,7 +971,7 @@ def test_interleaved_schedule_needs_a_group_of_micro_batches_per_step():
     step (training, and evaluation when it runs) has at least one group of micro-batches."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import interleaved_schedule_refusal
+    from megatron_latentmoe.training.megatron_refusals import interleaved_schedule_refusal
 
     def run(global_batch=2, eval_batch=2, eval_iters=0, vpp=2, schedule=None):
         return SimpleNamespace(
@@ -1067,7 +1067,7 @@ def test_a_transformer_config_check_names_the_flags_of_its_fields():
     flag and value; words that are no field, or fields without a flag here, are left alone."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import megatron_config_refusal
+    from megatron_latentmoe.training.megatron_refusals import megatron_config_refusal
 
     args = SimpleNamespace(
         num_attention_heads=4,
@@ -1095,7 +1095,7 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
     size when it is not given: EP 4 x ETP (TP) 2 x PP 1 = 8 does not divide 4 processes."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import expert_layout_refusal
+    from megatron_latentmoe.training.megatron_refusals import expert_layout_refusal
 
     def layout(etp=None, world_size=4):
         return SimpleNamespace(
@@ -1293,7 +1293,7 @@ def test_distributed_optimizer_instances_divide_both_data_parallel_sizes(
     (measured on tiny.sh, 2 CPU ranks); one line instead."""
     from types import SimpleNamespace
 
-    from megatron_latentmoe.training.arguments import optimizer_instances_refusal
+    from megatron_latentmoe.training.megatron_refusals import optimizer_instances_refusal
 
     _pretend_installed(monkeypatch, "einops", einops)
     args = SimpleNamespace(

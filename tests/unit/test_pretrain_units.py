@@ -662,7 +662,7 @@ class _Checked:
         from megatron_latentmoe import files
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
-        from megatron_latentmoe.training import arguments, data_args
+        from megatron_latentmoe.training import arguments, data_args, megatron_refusals
 
         self.events = []
         event = self.events.append
@@ -705,14 +705,14 @@ class _Checked:
             ),
             (data_args, "uses_default_data"): lambda args: self.default_data,
             (data_args, "apply_default_tokenizer"): apply_default_tokenizer,
-            (arguments, "expert_layout_refusal"): lambda args: self.layout_refusal,
+            (megatron_refusals, "expert_layout_refusal"): lambda args: self.layout_refusal,
             (data_args, "data_vocabulary_refusal"): lambda args: (
                 event(("data vocabulary",)) or self.vocabulary_refusal
             ),
-            (arguments, "interleaved_schedule_refusal"): lambda args, group: (
+            (megatron_refusals, "interleaved_schedule_refusal"): lambda args, group: (
                 event(("interleaved", group)) or self.interleaved_refusal
             ),
-            (arguments, "megatron_refusal"): lambda args, err: f"refused: {err}",
+            (megatron_refusals, "megatron_refusal"): lambda args, err: f"refused: {err}",
             (files, "folder_refusal"): lambda flag, path: None,  # tests/training/
             (resume, "load_checkpoint_args"): lambda args: (
                 event(("checkpoint args",)) or {"expert_model_parallel_size"}
