@@ -539,7 +539,7 @@ def _check_wandb(args) -> None:
             f"--wandb-project {project} needs --wandb-save-dir DIR or --save DIR (W&B's files "
             "go to --save's wandb/ folder by default)"
         )
-    if not installed("wandb"):
+    if not package_installed("wandb"):
         raise FlagError(
             f"--wandb-project {project} needs the wandb package, which is not installed "
             "(pip install wandb); allowed without it: no --wandb-project (TensorBoard: "
@@ -547,7 +547,7 @@ def _check_wandb(args) -> None:
         )
 
 
-def installed(package: str) -> bool:
+def package_installed(package: str) -> bool:
     """Whether ``package`` can be imported (found, not imported): what a flag needs that
     megatron-core imports only later, on the ranks (nvidia-resiliency-ext, wandb, einops)."""
     import importlib.util
@@ -600,7 +600,7 @@ def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
             "first save; allowed without a GPU: no --use-persistent-ckpt-worker (synchronous "
             "saves)"
         )
-    if args.async_strategy == "nvrx" and not installed("nvidia_resiliency_ext"):
+    if args.async_strategy == "nvrx" and not package_installed("nvidia_resiliency_ext"):
         raise FlagError(
             "--async-strategy nvrx (the default with --async-save) needs nvidia-resiliency-ext, "
             "which is not installed; allowed: --async-strategy mcore"

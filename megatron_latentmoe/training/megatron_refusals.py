@@ -21,7 +21,7 @@ from megatron_latentmoe.training.arguments import (
     ARG_DEST,
     flag_for_field,
     flag_text,
-    installed,
+    package_installed,
     pipeline_split_flags,
 )
 
@@ -175,7 +175,7 @@ def optimizer_instances_refusal(args) -> str | None:
                 f"{flag} is not allowed with {args.world_size} processes: the {what} is {size}, "
                 f"which {n} does not divide; allowed: a divisor of {size}"
             )
-    if not installed("einops"):
+    if not package_installed("einops"):
         return (
             f"{flag} needs the einops package (megatron-core 0.19.2 builds the instances' "
             "groups with it), which is not installed (pip install einops); allowed without it: 1"
