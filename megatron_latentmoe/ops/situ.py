@@ -17,7 +17,8 @@ Three implementations of the same formula, chosen per call by ``_path``:
   (measured, 1 thread), so the fused loop writes tanh with exp. fwd+bwd at [512, 2x384] fp32,
   side by side: compiled with torch.tanh 0.73x the eager time, the exp form 0.52x (1.9x SwiGLU's
   time, eager 3.6x). In benchmarks/bench_block.py SiTU-GLU's share of the block's fwd+bwd falls
-  from 18.8 % (eager) to 7.2 % (fused);
+  from 16.7 % (eager) to 7.0 % (fused; ``situ_share_eager`` / ``situ_share`` of
+  benchmarks/results/bench_block.json);
 * everything else (fp64, small tensors whose compile would not pay back, a machine where
   inductor cannot compile, a process that turned compiling off with `set_cpu_compile`, as
   Megatron's ``--disable-jit-fuser`` does): the eager blocked math below with ``torch.tanh``.
@@ -64,11 +65,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # The elementwise math runs over blocks of rows, so that the fp32 temporaries never cost more
 # than a few blocks (the inputs themselves stay in their dtype). On CPU the block (1M elements,
 # 4 MiB of fp32 per temporary) lets the allocator reuse the temporaries instead of page-faulting
-# fresh whole-tensor allocations: about 2-3x faster fwd+bwd at 4096 x 3072 than unblocked (see
-# benchmarks/bench_situ.py). Smaller blocks were no faster and multiply the number of op launches
-# (each a parallel region, which costs a lot when the cores are oversubscribed). On an
-# accelerator (where this path runs only for fp64, or without Triton) the block is large: few
-# launches, bounded transient fp32 footprint.
+# fresh whole-tensor allocations: fwd+bwd at 4096 x 3072 1.7x (fp32) / 2.6x (bf16) faster than
+# unblocked (measured on the eager path with CPU_BLOCK_ELEMS = 2**40, 1 thread, min of 3, torch
+# 2.13 CPU; benchmarks/bench_situ.py does not time it). Smaller blocks were no faster and multiply
+# the number of op launches (each a parallel region, which costs a lot when the cores are
+# oversubscribed). On an accelerator (where this path runs only for fp64, or without Triton)
+# the block is large: few launches, bounded transient fp32 footprint.
 CPU_BLOCK_ELEMS = 1 << 20
 DEVICE_BLOCK_ELEMS = 1 << 24
 
