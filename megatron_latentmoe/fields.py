@@ -21,9 +21,11 @@ drives both directions) and megablocks' single ``Arguments`` dataclass.
 Defaults: ``default`` is the Megatron side's (``ModelArch``, the fields we add to the Megatron
 config, their flags). ``hf_default`` is the HF config class's keyword default, i.e. what a
 ``config.json`` WITHOUT the key means to transformers; every reader of an HF config uses it for
-an absent key (``required`` rows are refused instead). The two differ only where the HF class
-defaults to the full-scale K3 value (SPEC §5) and Megatron has no size default, plus
-``first_k_dense_replace`` (HF: K3's 1 dense layer; Megatron: 0, so small configs stay valid).
+an absent key (``required`` rows are refused instead). The two differ where the HF class
+defaults to the full-scale K3 value (SPEC §5): the sizes, which have no Megatron default,
+``num_shared_experts`` (HF: K3's 2; Megatron: 0, none) and ``first_k_dense_replace`` (HF: K3's 1
+dense layer; Megatron: 0, so small configs stay valid); and for ``max_position_embeddings`` (HF
+131072, Megatron 4096) and the token ids (HF None; Megatron the shipped tokenizer's).
 
 Adding a model hyper-parameter: one row here (and, for the HF model to use it, the keyword in the
 shipped HF config file, which the pin test demands).
