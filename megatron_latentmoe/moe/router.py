@@ -209,15 +209,14 @@ class QuantileBalancingRouter(BalanceCountingRouter):
 
         The step-end solve fits the bias to this step's scores under the weights W_t; the next
         batch is routed under W_{t+1}, after the optimizer step. Early in training the router
-        inputs of all tokens become nearly parallel (mean cosine 0.05 -> 0.95 by iteration 12 in
-        the K3-shaped race), so the weight update shifts every token's score for expert j by about
-        the same amount -- measured: 0.006-0.007 per step, against a spread of scores across
-        tokens of only 0.01-0.015 -- and a bias solved under W_t routes the same tokens under
-        W_{t+1} at MaxVio 11-20 (3-5 under W_t). The correction moves the bias by that common
-        shift, estimated at the global mean router input h (from the step-end all-reduce):
-        ``b_j -= (s_j(h; W_{t+1}) - s_j(h; W_t))``, re-centred. It is a function of replicated
-        weights and all-reduced numbers, so every rank applies the same one; no batch is routed
-        with a bias computed from itself.
+        inputs of all tokens become nearly parallel, so the weight update shifts every token's
+        score for expert j by about the same amount, as large as the spread of scores across
+        tokens, and a bias solved under W_t routes the same tokens under W_{t+1} at MaxVio 11-20
+        (measured: benchmarks/BALANCE_RACE.md, "The early spike and the drift correction"). The
+        correction moves the bias by that common shift, estimated at the global mean router
+        input h (from the step-end all-reduce): ``b_j -= (s_j(h; W_{t+1}) - s_j(h; W_t))``,
+        re-centred. It is a function of replicated weights and all-reduced numbers, so every rank
+        applies the same one; no batch is routed with a bias computed from itself.
         """
         self._apply_drift_correction()
         if self.training and torch.is_grad_enabled():
