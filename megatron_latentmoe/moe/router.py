@@ -26,6 +26,8 @@ forwards with autograd on; observed only: a QB rescoring pass (``qb_rescoring``,
 forwards and the first pass of an activation-recomputed forward (Megatron runs it under
 ``no_grad``; the recompute in backward is the one that counts), so every token is counted
 exactly once. No host sync in the forward.
+
+Suffixes name dimensions as in ``balancing.py``: M tokens, E experts, K top-k, D hidden.
 """
 
 from __future__ import annotations
@@ -121,13 +123,13 @@ class BalanceCountingRouter(TopKRouter):
                 "per-micro-batch QB cannot skip loss-masked tokens (this batch has some, e.g. "
                 "from --eod-mask-loss or pad tokens); use quantile_histogram"
             )
-        probs_ME, routing_map_TE = super().routing(logits, padding_mask=padding_mask)
+        probs_ME, routing_map_ME = super().routing(logits, padding_mask=padding_mask)
         if self.config.moe_pad_expert_input_to_capacity:
             # the fill up to each expert's capacity (probability 0) is not a load
-            self._count(routing_map_TE & (probs_ME != 0), padding_mask)
+            self._count(routing_map_ME & (probs_ME != 0), padding_mask)
         else:
-            self._count(routing_map_TE, padding_mask)
-        return probs_ME, routing_map_TE
+            self._count(routing_map_ME, padding_mask)
+        return probs_ME, routing_map_ME
 
     def _apply_expert_bias(
         self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
@@ -139,19 +141,19 @@ class BalanceCountingRouter(TopKRouter):
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
 
-    def _count(self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+    def _count(self, routing_map_ME: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
         if not (self.training and torch.is_grad_enabled()):
             return
         with torch.no_grad():
-            self._count_loads(routing_map_TE, padding_mask)
+            self._count_loads(routing_map_ME, padding_mask)
 
-    def _count_loads(self, routing_map_TE: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+    def _count_loads(self, routing_map_ME: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
         if padding_mask is None:
-            self.step_loads_E += routing_map_TE.sum(dim=0)
-            self.step_tokens += routing_map_TE.shape[0]
+            self.step_loads_E += routing_map_ME.sum(dim=0)
+            self.step_tokens += routing_map_ME.shape[0]
         else:
             valid_M = ~padding_mask.reshape(-1)
-            self.step_loads_E += (routing_map_TE & valid_M[:, None]).sum(dim=0)
+            self.step_loads_E += (routing_map_ME & valid_M[:, None]).sum(dim=0)
             self.step_tokens += valid_M.sum()
 
 
@@ -221,10 +223,10 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         self._apply_drift_correction()
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                h_TD = input.detach().reshape(-1, input.shape[-1]).float()
+                h_MD = input.detach().reshape(-1, input.shape[-1]).float()
                 if padding_mask is not None:
-                    h_TD = h_TD * (~padding_mask.reshape(-1, 1)).float()
-                self.step_input_sum_D += h_TD.sum(dim=0)
+                    h_MD = h_MD * (~padding_mask.reshape(-1, 1)).float()
+                self.step_input_sum_D += h_MD.sum(dim=0)
         return super().forward(input, padding_mask=padding_mask)
 
     def _scores_at(self, h_D: torch.Tensor) -> torch.Tensor:
@@ -266,7 +268,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             unexpected_keys.remove(key)
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        """Return dense ``probs`` [T, n] and the boolean ``routing_map`` [T, n] (SPEC §3)."""
+        """Return dense ``probs`` [m, n] and the boolean ``routing_map`` [m, n] (SPEC §3)."""
         seq_length, bsz = logits.shape[:2]
         logits_ME = logits.view(-1, self.config.num_moe_experts)
         padding_M = padding_mask.reshape(-1) if padding_mask is not None else None
@@ -274,14 +276,14 @@ class QuantileBalancingRouter(BalanceCountingRouter):
 
         scores_ME = torch.sigmoid(logits_ME)
         with torch.no_grad():  # top-(k+1) of fp32 s + b: k routes and the QB cutoff alpha
-            topk_idx_TK, alpha_M = cutoff_route(scores_ME, self.expert_bias, self.topk)
-        weights_MK = scores_ME.gather(1, topk_idx_TK)
+            topk_idx_MK, alpha_M = cutoff_route(scores_ME, self.expert_bias, self.topk)
+        weights_MK = scores_ME.gather(1, topk_idx_MK)
         if self.topk > 1:
             weights_MK = weights_MK / (weights_MK.sum(dim=-1, keepdim=True) + 1e-20)
         if self.config.moe_router_topk_scaling_factor:
             weights_MK = weights_MK * self.config.moe_router_topk_scaling_factor
-        probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_TK, weights_MK)
-        routing_map_TE = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_TK, True)
+        probs_ME = torch.zeros_like(scores_ME).scatter(1, topk_idx_MK, weights_MK)
+        routing_map_ME = torch.zeros_like(scores_ME, dtype=torch.bool).scatter(1, topk_idx_MK, True)
 
         valid_M = None if padding_M is None else ~padding_M.bool()
         if self.qb_calibration_scores is not None:
@@ -295,8 +297,8 @@ class QuantileBalancingRouter(BalanceCountingRouter):
             self.qb_histogram.observe(
                 scores_ME.detach().float(), self.expert_bias, valid_M=valid_M, alpha_M=alpha_M
             )
-        self._count(routing_map_TE, padding_M)
-        return probs_ME, routing_map_TE
+        self._count(routing_map_ME, padding_M)
+        return probs_ME, routing_map_ME
 
     def _apply_absorb_loss(self, probs_ME, scores_ME, valid_M):
         """QB's absorption loss ``-c * sum_j (b_j - mean(b)) * P_j`` (c = ``moe_qb_absorb_coeff``),
@@ -310,7 +312,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         the expert-wise mean router logit varies across experts by 0.5-0.7 at iteration 300), the
         bias shrinks, and with it the loss's pull: its fixed point is a router whose own top-k is
         balanced. The same work as an aux loss beside QB, from QB's exact bias rather than the
-        scores' own top-k counts: no top-k, no host sync, one [T, n] reduction (and the all-reduce
+        scores' own top-k counts: no top-k, no host sync, one [m, n] reduction (and the all-reduce
         of one count within the TP x CP group when padding is masked). Measured in the balance
         race (3 seeds, c = 0.3): final loss 0.050 below QB alone, 0.015 above QB + seq_aux_loss 1;
         c = 3 destabilises training (seed 1234: final loss 5.04 against 4.71;
