@@ -101,12 +101,13 @@ def _token_group(routers: list[BalanceCountingRouter]) -> dist.ProcessGroup | No
 
 # The mean router input travels in the integer all-reduce as fixed point: each rank adds its
 # local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
-# up to MAX_RANKS (2**15) ranks stays inside int32; resolution 2.4e-4. One more word counts the
-# ranks that routed tokens: the sum is divided by it, so a rank whose micro-batches were all
-# padding (local mean undefined, sent as 0) does not pull the global mean towards 0. The result
-# is the ranks' means averaged, not weighted by their token counts (it would take a wider sum
-# per feature): the drift correction's reference point, where ranks that routed tokens differ
-# only by their loss-masked tokens.
+# up to balancing.MAX_RANKS (2**15 - 1) ranks stays inside int32 (the histogram header's rank
+# count is checked against it); resolution 2.4e-4. One more word counts the ranks that routed
+# tokens: the sum is divided by it, so a rank whose micro-batches were all padding (local mean
+# undefined, sent as 0) does not pull the global mean towards 0. The result is the ranks' means
+# averaged, not weighted by their token counts (it would take a wider sum per feature): the drift
+# correction's reference point, where ranks that routed tokens differ only by their loss-masked
+# tokens.
 _FIXED_SCALE = 2.0**12
 _FIXED_CLAMP = 2.0**4 - 1
 
@@ -142,7 +143,8 @@ def update_balance(
             has_tokens = (r.step_tokens > 0).to(torch.int32).view(1)
             parts = [r.qb_histogram.pack(), _to_fixed(mean_D), has_tokens]
         # int32 words: a layer's routed copies per expert and its tokens are <= the global
-        # tokens per step, bounded by the histogram's int32 check (balancing.py)
+        # tokens per step, which a QB router's histogram checks against 2**31 - 1 (balancing.py);
+        # other routers have no such check (their counts would wrap beyond 2**31 - 1 tokens)
         parts += [r.step_loads_E.to(torch.int32), r.step_tokens.view(1).to(torch.int32)]
         packed.append(torch.cat(parts))
     stats, solved = [], []
