@@ -160,10 +160,6 @@ class _QuantileHistogramBase:
         self._reduced = None  # header sums after unpack_()
 
     @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
     def num_tokens(self) -> torch.Tensor:
         """Observed (after ``unpack_``: global) tokens, 0-d int64; each counts row sums to it."""
         return self._num_tokens
