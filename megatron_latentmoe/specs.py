@@ -16,7 +16,8 @@ Built by swapping submodules in Megatron's own GPT layer specs, never by forking
 
 Two variants with the same numerics: ``local`` (pure PyTorch / Megatron-Core modules; runs
 anywhere) and ``te`` (Transformer Engine linears, grouped GEMM experts, TE norms; usable under
-TE FP8 autocast). The first ``first_k_dense_replace`` layers are dense SiTU-GLU MLP layers.
+TE FP8 autocast). The first ``first_k_dense_replace`` layers are dense MLP layers (SiTU-GLU, or
+SwiGLU with ``hidden_act == "swiglu"``).
 """
 
 from __future__ import annotations
