@@ -4,10 +4,13 @@ router (SPEC §3, §4), both Megatron ``TopKRouter`` subclasses.
 ``BalanceCountingRouter`` is Megatron's ``TopKRouter`` unchanged (``aux_loss``, ``seq_aux_loss``,
 ``global_aux_loss``, ``none`` with or without ``--moe-router-enable-expert-bias``, Megatron's own
 ``quantile_balancing``) plus one int64 load counter per step, so the balance metrics of every
-router come from the same count (``balance_step.py``). Its only behavioural change: megatron-core
+router come from the same count (``balance_step.py``). Its behavioural changes: megatron-core
 0.19.2's ``_apply_expert_bias`` masks a [T, n] routing map with a [T] padding mask (no broadcast,
 a crash at the first step); here padding is broadcast over the experts, so padding is counted out
-of the sign update's loads as Megatron intends.
+of the sign update's loads as Megatron intends. Megatron's fp32 routing buffers stay fp32 under a
+half-precision cast of the model (``_apply``). Megatron's ``quantile_balancing`` is refused, one
+line, for a micro-batch with loss-masked tokens, which its per-micro-batch QB cannot skip
+(``routing``).
 
 ``QuantileBalancingRouter`` selects the top-k of ``scores + bias`` (in fp32) with ``scores =
 sigmoid(logits)``; the same top-(k+1) gives the QB cutoffs. Weights: the RAW scores of the
