@@ -247,9 +247,13 @@ def load_distributed_checkpoint_as_such(args) -> None:
 def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
     """``megatron.core.dist_checkpointing.load`` skips a requested tensor whose checkpoint key ends
     with one of ``suffixes`` when the checkpoint does not hold it (state added to the model
-    after the checkpoint was written: QB rescoring's ``router.qb_mean_input``). Megatron would
-    fail the load; the module keeps its value, and its ``_load_from_state_dict`` accepts the
-    absence. Every other key is loaded as strictly as before."""
+    after the checkpoint was written: QB rescoring's ``router.qb_mean_input``; a router buffer of
+    another balancer than the checkpoint's, :func:`..training.resume.fresh_routing_state`).
+    Megatron would fail the load (a ``KeyError`` naming the key, on every rank); the module keeps
+    its value: the loaded state dict gets the module's own tensor under that key, so Megatron's
+    strict ``load_state_dict`` finds it (missing, it failed and megatron-core 0.19.2 retried with
+    ``strict=False``, printing "load_return: None" and forgiving every missing key). Every other
+    key is loaded as strictly as before."""
     import megatron.core.dist_checkpointing as dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -258,22 +262,34 @@ def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
     def optional(value) -> bool:
         return isinstance(value, ShardedTensor) and value.key.endswith(suffixes)
 
-    def drop_absent(tree, present) -> None:
+    def drop_absent(tree, present, path=()) -> list:
+        """Remove the absent optional tensors; return each one's (path, the module's tensor)."""
+        dropped = []
         for name, value in list(tree.items()):
             if isinstance(value, dict):
-                drop_absent(value, present)
+                dropped += drop_absent(value, present, (*path, name))
             elif optional(value) and value.key not in present:
                 del tree[name]
+                dropped.append(((*path, name), value.data))
+        return dropped
 
     def has_optional(tree) -> bool:
         return any(has_optional(v) if isinstance(v, dict) else optional(v) for v in tree.values())
 
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *a, **kw):
+        dropped = []
         if has_optional(sharded_state_dict):
-            drop_absent(
+            dropped = drop_absent(
                 sharded_state_dict, set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
             )
-        return original(sharded_state_dict, checkpoint_dir, *a, **kw)
+        loaded = original(sharded_state_dict, checkpoint_dir, *a, **kw)
+        state = loaded[0] if isinstance(loaded, tuple) else loaded
+        for path, data in dropped:
+            tree = state
+            for name in path[:-1]:
+                tree = tree.setdefault(name, {})
+            tree[path[-1]] = data
+        return loaded
 
     _patch_run(dist_checkpointing, "load", load)

@@ -299,6 +299,8 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
         ckpt_step_warning,
+        fresh_routing_state,
+        fresh_routing_state_warning,
         layout_changed,
         legacy_layout_refusal,
         load_flag,
@@ -338,6 +340,7 @@ def _main(check_only: bool = False) -> int:
     if rank() == 0:
         repair_save_folder(args)
     load_arg = loaded_arg(args)  # --pretrained-checkpoint where --load holds none (repaired)
+    optional_keys = ()  # checkpoint keys loaded where the checkpoint holds them
     if load_arg:
         warning = ckpt_step_warning(args, load_arg)
         if warning:
@@ -356,9 +359,13 @@ def _main(check_only: bool = False) -> int:
         if refusal:
             error(refusal)
             return 2
-        warning = release_data_warning(args, saved, path, load_arg)
-        if warning:
-            print0(f"[{PROG}] WARNING: {warning}")
+        for warning in (
+            release_data_warning(args, saved, path, load_arg),
+            fresh_routing_state_warning(args, saved, load_dir, flag),
+        ):
+            if warning:
+                print0(f"[{PROG}] WARNING: {warning}")
+        optional_keys = fresh_routing_state(args, saved)
         restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)
@@ -377,7 +384,9 @@ def _main(check_only: bool = False) -> int:
             decoder_seq_length=args.decoder_seq_length,
         )
         wrap_train_step(rescore.wrap_train_step)
-        load_optional_checkpoint_keys(TRAINING_STATE_SUFFIXES)
+        optional_keys += TRAINING_STATE_SUFFIXES
+    if optional_keys:
+        load_optional_checkpoint_keys(optional_keys)
     fstep.set_batch_recorder(rescore)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)

@@ -511,6 +511,66 @@ def optimizer_refusal(args, saved, load_dir: str, flag: str = "--load") -> str |
     )
 
 
+ROUTING_STATE = {
+    ".router.expert_bias": "expert bias (router.expert_bias)",
+    ".router.qb_beta": "quantile thresholds (router.qb_beta)",
+}
+"""The router buffers a balancer keeps in its checkpoints (checkpoint key suffix: what it is), as
+megatron-core 0.19.2 registers them persistent: ``expert_bias`` for our QB (its bias) and for the
+sign update (``--moe-router-enable-expert-bias``), ``qb_beta`` for its ``quantile_balancing``."""
+
+
+def routing_state(a) -> tuple[str, ...]:
+    """The :data:`ROUTING_STATE` keys a run with the args ``a`` keeps (and so loads)."""
+    from megatron_latentmoe.fields import QUANTILE_HISTOGRAM, balancer_list
+
+    types = balancer_list(getattr(a, "moe_router_load_balancing_type", None))
+    bias = QUANTILE_HISTOGRAM in types or getattr(a, "moe_router_enable_expert_bias", False)
+    return (".router.expert_bias",) * bool(bias) + (".router.qb_beta",) * (
+        "quantile_balancing" in types
+    )
+
+
+def fresh_routing_state(args, saved) -> tuple[str, ...]:
+    """The router buffers this run's balancer keeps that the checkpoint's (its args ``saved``)
+    did not: trained with ``aux_loss`` and resumed with QB, ``--moe-router-enable-expert-bias``
+    or ``quantile_balancing`` (or from either of those to another of them).
+    megatron-core 0.19.2 failed such a load on every rank with a traceback ("KeyError:
+    'decoder.layers.1.mlp.router.expert_bias from model not in state dict'", measured: tiny.sh,
+    1 rank, aux_loss -> quantile_histogram, none --moe-router-enable-expert-bias, and
+    quantile_balancing; quantile_balancing -> quantile_histogram); the entry point loads the rest
+    and these start as in a new run (:func:`fresh_routing_state_warning`). The other way round
+    (a buffer the checkpoint holds and this run's balancer does not keep) Megatron loads without
+    it; QB <-> the sign update keep the one bias both route with."""
+    if saved is None:
+        return ()
+    return tuple(k for k in routing_state(args) if k not in routing_state(saved))
+
+
+def _balancer_flags(a) -> str:
+    from megatron_latentmoe.fields import balancer_list
+
+    types = balancer_list(getattr(a, "moe_router_load_balancing_type", None))
+    bias = (
+        " --moe-router-enable-expert-bias" if getattr(a, "moe_router_enable_expert_bias", 0) else ""
+    )
+    return f"--moe-router-load-balancing-type {' '.join(map(str, types))}{bias}"
+
+
+def fresh_routing_state_warning(args, saved, load_dir: str, flag: str = "--load") -> str | None:
+    """The warning of a load whose router state starts anew (:func:`fresh_routing_state`), or
+    None."""
+    fresh = fresh_routing_state(args, saved)
+    if not fresh:
+        return None
+    what = " and ".join(ROUTING_STATE[k] for k in fresh)
+    return (
+        f"{flag} {load_dir}: the checkpoint was trained with {_balancer_flags(saved)}, which "
+        f"keeps no {what}: with {_balancer_flags(args)} it starts at 0, as in a new run (every "
+        "other tensor is loaded)"
+    )
+
+
 LAYOUT_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",

@@ -223,9 +223,15 @@ def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
         "load_tensors_metadata",
         lambda d: metadata_reads.append(d) or in_checkpoint,
     )
-    monkeypatch.setattr(
-        dist_checkpointing, "load", lambda sd, d, *a, **kw: loads.append((sorted(sd), a, kw))
-    )
+
+    def read(tree):  # what Megatron's load returns: the tree with each tensor read
+        return {k: read(v) if isinstance(v, dict) else "read" for k, v in tree.items()}
+
+    def load(sd, d, *a, **kw):
+        loads.append((sorted(sd), a, kw))
+        return read(sd)
+
+    monkeypatch.setattr(dist_checkpointing, "load", load)
     ctraining.load_optional_checkpoint_keys((".qb_mean_input",))
     layers = {
         "present": tensor("l0.router.qb_mean_input"),
@@ -235,11 +241,17 @@ def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
         "lookalike": tensor("l3.router.qb_mean_input_v0"),  # not the suffix: required
     }
     model = {"model": layers}  # optional keys only nested
-    dist_checkpointing.load(model, "ckpt", "strategy", strict="x")
+    own = (layers["absent"].data, layers["nested"]["absent"].data)
+    loaded = dist_checkpointing.load(model, "ckpt", "strategy", strict="x")
     assert metadata_reads == ["ckpt"]
     assert loads == [(["model"], ("strategy",), {"strict": "x"})]
     assert sorted(layers) == ["lookalike", "nested", "present", "weight"]
     assert list(layers["nested"]) == ["w"]  # a required key absent too: Megatron's load says so
+    # the skipped ones are in the loaded state dict as the module's own tensors, so that
+    # Megatron's strict load_state_dict finds them (megatron-core 0.19.2 otherwise retried with
+    # strict=False, forgiving any missing key)
+    assert loaded["model"]["absent"] is own[0] and loaded["model"]["nested"]["absent"] is own[1]
+    assert loaded["model"]["present"] == loaded["model"]["nested"]["w"] == "read"
     # nothing optional requested: the metadata is not read
     dist_checkpointing.load({"weight": tensor("l0.weight")}, "ckpt")
     assert metadata_reads == ["ckpt"] and len(loads) == 2

@@ -531,6 +531,53 @@ def test_a_checkpoint_of_another_model_shape_is_named_by_its_flags():
     )
 
 
+@pytest.mark.parametrize(
+    "saved, run, fresh",
+    [
+        ("aux_loss", "quantile_histogram", (".router.expert_bias",)),
+        ("aux_loss", "none+bias", (".router.expert_bias",)),
+        ("aux_loss", "quantile_balancing", (".router.qb_beta",)),
+        ("quantile_balancing", "quantile_histogram", (".router.expert_bias",)),
+        ("quantile_histogram", "quantile_balancing", (".router.qb_beta",)),
+        (["quantile_histogram", "seq_aux_loss"], "none+bias", ()),  # the one bias: kept
+        ("none+bias", "quantile_histogram", ()),
+        ("quantile_histogram", "aux_loss", ()),  # Megatron loads without the unused bias
+        ("quantile_balancing", "aux_loss", ()),
+        ("aux_loss", "seq_aux_loss", ()),
+    ],
+)
+def test_router_state_the_checkpoints_balancer_did_not_keep_starts_anew(saved, run, fresh):
+    """Resumed with another balancer: the router buffers this run keeps and the checkpoint's
+    balancer did not are the ones loaded where present (megatron-core 0.19.2 failed the load
+    with a KeyError traceback on every rank, measured: aux_loss -> quantile_histogram)."""
+
+    def args(lb):
+        sign = lb == "none+bias"
+        return SimpleNamespace(
+            moe_router_load_balancing_type="none" if sign else lb,
+            moe_router_enable_expert_bias=sign,
+        )
+
+    assert resume.fresh_routing_state(args(run), args(saved)) == fresh
+    assert resume.fresh_routing_state(args(run), None) == ()
+    warning = resume.fresh_routing_state_warning(args(run), args(saved), "ck")
+    assert (warning is None) == (not fresh)
+
+
+def test_the_fresh_router_state_warning_names_both_balancers():
+    saved = SimpleNamespace(moe_router_load_balancing_type="aux_loss")
+    run = SimpleNamespace(
+        moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+        moe_router_enable_expert_bias=False,
+    )
+    assert resume.fresh_routing_state_warning(run, saved, "ck", "--pretrained-checkpoint") == (
+        "--pretrained-checkpoint ck: the checkpoint was trained with "
+        "--moe-router-load-balancing-type aux_loss, which keeps no expert bias "
+        "(router.expert_bias): with --moe-router-load-balancing-type quantile_histogram "
+        "seq_aux_loss it starts at 0, as in a new run (every other tensor is loaded)"
+    )
+
+
 def test_megatron_loads_the_pretrained_checkpoint_where_load_holds_none(tmp_path):
     """megatron-core 0.19.2's ``load_checkpoint``: --pretrained-checkpoint where --load has no
     tracker (counted after our repair, which writes one where a complete checkpoint is)."""
