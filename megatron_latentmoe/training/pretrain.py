@@ -307,6 +307,7 @@ def _main(check_only: bool = False) -> int:
         load_format,
         loaded_arg,
         loads_release,
+        lr_refusal,
         optimizer_refusal,
         plan_layout_change,
         release_data_warning,
@@ -355,6 +356,7 @@ def _main(check_only: bool = False) -> int:
             shape_refusal(load_dir, args, saved, flag)
             or legacy_layout_refusal(args, saved, path, load_arg)
             or (None if model_only else optimizer_refusal(args, saved, load_dir, flag))
+            or (None if model_only else lr_refusal(args, saved, load_dir, flag))
         )
         if refusal:
             error(refusal)

@@ -511,6 +511,40 @@ def optimizer_refusal(args, saved, load_dir: str, flag: str = "--load") -> str |
     )
 
 
+LR_ARGS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr")
+"""The args megatron-core 0.19.2 keys an optimizer's param groups by (its
+``param_group_identifier_keys``: ``max_lr``, ``min_lr``, ``is_decoupled_lr``; the weight-decay
+ones are set by per-group overrides only)."""
+
+
+def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
+    """One line where this run restores the optimizer (no ``--no-load-optim``; the caller leaves
+    out the loads of the model alone) of a checkpoint (its args ``saved``) saved with another
+    ``--lr`` / ``--min-lr`` / ``--decoupled-lr`` / ``--decoupled-min-lr``: megatron-core 0.19.2
+    matches the saved param groups to this run's by those values and failed with "ValueError:
+    Could not find parameter group with key (None, 0.0005, 0.0001, ...) in loaded checkpoint", a
+    traceback on every rank; the distributed optimizer: "KeyError: (None, 0.0005, 0.0001, ...)"
+    (measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4; with --no-load-optim it trains on)."""
+    if saved is None or args.no_load_optim:
+        return None
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    differ = [
+        f"{flag_for_field(dest)} {getattr(saved, dest, None)} (this run: {getattr(args, dest)})"
+        for dest in LR_ARGS
+        if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None)
+    ]
+    if not differ:
+        return None
+    return (
+        f"{flag} {load_dir}: the checkpoint's optimizer was saved with {', '.join(differ)}, and "
+        "megatron-core 0.19.2 finds its parameter groups by these values, so it fails to load "
+        "it; give the checkpoint's values, or add --no-load-optim to train on with this run's "
+        "(the Adam moments and the learning-rate schedule start anew, the iteration number goes "
+        "on)"
+    )
+
+
 ROUTING_STATE = {
     ".router.expert_bias": "expert bias (router.expert_bias)",
     ".router.qb_beta": "quantile thresholds (router.qb_beta)",

@@ -578,6 +578,27 @@ def test_the_fresh_router_state_warning_names_both_balancers():
     )
 
 
+def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loaded():
+    saved = SimpleNamespace(lr=1e-3, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
+    run = SimpleNamespace(
+        lr=5e-4, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None, no_load_optim=False
+    )
+    assert resume.lr_refusal(run, saved, "ck") == (
+        "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
+        "and megatron-core 0.19.2 finds its parameter groups by these values, so it fails to "
+        "load it; give the checkpoint's values, or add --no-load-optim to train on with this "
+        "run's (the Adam moments and the learning-rate schedule start anew, the iteration number "
+        "goes on)"
+    )
+    assert resume.lr_refusal(SimpleNamespace(**{**vars(run), "lr": 1e-3}), saved, "ck") is None
+    assert "--min-lr 0.0001 (this run: 5e-05)" in resume.lr_refusal(
+        SimpleNamespace(**{**vars(run), "lr": 1e-3, "min_lr": 5e-5}), saved, "ck"
+    )
+    no_optim = SimpleNamespace(**{**vars(run), "no_load_optim": True})
+    assert resume.lr_refusal(no_optim, saved, "ck") is None
+    assert resume.lr_refusal(run, None, "ck") is None
+
+
 def test_megatron_loads_the_pretrained_checkpoint_where_load_holds_none(tmp_path):
     """megatron-core 0.19.2's ``load_checkpoint``: --pretrained-checkpoint where --load has no
     tracker (counted after our repair, which writes one where a complete checkpoint is)."""
