@@ -524,8 +524,11 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     matches the saved param groups to this run's by those values and failed with "ValueError:
     Could not find parameter group with key (None, 0.0005, 0.0001, ...) in loaded checkpoint", a
     traceback on every rank; the distributed optimizer: "KeyError: (None, 0.0005, 0.0001, ...)"
-    (measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4; with --no-load-optim it trains on)."""
+    (measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4; with --no-load-optim it trains on). Not where
+    a layout change starts the optimizer over (:func:`plan_layout_change`)."""
     if saved is None or args.no_load_optim:
+        return None
+    if layout_changed(args, saved) and not (_reshardable_optim(saved) and _reshardable_optim(args)):
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
 

@@ -596,6 +596,13 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loade
     )
     no_optim = SimpleNamespace(**{**vars(run), "no_load_optim": True})
     assert resume.lr_refusal(no_optim, saved, "ck") is None
+    # another layout: the plain optimizer starts over (plan_layout_change), the fully
+    # reshardable distributed one is loaded
+    saved.expert_model_parallel_size, run.expert_model_parallel_size = 2, 1
+    assert resume.lr_refusal(run, saved, "ck") is None
+    for a in (saved, run):
+        a.use_distributed_optimizer = a.dist_ckpt_optim_fully_reshardable = True
+    assert resume.lr_refusal(run, saved, "ck").startswith("--load ck: the checkpoint's optimizer")
     assert resume.lr_refusal(run, None, "ck") is None
 
 
