@@ -674,6 +674,16 @@ def check_hf_exportable(get: Callable[[str], Any]) -> None:
                 "may be dense, as in the HF model",
                 num_layers=layers,
             )
+    balancers = get("moe_router_load_balancing_type")
+    if "quantile_balancing" in balancer_list(balancers):
+        raise ConfigError(
+            "moe_router_load_balancing_type",
+            balancers,
+            "a balancer other than Megatron-Core's quantile_balancing, which routes on the "
+            "router's logits minus its per-expert qb_beta: the HF model selects on sigmoid scores "
+            "plus e_score_correction_bias, which cannot express it (quantile_histogram, ours, "
+            "keeps that bias)",
+        )
     shared, expert = get("moe_shared_expert_intermediate_size"), _expert_width(get)
     if _is_int(shared) and _is_int(expert) and expert > 0 and shared % expert:
         raise ConfigError(

@@ -452,6 +452,14 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
             dict(moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax"),
             "moe_router_score_function='softmax' is not allowed: 'sigmoid' (SPEC §3)",
         ),
+        (
+            dict(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0),
+            "moe_router_load_balancing_type='quantile_balancing' is not allowed: a balancer other "
+            "than Megatron-Core's quantile_balancing, which routes on the router's logits minus "
+            "its per-expert qb_beta: the HF model selects on sigmoid scores plus "
+            "e_score_correction_bias, which cannot express it (quantile_histogram, ours, keeps "
+            "that bias)",
+        ),
         *(
             (
                 dict(moe_layer_freq=freq, first_k_dense_replace=0),
