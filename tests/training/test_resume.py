@@ -29,6 +29,8 @@ router input, fp32 main params, Adam moments -- equals the saved one exactly, an
 (iteration 11) the weights and moments match the EP2 run to :data:`STEP_RTOL` of each tensor's
 largest update / moment (the mean router input: to one step of its fixed point,
 :func:`_mean_input_step`). A checkpoint without rescoring's state loads into a run that rescores.
+A QB checkpoint resumed with Megatron's
+``quantile_balancing`` loads, its ``router.qb_beta`` starting at 0.
 """
 
 from __future__ import annotations
@@ -227,6 +229,28 @@ def test_rescoring_resumes_from_a_checkpoint_without_its_mean_input():
     assert "WARNING: resumed at iteration 30, inside --moe-qb-rescore-iters 40" in run.output
     records = read_jsonl(jsonl)
     assert sorted(records) == [31] and records[31]["loss"] == ref.records[31]["loss"]
+
+
+def test_resume_with_another_balancer_starts_its_router_state_anew():
+    """The QB checkpoint resumed with Megatron-Core's quantile_balancing: the checkpoint holds no
+    ``router.qb_beta`` (megatron-core 0.19.2 failed the load with a KeyError traceback on every
+    rank); the run loads the rest, says the thresholds start at 0, and trains on."""
+    ref = reference_run()
+    ckpt = copy_checkpoints(ref.ckpt, scratch_dir() / "qb_to_megatron_qb", upto=30)
+    jsonl = scratch_dir() / "qb_to_megatron_qb.jsonl"
+    run = run_entry(
+        REF_ARGS
+        + ["--load", str(ckpt), "--exit-interval", "31", "--balance-log-file", str(jsonl)]
+        + ["--moe-router-load-balancing-type", "quantile_balancing"]
+    ).check()
+    assert "at iteration 30" in run.output and "load_return" not in run.output
+    assert (
+        f"WARNING: --load {ckpt}: the checkpoint was trained with --moe-router-load-balancing-type "
+        "quantile_histogram, which keeps no quantile thresholds (router.qb_beta): with "
+        "--moe-router-load-balancing-type quantile_balancing it starts at 0"
+    ) in run.output
+    records = read_jsonl(jsonl)
+    assert sorted(records) == [31] and math.isfinite(records[31]["loss"])
 
 
 def test_longer_run_needs_a_schedule_decision_then_continues():
