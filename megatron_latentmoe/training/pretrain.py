@@ -298,6 +298,7 @@ def _main(check_only: bool = False) -> int:
     from megatron_latentmoe.training.qb_calibrate import QBCalibration, kept_bias_line
     from megatron_latentmoe.training.qb_rescore import QBRescore
     from megatron_latentmoe.training.resume import (
+        activation_warning,
         ckpt_step_warning,
         fresh_routing_state,
         fresh_routing_state_warning,
@@ -364,6 +365,7 @@ def _main(check_only: bool = False) -> int:
         for warning in (
             release_data_warning(args, saved, path, load_arg),
             fresh_routing_state_warning(args, saved, load_dir, flag),
+            activation_warning(args, saved, load_dir, flag),
         ):
             if warning:
                 print0(f"[{PROG}] WARNING: {warning}")

@@ -461,10 +461,42 @@ SHAPE_ARGS = (
     "moe_latent_size",
     "moe_shared_expert_intermediate_size",
     "first_k_dense_replace",
+    "latent_moe_use_norm",
     "padded_vocab_size",
 )
-"""The args that set a tensor's shape, as the checkpoint's args and this run's hold them (the
-vocabulary: the tokenizer's, padded; every other is named by its flag)."""
+"""The args that set a tensor's shape or whether it exists (``--moe-latent-norm``: the routed
+experts' ``routed_expert_norm.weight``; turned on, megatron-core 0.19.2 failed the load with
+"KeyError: 'decoder.layers.1.mlp.routed_expert_norm.weight from model not in state dict'" on every
+rank; turned off, it dropped the trained norm silently; measured: tiny.sh, 1 rank), as the
+checkpoint's args and this run's hold them (the vocabulary: the tokenizer's, padded; every other
+is named by its flag)."""
+
+ACTIVATION_ARGS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
+"""The args that set the experts' and dense MLPs' activation (the betas: SiTU's alone)."""
+
+
+def activation_warning(args, saved, load_dir: str, flag: str = "--load") -> str | None:
+    """A warning when the checkpoint (its args ``saved``) was trained with another activation:
+    its weights fit, so megatron-core 0.19.2 loads them and trains on with this run's activation,
+    silently (measured: tiny.sh, 1 rank, situ -> --hidden-act swiglu). Not refused: a change may
+    be meant; ``--use-checkpoint-args`` takes the checkpoint's."""
+    if saved is None:
+        return None
+    both_situ = getattr(saved, "hidden_act", None) == getattr(args, "hidden_act", None) == "situ"
+    names = ACTIVATION_ARGS if both_situ else ACTIVATION_ARGS[:1]
+
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    def flags(a) -> str:
+        return " ".join(f"{flag_for_field(n)} {getattr(a, n, None)}" for n in names)
+
+    if all(getattr(saved, n, None) in (None, getattr(args, n, None)) for n in names):
+        return None
+    return (
+        f"{flag} {load_dir}: the checkpoint was trained with {flags(saved)}; this run uses "
+        f"{flags(args)}: its weights are trained on with another activation (give the "
+        "checkpoint's flags, or --use-checkpoint-args, to keep its own)"
+    )
 
 
 def shape_refusal(load_dir: str, args, saved, flag: str = "--load") -> str | None:

@@ -606,6 +606,42 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loade
     assert resume.lr_refusal(run, None, "ck") is None
 
 
+def test_a_checkpoint_with_or_without_the_latent_norm_is_another_shape():
+    """The routed experts' norm exists or not: turned on, megatron-core 0.19.2 failed the load
+    with a KeyError traceback; turned off, it dropped the trained norm silently."""
+    saved = SimpleNamespace(latent_moe_use_norm=False)
+    run = SimpleNamespace(latent_moe_use_norm=True)
+    assert resume.shape_refusal("ck", run, saved) == (
+        "--load ck: the checkpoint is of another model shape: --moe-latent-norm False (this run: "
+        "True). Give the checkpoint's model flags, or --use-checkpoint-args to take them from it"
+    )
+    assert resume.shape_refusal("ck", saved, run).endswith(
+        "the checkpoint is of another model shape: --moe-latent-norm True (this run: False). "
+        "Give the checkpoint's model flags, or --use-checkpoint-args to take them from it"
+    )
+
+
+def test_another_activation_than_the_checkpoints_is_warned_of():
+    def args(act, beta=4.0, linear=25.0):
+        return SimpleNamespace(
+            hidden_act=act, activation_situ_beta=beta, activation_situ_linear_beta=linear
+        )
+
+    assert resume.activation_warning(args("situ"), args("situ"), "ck") is None
+    assert resume.activation_warning(args("swiglu", 2.0), args("swiglu"), "ck") is None
+    assert resume.activation_warning(args("situ"), None, "ck") is None
+    assert resume.activation_warning(args("swiglu"), args("situ"), "ck") == (
+        "--load ck: the checkpoint was trained with --hidden-act situ; this run uses "
+        "--hidden-act swiglu: its weights are trained on with another activation (give the "
+        "checkpoint's flags, or --use-checkpoint-args, to keep its own)"
+    )
+    assert resume.activation_warning(args("situ", 2.0), args("situ"), "ck").startswith(
+        "--load ck: the checkpoint was trained with --hidden-act situ --activation-situ-beta 4.0 "
+        "--activation-situ-linear-beta 25.0; this run uses --hidden-act situ "
+        "--activation-situ-beta 2.0 "
+    )
+
+
 def test_megatron_loads_the_pretrained_checkpoint_where_load_holds_none(tmp_path):
     """megatron-core 0.19.2's ``load_checkpoint``: --pretrained-checkpoint where --load has no
     tracker (counted after our repair, which writes one where a complete checkpoint is)."""
