@@ -364,7 +364,7 @@ def _main(check_only: bool = False) -> int:
             return 2
         for warning in (
             release_data_warning(args, saved, path, load_arg),
-            fresh_routing_state_warning(args, saved, load_dir, flag),
+            fresh_routing_state_warning(args, saved, load_dir, flag, resumed=not model_only),
             activation_warning(args, saved, load_dir, flag),
         ):
             if warning:

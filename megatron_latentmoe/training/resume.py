@@ -626,17 +626,29 @@ def _balancer_flags(a) -> str:
     return f"--moe-router-load-balancing-type {' '.join(map(str, types))}{bias}"
 
 
-def fresh_routing_state_warning(args, saved, load_dir: str, flag: str = "--load") -> str | None:
+def fresh_routing_state_warning(
+    args, saved, load_dir: str, flag: str = "--load", resumed: bool = True
+) -> str | None:
     """The warning of a load whose router state starts anew (:func:`fresh_routing_state`), or
-    None."""
+    None. ``resumed``: the run goes on from the checkpoint's iteration (not a load of the model
+    alone, which starts at iteration 0), where ``--moe-qb-calibrate-batches`` solves no bias
+    (:mod:`.qb_calibrate`): the line says so, and that ``--finetune`` calibrates."""
     fresh = fresh_routing_state(args, saved)
     if not fresh:
         return None
     what = " and ".join(ROUTING_STATE[k] for k in fresh)
+    calibrate = getattr(args, "moe_qb_calibrate_batches", None)
+    uncalibrated = resumed and calibrate and ".router.expert_bias" in fresh
     return (
         f"{flag} {load_dir}: the checkpoint was trained with {_balancer_flags(saved)}, which "
         f"keeps no {what}: with {_balancer_flags(args)} it starts at 0, as in a new run (every "
         "other tensor is loaded)"
+        + (
+            f"; --moe-qb-calibrate-batches {calibrate} solves it only in a run that starts at "
+            "iteration 0 (--finetune), not in a resumed one"
+            if uncalibrated
+            else ""
+        )
     )
 
 

@@ -576,6 +576,12 @@ def test_the_fresh_router_state_warning_names_both_balancers():
         "(router.expert_bias): with --moe-router-load-balancing-type quantile_histogram "
         "seq_aux_loss it starts at 0, as in a new run (every other tensor is loaded)"
     )
+    run.moe_qb_calibrate_batches = 4  # a resumed run does not calibrate; --finetune does
+    assert resume.fresh_routing_state_warning(run, saved, "ck").endswith(
+        "(every other tensor is loaded); --moe-qb-calibrate-batches 4 solves it only in a run "
+        "that starts at iteration 0 (--finetune), not in a resumed one"
+    )
+    assert resume.fresh_routing_state_warning(run, saved, "ck", resumed=False).endswith("loaded)")
 
 
 def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loaded():
