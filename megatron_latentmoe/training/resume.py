@@ -526,14 +526,27 @@ def shape_refusal(load_dir: str, args, saved, flag: str = "--load") -> str | Non
     )
 
 
+def restores_optimizer(args, saved) -> bool:
+    """Whether megatron-core 0.19.2 loads the optimizer state of a checkpoint (its args ``saved``)
+    into this run, for a caller that leaves out the loads of the model alone: not with
+    ``--no-load-optim``, nor where a layout change starts the optimizer over
+    (:func:`plan_layout_change`: the plain optimizer, or one side not fully reshardable)."""
+    if saved is None or args.no_load_optim:
+        return False
+    return not layout_changed(args, saved) or (
+        _reshardable_optim(saved) and _reshardable_optim(args)
+    )
+
+
 def optimizer_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     """One line where the checkpoint was saved with ``--no-save-optim`` (its args, ``saved``) and
     this run restores its optimizer (no ``--no-load-optim``; the caller leaves out the loads of
     the model alone: ``--finetune``, ``--pretrained-checkpoint``, a release): megatron-core
     0.19.2's load skips the absent state in its sharded read but then reads
     ``state_dict['optimizer']``, a ``KeyError`` traceback on every rank ("Unable to load
-    optimizer from checkpoint"; measured: 2 ranks, tiny.sh, saved with --no-save-optim)."""
-    if saved is None or args.no_load_optim or not getattr(saved, "no_save_optim", False):
+    optimizer from checkpoint"; measured: 2 ranks, tiny.sh, saved with --no-save-optim). Not
+    where a layout change starts the optimizer over (:func:`restores_optimizer`)."""
+    if not restores_optimizer(args, saved) or not getattr(saved, "no_save_optim", False):
         return None
     return (
         f"{flag} {load_dir}: the checkpoint was saved with --no-save-optim (it holds no "
@@ -557,10 +570,8 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     Could not find parameter group with key (None, 0.0005, 0.0001, ...) in loaded checkpoint", a
     traceback on every rank; the distributed optimizer: "KeyError: (None, 0.0005, 0.0001, ...)"
     (measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4; with --no-load-optim it trains on). Not where
-    a layout change starts the optimizer over (:func:`plan_layout_change`)."""
-    if saved is None or args.no_load_optim:
-        return None
-    if layout_changed(args, saved) and not (_reshardable_optim(saved) and _reshardable_optim(args)):
+    a layout change starts the optimizer over (:func:`restores_optimizer`)."""
+    if not restores_optimizer(args, saved):
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
 

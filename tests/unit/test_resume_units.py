@@ -612,6 +612,31 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loade
     assert resume.lr_refusal(run, None, "ck") is None
 
 
+def test_a_no_save_optim_checkpoint_is_refused_only_where_its_optimizer_would_be_loaded():
+    """A --no-save-optim checkpoint: refused where megatron-core 0.19.2 would load its (absent)
+    optimizer state, not where a layout change starts the optimizer over (plain optimizer, or
+    one side not fully reshardable: plan_layout_change), nor with --no-load-optim."""
+    saved = SimpleNamespace(no_save_optim=True, expert_model_parallel_size=2)
+    run = SimpleNamespace(no_load_optim=False, expert_model_parallel_size=2)
+    assert resume.optimizer_refusal(run, saved, "ck").startswith(
+        "--load ck: the checkpoint was saved with --no-save-optim"
+    )
+    assert (
+        resume.optimizer_refusal(
+            SimpleNamespace(**{**vars(run), "no_load_optim": True}), saved, "ck"
+        )
+        is None
+    )
+    run.expert_model_parallel_size = 1  # EP2 -> EP1, plain optimizer: not loaded
+    assert resume.optimizer_refusal(run, saved, "ck") is None
+    for a in (saved, run):
+        a.use_distributed_optimizer = a.dist_ckpt_optim_fully_reshardable = True
+    assert resume.optimizer_refusal(run, saved, "ck") is not None  # resharded: it is loaded
+    saved.no_save_optim = False
+    assert resume.optimizer_refusal(run, saved, "ck") is None
+    assert resume.optimizer_refusal(run, None, "ck") is None
+
+
 def test_a_checkpoint_with_or_without_the_latent_norm_is_another_shape():
     """The routed experts' norm exists or not: turned on, megatron-core 0.19.2 failed the load
     with a KeyError traceback; turned off, it dropped the trained norm silently."""
