@@ -91,6 +91,8 @@ def main(argv=None) -> int:
                 cfg = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             parser.error(f"--hf-config {a.hf_config}: {e}")
+        except UnicodeDecodeError as e:  # a binary file (a safetensors shard): was a traceback
+            parser.error(f"--hf-config {a.hf_config}: not a JSON text file ({e})")
         try:
             shape = LatentMoEShape.from_hf_config(cfg)
         except ValueError as e:

@@ -703,6 +703,12 @@ def test_cli_refusals_name_the_input(tmp_path, capsys):
         f"error: --hf-config {bad}: Expecting property name enclosed in double quotes: line 1 "
         "column 2 (char 1)"
     )
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x08\x80\xff")
+    assert error("--hf-config", str(binary)).endswith(
+        f"error: --hf-config {binary}: not a JSON text file ('utf-8' codec can't decode byte 0x80 "
+        "in position 1: invalid start byte)"
+    )
     short = tmp_path / "short.json"
     short.write_text(json.dumps({k: v for k, v in K3_HF.items() if k != "hidden_size"}))
     assert error("--hf-config", str(short)).endswith(
