@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 
@@ -56,9 +57,17 @@ def _layers(record: dict):
             yield layer
 
 
+def _number(record: dict, key: str, missing: float = math.nan) -> float:
+    """The record's ``key``, or ``missing`` where it is absent or not a finite number (a
+    hand-edited or foreign line: a text there was a TypeError traceback while plotting)."""
+    value = record.get(key)
+    return float(value) if finite([value]) else missing
+
+
 def _load_matrix(records: list[dict]):
     """[layers x experts] mean of load / mean-load over ``records`` that carry loads, and the
-    layer numbers; None if no record has loads."""
+    layer numbers; None if no record has loads. A layer's loads of another length than its first
+    (files of two runs joined) are left out (they were an IndexError traceback)."""
     sums: dict[int, list[float]] = {}
     counts: dict[int, int] = {}
     for record in records:
@@ -71,6 +80,8 @@ def _load_matrix(records: list[dict]):
                 continue
             rel = [x / mean for x in loads]
             acc = sums.setdefault(layer["layer"], [0.0] * len(rel))
+            if len(acc) != len(rel):
+                continue
             for i, v in enumerate(rel):
                 acc[i] += v
             counts[layer["layer"]] = counts.get(layer["layer"], 0) + 1
@@ -173,14 +184,14 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
         ax.plot([p[0] for p in points], [max(p[1], 1e-3) for p in points], lw=0.6, alpha=0.35)
     ax.plot(
         its,
-        [max(r.get("maxvio_mean") or 1e-3, 1e-3) for r in records],
+        [max(_number(r, "maxvio_mean", 0.0), 1e-3) for r in records],
         color="k",
         lw=1.6,
         label="mean over layers",
     )
     ax.plot(
         its,
-        [max(r.get("maxvio_max") or 1e-3, 1e-3) for r in records],
+        [max(_number(r, "maxvio_max", 0.0), 1e-3) for r in records],
         color="tab:red",
         lw=1.0,
         label="max over layers",
@@ -193,16 +204,16 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     twin = ax.twinx()
     twin.plot(
         its,
-        [r.get("frac_under_half") for r in records],
+        [_number(r, "frac_under_half") for r in records],
         color="tab:green",
         lw=0.8,
         ls="--",
         label="experts under half the mean (fraction)",
     )
-    n_slots = max(1, len(per_layer)) * max(1, records[0].get("num_experts") or 1)
+    n_slots = max(1, len(per_layer)) * max(1.0, _number(records[0], "num_experts", 1.0))
     twin.plot(
         its,
-        [(r.get("num_dead") or 0) / n_slots for r in records],
+        [_number(r, "num_dead", 0.0) / n_slots for r in records],
         color="tab:purple",
         lw=0.8,
         ls=":",
@@ -215,7 +226,7 @@ def plot(records: list[dict], out: str, window: int, title: str | None = None) -
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
 
     ax = fig.add_subplot(grid[1, 1])
-    ax.plot(its, [r.get("loss") for r in records], color="tab:blue", lw=1.0)
+    ax.plot(its, [_number(r, "loss") for r in records], color="tab:blue", lw=1.0)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title("training loss")

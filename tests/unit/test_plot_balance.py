@@ -292,6 +292,17 @@ def test_load_matrix_is_the_mean_load_over_mean_per_layer():
     assert plot_balance._load_matrix(records[2:]) == (None, [])
 
 
+def test_load_matrix_leaves_out_loads_of_another_length():
+    """Files of two runs joined: a layer's loads of another length than its first are left out
+    (they were an IndexError traceback)."""
+    records = [
+        {"layers": [{"layer": 1, "loads": [1, 3]}]},
+        {"layers": [{"layer": 1, "loads": [1, 1, 1]}]},
+        {"layers": [{"layer": 1, "loads": [2, 2]}]},
+    ]
+    assert plot_balance._load_matrix(records) == ([[0.75, 1.25]], [1])
+
+
 def _drawn(monkeypatch):
     """The figures ``plot`` saves, kept open for the test to read."""
     from matplotlib.figure import Figure
@@ -353,6 +364,28 @@ def test_a_layer_entry_missing_a_field_is_left_out_of_the_picture(tmp_path, monk
     rel = [[9 / 4.25, 0, 4 / 4.25, 4 / 4.25], [9 / 5, 3 / 5, 4 / 5, 4 / 5]]  # iterations 1, 2
     want = [(a + b) / 2 for a, b in zip(*rel, strict=True)]  # iteration 3's loads left out
     assert heat[1].images[0].get_array().tolist() == [pytest.approx(want)]
+
+
+def test_a_top_level_field_that_is_not_a_number_is_a_gap_in_the_picture(tmp_path, monkeypatch):
+    """A text where a number belongs (a hand-edited or foreign line) is left out of the curves
+    as the summary leaves it out of its means (it was a TypeError traceback while plotting)."""
+    pytest.importorskip("matplotlib")
+    records = [_record(1, 2.5, 1), _record(2, 0.8, 0)]
+    records[0].update(maxvio_mean="n/a", maxvio_max=[1], frac_under_half="x", num_experts="4")
+    records[1].update(loss="?", num_dead="2")
+    figures = _drawn(monkeypatch)
+    plot_balance.plot(records, str(tmp_path / "p.png"), window=10)
+    (fig,) = figures
+    (vio,) = [ax for ax in fig.axes if ax.get_title().startswith("load balance per iteration")]
+    mean, worst = (line for line in vio.lines if not line.get_label().startswith("_"))
+    assert list(mean.get_ydata()) == [1e-3, 0.8] and list(worst.get_ydata()) == [1e-3, 0.8]
+    (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "fraction of experts"]
+    under, dead = (list(line.get_ydata()) for line in twin.lines)
+    assert math.isnan(under[0]) and under[1] == 0.25
+    assert dead == [1.0, 0.0]  # 1 dead of 1 layer x 1 expert: num_experts "4" is not a number
+    (loss,) = [ax for ax in fig.axes if ax.get_title() == "training loss"]
+    ys = list(loss.lines[0].get_ydata())
+    assert ys[0] == 4.9 and math.isnan(ys[1])
 
 
 def test_first_heatmap_is_the_first_iteration_that_recorded_loads(tmp_path, monkeypatch):
