@@ -16,11 +16,11 @@ and the same corpus and ``tokenizers`` version give a byte-identical ``tokenizer
 
 Exit status: 0 on success (``--check``: the files match), 1 when ``--check`` finds a difference,
 2 on bad input (``--corpus`` missing or not JSONL with a string under "text" on every line: the
-message names the flag, the file, the line and the key; with ``--rebuild-corpus``, a ``--corpus``
-that cannot be written; ``--check`` without a tokenizer in ``--output-dir``; a corpus too small
-for the vocabulary). Nothing is written on bad input: the corpus is written to a temporary file
-and renamed, the tokenizer is trained into a temporary folder and moved into ``--output-dir`` at
-the end.
+message names the flag, the file, the line and the key; a ``--rebuild-corpus`` that is not the
+package or is damaged; with ``--rebuild-corpus``, a ``--corpus`` that cannot be written;
+``--check`` without a tokenizer in ``--output-dir``; a corpus too small for the vocabulary).
+Nothing is written on bad input: the corpus is written to a temporary file and renamed, the
+tokenizer is trained into a temporary folder and moved into ``--output-dir`` at the end.
 
 The ``.deb`` is read with the standard library alone (``ar`` + ``tar.xz`` + the SWORD zText
 format), so no ``dpkg`` or ``libsword`` is needed.
@@ -35,6 +35,7 @@ import hashlib
 import html
 import io
 import json
+import lzma
 import os
 import re
 import shutil
@@ -236,9 +237,38 @@ def osis_to_documents(markup: str) -> list[dict[str, str]]:
     return docs
 
 
+_DAMAGED = (
+    OSError,
+    EOFError,
+    LookupError,
+    ValueError,
+    struct.error,
+    zlib.error,
+    lzma.LZMAError,
+    tarfile.TarError,
+)
+"""What reading a damaged package or module raised, a traceback each (measured on hand-made
+ones): a .deb cut short, EOFError from its data.tar.xz; a garbled ar header, UnicodeDecodeError;
+a garbled zText file, zlib.error, struct.error or an IndexError (an entry past its blocks); a
+module file missing, KeyError; tarfile's ReadError; an unreadable file, OSError."""
+
+
+def _read_module(source: Path) -> str:
+    """The OSIS markup of the module in ``source``; InputError naming --rebuild-corpus if it
+    cannot be read."""
+    try:
+        files = _module_files(source)
+        return " ".join(e for t in ("ot", "nt") for e in _ztext_entries(files, t))
+    except _DAMAGED as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())  # tarfile's are several lines
+        raise InputError(
+            f"--rebuild-corpus: {source}: damaged or cut short, not readable ({why}); "
+            "a sword-text-web .deb or its unpacked folder is expected"
+        ) from None
+
+
 def build_corpus(source: Path, out_path: Path) -> tuple[int, int]:
-    files = _module_files(source)
-    markup = " ".join(e for t in ("ot", "nt") for e in _ztext_entries(files, t))
+    markup = _read_module(source)
     docs = osis_to_documents(markup)
     tmp = out_path.with_name(out_path.name + ".tmp")
     try:

@@ -182,6 +182,44 @@ def test_rebuild_corpus_from_a_deb_without_the_module_is_one_line_exit_2(
     assert err.count("\n") == 1 and corpus.read_text() == '{"text": "kept"}\n'
 
 
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        ("cut", "EOFError: Compressed file ended before the end-of-stream marker was reached"),
+        ("garbled header", "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
+        ("garbled module", "error: Error -3 while decompressing data: incorrect header check"),
+        ("module file missing", "KeyError: 'nt.bzv'"),
+    ],
+)
+def test_a_damaged_deb_or_module_is_one_line_exit_2(tmp_path, capsys, damage, why):
+    """A .deb cut short (a download that stopped), a garbled one, a module with a garbled or
+    missing file: exit 2 naming --rebuild-corpus and the file, --corpus left alone (each was a
+    traceback)."""
+    tool = _load_tool("train_tokenizer")
+    files = _module_files()
+    if damage == "garbled module":
+        files["ot.bzz"] = b"x" * len(files["ot.bzz"])
+    elif damage == "module file missing":
+        del files["nt.bzv"]
+    deb = tmp_path / "sword-text-web.deb"
+    _deb(deb, files, tool.SWORD_DIR_IN_DEB)
+    data = deb.read_bytes()
+    if damage == "cut":
+        deb.write_bytes(data[: len(data) // 2])
+    elif damage == "garbled header":
+        deb.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "kept"}])
+    argv = ["--rebuild-corpus", str(deb), "--corpus", str(corpus), "--output-dir", str(tmp_path)]
+    assert tool.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: --rebuild-corpus: {deb}: damaged or cut short, not readable (")
+    assert why in err and err.endswith(
+        "); a sword-text-web .deb or its unpacked folder is expected\n"
+    )
+    assert corpus.read_text() == '{"text": "kept"}\n'
+
+
 def test_output_dir_that_is_a_file_is_refused_before_the_corpus_is_rebuilt(tmp_path, capsys):
     """(The corpus was rewritten first, then the run failed on --output-dir.)"""
     blocker = tmp_path / "tok"
