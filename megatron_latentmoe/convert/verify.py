@@ -367,6 +367,16 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> None:
         )
 
 
+def check_hf_files(hf_dir: str | os.PathLike) -> None:
+    """Raise :class:`ConversionError` naming the file if the HF directory's weights cannot be read
+    (a shard missing, cut short or garbled; an index naming absent tensors), from their headers
+    alone: ``from_pretrained`` raised a SafetensorError / OSError traceback there, after the
+    Megatron model was loaded (measured: a model.safetensors of 1000 bytes)."""
+    from .importer import HFCheckpointReader
+
+    HFCheckpointReader(hf_dir).close()
+
+
 def check_same_vocabulary(arch: ModelArch, hf_dir: str | os.PathLike, checkpoint) -> None:
     """Raise :class:`ConversionError` unless the HF config is a Stable LatentMoE config of the
     checkpoint's ``vocab_size``: logits over two vocabularies cannot be compared (any other
@@ -402,6 +412,7 @@ def verify_export(
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
     check_same_vocabulary(arch, hf_dir, reader.path)
+    check_hf_files(hf_dir)
     torch.manual_seed(0)
     qat = hf_expert_weight_qat(hf_dir)
     mg = load_megatron_model(reader.path, arch, qat)

@@ -451,6 +451,32 @@ def test_verify_against_a_model_of_another_vocabulary_is_bad_input(workspace, tm
     assert "vocab_size=4224 is not allowed: 4096" in err and "Traceback" not in err
 
 
+def test_verify_against_unreadable_hf_weights_is_bad_input(tmp_path, capsys, monkeypatch):
+    """``verify`` against an HF directory whose weights are cut short or missing: one line naming
+    the file, exit 2, before either model is built (from_pretrained's SafetensorError / OSError
+    traceback before). A tiny export imported, not the workspace: no training run needed."""
+    from megatron_latentmoe.convert import cli, verify
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "mg"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    monkeypatch.setattr(verify, "load_megatron_model", lambda *a: pytest.fail("model built"))
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf)]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        f"error: safetensors file {str(weights)!r} cannot be read: header longer than the file\n"
+    )
+    weights.unlink()
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        f"error: HF model directory {str(hf)!r} has neither model.safetensors.index.json nor "
+        "model.safetensors\n"
+    )
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module

@@ -192,6 +192,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
 
     fake("open_checkpoint", (reader, arch, "", {}))
     fake("check_same_vocabulary", None)
+    fake("check_hf_files", None)
     fake("hf_expert_weight_qat", "none")
     fake("load_megatron_model", mg)
     fake("load_hf_model", hf)
@@ -205,6 +206,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
     assert calls == [
         ("open_checkpoint", (tmp_path / "ck", None), {}),
         ("check_same_vocabulary", (arch, tmp_path, reader.path), {}),
+        ("check_hf_files", (tmp_path,), {}),
         ("hf_expert_weight_qat", (tmp_path,), {}),
         ("load_megatron_model", (reader.path, arch, "none"), {}),
         ("load_hf_model", (tmp_path,), {}),
