@@ -4,8 +4,11 @@ python tools/generate_hf.py outputs/main_job/hf --prompt "In the beginning" --ma
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _error(message: str) -> int:
@@ -37,6 +40,14 @@ def main(argv=None) -> int:
         return _error(f"--max-new-tokens={a.max_new_tokens} is not allowed: an integer >= 1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_latentmoe.convert.errors import ConversionError
+    from megatron_latentmoe.convert.verify import check_hf_files
+
+    try:  # from_pretrained raised an OSError / SafetensorError traceback on these (measured)
+        check_hf_files(a.model_dir)
+    except ConversionError as e:
+        return _error(f"model_dir={str(a.model_dir)!r}: {e}")
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir, trust_remote_code=True)

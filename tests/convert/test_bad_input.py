@@ -651,6 +651,35 @@ def test_generate_tool_refuses_a_folder_without_config(tmp_path, capsys):
     assert err == f"error: model_dir={str(hf)!r} has no config.json (an HF export is expected)\n"
 
 
+def test_generate_tool_refuses_unreadable_weights_or_config_in_one_line(tmp_path, capsys):
+    """Weights cut short or missing, a config.json that is not JSON: exit 2 and one line naming
+    model_dir and the file (from_pretrained's OSError / SafetensorError traceback before)."""
+    from tools import generate_hf
+
+    hf = tmp_path / "hf"
+    _tiny_hf_export(hf)
+    weights, config = hf / "model.safetensors", hf / "config.json"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()  # save_pretrained's progress bar
+    prefix = f"error: model_dir={str(hf)!r}: "
+    assert generate_hf.main([str(hf)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"{prefix}safetensors file {str(weights)!r} cannot be read: header longer than the file\n",
+    )
+    weights.unlink()
+    assert generate_hf.main([str(hf)]) == 2
+    assert capsys.readouterr().err == (
+        f"{prefix}HF model directory {str(hf)!r} has neither model.safetensors.index.json nor "
+        "model.safetensors\n"
+    )
+    config.write_text("{")
+    assert generate_hf.main([str(hf)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"{prefix}config file {str(config)!r} is not valid JSON: Expecting property name"
+    )
+
+
 def test_a_model_folder_as_tokenizer_ships_only_its_tokenizer_files(workspace, tmp_path):
     """A run's --tokenizer-model is often a whole HF model folder: its config, index and weights
     must not overwrite the export's."""
