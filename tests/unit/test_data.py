@@ -819,6 +819,7 @@ def test_a_trusted_tokenizer_that_fails_is_not_told_to_trust_it(tmp_path, monkey
         raise ValueError(f"trust_remote_code={kwargs['trust_remote_code']}: remote code failed")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # a tokenizer folder
     with pytest.raises(PreprocessError) as e:
         load_tokenizer(tmp_path, trust_remote_code=True)
     assert str(e.value) == (
@@ -944,7 +945,12 @@ def test_missing_input_and_tokenizer(tmp_path):
         (dict(log_interval=-1), "log_interval must be an integer >= 0, got -1"),
         (dict(log_interval=True), "log_interval must be an integer >= 0, got True"),
         (dict(log_interval=2.5), "log_interval must be an integer >= 0, got 2.5"),
-        (dict(tokenizer="{d}/empty"), "cannot load the tokenizer in {d}/empty: "),
+        (
+            dict(tokenizer="{d}/empty"),
+            "cannot load the tokenizer in {d}/empty: no tokenizer.json nor tokenizer_config.json "
+            "there (Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` "
+            "library serialization file, (2) ",
+        ),
         (
             dict(tokenizer=types.SimpleNamespace(eos_token_id=None)),
             "the tokenizer has no eos_token, so no EOD can be appended: turn it off with "
@@ -953,14 +959,15 @@ def test_missing_input_and_tokenizer(tmp_path):
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, message):
-    """Each argument check of preprocess_jsonl: its own message naming the argument and the value
-    (a folder as input, or a folder holding no tokenizer, was a traceback without it)."""
+    """Each argument check of preprocess_jsonl: its own one-line message naming the argument and
+    the value (a folder as input, or a folder holding no tokenizer, was a traceback without it)."""
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     (tmp_path / "empty").mkdir()
     kwargs = {k: v.format(d=tmp_path) if isinstance(v, str) else v for k, v in kwargs.items()}
     with pytest.raises(PreprocessError) as e:
         preprocess_jsonl(**{"input": src, "output_prefix": tmp_path / "o", **kwargs})
     assert str(e.value).startswith(message.format(d=tmp_path)), str(e.value)
+    assert "\n" not in str(e.value)  # the empty folder's ran over five lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "in.jsonl"]
 
 
