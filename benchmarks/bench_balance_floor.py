@@ -103,7 +103,7 @@ def parse_args(argv=None):
         "--out", help="JSON file or folder (default: benchmarks/results/balance_floor.json)"
     )
     a = p.parse_args(argv)
-    a.out = json_path(a.out, "balance_floor.json")
+    a.out = json_path(p, a.out, "balance_floor.json")
     for name in ("batches", "pool", "solver_iters"):
         if getattr(a, name) < 2:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 2")

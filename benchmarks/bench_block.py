@@ -64,7 +64,7 @@ def parse_args():
         "--out", help="JSON file or folder (default: benchmarks/results/bench_block.json)"
     )
     a = p.parse_args()
-    a.out = json_path(a.out, "bench_block.json")
+    a.out = json_path(p, a.out, "bench_block.json")
     check_block_options(p, a)
     if megatron_expert_ffn(a) < 1:  # Megatron refuses experts of width 0 deep in its build
         p.error(

@@ -170,7 +170,7 @@ def main() -> None:
     )
     ap.add_argument("--_make", nargs=2, metavar=("PATH", "LAYERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.out = json_path(args.out, "bench_convert.json")
+    args.out = json_path(ap, args.out, "bench_convert.json")
     small = [n for n in args.layers if n < 2]
     if small:
         ap.error(f"--layers {small[0]}: each an integer >= 2 (the dense first layer + >= 1 MoE)")

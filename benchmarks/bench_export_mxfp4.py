@@ -57,7 +57,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers}: an integer >= 2 (the dense first layer + >= 1 MoE)")
-    args.out = json_path(args.out, "bench_export_mxfp4.json")
+    args.out = json_path(ap, args.out, "bench_export_mxfp4.json")
     return args
 
 

@@ -70,7 +70,7 @@ def parse_args(argv=None):
         "--out", help="JSON file or folder (default: benchmarks/results/bench_gpu_block.json)"
     )
     a = p.parse_args(argv)
-    a.out = json_path(a.out, "bench_gpu_block.json")
+    a.out = json_path(p, a.out, "bench_gpu_block.json")
     check_block_options(p, a)
     return a
 

@@ -167,7 +167,7 @@ def main():
         "--out", help="JSON file or folder (default: benchmarks/results/bench_situ.json)"
     )
     a = p.parse_args()
-    a.out = json_path(a.out, "bench_situ.json")
+    a.out = json_path(p, a.out, "bench_situ.json")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; allowed: cpu")
     for flag, value in (("--tokens", a.tokens), ("--ffn", a.ffn), ("--reps", a.reps)):

@@ -74,7 +74,7 @@ def parse_args(argv=None):
     ):
         if value < least:
             p.error(f"{flag} {value}: an integer >= {least}")
-    a.out = json_path(a.out or results_dir(a.args_file) + os.sep, "bench_step_balancers.json")
+    a.out = json_path(p, a.out or results_dir(a.args_file) + os.sep, "bench_step_balancers.json")
     given = " ".join(map(repr, a.methods))
     if "none" not in a.methods:
         p.error(f"--methods {given}: must include 'none' (the ratios are to it)")

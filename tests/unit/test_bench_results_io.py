@@ -1,6 +1,7 @@
 """benchmarks/results_io.py: where a benchmark writes (``--out`` a file or a folder) and that a
 result is never half-written; the two folder benchmarks refuse a file name for ``--out``."""
 
+import argparse
 import json
 import struct
 import subprocess
@@ -21,13 +22,25 @@ from benchmarks.results_io import (  # noqa: E402
 )
 
 
-def test_out_is_a_file_or_a_folder(tmp_path):
-    assert json_path(None, "b.json") == str(Path(RESULTS) / "b.json")
-    assert json_path(str(tmp_path / "x.json"), "b.json") == str(tmp_path / "x.json")
-    assert json_path(str(tmp_path), "b.json") == str(tmp_path / "b.json")  # an existing folder
-    assert json_path(str(tmp_path / "new") + "/", "b.json") == str(tmp_path / "new" / "b.json")
+def test_out_is_a_file_or_a_folder(tmp_path, capsys):
+    p = argparse.ArgumentParser(prog="bench.py")
+    assert json_path(p, None, "b.json") == str(Path(RESULTS) / "b.json")
+    assert json_path(p, str(tmp_path / "x.json"), "b.json") == str(tmp_path / "x.json")
+    assert json_path(p, str(tmp_path), "b.json") == str(tmp_path / "b.json")  # an existing folder
+    assert json_path(p, str(tmp_path / "new") + "/", "b.json") == str(tmp_path / "new" / "b.json")
     assert folder_refusal(str(tmp_path / "x.json"), "b.json") is not None
     assert folder_refusal(str(tmp_path / "new"), "b.json") is None
+    # a file in the way of the folder: refused before the run (a FileExistsError traceback after
+    # it, the results lost), by either kind of benchmark
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file")
+    why = f"{blocker} is not a folder; give a folder this run can create or write in"
+    for out, folder in ((f"{blocker}/x.json", blocker), (f"{blocker}/sub/", blocker / "sub")):
+        with pytest.raises(SystemExit) as info:
+            json_path(p, out, "b.json")
+        assert info.value.code == 2
+        assert capsys.readouterr().err.endswith(f"bench.py: error: --out {folder}: {why}\n")
+    assert folder_refusal(str(blocker / "sub"), "b.json") == f"--out {blocker / 'sub'}: {why}"
 
 
 def test_write_json_replaces_whole_or_not_at_all(tmp_path):
