@@ -19,8 +19,15 @@ def _error(message: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir", type=Path, help="an exported HF directory")
-    p.add_argument("--prompt", default="In the beginning")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--prompt", default="In the beginning", help="text to continue (default: %(default)r)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="tokens to generate, an integer >= 1 (default: %(default)s)",
+    )
     p.add_argument(
         "--sample", action="store_true", help="sample (temperature 0.8) instead of greedy"
     )

@@ -259,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "jsonl", help="balance JSONL of a run (--balance-log-file / <save>/balance.jsonl)"
     )
-    p.add_argument("--out", default=None, help="PNG to write (default: none; use with --summary)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="picture to write, e.g. RUN/expert_load.png (a format matplotlib writes; default: "
+        "none)",
+    )
     p.add_argument(
         "--window",
         type=int,

@@ -378,13 +378,17 @@ def main(argv: list[str] | None = None) -> int:
         "rewrite the corpus first",
     )
     p.add_argument(
-        "--corpus", type=Path, default=DEFAULT_CORPUS_PATH, help="corpus JSONL(.gz) to train on"
+        "--corpus",
+        type=Path,
+        default=DEFAULT_CORPUS_PATH,
+        help="corpus JSONL(.gz) to train on (default: the shipped corpus, %(default)s)",
     )
     p.add_argument(
         "--output-dir",
         type=Path,
         default=DEFAULT_TOKENIZER_DIR,
-        help="where to write the tokenizer",
+        help="where to write the tokenizer (default: the shipped tokenizer's folder, %(default)s, "
+        "whose files a run replaces)",
     )
     p.add_argument(
         "--check", action="store_true", help="retrain into a temp dir and compare with --output-dir"

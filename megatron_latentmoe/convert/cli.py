@@ -64,6 +64,16 @@ def _add_verify_args(p: argparse.ArgumentParser, flag: bool = True) -> None:
     p.add_argument("--verify-text", help="prompt text (default: the shipped corpus)")
 
 
+CHECKPOINT_HELP = (
+    "torch_dist checkpoint dir, or a megatron.training save root (its tracker file picks the "
+    "iteration)"
+)
+MEGATRON_CONFIG_HELP = (
+    "model description (JSON/YAML of StableLatentMoETransformerConfig fields + vocab_size, "
+    "max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or an HF "
+    "config.json); default: from the checkpoint"
+)
+
 IGNORED_IMPORT_FLAGS = ("--tp", "--pp", "--ep", "--etp")
 """Layout flags of earlier ``import`` versions: accepted and ignored (the output loads at any
 layout)."""
@@ -78,23 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("export", help="Megatron torch_dist -> HF")
-    ex.add_argument(
-        "--checkpoint",
-        "--load",
-        required=True,
-        help="torch_dist checkpoint dir, or a megatron.training save root "
-        "(its tracker file picks the iteration)",
-    )
+    ex.add_argument("--checkpoint", "--load", required=True, help=CHECKPOINT_HELP)
     ex.add_argument(
         "--output", required=True, help="HF output directory (must not exist or be empty)"
     )
-    ex.add_argument(
-        "--megatron-config",
-        default=None,
-        help="model description (JSON/YAML of StableLatentMoETransformerConfig fields + "
-        "vocab_size, max_sequence_length[, rotary_base, share_embeddings_and_output_weights], or "
-        "an HF config.json); default: from the checkpoint",
-    )
+    ex.add_argument("--megatron-config", default=None, help=MEGATRON_CONFIG_HELP)
     _dtype(ex, "exported weights", "the checkpoint's")
     ex.add_argument(
         "--expert-dtype",
@@ -141,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_args(im)
 
     vf = sub.add_parser("verify", help="compare a Megatron checkpoint with an HF directory")
-    vf.add_argument("--checkpoint", "--load", required=True)
-    vf.add_argument("--hf", required=True)
-    vf.add_argument("--megatron-config", default=None)
+    vf.add_argument("--checkpoint", "--load", required=True, help=CHECKPOINT_HELP)
+    vf.add_argument("--hf", required=True, help="HF model directory (its export)")
+    vf.add_argument("--megatron-config", default=None, help=MEGATRON_CONFIG_HELP)
     vf.add_argument("--summary-json", default=None, help="also write the report as JSON")
     _add_verify_args(vf, flag=False)
     return parser
