@@ -20,10 +20,10 @@ The picture has three panels:
 A resumed run appends to the same JSONL: the last record of an iteration wins.
 Needs matplotlib only for the picture (``--summary`` alone needs nothing beyond Python).
 
-Exit status: 0 on success, 1 when the JSONL cannot be read or has no records (or neither --out
-nor --summary is given), 2 on a bad option (``--window`` below 1; ``--out`` a folder, in a folder
-that does not exist, or of a format matplotlib cannot write). The picture is written to a
-temporary file beside ``--out`` and renamed into place: a failed run leaves no half-written
+Exit status: 0 on success, 1 when the JSONL cannot be read or has no records, 2 on a bad option
+(neither --out nor --summary; ``--window`` below 1; ``--out`` a folder, in a folder that does not
+exist, or of a format matplotlib cannot write), before the JSONL is read. The picture is written
+to a temporary file beside ``--out`` and renamed into place: a failed run leaves no half-written
 picture.
 """
 
@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--summary", action="store_true", help="print the first-vs-last-window summary")
     args = p.parse_args(argv)
+    if not args.summary and not args.out:  # a usage error: was exit 1 after reading the JSONL
+        return _error("nothing to do: give --out PICTURE and/or --summary")
     if args.window < 1:
         return _error(f"--window={args.window} is not allowed: an integer >= 1")
     if args.out:
@@ -298,9 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         written = plot(records, args.out, args.window, args.title or args.jsonl)
         print(f"expert-load picture: {written}")
-    if not args.summary and not args.out:
-        print("nothing to do: give --out PNG and/or --summary", file=sys.stderr)
-        return 1
     return 0
 
 

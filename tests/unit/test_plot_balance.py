@@ -481,8 +481,9 @@ def test_out_is_checked_as_matplotlib_writes_it(tmp_path, monkeypatch):
 
 def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
     """main() in-process: --summary prints the summary with the given window; --out names the
-    picture written; a missing, empty or non-JSONL file, or nothing to do, is exit 1 and one
-    line (a binary file was a UnicodeDecodeError traceback)."""
+    picture written; a missing, empty or non-JSONL file is exit 1 and one line (a binary file was
+    a UnicodeDecodeError traceback); nothing to do is a usage error, exit 2, even before a
+    missing file is named."""
     path = tmp_path / "balance.jsonl"
     rows = [_record(1, 2.0, 0), _record(2, 1.0, 0), _record(3, 0.5, 0), _record(4, 0.25, 0)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -501,8 +502,12 @@ def test_cli_exit_status_and_output(tmp_path, capsys, monkeypatch):
     empty.write_text("\n")
     unnumbered = tmp_path / "unnumbered.jsonl"
     unnumbered.write_text('{"iteration": 1}\n{"iteration": null}\n')
+    assert plot_balance.main([str(tmp_path / "no.jsonl")]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "plot_balance.py: error: nothing to do: give --out PICTURE and/or --summary\n",
+    )
     for argv, message in (
-        ([str(path)], "nothing to do: give --out PNG and/or --summary"),
         (
             [str(tmp_path / "no.jsonl"), "--summary"],
             f"plot_balance.py: error: [Errno 2] No such file or directory: "
