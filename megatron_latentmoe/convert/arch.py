@@ -341,6 +341,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
             text = f.read()
     except OSError as e:
         raise ConversionError(f"config file {path!r} cannot be read: {e}") from None
+    except UnicodeDecodeError as e:  # a binary file (a weights shard): was a traceback
+        raise ConversionError(f"config file {path!r} is not a UTF-8 text file: {e}") from None
     kind, parse, error = "JSON", json.loads, json.JSONDecodeError
     if path.endswith((".yaml", ".yml")):
         try:

@@ -738,6 +738,21 @@ def test_import_refuses_a_directory_without_config_or_weights(tmp_path):
     )
 
 
+def test_a_binary_config_file_is_refused_naming_it(tmp_path):
+    """A weights shard given as --megatron-config (or as an HF directory's config.json): one
+    ConversionError naming the file, where reading it was a UnicodeDecodeError traceback."""
+    from megatron_latentmoe.convert.arch import read_config_file
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x08\x80\xff")
+    with pytest.raises(ConversionError) as e:
+        read_config_file(path)
+    assert str(e.value) == (
+        f"config file {str(path)!r} is not a UTF-8 text file: 'utf-8' codec can't decode byte "
+        "0x80 in position 1: invalid start byte"
+    )
+
+
 def _one_tensor_file(hf, header: dict, data: bytes = bytes(16)) -> None:
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
