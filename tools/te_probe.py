@@ -104,6 +104,9 @@ def grouped() -> int:
 PROBES = {"imports": imports, "norm": norm, "fp8": fp8, "grouped": grouped}
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        sys.exit(0)
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
         print(
             f"usage: python tools/te_probe.py {{{','.join(PROBES)}}}; got {sys.argv[1:]}",

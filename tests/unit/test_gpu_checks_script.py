@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -158,3 +159,18 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(tmp_path):
     args = result["args"]
     assert args["experts"] / args["topk"] == 896 / 16  # K3's n / k: K3's tokens per expert
     assert "bench_gpu_block: skipped: needs a CUDA GPU" in r.stdout
+
+
+def test_te_probe_help_and_a_bad_probe():
+    """``--help`` prints the probes and exit codes, exit 0 (it was the usage line, exit 2); an
+    unknown probe is the usage line naming what was given, exit 2."""
+    probe = [sys.executable, str(REPO / "tools" / "te_probe.py")]
+    shown = subprocess.run([*probe, "--help"], capture_output=True, text=True, timeout=60)
+    assert (shown.returncode, shown.stderr) == (0, "")
+    assert shown.stdout.startswith("Probes of the Transformer Engine kit's known risks")
+    assert "3: skipped (no CUDA" in shown.stdout
+    bad = subprocess.run([*probe, "nrom"], capture_output=True, text=True, timeout=60)
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr == (
+        "usage: python tools/te_probe.py {imports,norm,fp8,grouped}; got ['nrom']\n"
+    )
