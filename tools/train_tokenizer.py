@@ -18,9 +18,10 @@ Exit status: 0 on success (``--check``: the files match), 1 when ``--check`` fin
 2 on bad input (``--corpus`` missing or not JSONL with a string under "text" on every line: the
 message names the flag, the file, the line and the key; a ``--rebuild-corpus`` that is not the
 package or is damaged; with ``--rebuild-corpus``, a ``--corpus`` that cannot be written;
-``--check`` without a tokenizer in ``--output-dir``; a corpus too small for the vocabulary).
-Nothing is written on bad input: the corpus is written to a temporary file and renamed, the
-tokenizer is trained into a temporary folder and moved into ``--output-dir`` at the end.
+``--check`` without a tokenizer in ``--output-dir``; a corpus too small for the vocabulary),
+130 on Ctrl-C and 143 on SIGTERM (no tokenizer written). Nothing is written on bad input: the
+corpus is written to a temporary file and renamed, the tokenizer is trained into a temporary
+folder and moved into ``--output-dir`` at the end.
 
 The ``.deb`` is read with the standard library alone (``ar`` + ``tar.xz`` + the SWORD zText
 format), so no ``dpkg`` or ``libsword`` is needed.
@@ -39,6 +40,7 @@ import lzma
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
 import tarfile
@@ -55,6 +57,7 @@ from megatron_latentmoe.data import DEFAULT_CORPUS_PATH, DEFAULT_TOKENIZER_DIR  
 from megatron_latentmoe.data.corpus import EOD_TOKEN, PAD_TOKEN  # noqa: E402
 from megatron_latentmoe.data.errors import PreprocessError  # noqa: E402
 from megatron_latentmoe.data.jsonl import iter_jsonl_texts  # noqa: E402
+from megatron_latentmoe.data.signals import StopOnSignals  # noqa: E402
 
 VOCAB_SIZE = 4096  # including the special tokens
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1
@@ -395,7 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     one_line_errors(p)
     args = p.parse_args(argv)
+    stop = StopOnSignals()  # SIGTERM's default exit skipped the cleanup below (measured: a
+    try:  # .tokenizer-* folder left beside --output-dir, the package's assets/ by default)
+        with stop:
+            return _run(args, stop)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return stop.exit_status()  # 130 on Ctrl-C, 143 on SIGTERM
 
+
+INTERRUPTED = "interrupted: no tokenizer written (temporary files removed)"
+
+
+def _run(args: argparse.Namespace, stop: StopOnSignals) -> int:
     out = f"--output-dir={str(args.output_dir)!r}"
     if args.check:
         missing = [f for f in TOKENIZER_FILES if not (args.output_dir / f).is_file()]
@@ -452,11 +467,18 @@ def main(argv: list[str] | None = None) -> int:
             args.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             return _error(f"{out}: cannot create it ({e.strerror})")
+        stop.on_commit()  # a signal from now on waits: the three files go into place together
         for f in tmp.iterdir():
             os.replace(f, args.output_dir / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"tokenizer: {args.output_dir} (vocab {VOCAB_SIZE}, specials {SPECIAL_TOKENS})")
+    if stop.interrupted():
+        name = signal.Signals(stop.signals[0]).name
+        print(
+            f"note: {name} arrived as the tokenizer went into place: it is complete",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -303,3 +303,40 @@ def test_output_dir_whose_folder_is_not_writable_is_one_line_exit_2(tmp_path, ca
         "denied)\n",
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+
+_STOPPED_MIDWAY = """
+import importlib.util, signal, sys
+spec = importlib.util.spec_from_file_location("tool", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+def train(texts, out_dir, corpus=None):  # a first file written, then the signal
+    (out_dir / "tokenizer.json").write_text("{}")
+    signal.raise_signal(getattr(signal, sys.argv[2]))
+    raise AssertionError("the signal did not stop the run")
+
+tool.train_tokenizer = train
+sys.exit(tool.main(["--corpus", sys.argv[3], "--output-dir", sys.argv[4]]))
+"""
+
+
+@pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_while_training_leaves_nothing_behind(tmp_path, signame, status):
+    """SIGTERM (a scheduler) or Ctrl-C while the tokenizer trains: one line, exit 143 / 130, no
+    --output-dir and no temporary folder beside it (SIGTERM's default exit left its
+    .tokenizer-* folder, in the package's assets/ by default). A child process: without the
+    handler SIGTERM would end the test run."""
+    import subprocess
+    import sys
+
+    from tests.unit.test_data import REPO
+
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [{"text": "a text"}])
+    out = tmp_path / "tok"
+    tool = str(REPO / "tools" / "train_tokenizer.py")
+    argv = [sys.executable, "-c", _STOPPED_MIDWAY, tool, signame, str(corpus), str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (status, ""), proc.stderr
+    assert proc.stderr == "interrupted: no tokenizer written (temporary files removed)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
