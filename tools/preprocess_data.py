@@ -22,11 +22,13 @@ The embedded default corpus itself is prepared with
 
 Exit status: 0 on success, 1 on bad input (the message names the file, line and key), 2 on a
 bad option (one line naming the flag: a Megatron flag refused, --workers below 1, a negative
---log-interval, an --output-prefix folder on a read-only file system or not writable), a full
-disk (one line naming --output-prefix and the space left there) or a file system the kernel
-turns read-only mid-run (after a disk error; one line naming --output-prefix), 130 on Ctrl-C,
-143 on SIGTERM (temporaries removed either way). Output is written atomically: a failed or
-interrupted run leaves no dataset behind, nor the output folders it created (if still empty).
+--log-interval, an --output-prefix that names a folder (DIR/) or whose folder is on a read-only
+file system or not writable, a --json-keys key given twice or, among several, holding a path
+separator), a full disk (one line naming --output-prefix and the space left there) or a file
+system the kernel turns read-only mid-run (after a disk error; one line naming --output-prefix),
+130 on Ctrl-C, 143 on SIGTERM (temporaries removed either way). Output is written atomically:
+a failed or interrupted run leaves no dataset behind, nor the output folders it created (if
+still empty).
 A SIGTERM or Ctrl-C that comes as the finished dataset is being renamed into place waits until
 it is (it no longer leaves an older dataset there half replaced) and is then too late to stop
 the run: the dataset is complete, so it exits 0 with the summary and a note on stderr naming
@@ -249,6 +251,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     refusal, ignored = megatron_refusal(args)
     output_folder = os.path.dirname(os.path.abspath(args.output_prefix))
+    if refusal is None:  # an --output-prefix DIR/, a --json-keys key given twice
+        from megatron_latentmoe.data.indexed import output_names_refusal
+
+        refusal = output_names_refusal(args.output_prefix, args.json_keys)
     if refusal is None:  # the output's folder (created if need be), a read-only file system named
         from megatron_latentmoe.files import folder_refusal
 

@@ -368,7 +368,7 @@ def main(argv: list | None = None) -> int:
     from megatron_latentmoe.cli_errors import one_line_errors
 
     from .errors import PreprocessError
-    from .indexed import check_output_prefix
+    from .indexed import output_names_refusal
     from .signals import StopOnSignals
 
     one_line_errors(p)
@@ -376,11 +376,13 @@ def main(argv: list | None = None) -> int:
     if args.workers < 1:
         p.error(f"argument --workers: expected an integer >= 1, got {args.workers}")
     out_dir, name = str(default_cache_dir()), DEFAULT_DATASET_NAME
+    if args.output_prefix:  # "DIR/" is refused as by tools/preprocess_data.py (not DIR.bin)
+        refusal = output_names_refusal(args.output_prefix, ["text"])
+        if refusal is not None:
+            p.exit(2, f"{p.prog}: error: {refusal}\n")
+        out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
     stop = StopOnSignals()
     try:
-        if args.output_prefix:  # "DIR/" is refused as by tools/preprocess_data.py (not DIR.bin)
-            check_output_prefix(args.output_prefix)
-            out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
         with stop:
             prefix = prepare_default_dataset(
                 out_dir,

@@ -150,30 +150,48 @@ def _bounded_imap(pool, batches, max_pending: int):
         yield pending.popleft().get()
 
 
-def check_output_prefix(output_prefix: str) -> None:
-    """Refuse an output prefix that names a folder (``out/``): the builder's FileNotFoundError
-    traceback here, ``out.bin`` beside the folder after a path normalisation elsewhere."""
+def output_names_problem(output_prefix: str, keys: Sequence[str]) -> tuple[str, str] | None:
+    """What keeps ``output_prefix`` and ``keys`` from naming the output files, or None: (the
+    argument at fault, ``"output_prefix"`` or ``"json_keys"``; why, to follow its value).
+    :func:`preprocess_jsonl` names the argument (a :class:`PreprocessError`); the command-line
+    tools name the flag, --output-prefix / --json-keys (a usage error, exit 2).
+
+    A prefix that names a folder (``out/``) was the builder's FileNotFoundError traceback here
+    (``out.bin`` beside the folder after a path normalisation elsewhere), as was a key holding a
+    path separator among several keys (each key is then part of a file name); a key given twice
+    would write the same files twice."""
     if not os.path.basename(output_prefix):
-        raise PreprocessError(
-            f"output_prefix={output_prefix!r} names a folder, not a file-name prefix: give e.g. "
-            f"{os.path.join(output_prefix, 'my_corpus')!r} (writes my_corpus.bin / my_corpus.idx)"
+        example = os.path.join(output_prefix, "my_corpus")
+        return "output_prefix", (
+            f"names a folder, not a file-name prefix: give e.g. {example!r} "
+            "(writes my_corpus.bin / my_corpus.idx)"
         )
-
-
-def _check_output_names(output_prefix: str, keys: Sequence[str]) -> None:
-    """:func:`check_output_prefix`, and with several keys refuse a key that would put a path
-    separator into its file name ``<prefix>_<key>.bin`` (a FileNotFoundError traceback from the
-    builder)."""
-    check_output_prefix(output_prefix)
+    if not keys:
+        return "json_keys", "give at least one key"
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        return "json_keys", f"each key once: {twice!r} is given twice"
     if len(keys) > 1:
         for k in keys:
             sep = next((s for s in (os.sep, os.altsep) if s and s in k), None)
             if sep is not None:
-                raise PreprocessError(
-                    f"json_keys: {k!r} holds {sep!r}, but with several keys each key is part of "
-                    f"a file name ({output_prefix}_<key>.bin): tokenize that key on its own "
-                    "(one key writes <output_prefix>.bin) or rename it in the JSONL"
+                return "json_keys", (
+                    f"{k!r} holds {sep!r}, but with several keys each key is part of a file "
+                    f"name ({output_prefix}_<key>.bin): tokenize that key on its own (one key "
+                    f"writes {output_prefix}.bin) or rename it in the JSONL"
                 )
+    return None
+
+
+def output_names_refusal(output_prefix: str, keys: Sequence[str]) -> str | None:
+    """:func:`output_names_problem` as the tools say it: one line naming the flag,
+    --output-prefix or --json-keys, and its value as typed; None if the names are good."""
+    problem = output_names_problem(output_prefix, keys)
+    if problem is None:
+        return None
+    argument, why = problem
+    value = output_prefix if argument == "output_prefix" else " ".join(keys)
+    return f"--{argument.replace('_', '-')} {value}: {why}"
 
 
 def _output_prefixes(output_prefix: str, keys: Sequence[str]) -> list[str]:
@@ -274,9 +292,11 @@ def preprocess_jsonl(
             f"json_keys={json_keys!r}: expected a list of keys, e.g. [{json_keys!r}]"
         )
     keys = list(json_keys)
-    if not keys or len(set(keys)) != len(keys):
-        raise PreprocessError(f"json_keys must be distinct and not empty: {keys}")
-    _check_output_names(os.fspath(output_prefix), keys)
+    problem = output_names_problem(os.fspath(output_prefix), keys)
+    if problem is not None:
+        argument, why = problem
+        value = os.fspath(output_prefix) if argument == "output_prefix" else keys
+        raise PreprocessError(f"{argument}={value!r}: {why}")
     if workers < 1:
         raise PreprocessError(f"workers must be >= 1, got {workers}")
     if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:

@@ -934,12 +934,12 @@ def test_missing_input_and_tokenizer(tmp_path):
     "kwargs, message",
     [
         (dict(input="{d}"), "input is not a file: {d}"),
-        (dict(json_keys=[]), "json_keys must be distinct and not empty: []"),
+        (dict(json_keys=[]), "json_keys=[]: give at least one key"),
         # a string was split into its characters: "missing JSON key 'b'" for json_keys="body"
         (dict(json_keys="body"), "json_keys='body': expected a list of keys, e.g. ['body']"),
         (
             dict(json_keys=["text", "text"]),
-            "json_keys must be distinct and not empty: ['text', 'text']",
+            "json_keys=['text', 'text']: each key once: 'text' is given twice",
         ),
         (dict(workers=0), "workers must be >= 1, got 0"),
         (dict(log_interval=-1), "log_interval must be an integer >= 0, got -1"),
@@ -989,25 +989,59 @@ def test_unwritable_output_prefix_is_named(tmp_path):
         (
             "out/",
             ["text"],
-            "output_prefix='{d}/out/' names a folder, not a file-name prefix: give e.g. "
+            "--output-prefix {d}/out/: names a folder, not a file-name prefix: give e.g. "
             "'{d}/out/my_corpus' (writes my_corpus.bin / my_corpus.idx)",
         ),
         (
             "out",
             ["text", "meta/title"],
-            "json_keys: 'meta/title' holds '/', but with several keys each key is part of a file "
-            "name ({d}/out_<key>.bin): tokenize that key on its own (one key writes "
-            "<output_prefix>.bin) or rename it in the JSONL",
+            "--json-keys text meta/title: 'meta/title' holds '/', but with several keys each key "
+            "is part of a file name ({d}/out_<key>.bin): tokenize that key on its own (one key "
+            "writes {d}/out.bin) or rename it in the JSONL",
         ),
+        ("out", ["text", "text"], "--json-keys text text: each key once: 'text' is given twice"),
     ],
 )
 def test_output_names_that_are_no_file_names_are_refused(tmp_path, capsys, prefix, keys, message):
     """An --output-prefix ending in a separator, or a key holding one among several --json-keys,
-    made the builder's open() a FileNotFoundError traceback: now one line, nothing written."""
+    made the builder's open() a FileNotFoundError traceback; then (as a key given twice) one line
+    naming the library's argument, exit 1. Now a usage error as the tool's docstring has it: one
+    line naming the flag, exit 2, nothing written."""
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a b", "meta/title": "c"}])
     argv = ["--input", str(src), "--output-prefix", f"{tmp_path}/{prefix}", "--json-keys", *keys]
-    assert _load_tool("preprocess_data").main(argv) == 1
-    assert capsys.readouterr().err == "error: " + message.format(d=tmp_path) + "\n"
+    with pytest.raises(SystemExit) as e:
+        _load_tool("preprocess_data").main(argv)
+    assert e.value.code == 2
+    expected = "preprocess_data.py: error: " + message.format(d=tmp_path) + "\n"
+    assert capsys.readouterr().err == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "prefix, keys, message",
+    [
+        (
+            "out/",
+            ["text"],
+            "output_prefix='{d}/out/': names a folder, not a file-name prefix: give e.g. "
+            "'{d}/out/my_corpus' (writes my_corpus.bin / my_corpus.idx)",
+        ),
+        (
+            "out",
+            ["text", "meta/title"],
+            "json_keys=['text', 'meta/title']: 'meta/title' holds '/', but with several keys each "
+            "key is part of a file name ({d}/out_<key>.bin): tokenize that key on its own (one "
+            "key writes {d}/out.bin) or rename it in the JSONL",
+        ),
+    ],
+)
+def test_output_names_that_are_no_file_names_name_the_argument(tmp_path, prefix, keys, message):
+    """preprocess_jsonl's caller (the default-dataset builder, a script) gets the same refusal
+    naming its argument; nothing written."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a b", "meta/title": "c"}])
+    with pytest.raises(PreprocessError) as e:
+        preprocess_jsonl(src, f"{tmp_path}/{prefix}", json_keys=keys)
+    assert str(e.value) == message.format(d=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
@@ -2160,11 +2194,12 @@ def test_default_corpus_sequences_skips_blank_documents_as_the_preprocessor_does
             "error: output_dir='{d}/afile': {d}/afile is not a folder; give a folder this run "
             "can create or write in",
         ),
-        (  # was written as {d}/out.bin beside the folder
+        (  # was written as {d}/out.bin beside the folder; then exit 1 naming output_prefix
             ["--output-prefix", "{d}/out/"],
-            1,
-            "error: output_prefix='{d}/out/' names a folder, not a file-name prefix: give e.g. "
-            "'{d}/out/my_corpus' (writes my_corpus.bin / my_corpus.idx)",
+            2,
+            "python -m megatron_latentmoe.data.corpus: error: --output-prefix {d}/out/: names a "
+            "folder, not a file-name prefix: give e.g. '{d}/out/my_corpus' (writes my_corpus.bin "
+            "/ my_corpus.idx)",
         ),
     ],
 )
