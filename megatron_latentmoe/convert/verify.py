@@ -306,6 +306,21 @@ def check_verify_options(
         raise not_allowed("atol (--verify-atol)", atol, "a positive finite number", ConversionError)
 
 
+def check_verify_length(arch: ModelArch, seq_len: int) -> None:
+    """Raise :class:`ConversionError` naming --verify-seq-len if the prompt is longer than the
+    model's max_position_embeddings (Megatron's max_sequence_length): the audit's
+    ``verify --verify-seq-len 100000`` was an out-of-memory RuntimeError traceback from the
+    attention, at a length the model was not built for."""
+    limit = arch.max_position_embeddings
+    if seq_len > limit:
+        raise not_allowed(
+            "seq_len (--verify-seq-len)",
+            seq_len,
+            f"at most {limit}, the model's max_position_embeddings (max_sequence_length)",
+            ConversionError,
+        )
+
+
 def hf_expert_weight_qat(hf_dir: str | os.PathLike) -> str:
     """``"mxfp4"`` if the export's routed experts are MXFP4 (``convert/mxfp4.py``), else
     ``"none"``: the ``moe_expert_weight_qat`` under which Megatron computes what the export does."""
@@ -411,6 +426,7 @@ def verify_export(
     check_hf_dir(hf_dir)
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
+    check_verify_length(arch, seq_len)
     check_same_vocabulary(arch, hf_dir, reader.path)
     check_hf_files(hf_dir)
     torch.manual_seed(0)

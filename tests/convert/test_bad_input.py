@@ -477,6 +477,29 @@ def test_verify_against_unreadable_hf_weights_is_bad_input(tmp_path, capsys, mon
     )
 
 
+def test_verify_seq_len_beyond_the_models_positions_is_refused(tmp_path, capsys, monkeypatch):
+    """``verify --verify-seq-len`` above the model's max_position_embeddings (64 here): one line
+    naming the flag, the value and the limit, exit 2, before either model is built (the audit's
+    --verify-seq-len 100000 was an out-of-memory RuntimeError traceback); the limit itself is
+    checked no further here (its run is the workspace's verify)."""
+    from megatron_latentmoe.convert import cli, verify
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "mg"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    monkeypatch.setattr(verify, "load_megatron_model", lambda *a: pytest.fail("model built"))
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf), "--verify-seq-len", "65"]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        "error: seq_len (--verify-seq-len)=65 is not allowed: at most 64, the model's "
+        "max_position_embeddings (max_sequence_length)\n"
+    )
+    argv[-1] = "64"  # the limit passes the check: on to the models
+    with pytest.raises(pytest.fail.Exception, match="model built"):
+        cli.main(argv)
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module

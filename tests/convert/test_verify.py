@@ -179,7 +179,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
     tokens = torch.tensor([[1, 2], [4, 0]])
     lm = verify.megatron_logits(FakeMegatron(), tokens)
     hf = FakeHF(lm + delta)
-    arch = type("Arch", (), {"vocab_size": FakeMegatron.V})()
+    arch = type("Arch", (), {"vocab_size": FakeMegatron.V, "max_position_embeddings": 64})()
     reader = type("Reader", (), {"path": tmp_path / "ck"})()
     calls = []
 
