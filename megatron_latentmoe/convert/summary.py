@@ -139,6 +139,18 @@ def check_output_dir(output: str | os.PathLike, overwrite: bool) -> Path:
         )
     parent = out.resolve().parent
     if not parent.is_dir():
+        from megatron_latentmoe.files import nearest_existing
+
+        blocker = nearest_existing(parent)  # a file on the way: "does not exist" misled there
+        if blocker == parent:
+            raise ConversionError(
+                f"the parent directory of the output, {str(parent)!r}, is a file, not a directory"
+            )
+        if blocker.exists() and not blocker.is_dir():
+            raise ConversionError(
+                f"the parent directory of the output, {str(parent)!r}, cannot be created: "
+                f"{str(blocker)!r} on its path is a file, not a directory"
+            )
         raise ConversionError(
             f"the parent directory of the output, {str(parent)!r}, does not exist"
         )

@@ -1085,6 +1085,14 @@ def test_output_directory_refusals(tmp_path, monkeypatch):
     assert refusal(tmp_path / "no" / "out") == (
         f"the parent directory of the output, {str(tmp_path / 'no')!r}, does not exist"
     )
+    # a file where a folder of the output's path should be: said, not "does not exist"
+    assert refusal(out / "f" / "x") == (
+        f"the parent directory of the output, {str(out / 'f')!r}, is a file, not a directory"
+    )
+    assert refusal(out / "f" / "sub" / "x") == (
+        f"the parent directory of the output, {str(out / 'f' / 'sub')!r}, cannot be created: "
+        f"{str(out / 'f')!r} on its path is a file, not a directory"
+    )
     monkeypatch.setattr(summary.os, "access", lambda path, mode: False)
     assert refusal(tmp_path / "new") == (
         f"the parent directory of the output, {str(tmp_path)!r}, is not writable"
