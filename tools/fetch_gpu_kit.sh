@@ -5,7 +5,15 @@
 # carry: run(command="bash tools/gpu_checks.sh", carry=[".tekit"], timeout_s=600).
 #
 #   bash tools/fetch_gpu_kit.sh [KIT_DIR]     # default: ../shared/gpu_kit beside the checkout
+#   bash tools/fetch_gpu_kit.sh --help        # this text
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;  # the header
+  -*) echo "usage: bash tools/fetch_gpu_kit.sh [KIT_DIR | --help]; got '$1'" >&2; exit 2 ;;
+esac
+if [ "$#" -gt 1 ]; then
+  echo "usage: bash tools/fetch_gpu_kit.sh [KIT_DIR | --help]; got $# arguments" >&2; exit 2
+fi
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 src="${1:-$repo/../shared/gpu_kit}"
 for f in te_site.tar.xz SHA256SUMS; do

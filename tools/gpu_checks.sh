@@ -10,6 +10,7 @@
 #   bash tools/gpu_checks.sh --check   # CPU dry run: checksums, unpack to a temp dir, layout,
 #                                      # GLIBCXX, imports (skipped without CUDA / Python 3.12);
 #                                      # runs .venv/bin/python (scripts/setup_env.sh) if present
+#   bash tools/gpu_checks.sh --help    # this text
 #
 # Budget (estimates; no GPU run yet): set-up ~1 min, tests/gpu ~2-3 min (timeout 210 s),
 # benchmarks ~1.5 min (timeouts 120 s + 45 s): ~5-6 min, at most ~8 min, under the 10-minute call.
@@ -25,7 +26,8 @@ mode=full
 case "${1:-}" in
   "") ;;
   --check) mode=check ;;
-  *) echo "usage: bash tools/gpu_checks.sh [--check]; got '$1'" >&2; exit 2 ;;
+  -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;  # the header
+  *) echo "usage: bash tools/gpu_checks.sh [--check | --help]; got '$1'" >&2; exit 2 ;;
 esac
 out="${OUT:-$repo/runs/gpu_checks}"
 kit="${KIT:-$repo/.tekit}"
