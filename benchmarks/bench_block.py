@@ -49,17 +49,26 @@ from benchmarks.results_io import json_path, write_json  # noqa: E402
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512, help="d")
-    p.add_argument("--latent", type=int, default=256, help="l")
-    p.add_argument("--expert-ffn", type=int, default=384, help="m_e")
-    p.add_argument("--experts", type=int, default=16, help="n")
-    p.add_argument("--topk", type=int, default=4, help="k")
-    p.add_argument("--shared-ffn", type=int, default=768, help="N_s * m_e (0 = none)")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--hidden", type=int, default=512, help="d (default: %(default)s)")
+    p.add_argument("--latent", type=int, default=256, help="l (default: %(default)s)")
+    p.add_argument("--expert-ffn", type=int, default=384, help="m_e (default: %(default)s)")
+    p.add_argument("--experts", type=int, default=16, help="n (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=4, help="k (default: %(default)s)")
+    p.add_argument(
+        "--shared-ffn", type=int, default=768, help="N_s * m_e, 0: none (default: %(default)s)"
+    )
+    p.add_argument("--tokens", type=int, default=2048, help="tokens (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (default: %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed first iterations (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dispatcher",
+        default="alltoall",
+        choices=["alltoall", "allgather"],
+        help="default: %(default)s",
+    )
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="default: %(default)s")
     p.add_argument(
         "--out", help="JSON file or folder (default: benchmarks/results/bench_block.json)"
     )

@@ -46,8 +46,18 @@ VARIANTS = {
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=3, help="1 dense + (layers - 1) MoE layers")
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=3,
+        help="1 dense + (layers - 1) MoE layers (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="folder of the checkpoint and its exports, kept (default: a temporary folder, "
+        "removed)",
+    )
     ap.add_argument(
         "--out",
         "--output",

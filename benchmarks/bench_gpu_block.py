@@ -49,18 +49,37 @@ K3 = read_hf(
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=K3["hidden_size"], help="d")
-    p.add_argument("--latent", type=int, default=K3["moe_latent_size"], help="l")
-    p.add_argument("--expert-ffn", type=int, default=K3["moe_ffn_hidden_size"], help="m_e")
+    p.add_argument("--hidden", type=int, default=K3["hidden_size"], help="d (default: %(default)s)")
+    p.add_argument(
+        "--latent", type=int, default=K3["moe_latent_size"], help="l (default: %(default)s)"
+    )
+    p.add_argument(
+        "--expert-ffn",
+        type=int,
+        default=K3["moe_ffn_hidden_size"],
+        help="m_e (default: %(default)s)",
+    )
     n, k = K3["num_experts"], K3["moe_router_topk"]
-    p.add_argument("--experts", type=int, default=n // 8, help=f"n (K3: {n})")
-    p.add_argument("--topk", type=int, default=k // 8, help=f"k (K3: {k})")
+    p.add_argument("--experts", type=int, default=n // 8, help=f"n (K3: {n}; default: %(default)s)")
+    p.add_argument("--topk", type=int, default=k // 8, help=f"k (K3: {k}; default: %(default)s)")
     shared = K3["moe_shared_expert_intermediate_size"]
-    p.add_argument("--shared-ffn", type=int, default=shared, help="N_s * m_e")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--recipes", nargs="*", default=list(FP8_RECIPES), choices=FP8_RECIPES)
+    p.add_argument(
+        "--shared-ffn", type=int, default=shared, help="N_s * m_e (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=8192, help="tokens per rank (default: %(default)s)"
+    )
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (default: %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed first iterations (default: %(default)s)"
+    )
+    p.add_argument(
+        "--recipes",
+        nargs="*",
+        default=list(FP8_RECIPES),
+        choices=FP8_RECIPES,
+        help=f"FP8 recipes to time (default: {' '.join(FP8_RECIPES)})",
+    )
     p.add_argument(
         "--no-grouped-gemm",
         action="store_true",

@@ -57,9 +57,18 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_method_args(p)
-    p.add_argument("--steps", type=int, default=60, help="timed rounds (one step per method)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed first rounds")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="timed rounds, one step per method (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=5, help="untimed first rounds (default: %(default)s)"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks, torchrun processes (default: %(default)s)"
+    )
     p.add_argument(
         "--out",
         help="JSON file or folder (default: bench_step_balancers.json in benchmarks/results for "

@@ -497,7 +497,12 @@ DEFAULT_ARGS_FILE = os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
 
 def add_model_and_method_args(p):
     """``--args-file`` and ``--methods``, shared with ``bench_step_balancers.py``."""
-    p.add_argument("--args-file", default=DEFAULT_ARGS_FILE)
+    p.add_argument(
+        "--args-file",
+        default=DEFAULT_ARGS_FILE,
+        help="the model's flags, a bash file as in examples/args (default: "
+        f"{os.path.relpath(DEFAULT_ARGS_FILE, REPO)})",
+    )
     p.add_argument(
         "--methods",
         nargs="*",

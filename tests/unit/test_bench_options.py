@@ -39,3 +39,30 @@ def test_bad_option_is_one_line_exit_2(script, argv, message, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["bench_block.py", "bench_gpu_block.py", "bench_export_mxfp4.py", "bench_step_balancers.py"],
+)
+def test_help_names_the_default_of_every_option_that_takes_a_value(script):
+    """Each option that takes a value says its default in --help, as bench_balancing.py's do
+    (an audit found bench_block's --tokens / --iters / --warmup / --dispatcher / --dtype,
+    bench_gpu_block's, bench_export_mxfp4's --layers / --workdir and bench_step_balancers'
+    --args-file / --steps / --warmup / --nproc without one)."""
+    import re
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    options = proc.stdout.split("\noptions:\n")[1]
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))
+    takes_value = [e for e in entries if re.match(r"\s*--?[\w-]+[ =][\[{A-Z]", e)]
+    assert len(takes_value) >= 2
+    missing = [e.split()[0] for e in takes_value if "default" not in e]
+    assert missing == []
