@@ -88,7 +88,7 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
-_NAMES = {"--balance-log-file": "file", "--output-prefix": "path"}
+_NAMES = {"--balance-log-file": "file", "--output-prefix": "path", "--summary-json": "path"}
 """What each flag of a ``(flag, folder)`` pair names where it is not a folder (the line's "give
 FLAG a ... on a larger disk"); a "path" is a prefix: its files are the paths that start with it."""
 

@@ -13,6 +13,7 @@ short leaves no output).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -227,11 +228,27 @@ def _check_options(args) -> None:
 
 
 def _write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` through a temporary file (never a half-written summary)."""
+    """Write ``data`` to ``path`` through a temporary file (never a half-written summary). A write
+    that fails (a full disk: ENOSPC; one turned read-only) removes the temporary file and raises
+    :class:`ConversionError` naming --summary-json: it was an OSError traceback that left
+    ``PATH.tmpPID`` behind (measured with the write made to raise ENOSPC)."""
+    from megatron_latentmoe.files import write_disk_failure_error
+
+    from .errors import ConversionError
+
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        named = [("--summary-json", os.path.abspath(path))]  # a "path": PATH.tmpPID is its file
+        line = write_disk_failure_error(err, named, written=True)
+        raise ConversionError(
+            line or f"--summary-json {path!r}: cannot be written ({err.strerror or err})"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,7 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report is not None:
         result["verify"] = report.to_dict()
     if args.summary_json:
-        _write_json(args.summary_json, result)
+        try:
+            _write_json(args.summary_json, result)
+        except ConversionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if report is not None and not report.passed:
         print("error: verification failed (see above)", file=sys.stderr)
         return EXIT_VERIFY_FAILED

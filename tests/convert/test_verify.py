@@ -917,6 +917,42 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     assert json.loads(js.read_text()) == {"verify": as_json(check.result.to_dict())}
 
 
+def test_cli_summary_json_on_a_full_disk_is_one_line(recorders, tmp_path, capsys, monkeypatch):
+    """A --summary-json write that fails (a full disk, faked: the JSON's write raises ENOSPC)
+    removes its temporary file and is one line naming the flag, exit 2: it was an OSError
+    traceback that left ``s.json.tmpPID`` behind. Another OSError is one line too."""
+    import errno
+
+    from megatron_latentmoe import files
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli.json, "dump", full)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 0)
+    js = tmp_path / "s.json"
+    argv = ["export", "--checkpoint", "ck", "--output", "out", "--summary-json", str(js)]
+    summary_text = recorders["export_checkpoint"].result.format() + "\n"
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        summary_text,
+        f"error: the disk filled up writing in --summary-json {js} (0.0 MB free); free space "
+        "there or give --summary-json a path on a larger disk\n",
+    )
+    assert os.listdir(tmp_path) == []
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(cli.json, "dump", denied)
+    assert run_cli(argv, capsys) == (
+        cli.EXIT_BAD_INPUT,
+        summary_text,
+        f"error: --summary-json {str(js)!r}: cannot be written (Permission denied)\n",
+    )
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("command", ["export", "import"])
 def test_cli_summary_json_of_a_conversion_without_verify(recorders, tmp_path, command, capsys):
     """Without ``--verify``, ``--summary-json`` holds the conversion's summary alone."""
