@@ -10,8 +10,8 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
 * per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time`,
   :func:`wrap_train_step`, :func:`install_layout_change_load`,
-  :func:`load_optional_checkpoint_keys`, :func:`load_distributed_checkpoint_as_such` and
-  :func:`on_save_error`.
+  :func:`load_optional_checkpoint_keys`, :func:`load_distributed_checkpoint_as_such`,
+  :func:`load_optimizer_with_new_lr` and :func:`on_save_error`.
 """
 
 from __future__ import annotations
@@ -293,3 +293,90 @@ def load_optional_checkpoint_keys(suffixes: tuple[str, ...]) -> None:
         return loaded
 
     _patch_run(dist_checkpointing, "load", load)
+
+
+def lr_group_values(a) -> dict[bool, tuple[float, float]]:
+    """The (``max_lr``, ``min_lr``) megatron-core 0.19.2 gives the optimizer's param groups of a
+    run with the args ``a``, by whether a group is decoupled (True: embedding and output layer):
+    ``_get_param_groups`` fills every group with ``--lr`` / ``--min-lr``, and
+    ``get_standard_config_overrides`` overrides the decoupled ones' ``max_lr`` with
+    ``--decoupled-lr`` and their ``min_lr`` with ``--decoupled-min-lr`` where given (else they
+    keep ``--min-lr``); with ``--decoupled-lr`` None no group is decoupled."""
+    values = {False: (a.lr, a.min_lr)}
+    if getattr(a, "decoupled_lr", None) is not None:
+        decoupled_min = getattr(a, "decoupled_min_lr", None)
+        values[True] = (a.decoupled_lr, a.min_lr if decoupled_min is None else decoupled_min)
+    return values
+
+
+def _decoupled(group: dict) -> bool:
+    """A saved param group of the decoupled LR. megatron-core 0.19.2 sets ``is_decoupled_lr``
+    False in every group (its ``_get_param_groups``); a decoupled group is the one whose override
+    sets ``max_lr``, which makes its ``default_config`` False (the standard overrides set no other
+    LR; measured: tiny.sh, 1 rank, --decoupled-lr 2e-3 -> 1e-3 with --lr 1e-3 -> 5e-4 loads and
+    trains)."""
+    return bool(group.get("is_decoupled_lr")) or group.get("default_config") is False
+
+
+def rewrite_lr_groups(groups: list[dict], renames: dict) -> list[dict]:
+    """Rewrite (in place, and return) the saved param groups whose (decoupled, (``max_lr``,
+    ``min_lr``)) is a key of ``renames`` with its value's (``max_lr``, ``min_lr``); any other
+    group is left as it is (Megatron's matching then judges it as strictly as before)."""
+    for group in groups:
+        new = renames.get((_decoupled(group), (group.get("max_lr"), group.get("min_lr"))))
+        if new is not None:
+            group["max_lr"], group["min_lr"] = new
+    return groups
+
+
+def lr_renames(saved, args) -> dict:
+    """(decoupled, checkpoint's (max_lr, min_lr)) -> this run's, for the kinds of group both runs
+    have (:func:`lr_group_values` of the checkpoint's args ``saved`` and of ``args``) and whose
+    values differ."""
+    before, now = lr_group_values(saved), lr_group_values(args)
+    return {
+        (kind, old): now[kind] for kind, old in before.items() if kind in now and now[kind] != old
+    }
+
+
+def load_optimizer_with_new_lr(saved, args) -> None:
+    """The optimizer state of a checkpoint saved with another ``--lr`` / ``--min-lr`` /
+    ``--decoupled-lr`` / ``--decoupled-min-lr`` (its args ``saved``) loads into this run (its
+    ``args``), the Adam moments with it.
+
+    megatron-core 0.19.2 pairs each saved param group with this run's by
+    ``param_group_identifier_keys``, ``max_lr`` and ``min_lr`` among them, so the load failed:
+    "ValueError: Could not find parameter group with key ..." (the plain optimizer,
+    ``MegatronOptimizer._filter_and_reorder_param_groups``) or "KeyError: (...)" (the distributed
+    one: ``DistributedOptimizer.load_state_dict`` pairs them itself, for each of its checkpoint
+    formats, ``fully_reshardable`` included; ``torch_dist`` and legacy ``torch`` checkpoints both
+    come through it). Here the saved groups' ``max_lr`` / ``min_lr`` are rewritten from the
+    checkpoint's values to this run's (:func:`lr_renames`) before either pairs them; every other
+    key is matched as strictly as before. The LR schedule's own values are checked by
+    ``OptimizerParamScheduler.load_state_dict`` (``--override-opt_param-scheduler``, which the
+    entry point requires for such a load). A call with nothing to rename patches nothing."""
+    renames = lr_renames(saved, args)
+    if not renames:
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    original_filter = MegatronOptimizer._filter_and_reorder_param_groups
+    original_load = DistributedOptimizer.load_state_dict
+
+    def _filter_and_reorder_param_groups(current_groups, state_dict_groups):
+        return original_filter(current_groups, rewrite_lr_groups(state_dict_groups, renames))
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        optimizer = state_dict.get("optimizer") if isinstance(state_dict, dict) else None
+        if isinstance(optimizer, dict) and isinstance(optimizer.get("param_groups"), list):
+            rewrite_lr_groups(optimizer["param_groups"], renames)
+        return original_load(self, state_dict)
+
+    _patch_run(
+        MegatronOptimizer,
+        "_filter_and_reorder_param_groups",
+        staticmethod(_filter_and_reorder_param_groups),
+    )
+    _patch_run(DistributedOptimizer, "load_state_dict", load_state_dict)

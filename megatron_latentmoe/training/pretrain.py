@@ -206,6 +206,7 @@ def _main(check_only: bool = False) -> int:
         begin_run,
         exclude_from_step_time,
         load_distributed_checkpoint_as_such,
+        load_optimizer_with_new_lr,
         load_optional_checkpoint_keys,
         on_save_error,
         wrap_train_step,
@@ -312,6 +313,7 @@ def _main(check_only: bool = False) -> int:
         optimizer_refusal,
         plan_layout_change,
         release_data_warning,
+        restores_optimizer,
         resumed_by_args,
         saved_args,
         shape_refusal,
@@ -370,6 +372,9 @@ def _main(check_only: bool = False) -> int:
             if warning:
                 print0(f"[{PROG}] WARNING: {warning}")
         optional_keys = fresh_routing_state(args, saved)
+        # another LR than the checkpoint's: lr_refusal has required --override-opt_param-scheduler
+        if not model_only and restores_optimizer(args, saved):
+            load_optimizer_with_new_lr(saved, args)
         restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):
             plan_layout_change(args, saved)

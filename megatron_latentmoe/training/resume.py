@@ -558,19 +558,28 @@ def optimizer_refusal(args, saved, load_dir: str, flag: str = "--load") -> str |
 
 LR_ARGS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr")
 """The args megatron-core 0.19.2 keys an optimizer's param groups by (its
-``param_group_identifier_keys``: ``max_lr``, ``min_lr``, ``is_decoupled_lr``; the weight-decay
-ones are set by per-group overrides only)."""
+``param_group_identifier_keys``: ``max_lr``, ``min_lr``; the weight-decay ones are set by
+per-group overrides only): another value loads through
+:func:`..compat.training.load_optimizer_with_new_lr`."""
 
 
 def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     """One line where this run restores the optimizer (no ``--no-load-optim``; the caller leaves
     out the loads of the model alone) of a checkpoint (its args ``saved``) saved with another
-    ``--lr`` / ``--min-lr`` / ``--decoupled-lr`` / ``--decoupled-min-lr``: megatron-core 0.19.2
-    matches the saved param groups to this run's by those values and failed with "ValueError:
-    Could not find parameter group with key (None, 0.0005, 0.0001, ...) in loaded checkpoint", a
-    traceback on every rank; the distributed optimizer: "KeyError: (None, 0.0005, 0.0001, ...)"
-    (measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4; with --no-load-optim it trains on). Not where
-    a layout change starts the optimizer over (:func:`restores_optimizer`)."""
+    ``--lr`` / ``--min-lr`` / ``--decoupled-lr`` / ``--decoupled-min-lr`` and no
+    ``--override-opt_param-scheduler`` is given. With it the param groups load with this run's
+    values (:func:`..compat.training.load_optimizer_with_new_lr`; without it megatron-core
+    0.19.2 failed with "ValueError: Could not find parameter group with key (None, 0.0005,
+    0.0001, ...)", the distributed optimizer "KeyError: (None, 0.0005, ...)", a traceback on every
+    rank; measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4) and its ``OptimizerParamScheduler`` takes
+    this run's schedule, which it would otherwise refuse as another one. ``--decoupled-lr`` given
+    in one run only is refused with it too: the embedding and output layer then have a param
+    group of their own in one run only (megatron-core 0.19.2's ``get_standard_config_overrides``),
+    which its pairing cannot match (measured: tiny.sh, 1 rank, plain optimizer, saved with
+    --decoupled-lr 2e-3, resumed without: "ValueError: Cannot merge two lists with different
+    lengths (3 and 2, encountered at level ('optimizer', 'param_groups'))"; another
+    --decoupled-lr in both runs loads and trains). Not where a layout change starts the optimizer
+    over (:func:`restores_optimizer`)."""
     if not restores_optimizer(args, saved):
         return None
     from megatron_latentmoe.training.arguments import flag_for_field
@@ -582,12 +591,22 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     ]
     if not differ:
         return None
+    head = f"{flag} {load_dir}: the checkpoint's optimizer was saved with {', '.join(differ)}"
+    fresh = (
+        "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
+        "schedule start anew, the iteration number goes on)"
+    )
+    if (getattr(saved, "decoupled_lr", None) is None) != (args.decoupled_lr is None):
+        return (
+            f"{head}: with --decoupled-lr in one run only the embedding and output layer have "
+            "a parameter group of their own in one run only, which megatron-core 0.19.2 cannot "
+            f"match; give the checkpoint's --decoupled-lr, or add {fresh}"
+        )
+    if args.override_opt_param_scheduler:
+        return None
     return (
-        f"{flag} {load_dir}: the checkpoint's optimizer was saved with {', '.join(differ)}, and "
-        "megatron-core 0.19.2 finds its parameter groups by these values, so it fails to load "
-        "it; give the checkpoint's values, or add --no-load-optim to train on with this run's "
-        "(the Adam moments and the learning-rate schedule start anew, the iteration number goes "
-        "on)"
+        f"{head}: add --override-opt_param-scheduler to train on with this run's learning rates "
+        "and schedule, the Adam moments kept; or give the checkpoint's values, or add " + fresh
     )
 
 

@@ -257,6 +257,84 @@ def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
     assert metadata_reads == ["ckpt"] and len(loads) == 2
 
 
+def _lr_groups(lr, min_lr, decoupled_lr, step=None):
+    """Param groups as megatron-core 0.19.2's ``_get_param_groups`` builds them with the
+    standard overrides (no weight decay on biases and norms; ``decoupled_lr`` for the embedding
+    and output layer, whose ``min_lr`` stays ``min_lr``), ``step`` as the distributed optimizer
+    saves it."""
+    base = {"lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": False}
+    groups = [
+        {**base, "wd_mult": 0.0, "max_lr": lr, "min_lr": min_lr, "default_config": True},
+        {**base, "wd_mult": 1.0, "max_lr": lr, "min_lr": min_lr, "default_config": True},
+        {**base, "wd_mult": 1.0, "max_lr": decoupled_lr, "min_lr": min_lr, "default_config": False},
+    ]
+    for i, g in enumerate(groups):
+        g["params"] = [i]
+        if step is not None:
+            g["step"] = step
+    return groups
+
+
+def test_a_new_lr_loads_the_saved_param_groups_of_either_optimizer(megatron_training):
+    """The checkpoint's param groups (--lr 1e-3, --decoupled-lr 2e-3) are paired with a run's
+    of --lr 5e-4 --decoupled-lr 1e-3 (the checkpoint's --lr: the decoupled group is told by its
+    default_config, not its values) by megatron-core's own code: the plain optimizer's
+    _filter_and_reorder_param_groups and DistributedOptimizer.load_state_dict, which fail
+    without the patch (ValueError / KeyError) and load the saved groups with the new LRs with it.
+    A group of other values is left alone (Megatron stays strict)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    saved = types.SimpleNamespace(lr=1e-3, min_lr=1e-4, decoupled_lr=2e-3, decoupled_min_lr=None)
+    args = types.SimpleNamespace(lr=5e-4, min_lr=1e-4, decoupled_lr=1e-3, decoupled_min_lr=None)
+    loaded = []
+    inner = types.SimpleNamespace(
+        state={0: {}},  # allocated: Megatron keeps it and skips its buffers
+        state_dict=lambda: {"state": {0: {}}, "param_groups": _lr_groups(5e-4, 1e-4, 1e-3)},
+        load_state_dict=loaded.append,
+    )
+    distributed = types.SimpleNamespace(
+        ddp_config=types.SimpleNamespace(use_megatron_fsdp=False),
+        optimizer=inner,
+        grad_scaler=None,
+        config=types.SimpleNamespace(fp16=False),
+    )
+
+    def plain():
+        return MegatronOptimizer._filter_and_reorder_param_groups(
+            _lr_groups(5e-4, 1e-4, 1e-3), _lr_groups(1e-3, 1e-4, 2e-3)
+        )
+
+    def dist():
+        groups = _lr_groups(1e-3, 1e-4, 2e-3, step=2)
+        DistributedOptimizer.load_state_dict(distributed, {"optimizer": {"param_groups": groups}})
+        return loaded.pop()["param_groups"]
+
+    with pytest.raises(ValueError, match="Could not find parameter group"):
+        plain()
+    with pytest.raises(KeyError):
+        dist()
+    ctraining.load_optimizer_with_new_lr(saved, args)
+    want = [(g["max_lr"], g["min_lr"]) for g in _lr_groups(5e-4, 1e-4, 1e-3)]
+    assert want == [(5e-4, 1e-4), (5e-4, 1e-4), (1e-3, 1e-4)]
+    assert [(g["max_lr"], g["min_lr"]) for g in plain()] == want
+    groups = dist()
+    assert [(g["max_lr"], g["min_lr"], g["step"]) for g in groups] == [(*w, 2) for w in want]
+
+    other = {**_lr_groups(1e-3, 1e-4, 2e-3)[1], "max_lr": 7e-4}
+    kept = ctraining.rewrite_lr_groups([dict(other)], ctraining.lr_renames(saved, args))
+    assert kept == [other]
+    # --decoupled-min-lr given: the decoupled groups' min_lr; same values: nothing is patched
+    args.decoupled_min_lr = 2e-5
+    assert ctraining.lr_renames(saved, args) == {
+        (False, (1e-3, 1e-4)): (5e-4, 1e-4),
+        (True, (2e-3, 1e-4)): (1e-3, 2e-5),
+    }
+    ctraining.begin_run()
+    ctraining.load_optimizer_with_new_lr(saved, saved)
+    assert not registry.patched(ctraining._RUN_GROUP)
+
+
 def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkeypatch):
     """The groups and the per-run patches alike check the megatron-core version first: on an
     untested one each refuses before patching (the per-run ones are also called without the
@@ -272,6 +350,9 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
         lambda: ctraining.install_layout_change_load(args, True, lambda *a: None),
         lambda: ctraining.load_optional_checkpoint_keys((".qb_mean_input",)),
         lambda: ctraining.load_distributed_checkpoint_as_such(args),
+        lambda: ctraining.load_optimizer_with_new_lr(
+            types.SimpleNamespace(lr=1e-3, min_lr=0.0), types.SimpleNamespace(lr=5e-4, min_lr=0.0)
+        ),
     )
     monkeypatch.delenv(registry.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(megatron.core, "__version__", "0.18.0")
@@ -284,4 +365,4 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
     for apply in applies:
         with pytest.warns(RuntimeWarning, match="found 0.18.0"):
             apply()
-    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 7]
+    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 9]

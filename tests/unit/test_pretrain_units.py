@@ -155,6 +155,7 @@ class _Run:
             (compat_training, "init_cpu_world"),
             (compat_training, "exclude_from_step_time"),
             (compat_training, "load_optional_checkpoint_keys"),
+            (compat_training, "load_optimizer_with_new_lr"),
             (compat_training, "wrap_train_step"),
             (compat_training, "on_save_error"),
             (file_checks, "save_space_warning"),
@@ -365,6 +366,46 @@ def test_main_plans_a_layout_change_when_it_resumes_from_another_layout(
     assert run.named("repair_checkpoint_tracker") == [(str(root), "torch_dcp")]
     assert run.named("saved_args") == [(f"{root}/iter_0000004",)]  # read for the shape check too
     assert run.named("plan_layout_change") == ([(run.args, run.saved)] if planned else [])
+
+
+@pytest.mark.parametrize(
+    "flags, loads",
+    [
+        (dict(override_opt_param_scheduler=True), True),
+        (dict(override_opt_param_scheduler=True, no_load_optim=True), False),
+        (dict(override_opt_param_scheduler=True, finetune=True), False),
+        (dict(override_opt_param_scheduler=False, no_load_optim=True), False),
+    ],
+)
+def test_main_loads_the_optimizer_of_another_lr_with_the_schedule_override(
+    monkeypatch, tmp_path, flags, loads
+):
+    """Another --lr than the checkpoint's, the optimizer restored: the saved param groups are
+    rewritten to this run's LR (compat.training.load_optimizer_with_new_lr, given the
+    checkpoint's args and this run's) where --override-opt_param-scheduler is given; not where
+    the optimizer is not loaded (--no-load-optim, --finetune)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _tree(root, [4], "4")
+    lrs = dict(lr=5e-4, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
+    run = _Run(monkeypatch, tmp_path, load=str(root), ckpt_format="torch_dcp", **lrs, **flags)
+    run.saved = SimpleNamespace(**{**dict.fromkeys(resume.LAYOUT_FIELDS, 1), **lrs, "lr": 1e-3})
+    assert run() == 0
+    assert run.named("load_optimizer_with_new_lr") == ([(run.saved, run.args)] if loads else [])
+
+
+def test_main_refuses_another_lr_without_the_schedule_override(monkeypatch, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _tree(root, [4], "4")
+    lrs = dict(lr=5e-4, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
+    run = _Run(monkeypatch, tmp_path, load=str(root), ckpt_format="torch_dcp", **lrs)
+    run.args.override_opt_param_scheduler = False
+    run.saved = SimpleNamespace(**{**dict.fromkeys(resume.LAYOUT_FIELDS, 1), **lrs, "lr": 1e-3})
+    assert run() == 2
+    assert run.named("pretrain") == run.named("load_optimizer_with_new_lr") == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "add --override-opt_param-scheduler to train on" in err
 
 
 def test_main_plans_no_layout_change_for_a_release_checkpoint(monkeypatch, tmp_path):

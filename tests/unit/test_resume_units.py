@@ -584,22 +584,49 @@ def test_the_fresh_router_state_warning_names_both_balancers():
     assert resume.fresh_routing_state_warning(run, saved, "ck", resumed=False).endswith("loaded)")
 
 
-def test_a_checkpoint_whose_optimizer_has_another_lr_is_refused_unless_not_loaded():
+def test_a_checkpoint_whose_optimizer_has_another_lr_needs_the_schedule_override():
+    """Another --lr / --min-lr where the optimizer is restored: one line naming
+    --override-opt_param-scheduler (with it the run loads the moments:
+    compat.training.load_optimizer_with_new_lr); --decoupled-lr in one run only is refused
+    with or without it; nothing to say with --no-load-optim or where a layout change starts the
+    optimizer over."""
     saved = SimpleNamespace(lr=1e-3, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
     run = SimpleNamespace(
-        lr=5e-4, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None, no_load_optim=False
+        lr=5e-4,
+        min_lr=1e-4,
+        decoupled_lr=None,
+        decoupled_min_lr=None,
+        no_load_optim=False,
+        override_opt_param_scheduler=False,
     )
     assert resume.lr_refusal(run, saved, "ck") == (
-        "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
-        "and megatron-core 0.19.2 finds its parameter groups by these values, so it fails to "
-        "load it; give the checkpoint's values, or add --no-load-optim to train on with this "
-        "run's (the Adam moments and the learning-rate schedule start anew, the iteration number "
-        "goes on)"
+        "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005): "
+        "add --override-opt_param-scheduler to train on with this run's learning rates and "
+        "schedule, the Adam moments kept; or give the checkpoint's values, or add "
+        "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
+        "schedule start anew, the iteration number goes on)"
     )
     assert resume.lr_refusal(SimpleNamespace(**{**vars(run), "lr": 1e-3}), saved, "ck") is None
-    assert "--min-lr 0.0001 (this run: 5e-05)" in resume.lr_refusal(
+    assert "--min-lr 0.0001 (this run: 5e-05):" in resume.lr_refusal(
         SimpleNamespace(**{**vars(run), "lr": 1e-3, "min_lr": 5e-5}), saved, "ck"
     )
+    override = SimpleNamespace(**{**vars(run), "override_opt_param_scheduler": True})
+    assert resume.lr_refusal(override, saved, "ck") is None
+    decoupled = SimpleNamespace(**{**vars(override), "decoupled_lr": 2e-3})
+    assert resume.lr_refusal(decoupled, saved, "ck") == (
+        "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
+        "--decoupled-lr None (this run: 0.002): with --decoupled-lr in one run only the "
+        "embedding and output layer have a parameter group of their own in one run only, which "
+        "megatron-core 0.19.2 cannot match; give the checkpoint's --decoupled-lr, or add "
+        "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
+        "schedule start anew, the iteration number goes on)"
+    )
+    saved.decoupled_lr = 1e-3  # in both runs: another value loads like --lr
+    assert resume.lr_refusal(decoupled, saved, "ck") is None
+    assert "--decoupled-lr 0.001 (this run: 0.002):" in resume.lr_refusal(
+        SimpleNamespace(**{**vars(decoupled), "override_opt_param_scheduler": False}), saved, "ck"
+    )
+    saved.decoupled_lr = None
     no_optim = SimpleNamespace(**{**vars(run), "no_load_optim": True})
     assert resume.lr_refusal(no_optim, saved, "ck") is None
     # another layout: the plain optimizer starts over (plan_layout_change), the fully

@@ -1,0 +1,88 @@
+"""A checkpoint resumed with another ``--lr`` / ``--min-lr`` keeps its Adam moments.
+
+Saved at iteration 2 with tiny.sh's ``--lr 1e-3 --min-lr 1e-4`` (1 rank, EP1, 4 iterations),
+resumed with ``--lr 5e-4 --min-lr 5e-5``: without ``--override-opt_param-scheduler`` the entry
+point refuses in one line naming it (megatron-core 0.19.2 failed the load with a ValueError /
+KeyError traceback); with it the checkpoint loads: re-saved right after the load (Megatron's
+``--ckpt-convert-save``) every tensor, the Adam moments included, equals the saved one exactly,
+and iteration 3 logs the new values' cosine schedule at the checkpoint's step. For the plain
+optimizer and the distributed one (fully reshardable format).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from . import checkpoint_tensors, error_lines, iter_dir, run_entry, scratch_dir
+
+pytestmark = pytest.mark.slow
+
+ITERS = 4
+ONE_RANK = ["--expert-model-parallel-size", "1", "--train-iters", str(ITERS)]
+NEW_LR = ["--lr", "5e-4", "--min-lr", "5e-5"]
+OPTIMIZERS = {
+    "plain": [],
+    "distributed": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
+}
+
+
+def _logged_lr(output: str, iteration: int) -> float:
+    found = re.search(rf"iteration\s+{iteration}/.*?learning rate: ([0-9.eE+-]+)", output)
+    assert found, output[-3000:]
+    return float(found.group(1))
+
+
+def _cosine_lr(max_lr: float, min_lr: float, iteration: int) -> float:
+    """The LR Megatron logs at ``iteration`` (the next step's: set after ``iteration`` steps, in
+    samples of the tests' global batch 8), tiny.sh's cosine decay over the run after a 5 %
+    warm-up."""
+    samples, decay = 8 * iteration, 8 * ITERS
+    warmup = 0.05 * decay
+    if samples <= warmup:
+        return max_lr * samples / warmup
+    ratio = (samples - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def _tensors(folder):
+    return {k: v for k, v in checkpoint_tensors(folder).items() if "rng_state" not in k}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_another_lr_loads_the_adam_moments_with_override(kind):
+    base = scratch_dir() / f"new_lr_{kind}"
+    ckpt = base / "ckpt"
+    args = ONE_RANK + OPTIMIZERS[kind]
+    saving = run_entry(args + ["--save", str(ckpt), "--save-interval", "2"], nproc=1).check()
+    assert _logged_lr(saving.output, 3) == pytest.approx(_cosine_lr(1e-3, 1e-4, 3), rel=1e-6)
+    resume = args + NEW_LR + ["--load", str(ckpt), "--ckpt-step", "2"]
+
+    refused = run_entry(resume, nproc=1)
+    assert refused.returncode != 0  # torchrun: 1 (the rank: 2)
+    lines = error_lines(refused.output)
+    assert len(lines) == 1 and lines[0].endswith(
+        f"--load {ckpt}: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
+        "--min-lr 0.0001 (this run: 5e-05): add --override-opt_param-scheduler to train on with "
+        "this run's learning rates and schedule, the Adam moments kept; or give the "
+        "checkpoint's values, or add --no-load-optim to train on with this run's (the Adam "
+        "moments and the learning-rate schedule start anew, the iteration number goes on)"
+    ), lines
+
+    resume.append("--override-opt_param-scheduler")
+    converted = base / "converted"
+    run_entry(
+        resume + ["--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", str(converted)],
+        nproc=1,
+    ).check()
+    saved, loaded = _tensors(iter_dir(ckpt, 2)), _tensors(iter_dir(converted / "torch_dist", 2))
+    moments = [k for k in saved if "exp_avg" in k]
+    assert any("exp_avg_sq" in k for k in moments) and len(moments) > 10, sorted(saved)[:20]
+    assert sorted(loaded) == sorted(saved)
+    assert not [k for k in saved if not loaded[k].equal(saved[k])]
+
+    step = run_entry(resume, nproc=1).check()
+    assert "at iteration 2" in step.output
+    assert _logged_lr(step.output, 3) == pytest.approx(_cosine_lr(5e-4, 5e-5, 3), rel=1e-6)
