@@ -64,16 +64,30 @@ TARGET = 1.0  # issue #10: worst iteration MaxVio <= 1.0
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    args_file = os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
     p.add_argument(
-        "--args-file", default=os.path.join(REPO, "examples", "args", "k3_sparse_tiny.sh")
+        "--args-file",
+        default=args_file,
+        help="the race's model flags, a bash file as in examples/args (default: "
+        f"{os.path.relpath(args_file, REPO)})",
     )
-    p.add_argument("--seeds", nargs="+", type=int, default=[1234], metavar="S")
-    p.add_argument("--batches", type=int, default=300, help="the race's batches 1..N")
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[1234],
+        metavar="S",
+        help="the model's seeds, one torchrun each (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batches", type=int, default=300, help="the race's batches 1..N (default: %(default)s)"
+    )
     p.add_argument(
         "--race-iters",
         type=int,
         default=300,
-        help="the race's --iters (it sizes Megatron's dataset, hence the sample order)",
+        help="the race's --iters (it sizes Megatron's dataset, hence the sample order; default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--global-batch-size",
@@ -82,16 +96,31 @@ def parse_args(argv=None):
         "size is not the race's data, so batch 1 is not checked against it)",
     )
     p.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="V"
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        metavar="V",
+        help=f"biases to route with, of {' '.join(VARIANTS)} (default: all)",
     )
-    p.add_argument("--pool", type=int, default=50, help="batches pooled per parity")
+    p.add_argument(
+        "--pool", type=int, default=50, help="batches pooled per parity (default: %(default)s)"
+    )
     p.add_argument(
         "--load",
-        help="a race run's --save folder: route at its trained weights instead of the initial ones",
+        help="a race run's --save folder: route at its trained weights (default: none, route at "
+        "the initial weights)",
     )
     p.add_argument("--ckpt-step", type=int, help="with --load: that iteration (default: latest)")
-    p.add_argument("--solver-iters", type=int, default=40)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--solver-iters",
+        type=int,
+        default=40,
+        help="damped exact QB updates per balancing bias (default: %(default)s)",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks, torchrun processes (default: %(default)s)"
+    )
     p.add_argument(
         "--race-dir",
         help="the race's workdir: batch 1 is checked against its none run's iteration 1 "

@@ -261,46 +261,75 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--experts", type=int, default=896, help="n (default 896)")
-    p.add_argument("--topk", type=int, default=16, help="k (default 16)")
-    p.add_argument("--steps", type=int, default=50, help="training steps simulated (default 50)")
+    p.add_argument("--experts", type=int, default=896, help="n (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=16, help="k (default: %(default)s)")
     p.add_argument(
-        "--micro-batches", type=int, default=8, help="micro-batches per step (default 8)"
+        "--steps", type=int, default=50, help="training steps simulated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=8, help="micro-batches per step (default: %(default)s)"
     )
     p.add_argument(
         "--micro-batch",
         type=int,
         default=504,
-        help="tokens per micro-batch; m_mb*k %% n == 0 (default 504)",
+        help="tokens per micro-batch; m_mb*k %% n == 0 (default: %(default)s)",
     )
     p.add_argument(
-        "--bins", type=int, nargs="+", default=[250, 1000, 4000], help="histogram sizes B"
+        "--bins",
+        type=int,
+        nargs="+",
+        default=[250, 1000, 4000],
+        help="histogram sizes B (default: %(default)s)",
     )
     p.add_argument("--no-centred", action="store_true", help="skip the centred-bin variant")
     p.add_argument(
-        "--sign-rate", type=float, default=1e-3, help="gamma of the sign update (default 1e-3)"
+        "--sign-rate",
+        type=float,
+        default=1e-3,
+        help="gamma of the sign update (default: %(default)s)",
     )
-    p.add_argument("--clusters", type=int, default=4, help="token clusters (default 4)")
-    p.add_argument("--hidden", type=int, default=64, help="router input width (default 64)")
-    p.add_argument("--drift", type=float, default=0.01, help="router drift per step (default 0.01)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clusters", type=int, default=4, help="token clusters (default: %(default)s)")
     p.add_argument(
-        "--err-every", type=int, default=5, help="accuracy vs exact every N steps (default 5)"
-    )
-    p.add_argument(
-        "--stationary-iters", type=int, default=12, help="fixed-batch iterations (0: skip)"
+        "--hidden", type=int, default=64, help="router input width (default: %(default)s)"
     )
     p.add_argument(
-        "--stationary-micro-batch", type=int, default=1008, help="tokens per micro-batch there"
+        "--drift", type=float, default=0.01, help="router drift per step (default: %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the router's seed (default: %(default)s)")
+    p.add_argument(
+        "--err-every",
+        type=int,
+        default=5,
+        help="accuracy vs exact every N steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stationary-iters",
+        type=int,
+        default=12,
+        help="fixed-batch iterations, 0: skip (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stationary-micro-batch",
+        type=int,
+        default=1008,
+        help="tokens per micro-batch there (default: %(default)s)",
     )
     p.add_argument(
         "--control-steps",
         type=int,
         default=20,
-        help="steps of the homogeneous control (1 cluster: every micro-batch alike; 0: skip)",
+        help="steps of the homogeneous control (1 cluster: every micro-batch alike), 0: skip "
+        "(default: %(default)s)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", default=RESULTS, help="output folder of bench_balancing.json and .png")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)"
+    )
+    p.add_argument(
+        "--out",
+        default=RESULTS,
+        help="output folder of bench_balancing.json and .png (default: benchmarks/results)",
+    )
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     least = dict(experts=2, topk=1, steps=1, micro_batches=1, micro_batch=1, clusters=1)

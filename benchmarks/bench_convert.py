@@ -158,7 +158,8 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[2, 5, 9],
-        help="model sizes as number of layers (1 dense + MoE); 5 ~ 1.2 GB fp32",
+        help="model sizes as number of layers (1 dense + MoE); 5 ~ 1.2 GB fp32 (default: "
+        "%(default)s)",
     )
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")

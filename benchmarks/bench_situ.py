@@ -144,15 +144,27 @@ def copy_bytes_per_s(x, reps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="R: rows of the [R, 2F] input (default: %(default)s)",
+    )
     p.add_argument(
         "--ffn",
         type=int,
         default=BY_NAME["moe_ffn_hidden_size"].hf_default,  # K3's m_e (SPEC §5)
-        help="F: per-expert intermediate size (m_e)",
+        help="F: per-expert intermediate size (m_e; default: K3's, %(default)s)",
     )
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    p.add_argument("--reps", type=int, default=5)
+    dtypes = ["bf16", "fp32"]
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=dtypes,
+        choices=sorted(DTYPES),
+        help=f"default: {' '.join(dtypes)}",
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (default: %(default)s)")
     p.add_argument(
         "--threads",
         type=int,
@@ -161,7 +173,10 @@ def main():
         help="CPU: torch intra-op thread counts to run (default: 1 and the default count)",
     )
     p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="default: cuda if available, else cpu",
     )
     p.add_argument(
         "--out", help="JSON file or folder (default: benchmarks/results/bench_situ.json)"

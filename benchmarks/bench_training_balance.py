@@ -534,7 +534,9 @@ def results_dir(args_file: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_method_args(p)
-    p.add_argument("--iters", type=int, default=300)
+    p.add_argument(
+        "--iters", type=int, default=300, help="training iterations per run (default: %(default)s)"
+    )
     p.add_argument(
         "--workdir",
         help="runs and their JSONL, reused when complete and trained with the same flags (default: "
@@ -558,7 +560,8 @@ def main(argv=None):
         type=int,
         default=60,
         metavar="N",
-        help="rounds of bench_step_balancers.py for the side-by-side tokens/s (0: skip)",
+        help="rounds of bench_step_balancers.py for the side-by-side tokens/s, 0: skip (default: "
+        "%(default)s)",
     )
     p.add_argument("--fresh", action="store_true", help="re-run methods that already finished")
     args = p.parse_args(argv)

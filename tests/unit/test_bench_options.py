@@ -41,15 +41,13 @@ def test_bad_option_is_one_line_exit_2(script, argv, message, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(
-    "script",
-    ["bench_block.py", "bench_gpu_block.py", "bench_export_mxfp4.py", "bench_step_balancers.py"],
-)
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py")))
 def test_help_names_the_default_of_every_option_that_takes_a_value(script):
-    """Each option that takes a value says its default in --help, as bench_balancing.py's do
-    (an audit found bench_block's --tokens / --iters / --warmup / --dispatcher / --dtype,
-    bench_gpu_block's, bench_export_mxfp4's --layers / --workdir and bench_step_balancers'
-    --args-file / --steps / --warmup / --nproc without one)."""
+    """Each option of every benchmark that takes a value says its default in --help (audits
+    found bench_block's --tokens / --iters / --warmup / --dispatcher / --dtype, bench_gpu_block's,
+    bench_export_mxfp4's --layers / --workdir, bench_step_balancers' --args-file / --steps /
+    --warmup / --nproc, then bench_balance_floor's, bench_balancing's, bench_convert's,
+    bench_situ's and bench_training_balance's without one)."""
     import re
 
     proc = subprocess.run(
