@@ -509,7 +509,8 @@ def add_model_and_method_args(p):
         default=[m for m in METHODS if m not in ON_REQUEST],
         choices=list(METHODS),
         metavar="M",
-        help=f"default: all but {ON_REQUEST} (on request)",
+        help="methods to run, each name quoted as one argument (default: every method but those "
+        f"run on request: {'; '.join(ON_REQUEST)})",
     )
 
 
