@@ -88,31 +88,43 @@ HF_FIXED = {
 }
 """HF config keys with the one value the Megatron model implements (SPEC §3)."""
 
+MODEL_FIXED = {
+    "normalization": (("RMSNorm",), "'RMSNorm' (SPEC §1)"),
+    "layernorm_zero_centered_gamma": ((False, None), "False (plain RMSNorm weights, SPEC §1)"),
+    "moe_router_num_groups": ((1, None), "None or 1 (no group-limited routing, SPEC §3)"),
+}
+"""Megatron fields with one value in every Stable LatentMoE model: (the values allowed, the first
+the one written; what is allowed). ``check_stable_latentmoe`` refuses any other value, and so
+does ``check_hf_exportable`` (they are :data:`MEGATRON_FIXED` rows), which alone checks the raw
+Megatron args of a checkpoint the converter reads."""
+
 MEGATRON_FIXED = {
-    "qk_layernorm": (False, "False (the HF model has no q/k norms)"),
-    "add_bias_linear": (False, "False (bias-free linears)"),
-    "add_qkv_bias": (False, "False"),
-    "normalization": ("RMSNorm", "'RMSNorm'"),
-    "rotary_interleaved": (False, "False (rotate-half RoPE)"),
-    "rotary_percent": (1.0, "1.0"),
-    "position_embedding_type": ("rope", "'rope'"),
-    "apply_residual_connection_post_layernorm": (False, "False"),
-    "layernorm_zero_centered_gamma": (False, "False"),
-    "moe_router_score_function": ("sigmoid", "'sigmoid' (SPEC §3)"),
-    "moe_router_num_groups": (1, "None or 1 (SPEC §3)"),
-    "multi_latent_attention": (False, "False (GQA attention only)"),
-    "moe_shared_expert_gate": (False, "False (the HF model's shared experts have no gate)"),
+    "qk_layernorm": ((False,), "False (the HF model has no q/k norms)"),
+    "add_bias_linear": ((False,), "False (bias-free linears)"),
+    "add_qkv_bias": ((False,), "False"),
+    "normalization": MODEL_FIXED["normalization"],
+    "rotary_interleaved": ((False,), "False (rotate-half RoPE)"),
+    "rotary_percent": ((1.0,), "1.0"),
+    "position_embedding_type": (("rope",), "'rope'"),
+    "apply_residual_connection_post_layernorm": ((False,), "False"),
+    "layernorm_zero_centered_gamma": MODEL_FIXED["layernorm_zero_centered_gamma"],
+    "moe_router_score_function": (("sigmoid",), "'sigmoid' (SPEC §3)"),
+    "moe_router_num_groups": MODEL_FIXED["moe_router_num_groups"],
+    "multi_latent_attention": ((False,), "False (GQA attention only)"),
+    "moe_shared_expert_gate": ((False,), "False (the HF model's shared experts have no gate)"),
     "moe_router_force_load_balancing": (
-        False,
+        (False,),
         "False (benchmark-only random routing; the HF model routes by the router's scores)",
     ),
     "moe_router_force_biased": (
-        None,
+        (None,),
         "None (benchmark-only biased random routing; the HF model routes by the router's scores)",
     ),
 }
-"""Megatron fields whose other values the HF model does not implement (None: Megatron's default):
-(the value, what is allowed). ``check_hf_exportable`` refuses any other value."""
+"""Megatron fields whose other values the HF model does not implement: (the values allowed, the
+first the one written; what is allowed). ``check_hf_exportable`` refuses any other value (None:
+absent from the config or args it reads, not checked); the :data:`MODEL_FIXED` rows are rules of
+every config besides."""
 
 
 class _Sentinel:
@@ -425,6 +437,20 @@ def megatron_values(values: Mapping) -> dict:
 
 
 # ------------------------------------------------------------------------------------ rules
+def fixed_values() -> dict:
+    """{field: the value written} of every :data:`MEGATRON_FIXED` row (the first allowed)."""
+    return {name: values[0] for name, (values, _) in MEGATRON_FIXED.items()}
+
+
+def _check_fixed(get: Callable[[str], Any], table: Mapping, unset_ok: bool) -> None:
+    """Refuse a value that its ``table`` row (:data:`MODEL_FIXED`, :data:`MEGATRON_FIXED`) does
+    not allow; None passes too when ``unset_ok`` (the field is absent)."""
+    for name, (values, allowed) in table.items():
+        value = get(name)
+        if not (value in values or (unset_ok and value is None)):
+            raise ConfigError(name, value, allowed)
+
+
 def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
     """Every rule of a Stable LatentMoE config, stated once: raises :class:`ConfigError`.
     ``get(field)`` reads a ``StableLatentMoETransformerConfig`` field, None when not set: the
@@ -444,8 +470,7 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             "an integer in [0, {num_layers})",
             num_layers=num_layers,
         )
-    if get("normalization") != "RMSNorm":
-        raise ConfigError("normalization", get("normalization"), "'RMSNorm' (SPEC §1)")
+    _check_fixed(get, MODEL_FIXED, unset_ok=False)  # None as the rows say: normalization's refused
     if get("gated_linear_unit") is False:
         raise ConfigError(
             "gated_linear_unit", False, "True (SiTU-GLU and SwiGLU, hidden_act, are gated)"
@@ -456,10 +481,6 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             "activation_func",
             getattr(act, "__name__", act),
             "F.silu, the default: hidden_act chooses the activation ('situ' or 'swiglu')",
-        )
-    if get("layernorm_zero_centered_gamma"):
-        raise ConfigError(
-            "layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)"
         )
     if get("hidden_act") == "situ":
         # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
@@ -503,11 +524,6 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             num_attention_heads=heads,
         )
     _check_tensor_parallel_widths(get)
-    groups = get("moe_router_num_groups")
-    if groups not in (None, 1):
-        raise ConfigError(
-            "moe_router_num_groups", groups, "None or 1 (no group-limited routing, SPEC §3)"
-        )
     n = get("num_moe_experts")
     if not n:
         return
@@ -658,10 +674,7 @@ def moe_layer_pattern(freq: int | list, num_layers: int) -> list[int]:
 def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
-    for name, (want, allowed) in MEGATRON_FIXED.items():
-        value = get(name)
-        if value is not None and value != want:
-            raise ConfigError(name, value, allowed)
+    _check_fixed(get, MEGATRON_FIXED, unset_ok=True)
     freq, layers = get("moe_layer_freq"), get("num_layers")
     if _is_int(layers) and (isinstance(freq, (list, tuple)) or (_is_int(freq) and freq > 1)):
         pattern = moe_layer_pattern(freq, layers)

@@ -38,13 +38,13 @@ from megatron_latentmoe.fields import (
     BY_NAME,
     FIELDS,
     HF_FIXED,
-    MEGATRON_FIXED,
     QUANTILE_HISTOGRAM,
     ConfigError,
     ModelField,
     balancer_list,
     check_hf_exportable,
     check_stable_latentmoe,
+    fixed_values,
     megatron_values,
     moe_layer_pattern,
     not_allowed,
@@ -87,7 +87,7 @@ class ModelArch:
             allowed = f.problem(getattr(self, f.name))
             if allowed:
                 raise fail(f.name, getattr(self, f.name), allowed)
-        megatron = {key: want for key, (want, _) in MEGATRON_FIXED.items()}
+        megatron = fixed_values()
         megatron.update(self.megatron_config_kwargs(), moe_layer_freq=self.moe_layer_freq)
         try:
             check_stable_latentmoe(megatron.get)
@@ -312,7 +312,7 @@ class ModelArch:
             moe_layer_freq=self.moe_layer_freq,
             group_query_attention=self.num_query_groups != self.num_attention_heads,
             untie_embeddings_and_output_weights=not self.tie_embeddings,
-            **{k: want for k, (want, _) in MEGATRON_FIXED.items()},
+            **fixed_values(),
             swiglu=True,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,

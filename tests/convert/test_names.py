@@ -769,14 +769,14 @@ MEGATRON_ONLY_VALUES = (
     ("qk_layernorm", True, "False (the HF model has no q/k norms)"),
     ("add_bias_linear", True, "False (bias-free linears)"),
     ("add_qkv_bias", True, "False"),
-    ("normalization", "LayerNorm", "'RMSNorm'"),
+    ("normalization", "LayerNorm", "'RMSNorm' (SPEC §1)"),
     ("rotary_interleaved", True, "False (rotate-half RoPE)"),
     ("rotary_percent", 0.5, "1.0"),
     ("position_embedding_type", "learned_absolute", "'rope'"),
     ("apply_residual_connection_post_layernorm", True, "False"),
-    ("layernorm_zero_centered_gamma", True, "False"),
+    ("layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)"),
     ("moe_router_score_function", "softmax", "'sigmoid' (SPEC §3)"),
-    ("moe_router_num_groups", 2, "None or 1 (SPEC §3)"),
+    ("moe_router_num_groups", 2, "None or 1 (no group-limited routing, SPEC §3)"),
     ("multi_latent_attention", True, "False (GQA attention only)"),
 )
 

@@ -332,6 +332,43 @@ def test_the_converter_runs_the_configs_rules(change, message):
     assert str(err.value) == f"model config: {message}"
 
 
+def test_model_fixed_rows_are_one_rule_for_the_config_and_the_export():
+    """The MODEL_FIXED fields: check_stable_latentmoe (config, flags, ModelArch) and
+    check_hf_exportable (alone on a checkpoint's raw Megatron args) refuse the same values in the
+    same words. None is a value to the config's check (normalization=None refused, the other two
+    allow it) and an absent field to the export's."""
+    from megatron_latentmoe.fields import (
+        MODEL_FIXED,
+        ConfigError,
+        check_hf_exportable,
+        check_stable_latentmoe,
+        fixed_values,
+    )
+
+    arch = ModelArch(**SMALL)
+    good = {
+        **fixed_values(),
+        **arch.megatron_config_kwargs(),
+        "moe_layer_freq": arch.moe_layer_freq,
+    }
+    for name, value, allowed in (
+        ("normalization", "LayerNorm", "'RMSNorm' (SPEC §1)"),
+        ("layernorm_zero_centered_gamma", True, "False (plain RMSNorm weights, SPEC §1)"),
+        ("moe_router_num_groups", 2, "None or 1 (no group-limited routing, SPEC §3)"),
+    ):
+        for check in (check_stable_latentmoe, check_hf_exportable):
+            with pytest.raises(ConfigError) as err:
+                check({**good, name: value}.get)
+            assert str(err.value) == f"{name}={value!r} is not allowed: {allowed}"
+    with pytest.raises(ConfigError) as err:
+        check_stable_latentmoe({**good, "normalization": None}.get)
+    assert str(err.value) == "normalization=None is not allowed: 'RMSNorm' (SPEC §1)"
+    check_stable_latentmoe(
+        {**good, "layernorm_zero_centered_gamma": None, "moe_router_num_groups": None}.get
+    )
+    check_hf_exportable({**good, **dict.fromkeys(MODEL_FIXED)}.get)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
