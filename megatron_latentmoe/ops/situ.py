@@ -49,11 +49,17 @@ DEFAULT_SITU_BETA: float = BY_NAME["activation_situ_beta"].default  # b1 (SPEC Â
 DEFAULT_SITU_LINEAR_BETA: float = BY_NAME["activation_situ_linear_beta"].default  # b2
 
 
+_BETA_ROWS = {"beta": "activation_situ_beta", "linear_beta": "activation_situ_linear_beta"}
+
+
 def validate_situ_beta(name: str, value: Any) -> float:
-    """Return ``value`` as a float, or raise ValueError if it is not a finite real number > 0."""
+    """``value`` as a float, or the ValueError of the fields' rule for b1 / b2 (``name``: the
+    field, or this module's keyword for it): a positive finite number. Any ``numbers.Real`` but
+    bool counts as the float it equals (a NumPy scalar too, as these ops always accepted)."""
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and value > 0):
-        raise not_allowed(name, value, "a finite real number in (0, inf)")
+    allowed = BY_NAME[_BETA_ROWS.get(name, name)].problem(float(value) if real else value)
+    if allowed:
+        raise not_allowed(name, value, allowed)
     return float(value)
 
 

@@ -315,9 +315,29 @@ def test_bad_beta_raises(bad, which):
     with pytest.raises(ValueError) as ei:
         situ_glu(g, u, **kwargs)
     msg = str(ei.value)
-    assert which in msg and repr(bad) in msg and "(0, inf)" in msg
+    assert which in msg and repr(bad) in msg and "a positive finite number" in msg
     with pytest.raises(ValueError, match=which):
         situ_glu_packed(torch.cat([g, u]), **kwargs)
+
+
+def test_beta_any_real_number_as_its_float():
+    """The fields' rule (a positive finite number) on the float a ``numbers.Real`` equals: NumPy
+    scalars and fractions pass as their value; one whose float is 0 is refused (it would divide
+    by zero in the softcap)."""
+    import fractions
+
+    import numpy as np
+
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for b1, b2 in ((np.float32(2.0), np.int64(9)), (fractions.Fraction(1, 2), np.float64(25.0))):
+        torch.testing.assert_close(
+            situ_glu_packed(x, b1, b2), formula_fp64(x[..., :3], x[..., 3:], float(b1), float(b2))
+        )
+        assert SiTUGLU(beta=b1, linear_beta=b2).beta == float(b1)
+    tiny = fractions.Fraction(1, 10**400)
+    with pytest.raises(ValueError) as ei:
+        situ_glu_packed(x, beta=tiny)
+    assert str(ei.value) == f"beta={tiny!r} is not allowed: a positive finite number"
 
 
 # ---------------------------------------------------------------------------- module
