@@ -324,8 +324,9 @@ FIELDS: tuple[ModelField, ...] = (
                + " bins (QB_MIN_BINS)."),
     ModelField("moe_qb_binning", None, "uniform", kind=QB_BINNINGS, added=True,
                help="QB histogram bins: 'uniform' over [min(b)-1, max(b)+1] (SPEC §4), or "
-               "'centered' on each expert's bias (same traffic; ~6x closer to the exact quantile "
-               "at equal B, see benchmarks/bench_balancing.py)."),
+               "'centered' on each expert's bias (same traffic; closer to the exact quantile at "
+               "equal B, measured by benchmarks/bench_balancing.py: "
+               "balancing.CenteredQuantileHistogram)."),
     ModelField("moe_qb_absorb_coeff", None, 0.0, kind="number >= 0", added=True,
                help="c of QB's absorption loss -c * sum_j (b_j - mean(b)) * P_j, P_j = expert "
                "j's mean router score over the micro-batch's tokens: it teaches the router to "
