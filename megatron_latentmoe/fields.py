@@ -92,6 +92,7 @@ MODEL_FIXED = {
     "normalization": (("RMSNorm",), "'RMSNorm' (SPEC §1)"),
     "layernorm_zero_centered_gamma": ((False, None), "False (plain RMSNorm weights, SPEC §1)"),
     "moe_router_num_groups": ((1, None), "None or 1 (no group-limited routing, SPEC §3)"),
+    "gated_linear_unit": ((True, None), "True (SiTU-GLU and SwiGLU, hidden_act, are gated)"),
 }
 """Megatron fields with one value in every Stable LatentMoE model: (the values allowed, the first
 the one written; what is allowed). ``check_stable_latentmoe`` refuses any other value, and so
@@ -110,6 +111,7 @@ MEGATRON_FIXED = {
     "layernorm_zero_centered_gamma": MODEL_FIXED["layernorm_zero_centered_gamma"],
     "moe_router_score_function": (("sigmoid",), "'sigmoid' (SPEC §3)"),
     "moe_router_num_groups": MODEL_FIXED["moe_router_num_groups"],
+    "gated_linear_unit": MODEL_FIXED["gated_linear_unit"],
     "multi_latent_attention": ((False,), "False (GQA attention only)"),
     "moe_shared_expert_gate": ((False,), "False (the HF model's shared experts have no gate)"),
     "moe_router_force_load_balancing": (
@@ -472,10 +474,6 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
             num_layers=num_layers,
         )
     _check_fixed(get, MODEL_FIXED, unset_ok=False)  # None as the rows say: normalization's refused
-    if get("gated_linear_unit") is False:
-        raise ConfigError(
-            "gated_linear_unit", False, "True (SiTU-GLU and SwiGLU, hidden_act, are gated)"
-        )
     act = get("activation_func")
     if act is not None and getattr(act, "__name__", None) != "silu":
         raise ConfigError(

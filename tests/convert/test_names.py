@@ -778,6 +778,7 @@ MEGATRON_ONLY_VALUES = (
     ("moe_router_score_function", "softmax", "'sigmoid' (SPEC §3)"),
     ("moe_router_num_groups", 2, "None or 1 (no group-limited routing, SPEC §3)"),
     ("multi_latent_attention", True, "False (GQA attention only)"),
+    ("gated_linear_unit", False, "True (SiTU-GLU and SwiGLU, hidden_act, are gated)"),
 )
 
 
@@ -850,6 +851,7 @@ def test_megatron_side_refusals_and_fallbacks():
         moe_router_score_function="sigmoid",
         moe_router_num_groups=1,
         multi_latent_attention=False,
+        gated_linear_unit=True,
     )
     for freq in (1, None):  # every layer MoE unless first_k_dense_replace says otherwise
         ns = a.megatron_args_namespace()
