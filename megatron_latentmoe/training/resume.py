@@ -756,7 +756,9 @@ def plan_layout_change(args, saved) -> None:
     reshardable format, at save and now (:data:`RESHARDABLE_OPTIM_FLAGS`). Otherwise (its plain
     optimizer cannot map saved param groups onto another layout: "Could not find parameter
     group with key ...") the moments start over and the LR / weight-decay schedule is stepped to
-    the loaded iteration; a warning names the flags that would have kept them.
+    the loaded iteration; a warning names the flags that would have kept them, or says that the
+    checkpoint holds none (saved with ``--no-save-optim``: measured, tiny.sh EP2 -> EP1, plain
+    optimizer, the run trains on from the checkpoint's iteration; the flags would not help).
     """
     from megatron_latentmoe.compat.training import install_layout_change_load
 
@@ -773,14 +775,15 @@ def plan_layout_change(args, saved) -> None:
             return
         if opt_param_scheduler is not None and iteration > 0:
             opt_param_scheduler.step(increment=iteration * args.global_batch_size)
-        why = (
-            "--no-load-optim"
-            if keep
-            else (
+        if keep:
+            why = "--no-load-optim"
+        elif getattr(saved, "no_save_optim", False):
+            why = "the checkpoint was saved with --no-save-optim: it holds no optimizer state"
+        else:
+            why = (
                 "megatron-core 0.19.2 reshards optimizer state only when the checkpoint was saved "
                 f"and is loaded with {' '.join(RESHARDABLE_OPTIM_FLAGS)}"
             )
-        )
         print0(
             f"[{PROG}] WARNING: {what} at iteration {iteration}; Adam moments start over ({why}); "
             "LR schedule stepped to the loaded iteration."

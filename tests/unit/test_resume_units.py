@@ -326,7 +326,7 @@ class _Scheduler:
         self.increments.append(increment)
 
 
-def _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim=False):
+def _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim=False, no_save_optim=False):
     """``plan_layout_change`` from EP2 to TP2 with the optimizer flags given; returns what it
     installed (the optimizer loaded?) and its ``on_load``."""
     from megatron_latentmoe.compat import training as compat_training
@@ -341,7 +341,7 @@ def _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim=False):
     layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
     reshard = ("use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
     saved = SimpleNamespace(**{**layout, "expert_model_parallel_size": 2, "data_parallel_size": 2})
-    vars(saved).update(dict.fromkeys(reshard, saved_optim))
+    vars(saved).update(dict.fromkeys(reshard, saved_optim), no_save_optim=no_save_optim)
     args = SimpleNamespace(**{**layout, "tensor_model_parallel_size": 2})
     vars(args).update(dict.fromkeys(reshard, run_optim))
     args.no_load_optim, args.global_batch_size = no_load_optim, 8
@@ -376,20 +376,28 @@ RESHARD_WHY = (
 )
 
 
+NONE_SAVED_WHY = "the checkpoint was saved with --no-save-optim: it holds no optimizer state"
+
+
 @pytest.mark.parametrize(
-    "saved_optim, run_optim, no_load_optim, why",
+    "saved_optim, run_optim, no_load_optim, no_save_optim, why",
     [
-        (True, False, False, RESHARD_WHY),
-        (False, True, False, RESHARD_WHY),
-        (True, True, True, "--no-load-optim"),
+        (True, False, False, False, RESHARD_WHY),
+        (False, True, False, False, RESHARD_WHY),
+        (True, True, True, False, "--no-load-optim"),
+        # the flags would not have kept moments the checkpoint does not hold
+        (False, False, False, True, NONE_SAVED_WHY),
+        (True, False, False, True, NONE_SAVED_WHY),
     ],
 )
 def test_a_layout_change_without_the_optimizer_steps_the_schedule(
-    monkeypatch, capsys, saved_optim, run_optim, no_load_optim, why
+    monkeypatch, capsys, saved_optim, run_optim, no_load_optim, no_save_optim, why
 ):
     """The moments start over; the LR schedule is stepped to the loaded iteration (samples:
     iterations x global batch), not at iteration 0, nor without a scheduler."""
-    keep, on_load = _layout_change(monkeypatch, saved_optim, run_optim, no_load_optim)
+    keep, on_load = _layout_change(
+        monkeypatch, saved_optim, run_optim, no_load_optim, no_save_optim
+    )
     assert keep is (saved_optim and run_optim)
     scheduler = _Scheduler()
     on_load(5, scheduler)
