@@ -6,7 +6,8 @@ point refuses in one line naming it (megatron-core 0.19.2 failed the load with a
 KeyError traceback); with it the checkpoint loads: re-saved right after the load (Megatron's
 ``--ckpt-convert-save``) every tensor, the Adam moments included, equals the saved one exactly,
 and iteration 3 logs the new values' cosine schedule at the checkpoint's step. For the plain
-optimizer and the distributed one (fully reshardable format).
+optimizer and the distributed one (fully reshardable format), and for the latter with a layout
+change too (saved at EP2 on 2 ranks, resumed at EP1).
 """
 
 from __future__ import annotations
@@ -85,4 +86,33 @@ def test_another_lr_loads_the_adam_moments_with_override(kind):
 
     step = run_entry(resume, nproc=1).check()
     assert "at iteration 2" in step.output
+    assert _logged_lr(step.output, 3) == pytest.approx(_cosine_lr(5e-4, 5e-5, 3), rel=1e-6)
+
+
+def test_another_lr_with_a_layout_change_reshards_the_adam_moments():
+    """Both at once: saved at EP2 on 2 ranks, resumed at EP1 on 1 rank with the new values and
+    --override-opt_param-scheduler, the distributed optimizer fully reshardable in both runs
+    (the one layout change that keeps the moments: ``resume.plan_layout_change``). The load
+    goes through the entry point's layout-change load (the optimizer loaded, the schedule not
+    stepped again) and the LR rewrite together; measured: every tensor re-saved equal, the
+    iteration-3 LR the new cosine's (1.226116e-04), as at EP1 -> EP1 and with TP2+SP."""
+    base = scratch_dir() / "new_lr_layout"
+    ckpt = base / "ckpt"
+    args = OPTIMIZERS["distributed"] + ["--train-iters", str(ITERS)]
+    run_entry(args + ["--save", str(ckpt), "--save-interval", "2"], nproc=2).check()
+    resume = args + ONE_RANK + NEW_LR
+    resume += ["--load", str(ckpt), "--ckpt-step", "2", "--override-opt_param-scheduler"]
+    converted = base / "converted"
+    loading = run_entry(
+        resume + ["--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", str(converted)],
+        nproc=1,
+    ).check()
+    assert "loaded the resharded model, QB bias and optimizer state at iteration 2" in (
+        loading.output
+    )
+    saved, loaded = _tensors(iter_dir(ckpt, 2)), _tensors(iter_dir(converted / "torch_dist", 2))
+    assert len([k for k in saved if "exp_avg" in k]) > 10 and sorted(loaded) == sorted(saved)
+    assert not [k for k in saved if not loaded[k].equal(saved[k])]
+
+    step = run_entry(resume, nproc=1).check()
     assert _logged_lr(step.output, 3) == pytest.approx(_cosine_lr(5e-4, 5e-5, 3), rel=1e-6)
