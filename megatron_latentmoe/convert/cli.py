@@ -273,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=False if args.no_progress else None,
                 read_batch_bytes=args.read_batch_mb << 20,
                 expert_dtype=args.expert_dtype,
+                verify_seq_len=args.verify_seq_len if args.verify else None,
             )
             dirs = (args.checkpoint, args.output, args.megatron_config)
         elif args.command == "import":
@@ -292,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 iteration=args.iteration,
                 overwrite=args.overwrite,
                 progress=False if args.no_progress else None,
+                verify_seq_len=args.verify_seq_len if args.verify else None,
             )
             dirs = (args.output, args.hf, None)
         else:

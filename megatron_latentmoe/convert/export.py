@@ -64,6 +64,7 @@ from .summary import (
     check_not_an_input,
     check_output_dir,
 )
+from .verify import check_verify_length
 
 DTYPES = {
     name: getattr(torch, torch_name)
@@ -495,6 +496,7 @@ def export_checkpoint(
     progress: bool | None = None,
     read_batch_bytes: int = DEFAULT_READ_BATCH_MB << 20,
     expert_dtype: str = "auto",
+    verify_seq_len: int | None = None,
 ) -> ConversionSummary:
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
 
@@ -502,9 +504,10 @@ def export_checkpoint(
     ``e_score_correction_bias`` is always fp32. ``expert_dtype``: ``auto`` or ``mxfp4`` (routed
     experts MXFP4-packed, see the module docstring). ``tokenizer_dir``: ``"default"`` = the training
     run's (see the module docstring), a directory, or None = none. ``progress``: a byte bar on
-    stderr, None = on a terminal only (``summary.Progress``). Raises :class:`ConversionError`
-    on bad input; never leaves a partial
-    output directory.
+    stderr, None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt
+    length of a ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as
+    the checkpoint's model description is read, before anything is written. Raises
+    :class:`ConversionError` on bad input; never leaves a partial output directory.
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -514,6 +517,8 @@ def export_checkpoint(
     if max_shard <= 0:
         raise not_allowed("max_shard_size", max_shard_size, "a positive size", ConversionError)
     reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
+    if verify_seq_len is not None:
+        check_verify_length(arch, verify_seq_len)
     check_not_an_input(output, "--checkpoint", reader.path)  # the iteration a save root names
     packed_experts = check_expert_dtype(expert_dtype, arch)
     name = str(reader.path)

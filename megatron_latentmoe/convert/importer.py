@@ -77,6 +77,7 @@ from .summary import (
     check_not_an_input,
     check_output_dir,
 )
+from .verify import check_verify_length
 
 # ------------------------------------------------------------------------------ HF reading
 
@@ -357,13 +358,16 @@ def import_checkpoint(
     iteration: int | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    verify_seq_len: int | None = None,
 ) -> ConversionSummary:
     """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save
     root.
 
     ``dtype``: ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32.
     ``iteration``: None writes a ``release`` checkpoint. ``progress``: a byte bar on stderr,
-    None = on a terminal only (``summary.Progress``).
+    None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt length of a
+    ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as config.json
+    is read, before anything is written.
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -375,6 +379,8 @@ def import_checkpoint(
     out_dtype = parse_dtype(dtype)
     hf = HFCheckpointReader(hf_dir)
     try:
+        if verify_seq_len is not None:
+            check_verify_length(hf.arch, verify_seq_len)
         return _import(hf, output, timer, out_dtype, dtype, iteration, overwrite, progress)
     finally:
         hf.close()

@@ -500,6 +500,35 @@ def test_verify_seq_len_beyond_the_models_positions_is_refused(tmp_path, capsys,
         cli.main(argv)
 
 
+def test_conversion_refuses_a_verify_seq_len_beyond_the_models_positions_first(
+    tmp_path, capsys, monkeypatch
+):
+    """``export`` / ``import --verify --verify-seq-len`` above max_position_embeddings (64 here)
+    is refused in the same line, exit 2, as soon as the model description is read: no output
+    directory is begun (it was refused after the whole conversion had been written)."""
+    from megatron_latentmoe.convert import cli, export, importer
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "mg"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    for module in (export, importer):
+        monkeypatch.setattr(module, "atomic_output_dir", lambda *a: pytest.fail("output begun"))
+    capsys.readouterr()  # save_pretrained's progress bar
+    line = (
+        "error: seq_len (--verify-seq-len)=65 is not allowed: at most 64, the model's "
+        "max_position_embeddings (max_sequence_length)\n"
+    )
+    out = tmp_path / "out"
+    for source in (["export", "--checkpoint", str(ckpt)], ["import", "--hf", str(hf)]):
+        argv = [*source, "--output", str(out), "--verify", "--no-progress"]
+        assert cli.main([*argv, "--verify-seq-len", "65"]) == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr() == ("", line)
+        assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+        # the limit passes: on to the conversion (stopped where its output would begin)
+        with pytest.raises(pytest.fail.Exception, match="output begun"):
+            cli.main([*argv, "--verify-seq-len", "64"])
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module

@@ -858,6 +858,7 @@ def test_cli_export_hands_every_flag_to_the_conversion(recorders, capsys):
             progress=False,
             read_batch_bytes=1 << 20,
             expert_dtype="mxfp4",
+            verify_seq_len=None,
         ),
     )
     argv = ["export", "--checkpoint", "ck", "--output", "hf", "--tokenizer", "tok"]
@@ -888,6 +889,7 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     )
     flags = dict(atol=0.5, new_tokens=4, batch=6, seq_len=5, text="t")
     assert check.calls == [(("ck", "out"), dict(config_file="m.json", **flags))]
+    assert export.calls[0][1]["verify_seq_len"] == 5  # refused by the conversion if too long
     assert json.loads(js.read_text()) == {
         "summary": as_json(export.result.to_dict()),
         "verify": as_json(check.result.to_dict()),
@@ -903,7 +905,10 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     )
     assert check.calls[1] == (("mg", str(hf)), check.defaults)
     assert recorders["import_checkpoint"].calls == [
-        ((str(hf), "mg"), dict(dtype="fp32", iteration=7, overwrite=True, progress=None))
+        (
+            (str(hf), "mg"),
+            dict(dtype="fp32", iteration=7, overwrite=True, progress=None, verify_seq_len=64),
+        )
     ]
     # the verify command: the report alone in the JSON; a FAIL exits 3
     check.result = make_report(same=False)
