@@ -1,10 +1,11 @@
 """Can this process write there, and did a write fail for its disk (full, or turned read-only):
 the file-system checks every writer of the package shares (the entry point's ``--save`` and
 other folders, ``tools/preprocess_data.py``'s and the corpus CLI's ``--output-prefix``,
-:func:`~megatron_latentmoe.data.indexed.preprocess_jsonl`'s ``output_prefix``), so that each says
-a read-only, unwritable or full output the same way. Below ``data/`` and ``training/`` (both
-import it): no Megatron, no torch. What is a run's alone (checkpoint sizes, a save that filled
-its disk) is :mod:`megatron_latentmoe.training.file_checks`'."""
+:func:`~megatron_latentmoe.data.indexed.preprocess_jsonl`'s ``output_prefix``, the converter's
+``--output`` and ``--summary-json``), so that each says a read-only, unwritable or full output
+the same way. Below ``data/`` and ``training/`` (both import it): no Megatron, no torch. What is
+a run's alone (checkpoint sizes, a save that filled its disk) is
+:mod:`megatron_latentmoe.training.file_checks`'."""
 
 from __future__ import annotations
 
@@ -117,12 +118,14 @@ def write_disk_failure_error(
     before a run (:func:`folder_problem`), this one only by the write.
 
     The file is the error's own name (ours, the balance JSONL, sets it; an ``open`` on a
-    read-only file system too); where the error names none (numpy's ``.npy`` writer,
-    TensorBoard's event file, Megatron's dataset builder: a buffered write or close), the first
-    of the ``(flag, folder)`` pairs ``folders`` (a run's: ``training.file_checks.written_folders``)
-    whose file system has no block left, or the first of them where the caller knows it was
-    ``written`` (the shipped corpus's tokenization, ``tools/preprocess_data.py``'s
-    ``--output-prefix``: their cut files are removed, so the disk is no longer full). A file
+    read-only file system too), the second where it names two: ``shutil.copyfile``'s ENOSPC
+    names the source, then the file it was writing (its ``sendfile`` sets both); where the error
+    names none (numpy's ``.npy`` writer, TensorBoard's event file, Megatron's dataset builder, the
+    converter's shards: a buffered write or close), the first of the ``(flag, folder)`` pairs
+    ``folders`` (a run's: ``training.file_checks.written_folders``) whose file system has no
+    block left, or the first of them where the caller knows it was ``written`` (the shipped
+    corpus's tokenization, ``tools/preprocess_data.py``'s ``--output-prefix``, the converter's
+    ``--output``: their cut files are removed, so the disk is no longer full). A file
     system turned read-only is found only so: ``statvfs`` has no ``ST_RDONLY`` and ``os.access``
     allows writing there (ext4's ``emergency_ro``, measured). The flag whose folder (or prefix:
     :func:`_holds`) holds it is what the user can move elsewhere."""
@@ -130,7 +133,8 @@ def write_disk_failure_error(
     read_only = found is None and (found := os_error(err, errno.EROFS)) is not None
     if found is None:
         return None
-    path = os.fsdecode(found.filename) if found.filename is not None else None
+    name = found.filename if found.filename2 is None else found.filename2  # a copy's target
+    path = os.fsdecode(name) if name is not None else None
     if path is None:
         full = [(f, d) for f, d in folders if not read_only and free_bytes(d) == 0]
         named = folders[:1] if written else full

@@ -218,7 +218,13 @@ def _signals_deferred() -> Iterator[None]:
 def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``
     (by rename), on any error, Ctrl-C or SIGTERM it is deleted: a failed conversion never leaves a
-    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.)"""
+    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.)
+
+    A write into it that fills the disk (ENOSPC) or finds its file system turned read-only
+    (EROFS) raises :class:`ConversionError`, the shared one line naming ``--output`` and the free
+    space (:func:`megatron_latentmoe.files.write_disk_failure_error`): it was an OSError traceback,
+    exit 1 (measured with export's shard write and import's torch_dist write made to raise
+    ENOSPC)."""
     out = check_output_dir(output, overwrite).resolve()
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     with _sigterm_raises():
@@ -241,7 +247,20 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Pa
                 shutil.rmtree(tmp, ignore_errors=True)
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     print(f"interrupted: removed the partial output {str(tmp)!r}", file=sys.stderr)
+                elif line := _disk_failure(e, output, tmp):
+                    raise ConversionError(line) from None
             raise
+
+
+def _disk_failure(err: BaseException, output: str | os.PathLike, tmp: Path) -> str | None:
+    """The one line for a full disk or a read-only file system under a write into ``tmp``, the
+    temporary directory of ``output`` (already removed, so the disk is no longer full: the
+    ``written`` case), else None. The line names the file the error names (in ``tmp``), or the
+    ``--output`` folder where it names none (a buffered write)."""
+    from megatron_latentmoe.files import write_disk_failure_error
+
+    named = [("--output", os.path.abspath(output)), ("--output", str(tmp))]
+    return write_disk_failure_error(err, named, written=True)
 
 
 class Timer:

@@ -529,6 +529,84 @@ def test_conversion_refuses_a_verify_seq_len_beyond_the_models_positions_first(
             cli.main([*argv, "--verify-seq-len", "64"])
 
 
+def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(
+    tmp_path, capsys, monkeypatch
+):
+    """ENOSPC in the converter's own writes (faked: export's safetensors shard write, import's
+    torch_dist write, export's copy of the remote code raise it once a file of the output is
+    begun): one line naming --output and the free space, exit 2, the temporary directory
+    removed, the output absent or, under --overwrite, as it was (an OSError traceback, exit 1,
+    before); EROFS likewise. A copy's error names the source first: the line names the file
+    being written."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from megatron_latentmoe import files
+    from megatron_latentmoe.convert import cli, export
+
+    hf, ckpt, out = tmp_path / "hf", tmp_path / "mg", tmp_path / "out"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 0)
+    partial, code = [], [errno.ENOSPC]
+
+    def full_after_one(real):
+        def write(*args, **kwargs):
+            partial.extend(tmp_path.glob(".out.partial-*/*"))
+            if not partial:  # writes go through until a file of the output is begun
+                return real(*args, **kwargs)
+            raise OSError(code[0], os.strerror(code[0]))
+
+        return write
+
+    shard_write = export.ShardedSafetensorsWriter.write
+    monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", full_after_one(shard_write))
+    monkeypatch.setattr(dcp_files, "_write_item", full_after_one(dcp_files._write_item))
+    capsys.readouterr()  # save_pretrained's progress bar
+    line = (
+        f"error: the disk filled up writing in --output {out} (0.0 MB free); free space there "
+        "or give --output a folder on a larger disk\n"
+    )
+    for source in (["export", "--checkpoint", str(ckpt)], ["import", "--hf", str(hf)]):
+        partial.clear()
+        assert cli.main([*source, "--output", str(out), "--no-progress"]) == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr() == ("", line)
+        assert partial and sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+    code[0] = errno.EROFS  # a file system the kernel turned read-only: the same, in its words
+    source = ["export", "--checkpoint", str(ckpt), "--output", str(out), "--no-progress"]
+    assert cli.main(source) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr() == (
+        "",
+        f"error: the file system turned read-only writing in --output {out}; {files.REMOUNT} or "
+        "give --output a folder on another disk\n",
+    )
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+
+    targets = []
+
+    def copy_full(src, dst, **kwargs):  # as shutil's sendfile copy raises it
+        targets.append(str(dst))
+        err = OSError(errno.ENOSPC, "No space left on device")
+        err.filename, err.filename2 = str(src), str(dst)
+        raise err
+
+    monkeypatch.setattr(export.shutil, "copyfile", copy_full)
+    monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", shard_write)
+    out.mkdir()
+    (out / "keep.txt").write_text("previous")
+    argv = ["export", "--checkpoint", str(ckpt), "--output", str(out), "--overwrite"]
+    assert cli.main([*argv, "--no-progress"]) == cli.EXIT_BAD_INPUT
+    assert targets[0].startswith(f"{tmp_path}/.out.partial-")
+    assert capsys.readouterr() == (
+        "",
+        f"error: the disk filled up writing {targets[0]} (0.0 MB free); free space there or "
+        "give --output a folder on a larger disk\n",
+    )
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mg", "out"]
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "previous"
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module
