@@ -23,11 +23,13 @@ set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 mode=full
+usage="usage: bash tools/gpu_checks.sh [--check | --help]; got '$*'"
+[ "$#" -le 1 ] || { echo "$usage" >&2; exit 2; }  # "--check extra" ran the check, extra ignored
 case "${1:-}" in
   "") ;;
   --check) mode=check ;;
   -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;  # the header
-  *) echo "usage: bash tools/gpu_checks.sh [--check | --help]; got '$1'" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 out="${OUT:-$repo/runs/gpu_checks}"
 kit="${KIT:-$repo/.tekit}"

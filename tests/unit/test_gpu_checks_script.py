@@ -52,6 +52,15 @@ def test_bad_flag_and_missing_kit(tmp_path):
     r = _run(["--fast"], tmp_path)
     assert r.returncode == 2
     assert r.stderr == "usage: bash tools/gpu_checks.sh [--check | --help]; got '--fast'\n"
+    # an argument after a good flag is refused the same way (--check ran, the rest ignored)
+    for args in (["--check", "extra"], ["--help", "--check"]):
+        r = _run(args, tmp_path, KIT=str(tmp_path / "nowhere"))
+        assert (r.returncode, r.stdout) == (2, "")
+        assert (
+            r.stderr
+            == f"usage: bash tools/gpu_checks.sh [--check | --help]; got '{' '.join(args)}'\n"
+        )
+    assert not (tmp_path / "out").exists()  # nothing begun
     r = _run(["--check"], tmp_path, KIT=str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no kit in" in r.stdout and "fetch_gpu_kit.sh" in r.stdout
 
