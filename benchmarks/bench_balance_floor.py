@@ -71,13 +71,14 @@ def parse_args(argv=None):
         help="the race's model flags, a bash file as in examples/args (default: "
         f"{os.path.relpath(args_file, REPO)})",
     )
+    seeds = [1234]
     p.add_argument(
         "--seeds",
         nargs="+",
         type=int,
-        default=[1234],
+        default=seeds,
         metavar="S",
-        help="the model's seeds, one torchrun each (default: %(default)s)",
+        help=f"the model's seeds, one torchrun each (default: {' '.join(map(str, seeds))})",
     )
     p.add_argument(
         "--batches", type=int, default=300, help="the race's batches 1..N (default: %(default)s)"

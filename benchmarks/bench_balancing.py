@@ -275,12 +275,13 @@ def parse_args(argv=None):
         default=504,
         help="tokens per micro-batch; m_mb*k %% n == 0 (default: %(default)s)",
     )
+    bins = [250, 1000, 4000]
     p.add_argument(
         "--bins",
         type=int,
         nargs="+",
-        default=[250, 1000, 4000],
-        help="histogram sizes B (default: %(default)s)",
+        default=bins,
+        help=f"histogram sizes B (default: {' '.join(map(str, bins))})",
     )
     p.add_argument("--no-centred", action="store_true", help="skip the centred-bin variant")
     p.add_argument(

@@ -153,13 +153,14 @@ def machine(load_before) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    layers = [2, 5, 9]
     ap.add_argument(
         "--layers",
         type=int,
         nargs="+",
-        default=[2, 5, 9],
+        default=layers,
         help="model sizes as number of layers (1 dense + MoE); 5 ~ 1.2 GB fp32 (default: "
-        "%(default)s)",
+        f"{' '.join(map(str, layers))})",
     )
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")

@@ -47,7 +47,9 @@ def test_help_names_the_default_of_every_option_that_takes_a_value(script):
     found bench_block's --tokens / --iters / --warmup / --dispatcher / --dtype, bench_gpu_block's,
     bench_export_mxfp4's --layers / --workdir, bench_step_balancers' --args-file / --steps /
     --warmup / --nproc, then bench_balance_floor's, bench_balancing's, bench_convert's,
-    bench_situ's and bench_training_balance's without one)."""
+    bench_situ's and bench_training_balance's without one); a list default reads as it is typed
+    (bench_convert's --layers, bench_balancing's --bins, bench_balance_floor's --seeds printed
+    Python lists: "[2, 5, 9]")."""
     import re
 
     proc = subprocess.run(
@@ -64,3 +66,16 @@ def test_help_names_the_default_of_every_option_that_takes_a_value(script):
     assert len(takes_value) >= 2
     missing = [e.split()[0] for e in takes_value if "default" not in e]
     assert missing == []
+    # a list default as it is typed, not as Python prints it ("[2, 5, 9]" before)
+    text = " ".join(proc.stdout.split())
+    assert re.findall(r"default:? [\[(]['\d]", text) == []
+    shown = LIST_DEFAULTS.get(script)
+    assert shown is None or shown in text
+
+
+LIST_DEFAULTS = {
+    "bench_balance_floor.py": "the model's seeds, one torchrun each (default: 1234)",
+    "bench_balancing.py": "histogram sizes B (default: 250 1000 4000)",
+    "bench_convert.py": "5 ~ 1.2 GB fp32 (default: 2 5 9)",
+}
+"""Options whose default is a list: the text --help shows for it."""
