@@ -241,9 +241,11 @@ def _write_json(path: str, data: dict) -> None:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2, default=str)
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:  # Ctrl-C / SIGTERM too: no PATH.tmpPID left
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if not isinstance(err, OSError):
+            raise
         named = [("--summary-json", os.path.abspath(path))]  # a "path": PATH.tmpPID is its file
         line = write_disk_failure_error(err, named, written=True)
         raise ConversionError(
@@ -254,6 +256,52 @@ def _write_json(path: str, data: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron.core's version string without git
     args = build_parser().parse_args(argv)
+    from megatron_latentmoe.data.signals import StopOnSignals
+
+    # Ctrl-C and SIGTERM (timeout, Slurm) raise KeyboardInterrupt anywhere in the run, as in
+    # tools/preprocess_data.py: SIGTERM outside the output's writing killed the process without
+    # a word (exit -15), and Ctrl-C inside it printed two lines (measured with the shard write,
+    # DCP's _write_item and the verify stalled, each signal sent from another process)
+    stop = StopOnSignals()
+    before = _dir_identity(args.output) if args.command != "verify" else None
+    try:
+        with stop:
+            return _run(args)
+    except KeyboardInterrupt:
+        print(_interrupted_line(args, stop, before), file=sys.stderr)
+        return stop.exit_status()  # 130 on Ctrl-C, 143 on SIGTERM
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``path``, None if there is none: the output renamed
+    into place is another inode than the one it replaced."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _interrupted_line(args, stop, before: tuple[int, int] | None) -> str:
+    """The one line for a run stopped by Ctrl-C / SIGTERM: what the output holds now. The
+    conversions leave no partial output (``summary.atomic_output_dir``); an interrupt after the
+    rename (during ``--verify``, or held off by the rename) leaves the complete new output."""
+    import signal
+
+    what = "SIGTERM" if stop.exit_status() == 128 + signal.SIGTERM else "Ctrl-C"
+    if args.command == "verify":
+        return f"interrupted ({what}): the comparison did not finish; nothing written"
+    out = args.output
+    if _dir_identity(out) not in (None, before):
+        tail = "; --verify did not finish" if args.verify else ""
+        return f"interrupted ({what}) after the conversion: --output {out!r} is complete{tail}"
+    kept = "kept as it was" if before else "not created"
+    return (
+        f"interrupted ({what}): nothing written, --output {out!r} {kept} (no partial output left)"
+    )
+
+
+def _run(args) -> int:
     from .errors import ConversionError
 
     result: dict = {}
@@ -305,9 +353,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        return EXIT_INTERRUPTED
     if report is not None:
         result["verify"] = report.to_dict()
     if args.summary_json:

@@ -176,8 +176,12 @@ def check_not_an_input(output: str | os.PathLike, flag: str, path: str | os.Path
 def _sigterm_raises() -> Iterator[None]:
     """In the main thread, SIGTERM (what ``timeout``, Slurm and Kubernetes send) raises
     ``SystemExit(143)`` instead of ending the process at once, so the cleanup of
-    :func:`atomic_output_dir` runs as it does for Ctrl-C."""
+    :func:`atomic_output_dir` runs as it does for Ctrl-C. A SIGTERM handler of the caller's (the
+    CLI's, which raises KeyboardInterrupt and prints the one line) is left in place."""
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
 
@@ -218,7 +222,8 @@ def _signals_deferred() -> Iterator[None]:
 def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``
     (by rename), on any error, Ctrl-C or SIGTERM it is deleted: a failed conversion never leaves a
-    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.)
+    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.) An
+    interrupt is re-raised without a word: the caller says it in one line (the CLI).
 
     A write into it that fills the disk (ENOSPC) or finds its file system turned read-only
     (EROFS) raises :class:`ConversionError`, the shared one line naming ``--output`` and the free
@@ -245,9 +250,7 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Pa
                 if old is not None and not out.exists():
                     old.rename(out)  # the previous output stays as it was
                 shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    print(f"interrupted: removed the partial output {str(tmp)!r}", file=sys.stderr)
-                elif line := _disk_failure(e, output, tmp):
+                if line := _disk_failure(e, output, tmp):
                     raise ConversionError(line) from None
             raise
 

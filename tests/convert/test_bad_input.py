@@ -607,6 +607,76 @@ def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "previous"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_anywhere_in_a_conversion_is_one_line_and_leaves_no_partial_output(
+    tmp_path, capsys, monkeypatch, signum
+):
+    """Ctrl-C / SIGTERM (sent to the process: os.kill) in the middle of export's shard write or
+    import's torch_dist write: one line, exit 130 / 143, the temporary directory removed, the
+    output absent or, under --overwrite, as it was; during the --verify that follows: the line
+    says the output is complete. (Ctrl-C printed two lines there; SIGTERM outside the output's
+    writing ended the process without a word, exit -15.)"""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from megatron_latentmoe.convert import cli, export, verify
+
+    hf, ckpt, out = tmp_path / "hf", tmp_path / "mg", tmp_path / "out"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    begun = []
+
+    def signalled(real):
+        def write(*args, **kwargs):
+            begun.extend(tmp_path.glob(".out.partial-*/*"))
+            if begun:  # a file of the output is begun: the signal comes now
+                os.kill(os.getpid(), signum)
+                time.sleep(10)  # the handler raises first
+            return real(*args, **kwargs)
+
+        return write
+
+    shard_write = export.ShardedSafetensorsWriter.write
+    monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", signalled(shard_write))
+    monkeypatch.setattr(dcp_files, "_write_item", signalled(dcp_files._write_item))
+    capsys.readouterr()  # save_pretrained's progress bar
+    what = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[signum]
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    for source in (["export", "--checkpoint", str(ckpt)], ["import", "--hf", str(hf)]):
+        argv = [*source, "--output", str(out), "--no-progress"]
+        for kept in (False, True):
+            begun.clear()
+            if kept:
+                out.mkdir()
+                (out / "keep.txt").write_text("previous")
+                argv.append("--overwrite")
+            assert cli.main(argv) == 128 + signum
+            state = "kept as it was" if kept else "not created"
+            assert capsys.readouterr() == (
+                "",
+                f"interrupted ({what}): nothing written, --output {str(out)!r} {state} (no "
+                "partial output left)\n",
+            )
+            assert begun and no_leftovers(tmp_path)
+            assert sorted(os.listdir(tmp_path)) == ["hf", "mg", *(["out"] if kept else [])]
+            if kept:
+                assert os.listdir(out) == ["keep.txt"]
+                shutil.rmtree(out)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+    monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", shard_write)
+    monkeypatch.setattr(verify, "verify_export", signalled(lambda *a, **k: None))
+    begun.append("verify")
+    argv = ["export", "--checkpoint", str(ckpt), "--output", str(out), "--no-progress", "--verify"]
+    assert cli.main(argv) == 128 + signum
+    stdout, stderr = capsys.readouterr()
+    assert stdout.startswith(f"export: {ckpt}/release -> {out}\n")
+    assert stderr == (
+        f"interrupted ({what}) after the conversion: --output {str(out)!r} is complete; "
+        "--verify did not finish\n"
+    )
+    assert (out / "config.json").is_file() and no_leftovers(tmp_path)
+
+
 # -------------------------------------------------------------------------- tokenizer
 def test_bad_tokenizer_fails_before_any_tensor_is_written(workspace, tmp_path, monkeypatch):
     from megatron_latentmoe.convert import export as export_module
