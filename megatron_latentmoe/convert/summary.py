@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -222,7 +224,8 @@ def _signals_deferred() -> Iterator[None]:
 def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``
     (by rename), on any error, Ctrl-C or SIGTERM it is deleted: a failed conversion never leaves a
-    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind.) An
+    partial output. (Only SIGKILL leaves the hidden ``.NAME.partial-*`` directory behind; the
+    next run into ``output`` removes it, :func:`clear_stale_leftovers`.) An
     interrupt is re-raised without a word: the caller says it in one line (the CLI).
 
     A write into it that fills the disk (ENOSPC) or finds its file system turned read-only
@@ -231,15 +234,17 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Pa
     exit 1 (measured with export's shard write and import's torch_dist write made to raise
     ENOSPC)."""
     out = check_output_dir(output, overwrite).resolve()
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    clear_stale_leftovers(out)
+    tmp = _leftover_path(out, "partial")
     with _sigterm_raises():
         tmp.mkdir()
+        _WRITING.add(tmp)
         written, old = False, None
         try:
             yield tmp
             with _signals_deferred():  # never stop between the two renames
                 if out.exists():
-                    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+                    old = _leftover_path(out, "old")
                     out.rename(old)
                 tmp.rename(out)
                 written = True
@@ -253,6 +258,82 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool) -> Iterator[Pa
                 if line := _disk_failure(e, output, tmp):
                     raise ConversionError(line) from None
             raise
+        finally:
+            _WRITING.discard(tmp)
+
+
+_WRITING: set[Path] = set()
+"""The temporary directories this process is writing now (a stale one may carry its PID too)."""
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c == "." else "_" for c in socket.gethostname())
+
+
+def _leftover_path(out: Path, kind: str) -> Path:
+    """``.NAME.partial-HOST-PID-HEX`` (``kind`` "partial": the output being written) or
+    ``.NAME.old-HOST-PID-HEX`` (the output it replaces, between the renames): the owner is named
+    so that a later run can tell the leftovers of a killed one (:func:`clear_stale_leftovers`)."""
+    return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_is_dead(path: Path, kind: str, out: Path) -> bool:
+    """Whether ``path`` was written by a process of this host that is gone (SIGKILL, a crash of
+    the machine): the PID does not run or (this process's own PID, reused after a restart) is not
+    one this process is writing now. Another host's, or an unnamed owner's (a leftover of a
+    version without the owner in the name): not known, so not dead."""
+    owner = path.name[len(f".{out.name}.{kind}-") :].rsplit("-", 2)
+    if len(owner) != 3 or owner[0] != _host() or not owner[1].isdigit():
+        return False
+    pid = int(owner[1])
+    if pid == os.getpid():
+        return path not in _WRITING
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: another user's process runs under that PID
+        return False
+    return False
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def clear_stale_leftovers(out: Path) -> None:
+    """Remove what a killed conversion into ``out`` left beside it (only SIGKILL or a crash
+    leaves them: measured, a SIGKILL mid-export left ``.out.partial-*`` and the next run, another
+    name, left it there without a word, a full-size hidden copy per kill), each one of this host
+    whose process is gone (an ``.old-*`` only once ``out`` is back, else it is the previous
+    output); name in one line those that may still be written (another host's, a running
+    process's, or of an older version)."""
+    removed, kept = [], []
+    for kind in ("partial", "old"):
+        for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")):
+            size = _tree_bytes(path)
+            if _owner_is_dead(path, kind, out) and (kind == "partial" or out.exists()):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append((str(path), size))
+            else:
+                kept.append((str(path), size))
+    from megatron_latentmoe.files import megabytes
+
+    if removed:
+        print(
+            f"note: removed what a killed conversion into --output {str(out)!r} left: "
+            f"{', '.join(repr(p) for p, _ in removed)} "
+            f"({megabytes(sum(n for _, n in removed))})",
+            file=sys.stderr,
+        )
+    if kept:
+        print(
+            f"note: {', '.join(repr(p) for p, _ in kept)} ({megabytes(sum(n for _, n in kept))}) "
+            f"beside --output {str(out)!r} not removed: a conversion that may still run (here, "
+            "on another machine, or of an older version) is writing it, or it holds the output "
+            "being replaced; remove it once none does",
+            file=sys.stderr,
+        )
 
 
 def _disk_failure(err: BaseException, output: str | os.PathLike, tmp: Path) -> str | None:

@@ -1222,3 +1222,65 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
         (tmp / "final.txt").write_text("final")
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["final.txt"]
     assert capsys.readouterr().err == ""
+
+
+def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next_one(tmp_path, capsys):
+    """SIGKILL leaves the temporary directory (nothing can clean it): the next conversion into
+    the same --output removes it, naming it and its size in one note (it was left without a word,
+    a full-size hidden copy per kill). Leftovers whose process may still write them (another
+    host's, a running process's, an older version's without the owner in the name, an .old-*
+    while the output is missing) are named in one note and kept."""
+    out = tmp_path / "out"
+    child = (
+        "import sys, time\n"
+        "from megatron_latentmoe.convert.summary import atomic_output_dir\n"
+        "with atomic_output_dir(sys.argv[1], overwrite=False) as tmp:\n"
+        "    (tmp / 'model-00001.safetensors').write_bytes(b'x' * 1000)\n"
+        "    print(tmp.name, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, str(out)], stdout=subprocess.PIPE, env=env
+    )
+    killed = tmp_path / proc.stdout.readline().decode().strip()
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    assert killed.name.endswith(f"-{proc.pid}-" + killed.name[-8:]), killed.name
+    assert os.listdir(tmp_path) == [killed.name]  # what SIGKILL leaves
+    host = killed.name[len(".out.partial-") :].rsplit("-", 2)[0]
+    own = tmp_path / f".out.partial-{host}-{os.getpid()}-00000000"  # its PID reused: this one
+    own.mkdir()
+    with summary.atomic_output_dir(out, overwrite=False) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert capsys.readouterr().err == (
+        f"note: removed what a killed conversion into --output {str(out)!r} left: "
+        f"{', '.join(repr(str(p)) for p in sorted([killed, own]))} (0.0 MB)\n"
+    )
+
+    kept = [
+        tmp_path / f".out.partial-otherhost-{proc.pid}-11111111",  # another machine's
+        tmp_path / f".out.partial-{host}-{os.getppid()}-22222222",  # a running process's
+        tmp_path / ".out.partial-33333333",  # an older version's: no owner in the name
+    ]
+    dead_old = tmp_path / f".out.old-{host}-{proc.pid}-44444444"  # --output is back: garbage
+    for path in (*kept, dead_old):
+        path.mkdir()
+        (path / "f").write_bytes(b"y" * 250_000)
+    with summary.atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    names = ", ".join(repr(str(p)) for p in sorted(kept))
+    assert capsys.readouterr().err == (
+        f"note: removed what a killed conversion into --output {str(out)!r} left: "
+        f"{str(dead_old)!r} (0.2 MB)\n"
+        f"note: {names} (0.8 MB) beside --output {str(out)!r} not removed: a conversion that "
+        "may still run (here, on another machine, or of an older version) is writing it, or it "
+        "holds the output being replaced; remove it once none does\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", *(p.name for p in kept)])
+    shutil.rmtree(out)  # killed between the renames: the .old-* is the previous output, kept
+    dead_old.mkdir()
+    summary.clear_stale_leftovers(out)
+    assert dead_old.is_dir() and str(dead_old) in capsys.readouterr().err
