@@ -64,7 +64,7 @@ from .summary import (
     check_not_an_input,
     check_output_dir,
 )
-from .verify import check_verify_length
+from .verify import check_verify_length, verify_text_ids
 
 DTYPES = {
     name: getattr(torch, torch_name)
@@ -497,6 +497,7 @@ def export_checkpoint(
     read_batch_bytes: int = DEFAULT_READ_BATCH_MB << 20,
     expert_dtype: str = "auto",
     verify_seq_len: int | None = None,
+    verify_text: str | None = None,
 ) -> ConversionSummary:
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
 
@@ -506,7 +507,8 @@ def export_checkpoint(
     run's (see the module docstring), a directory, or None = none. ``progress``: a byte bar on
     stderr, None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt
     length of a ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as
-    the checkpoint's model description is read, before anything is written. Raises
+    the checkpoint's model description is read, before anything is written; ``verify_text``: its
+    prompt, refused (:func:`~.verify.verify_text_ids`) under the tokenizer to ship, too. Raises
     :class:`ConversionError` on bad input; never leaves a partial output directory.
     """
     timer = Timer()
@@ -549,6 +551,8 @@ def export_checkpoint(
     hf_config, arch, tok_files = prepare_hf_metadata(
         arch, model_dtype, tok, adopt_token_ids=trained_by_megatron
     )
+    if verify_seq_len is not None and verify_text:
+        verify_text_ids(tok, verify_text, verify_seq_len)
     if packed_experts:
         hf_config.quantization_config = mxfp4.quantization_config()
     expert_bytes = 0

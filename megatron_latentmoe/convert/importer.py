@@ -77,7 +77,7 @@ from .summary import (
     check_not_an_input,
     check_output_dir,
 )
-from .verify import check_verify_length
+from .verify import check_verify_length, verify_text_ids
 
 # ------------------------------------------------------------------------------ HF reading
 
@@ -359,6 +359,7 @@ def import_checkpoint(
     overwrite: bool = False,
     progress: bool | None = None,
     verify_seq_len: int | None = None,
+    verify_text: str | None = None,
 ) -> ConversionSummary:
     """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save
     root.
@@ -367,7 +368,8 @@ def import_checkpoint(
     ``iteration``: None writes a ``release`` checkpoint. ``progress``: a byte bar on stderr,
     None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt length of a
     ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as config.json
-    is read, before anything is written.
+    is read, before anything is written; ``verify_text``: its prompt, refused
+    (:func:`~.verify.verify_text_ids`) under the HF directory's tokenizer, too.
     """
     timer = Timer()
     check_output_dir(output, overwrite)
@@ -381,6 +383,8 @@ def import_checkpoint(
     try:
         if verify_seq_len is not None:
             check_verify_length(hf.arch, verify_seq_len)
+            if verify_text:
+                verify_text_ids(hf.dir, verify_text, verify_seq_len)
         return _import(hf, output, timer, out_dtype, dtype, iteration, overwrite, progress)
     finally:
         hf.close()

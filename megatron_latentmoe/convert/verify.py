@@ -234,31 +234,60 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, str]:
     """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer). Without a
     usable tokenizer, seeded random ids (said in the returned source); an explicit ``text`` that
-    cannot give ``seq_len`` tokens raises :class:`ConversionError`."""
+    cannot give ``seq_len`` tokens raises :class:`ConversionError` (:func:`verify_text_ids`)."""
+    if text:
+        rows = [verify_text_ids(hf_dir, text, seq_len)[:seq_len]] * batch
     try:
-        from transformers import AutoTokenizer
+        if not text:
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
-        texts = [text] * batch if text else _corpus_texts(batch, seq_len)
-        rows = []
-        for t in texts:
-            ids = tok(t, add_special_tokens=False)["input_ids"]
-            if len(ids) < seq_len:
-                raise ValueError("text too short")
-            rows.append(ids[:seq_len])
+            tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
+            rows = []
+            for t in _corpus_texts(batch, seq_len):
+                ids = tok(t, add_special_tokens=False)["input_ids"]
+                if len(ids) < seq_len:
+                    raise ValueError("text too short")
+                rows.append(ids[:seq_len])
         tokens = torch.tensor(rows, dtype=torch.long)
         if int(tokens.max()) < vocab_size:
             return tokens, "real text, exported tokenizer"
         reason = f"tokenizer ids up to {int(tokens.max())} exceed vocab_size={vocab_size}"
     except Exception as e:  # noqa: BLE001 - no tokenizer / too short text: fall back, and say so
         reason = f"no usable tokenizer/text ({type(e).__name__}: {e})"
-        if text:
-            raise ConversionError(
-                f"--verify-text {_preview(text)}: {reason}; allowed: a text of at least "
-                f"{seq_len} tokens (--verify-seq-len) under the export's tokenizer"
-            ) from None
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
+
+
+def verify_text_ids(tokenizer_dir: str | os.PathLike | None, text: str, seq_len: int) -> list:
+    """The token ids of an explicit ``--verify-text`` under the tokenizer in ``tokenizer_dir``
+    (the export's; None: ``--tokenizer none``). Raises :class:`ConversionError` naming
+    --verify-text, in one line, if no tokenizer loads from there or the text gives fewer than
+    ``seq_len`` tokens. The conversions call it with the tokenizer they ship (export) or read
+    (import) before their output is begun: ``import --verify --verify-text 'Hi'`` (and an export
+    with ``--tokenizer none``) wrote the whole output and was refused only then, the latter in
+    the tokenizer's many-line message."""
+    allowed = f"allowed: a text of at least {seq_len} tokens (--verify-seq-len)"
+    if tokenizer_dir is None:
+        raise ConversionError(
+            f"--verify-text {_preview(text)}: the export ships no tokenizer (--tokenizer none) to "
+            f"give its tokens; {allowed}, with a tokenizer shipped, or no --verify-text"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001 - any load failure: the text has no tokens
+        raise ConversionError(
+            f"--verify-text {_preview(text)}: no tokenizer loads from {str(tokenizer_dir)!r} "
+            f"({type(e).__name__}); {allowed} under a tokenizer that loads, or no --verify-text"
+        ) from None
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < seq_len:
+        raise ConversionError(
+            f"--verify-text {_preview(text)} gives {len(ids)} tokens under the tokenizer of "
+            f"{str(tokenizer_dir)!r}; {allowed}"
+        )
+    return ids
 
 
 def _preview(text: str, n: int = 40) -> str:
@@ -429,6 +458,8 @@ def verify_export(
     check_verify_length(arch, seq_len)
     check_same_vocabulary(arch, hf_dir, reader.path)
     check_hf_files(hf_dir)
+    if text:  # before the models are loaded (it was refused after both)
+        verify_text_ids(hf_dir, text, seq_len)
     torch.manual_seed(0)
     qat = hf_expert_weight_qat(hf_dir)
     mg = load_megatron_model(reader.path, arch, qat)

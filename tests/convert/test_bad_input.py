@@ -409,15 +409,17 @@ def test_cli_refuses_bad_options_before_any_work(workspace, tmp_path, capsys, ar
     assert not out.exists(), "the export ran although an option was bad"
 
 
-def test_verify_text_that_cannot_fill_the_prompt_is_an_error(workspace):
+def test_verify_text_that_cannot_fill_the_prompt_is_an_error():
     """An explicit ``--verify-text`` shorter than ``--verify-seq-len`` tokens is refused (the
-    default, the corpus, falls back to random ids instead, and the report says so)."""
+    default, the corpus, falls back to random ids instead, and the report says so). The shipped
+    tokenizer is the one an export of a checkpoint without training args ships."""
     from megatron_latentmoe.convert.verify import sample_tokens
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
 
     with pytest.raises(
-        ConversionError, match=r"--verify-text 'hi': .*text too short.*at least 64 tokens"
+        ConversionError, match=r"--verify-text 'hi' gives 2 tokens .*at least 64 tokens"
     ):
-        sample_tokens(workspace.path("hf_main"), 1000, text="hi")
+        sample_tokens(default_tokenizer_dir(), 1000, text="hi")
 
 
 def test_verify_needs_an_hf_directory(workspace, tmp_path, capsys):
@@ -527,6 +529,53 @@ def test_conversion_refuses_a_verify_seq_len_beyond_the_models_positions_first(
         # the limit passes: on to the conversion (stopped where its output would begin)
         with pytest.raises(pytest.fail.Exception, match="output begun"):
             cli.main([*argv, "--verify-seq-len", "64"])
+
+
+def test_a_verify_text_too_short_is_refused_before_any_output_or_model(
+    tmp_path, capsys, monkeypatch
+):
+    """``--verify-text`` that gives fewer than --verify-seq-len tokens under the tokenizer the
+    comparison will use (export: the one it ships; import / verify: the HF directory's), or an
+    export that ships none: one line, exit 2, before the output is begun or a model built (the
+    conversion was written whole and refused only then)."""
+    from megatron_latentmoe.convert import cli, export, importer, verify
+    from megatron_latentmoe.data.corpus import default_tokenizer_dir
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "mg"
+    _tiny_hf_export(hf)
+    import_checkpoint(hf, ckpt, progress=False)
+    for module in (export, importer):
+        monkeypatch.setattr(module, "atomic_output_dir", lambda *a: pytest.fail("output begun"))
+    monkeypatch.setattr(verify, "load_megatron_model", lambda *a: pytest.fail("model built"))
+    capsys.readouterr()  # save_pretrained's progress bar
+    out = tmp_path / "out"
+    short = ["--verify-text", "Hi", "--verify-seq-len", "8"]
+    for source, tokenizer in (
+        (["export", "--checkpoint", str(ckpt), "--output", str(out)], default_tokenizer_dir()),
+        (["import", "--hf", str(hf), "--output", str(out)], hf),
+        (["verify", "--checkpoint", str(ckpt), "--hf", str(hf)], hf),
+    ):
+        argv = [*source, *(["--verify", "--no-progress"] if "--output" in source else [])]
+        assert cli.main([*argv, *short]) == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr() == (
+            "",
+            f"error: --verify-text 'Hi' gives 2 tokens under the tokenizer of "
+            f"{str(tokenizer)!r}; allowed: a text of at least 8 tokens (--verify-seq-len)\n",
+        )
+        assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+        # 8 tokens suffice: on to the conversion / the models
+        with pytest.raises(pytest.fail.Exception, match="output begun|model built"):
+            cli.main([*argv, "--verify-seq-len", "8", "--verify-text", "a b c d e f g h"])
+    argv = ["export", "--checkpoint", str(ckpt), "--output", str(out), "--tokenizer", "none"]
+    assert cli.main([*argv, "--verify", "--no-progress", *short]) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr() == (
+        "",
+        "error: --verify-text 'Hi': the export ships no tokenizer (--tokenizer none) to give its "
+        "tokens; allowed: a text of at least 8 tokens (--verify-seq-len), with a tokenizer "
+        "shipped, or no --verify-text\n",
+    )
+    with pytest.raises(pytest.fail.Exception, match="output begun"):  # random ids: no text
+        cli.main([*argv, "--verify", "--no-progress"])
 
 
 def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(

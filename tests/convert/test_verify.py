@@ -193,6 +193,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
     fake("open_checkpoint", (reader, arch, "", {}))
     fake("check_same_vocabulary", None)
     fake("check_hf_files", None)
+    fake("verify_text_ids", None)
     fake("hf_expert_weight_qat", "none")
     fake("load_megatron_model", mg)
     fake("load_hf_model", hf)
@@ -207,6 +208,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
         ("open_checkpoint", (tmp_path / "ck", None), {}),
         ("check_same_vocabulary", (arch, tmp_path, reader.path), {}),
         ("check_hf_files", (tmp_path,), {}),
+        ("verify_text_ids", (tmp_path, "t", 64), {}),  # before the models are loaded
         ("hf_expert_weight_qat", (tmp_path,), {}),
         ("load_megatron_model", (reader.path, arch, "none"), {}),
         ("load_hf_model", (tmp_path,), {}),
@@ -401,10 +403,17 @@ def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path):
         with pytest.raises(ConversionError) as info:
             verify.sample_tokens(tok_dir, 4096, seq_len=1000, text=t)
         assert str(info.value) == (
-            f"--verify-text {shown}: no usable tokenizer/text (ValueError: text too short); "
-            "allowed: a text of at least 1000 tokens (--verify-seq-len) under the export's "
-            "tokenizer"
+            f"--verify-text {shown} gives {len(tok(t, add_special_tokens=False)['input_ids'])} "
+            f"tokens under the tokenizer of {str(tok_dir)!r}; allowed: a text of at least 1000 "
+            "tokens (--verify-seq-len)"
         )
+    with pytest.raises(ConversionError) as info:
+        verify.sample_tokens(tmp_path, 4096, seq_len=5, text=text)
+    assert str(info.value) == (
+        f"--verify-text {text[:40] + '...'!r}: no tokenizer loads from {str(tmp_path)!r} "
+        "(ValueError); allowed: a text of at least 5 tokens (--verify-seq-len) under a tokenizer "
+        "that loads, or no --verify-text"
+    )
     tokens, source = verify.sample_tokens(tmp_path, 50, batch=1, seq_len=4)
     assert source.startswith("random ids (no usable tokenizer/text (") and tokens.shape == (1, 4)
 
@@ -859,6 +868,7 @@ def test_cli_export_hands_every_flag_to_the_conversion(recorders, capsys):
             read_batch_bytes=1 << 20,
             expert_dtype="mxfp4",
             verify_seq_len=None,
+            verify_text=None,
         ),
     )
     argv = ["export", "--checkpoint", "ck", "--output", "hf", "--tokenizer", "tok"]
@@ -889,7 +899,8 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     )
     flags = dict(atol=0.5, new_tokens=4, batch=6, seq_len=5, text="t")
     assert check.calls == [(("ck", "out"), dict(config_file="m.json", **flags))]
-    assert export.calls[0][1]["verify_seq_len"] == 5  # refused by the conversion if too long
+    # refused by the conversion before its output if too long / too short
+    assert (export.calls[0][1]["verify_seq_len"], export.calls[0][1]["verify_text"]) == (5, "t")
     assert json.loads(js.read_text()) == {
         "summary": as_json(export.result.to_dict()),
         "verify": as_json(check.result.to_dict()),
@@ -907,7 +918,14 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     assert recorders["import_checkpoint"].calls == [
         (
             (str(hf), "mg"),
-            dict(dtype="fp32", iteration=7, overwrite=True, progress=None, verify_seq_len=64),
+            dict(
+                dtype="fp32",
+                iteration=7,
+                overwrite=True,
+                progress=None,
+                verify_seq_len=64,
+                verify_text=None,
+            ),
         )
     ]
     # the verify command: the report alone in the JSON; a FAIL exits 3
