@@ -9,8 +9,9 @@ fresh process (so that its peak RSS is the conversion's own):
 
 Reported per conversion: seconds, MB/s (bytes written / wall time, imports of torch/megatron
 included), the process's peak RSS, its RSS before converting (imports only) and the growth
-during the conversion. Streaming means the growth stays bounded (about one read batch for
-export, one tensor for import) while the checkpoint grows.
+during the conversion. Streaming keeps the growth a fraction of the checkpoint (a read batch
+for export, a tensor for import, plus what the allocator keeps), but not constant: in the stored
+results it rises by about half from the smallest to the largest checkpoint (4x its size).
 
     python benchmarks/bench_convert.py [--layers 2 5 9] [--workdir DIR] [--keep] [--out FILE/DIR]
 
