@@ -10,6 +10,7 @@ checkpoint's tensors.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -371,7 +372,7 @@ def test_hf_directory_and_vocabulary_checks(tmp_path):
     )
 
 
-def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path):
+def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path, monkeypatch):
     """The export's tokenizer on the corpus' first long texts; ids beyond the vocabulary or no
     tokenizer: seeded random ids, and the source says why."""
     from transformers import AutoTokenizer
@@ -399,6 +400,10 @@ def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path):
     assert tokens.tolist() == [ids[:5]] * 2
     tokens, _ = verify.sample_tokens(tok_dir, 4096, batch=1, seq_len=len(ids), text=text)
     assert tokens.tolist() == [ids]  # exactly seq_len tokens suffice
+    with pytest.raises(
+        ConversionError, match=f"gives {len(ids)} tokens .* at least {len(ids) + 1}"
+    ):
+        verify.sample_tokens(tok_dir, 4096, batch=1, seq_len=len(ids) + 1, text=text)
     for t, shown in ((text[:40], repr(text[:40])), (text[:41], repr(text[:40] + "..."))):
         with pytest.raises(ConversionError) as info:
             verify.sample_tokens(tok_dir, 4096, seq_len=1000, text=t)
@@ -416,6 +421,13 @@ def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path):
     )
     tokens, source = verify.sample_tokens(tmp_path, 50, batch=1, seq_len=4)
     assert source.startswith("random ids (no usable tokenizer/text (") and tokens.shape == (1, 4)
+    # corpus texts that give fewer than seq_len tokens: random ids, not a shorter prompt
+    monkeypatch.setattr(verify, "_corpus_texts", lambda batch, seq_len: ["hi"] * batch)
+    tokens, source = verify.sample_tokens(tok_dir, 4096, batch=2, seq_len=16)
+    assert (tokens.shape, source) == (
+        (2, 16),
+        "random ids (no usable tokenizer/text (ValueError: text too short))",
+    )
 
 
 # --------------------------------------------------------------------- a wrong export must FAIL
@@ -1242,6 +1254,24 @@ def test_atomic_output_replaces_the_old_output_or_leaves_it(tmp_path, capsys, mo
     assert capsys.readouterr().err == ""
 
 
+def test_atomic_output_puts_back_the_default_sigterm_handler(tmp_path):
+    """Under a default SIGTERM (a library caller's), the output's writing raises SystemExit(143)
+    on SIGTERM, and the default is back after it, written or failed: a handler left behind
+    turned the caller's later SIGTERM into an exception. (Left behind by an earlier test of the
+    same process, it passed test_sigterm_while_writing_leaves_no_partial_output as the caller's.)"""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        for error in (None, ValueError("bad")):
+            with pytest.raises(ValueError) if error else contextlib.nullcontext():
+                with summary.atomic_output_dir(tmp_path / "out", overwrite=True):
+                    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                    if error:
+                        raise error
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next_one(tmp_path, capsys):
     """SIGKILL leaves the temporary directory (nothing can clean it): the next conversion into
     the same --output removes it, naming it and its size in one note (it was left without a word,
@@ -1302,3 +1332,32 @@ def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next_one(tmp_pa
     dead_old.mkdir()
     summary.clear_stale_leftovers(out)
     assert dead_old.is_dir() and str(dead_old) in capsys.readouterr().err
+
+
+def test_a_leftover_being_written_here_or_by_another_users_pid_is_kept(
+    tmp_path, capsys, monkeypatch
+):
+    """Kept, and named in the note: the temporary directory this process is writing (another
+    conversion into the same --output, a thread's, checks the leftovers while it is written),
+    and one whose PID runs as another user (``os.kill`` says EPERM). Its size counts files,
+    not what a symlink in it points to."""
+    out = tmp_path / "out"
+    with summary.atomic_output_dir(out, overwrite=False) as tmp:
+        summary.clear_stale_leftovers(out)
+        assert tmp.is_dir()
+        (tmp / "config.json").write_text("{}")
+    assert (out / "config.json").is_file() and os.listdir(tmp_path) == ["out"]
+    assert f"note: {str(tmp)!r} (0.0 MB) beside --output" in capsys.readouterr().err
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"z" * 250_000)
+    other_user = tmp_path / f".out.partial-{summary._host()}-1-55555555"
+    other_user.mkdir()
+    (other_user / "link").symlink_to(target)
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(summary.os, "kill", kill)
+    summary.clear_stale_leftovers(out)
+    assert other_user.is_dir() and target.is_file()
+    assert capsys.readouterr().err.startswith(f"note: {str(other_user)!r} (0.0 MB) beside")
