@@ -471,6 +471,20 @@ def test_check_indexed_dataset_names_what_megatron_would_fail_on_later(tmp_path)
     assert check_indexed_dataset(bad["idx_long"]) == 3
 
 
+def test_an_idx_cut_inside_its_header_is_not_an_index_file(tmp_path):
+    """An .idx with Megatron's magic but cut before its header ends (a copy stopped at once) is
+    the one sentence, not struct's "unpack_from requires a buffer of at least 34 bytes"."""
+    from megatron_latentmoe.data.index_file import INDEX_MAGIC, check_indexed_dataset
+
+    prefix = str(tmp_path / "cut")
+    Path(prefix + ".bin").write_bytes(b"")
+    for size in (len(INDEX_MAGIC), 33):
+        Path(prefix + ".idx").write_bytes((INDEX_MAGIC + bytes(34))[:size])
+        with pytest.raises(PreprocessError) as err:
+            check_indexed_dataset(prefix)
+        assert str(err.value) == f"{prefix}.idx is not a Megatron index file"
+
+
 def _damaged_index(tmp_path, name: str, lengths, pointers, documents) -> str:
     """A copy of the dataset ``tmp_path/good`` whose .idx arrays are the ones given."""
     import shutil
@@ -552,6 +566,13 @@ def test_check_indexed_dataset_names_a_damaged_array(tmp_path, monkeypatch, chun
     )
     assert damaged("down", documents=down) == (
         f"its document indices decrease at entry 6 (sequence 5, then 2) ({redo})"
+    )
+    down[6], down[4] = 6, 1  # between two chunks of 4: entries 3 and 4
+    assert damaged("down_at_chunk", documents=down) == (
+        f"its document indices decrease at entry 4 (sequence 3, then 1) ({redo})"
+    )
+    assert damaged("from_1", documents=numpy.concatenate([[1], documents[1:]])) == (
+        f"its document indices do not run from 0 to its 10 sequences ({redo})"
     )
 
 
@@ -810,6 +831,36 @@ def test_a_rerun_drops_megatrons_stale_sample_index_cache(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["notes.txt"]
 
 
+def test_a_tokenizer_with_a_short_model_max_length_reads_long_documents_silently(tmp_path, capfd):
+    """A document is longer than any model's context: a tokenizer folder that sets
+    model_max_length (4 here) gives its ids without transformers' "Token indices sequence length
+    is longer than the specified maximum sequence length" warning."""
+    shipped = load_tokenizer()
+    shipped.model_max_length = 4
+    shipped.save_pretrained(tmp_path / "tok")
+    capfd.readouterr()
+    tok = load_tokenizer(tmp_path / "tok")
+    assert len(tok("one two three four five six seven eight").input_ids) > 4
+    assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+def test_a_hub_name_is_looked_up_in_the_local_cache_only(monkeypatch):
+    """A tokenizer name that is no folder is loaded from the local HF cache only: nothing is
+    downloaded."""
+    import transformers
+
+    calls = []
+
+    def not_cached(path, **kwargs):
+        calls.append((path, kwargs))
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_cached)
+    with pytest.raises(PreprocessError, match="^tokenizer not found: 'org/name' is not a folder"):
+        load_tokenizer("org/name")
+    assert calls == [("org/name", dict(local_files_only=True, trust_remote_code=False))]
+
+
 def test_a_trusted_tokenizer_that_fails_is_not_told_to_trust_it(tmp_path, monkeypatch):
     """With trust_remote_code=True a loading error that mentions trust_remote_code is the plain
     "cannot load" error, not the advice to pass --trust-remote-code that was already given."""
@@ -872,6 +923,8 @@ def test_a_trusted_tokenizer_that_fails_is_not_told_to_trust_it(tmp_path, monkey
             r"invalid start byte\)$",
         ),
         ([], r"in\.jsonl: no non-empty documents for key 'text' \(0 JSON objects read\)$"),
+        # a byte-order mark is read before the first line only: inside the file it is no JSON
+        (['{"text": "ok"}', '\ufeff{"text": "ok"}'], r"in\.jsonl:2: malformed JSON \(Unexpected"),
     ],
 )
 def test_bad_input_is_named_with_line_and_key(tmp_path, lines, match):
@@ -880,6 +933,23 @@ def test_bad_input_is_named_with_line_and_key(tmp_path, lines, match):
     with pytest.raises(PreprocessError, match=match):
         preprocess_jsonl(src, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written
+
+
+def test_a_bad_line_past_the_first_batch_is_named_by_its_own_number(tmp_path):
+    """Lines are read in batches of ``jsonl._BATCH_LINES`` (256): a bad line in a later batch,
+    the first of its batch included, is named by its number in the file, as the reader and the
+    tokenizer trainer's corpus reader see it."""
+    from megatron_latentmoe.data import jsonl
+
+    assert jsonl._BATCH_LINES == 256
+    for bad in (257, 600):
+        lines = [json.dumps({"text": f"doc {i}"}) for i in range(1, 601)]
+        lines[bad - 1] = '{"text": 5}'
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(line + "\n" for line in lines))
+        with pytest.raises(PreprocessError) as e:
+            list(jsonl.iter_jsonl_texts(src))
+        assert str(e.value) == f"{src}:{bad}: JSON key 'text' holds number, expected a string"
 
 
 @pytest.mark.parametrize("variant", ["crlf", "bom", "bom+crlf"])
@@ -1550,6 +1620,24 @@ def test_killed_run_leaves_no_dataset(tmp_path):
         f"--valid-data-path {str(p)[:-1]}: no Megatron indexed dataset there (missing "
         f"{str(p)[:-1]}.bin and {str(p)[:-1]}.idx). Give the path prefix of a .bin/.idx pair"
     )
+
+
+def test_a_stopped_writes_leftover_is_its_bin_or_a_temporary_of_its_name(tmp_path):
+    """``stopped_write_leftover``: where the .idx is missing, the .bin, else a ``.bin.tmpPID`` or
+    ``.idx.tmpPID`` of that prefix (never one of another name or a non-PID tail); else None."""
+    from megatron_latentmoe.data.index_file import stopped_write_leftover
+
+    prefix = str(tmp_path / "ds")
+    for name, expected in (
+        ("ds.bin.tmpx", None),
+        ("ds.bin.tmp", None),
+        ("dsx.bin.tmp7", None),
+        ("ds.idx.tmp7", "ds.idx.tmp7"),
+        ("ds.bin.tmp12", "ds.bin.tmp12"),  # a .bin's before an .idx's
+        ("ds.bin", "ds.bin"),
+    ):
+        (tmp_path / name).write_bytes(b"")
+        assert stopped_write_leftover(prefix) == (expected and str(tmp_path / expected)), name
 
 
 def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
