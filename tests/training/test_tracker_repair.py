@@ -339,9 +339,9 @@ def _dcp_save(root, iteration, torch_dist: bool):
     return path
 
 
-def _legacy_checkpoint(root, iteration, ep=2):
+def _legacy_checkpoint(root, iteration, ep=2, no_save_optim=False):
     """A legacy torch checkpoint of two expert ranks saved with the distributed optimizer: each
-    rank folder's model file (its args) and distrib_optim.pt."""
+    rank folder's model file (its args) and distrib_optim.pt (none with ``no_save_optim``)."""
     import torch
 
     saved = SimpleNamespace(
@@ -349,15 +349,30 @@ def _legacy_checkpoint(root, iteration, ep=2):
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=ep,
         use_distributed_optimizer=True,
-        no_save_optim=False,
+        no_save_optim=no_save_optim,
     )
     path = root / iteration_dir_name(iteration)
     for e in range(ep):
         rank = path / f"mp_rank_00_{e:03d}"
         rank.mkdir(parents=True)
         torch.save({"args": saved}, rank / "model_optim_rng.pt")
-        torch.save({}, rank / "distrib_optim.pt")
+        if not no_save_optim:
+            torch.save({}, rank / "distrib_optim.pt")
     return path
+
+
+def test_a_legacy_checkpoint_is_judged_by_the_layout_its_readable_args_give(tmp_path):
+    """The files a legacy folder needs come from the first rank file that can be read (rank 0's
+    cut: the next one's), and a --no-save-optim save needs no distrib_optim.pt."""
+    _legacy_checkpoint(tmp_path, 2)
+    _legacy_checkpoint(tmp_path, 4, no_save_optim=True)
+    (tmp_path / TRACKER_FILE).write_text("")
+    assert repair_checkpoint_tracker(str(tmp_path), "torch", write=False) == 4
+    shutil.rmtree(tmp_path / iteration_dir_name(4))
+    folder = _legacy_checkpoint(tmp_path, 4)
+    (folder / "mp_rank_00_000" / "model_optim_rng.pt").write_bytes(b"cut")
+    (folder / "mp_rank_00_001" / "distrib_optim.pt").unlink()  # a deletion a kill cut
+    assert repair_checkpoint_tracker(str(tmp_path), "torch", write=False) == 2
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch_dcp", "torch"])

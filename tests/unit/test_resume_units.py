@@ -458,6 +458,10 @@ def test_a_damaged_load_folder_is_refused_in_one_line(tmp_path):
     (path / "metadata.json").write_text('{"sharded_backend": ')
     refusal = _load_refusal(tmp_path)
     assert refusal.startswith(f"{damaged}{path / 'metadata.json'} cannot be read (Expecting value")
+    (path / "metadata.json").write_text("[]")  # JSON, but not the object Megatron reads
+    assert _load_refusal(tmp_path) == (
+        f"{damaged}{path / 'metadata.json'} cannot be read (a JSON list, not an object){advice}"
+    )
 
 
 def test_the_damage_check_judges_the_checkpoint_megatron_loads(tmp_path):
@@ -821,6 +825,29 @@ def test_a_legacy_release_checkpoint_of_another_layout_is_refused(tmp_path, load
     )
     same = SimpleNamespace(**layout)
     assert resume.legacy_layout_refusal(args, same, path, load_arg) is None  # its own layout
+    # another data-parallel size: its rank files are per (TP, PP, EP) rank, so it loads
+    other_dp = SimpleNamespace(**{**layout, "data_parallel_size": 2})
+    assert resume.legacy_layout_refusal(args, other_dp, path, load_arg) is None
+    (tmp_path / "release" / "metadata.json").write_text("{}")  # torch_dist: Megatron reshards it
+    assert resume.legacy_layout_refusal(args, saved, path, load_arg) is None
+
+
+def test_a_layout_change_is_one_megatron_does_not_load_as_it_is():
+    """Another data-parallel size alone loads as it is (unless each DP rank has its own RNG
+    state, --data-parallel-random-init); a field the checkpoint's args lack is no change."""
+    layout = dict.fromkeys(resume.LAYOUT_FIELDS, 1)
+    run = SimpleNamespace(**layout, data_parallel_random_init=False)
+    dp2 = SimpleNamespace(**{**layout, "data_parallel_size": 2})
+    assert not resume.layout_changed(run, dp2)
+    assert resume.layout_changed(
+        SimpleNamespace(**{**vars(run), "data_parallel_random_init": True}), dp2
+    )
+    assert resume.layout_changed(
+        run, SimpleNamespace(**{**layout, "expert_model_parallel_size": 2})
+    )
+    assert not resume.layout_changed(
+        run, SimpleNamespace(**{**layout, "context_parallel_size": None})
+    )
 
 
 def _step_args(root, step, **flags):
@@ -883,6 +910,11 @@ def test_a_ckpt_step_without_a_complete_checkpoint_is_refused_in_one_line(tmp_pa
         f"--ckpt-step 6: {root}/iter_0000006 is not a complete checkpoint{tail}"
     )
     assert _load_refusal(root, ckpt_step=6) is None  # left to the line above
+    (tmp_path / TRACKER_FILE).write_text("5")  # the tracker names --ckpt-step's missing folder:
+    assert _load_refusal(root, ckpt_step=5) is None  # not "no other complete checkpoint is"
+    assert resume.ckpt_step_refusal(_step_args(root, 5)).startswith(
+        f"--ckpt-step 5: {root}/iter_0000005 is not there"
+    )
 
 
 def test_ckpt_step_of_a_legacy_checkpoint_is_not_refused_in_a_torch_dist_run(tmp_path):
