@@ -471,6 +471,13 @@ rank; turned off, it dropped the trained norm silently; measured: tiny.sh, 1 ran
 checkpoint's args and this run's hold them (the vocabulary: the tokenizer's, padded; every other
 is named by its flag)."""
 
+NONE_IS_ABSENT = ("moe_latent_size", "moe_shared_expert_intermediate_size")
+"""The :data:`SHAPE_ARGS` whose None is a model without that part (no latent projection, no
+shared experts), compared as a value where the checkpoint's args hold it: a checkpoint trained
+with --moe-shared-expert-intermediate-size 64 resumed without it loaded and trained on with no
+word, its shared experts dropped (measured: tiny.sh, 1 rank, EP1, exit 0). Any other None is a
+value the args do not say (an older checkpoint's, a plain GPT one's)."""
+
 ACTIVATION_ARGS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
 """The args that set the experts' and dense MLPs' activation (the betas: SiTU's alone)."""
 
@@ -511,12 +518,19 @@ def shape_refusal(load_dir: str, args, saved, flag: str = "--load") -> str | Non
     def name(dest: str) -> str:
         return "the padded vocabulary" if dest == "padded_vocab_size" else flag_for_field(dest)
 
+    def differs(dest: str) -> bool:
+        before, now = getattr(saved, dest, None), getattr(args, dest, None)
+        if dest in NONE_IS_ABSENT and hasattr(saved, dest):
+            return before != now
+        return before is not None and now is not None and before != now
+
+    def value(v) -> str:
+        return "not given" if v is None else str(v)
+
     differ = [
-        f"{name(dest)} {getattr(saved, dest)} (this run: {getattr(args, dest)})"
+        f"{name(dest)} {value(getattr(saved, dest))} (this run: {value(getattr(args, dest))})"
         for dest in SHAPE_ARGS
-        if getattr(saved, dest, None) is not None
-        and getattr(args, dest, None) is not None
-        and getattr(saved, dest) != getattr(args, dest)
+        if differs(dest)
     ]
     if not differ:
         return None
