@@ -5,6 +5,8 @@ its own format, is ``test_resume_units.py``'s."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
@@ -46,3 +48,19 @@ def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
     assert not checkpoint_repair.complete_checkpoint(str(path), "torch")  # created, nothing written
     (path / "mp_rank_00").mkdir()
     assert checkpoint_repair.complete_checkpoint(str(path), "torch")
+
+
+def test_a_tracker_is_read_stripped_and_non_persistent_folders_follow_the_loaded_flag(tmp_path):
+    """A tracker written by hand ends with a newline; the global non-persistent folder is looked
+    for in the folder given (``--pretrained-checkpoint``'s), as Megatron's load does."""
+    from megatron_latentmoe.compat import apply_python311_compat
+
+    apply_python311_compat()  # typing.override, for megatron.training on Python 3.11
+
+    (tmp_path / TRACKER_FILE).write_text("release\n")
+    assert checkpoint_repair.tracker_text(str(tmp_path)) == "release"
+    args = SimpleNamespace(
+        load="/load", non_persistent_ckpt_type="global", non_persistent_global_ckpt_dir=None
+    )
+    assert checkpoint_repair.non_persistent_dir(args, "/pretrained") == "/pretrained/non_persistent"
+    assert checkpoint_repair.non_persistent_dir(args) == "/load/non_persistent"
