@@ -889,6 +889,9 @@ def test_split_check_follows_megatron_split_arithmetic(tmp_path):
         check_split(args(split, paths))
     # a blend with --eval-iters 0: only a split without validation and test parts
     check_split(args("100,0,0", ["0.5", large, "0.5", small], eval_iters=0))
+    check_split(args("98,2,0", [large], eval_iters=0))  # one dataset: sized by the split
+    blend = args("98,2,0", ["0.5", large, "0.5", small], eval_iters=0)
+    check_split(SimpleNamespace(**{**vars(blend), "full_validation": True}))
     with pytest.raises(
         FlagError, match=r"^--data-path with 2 datasets \(a blend\), --eval-iters 0 "
     ):
