@@ -892,6 +892,10 @@ def test_ckpt_step_is_the_checkpoint_judged_as_megatron_loads_it(tmp_path, commo
     assert resume.resumed_checkpoint(root, ckpt_step=4, non_persistent=str(tmp_path / "np")) == (
         f"{root}/iter_0000004"
     )
+    # as new: megatron-core 0.19.2 loads the non-persistent one (non_persistent_iteration >= ...)
+    assert resume.resumed_checkpoint(root, ckpt_step=3, non_persistent=str(tmp_path / "np")) == (
+        f"{tmp_path}/np/iter_0000003"
+    )
     (tmp_path / iteration_dir_name(7)).mkdir()
     (tmp_path / iteration_dir_name(7) / "mp_rank_00").mkdir()  # a legacy torch checkpoint
     assert _format_refusal(root, "torch") is not None  # the tracker's: torch_dist
