@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -49,11 +50,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name, tracker_text
 from megatron_latentmoe.fields import not_allowed
@@ -310,28 +311,33 @@ class HFCheckpointReader:
 # ------------------------------------------------------------------------------ DCP writing
 
 
-class _StreamingSavePlanner(SavePlanner):
-    """Hands DCP's FileSystemWriter one chunk at a time, computed when it is written."""
+DATA_FILE = "__0_0.distcp"
+"""The data file: the name DCP's ``FileSystemWriter`` gives the one file of rank 0."""
 
-    def __init__(self, resolvers: dict):
-        self.resolvers = resolvers
 
-    def set_up_planner(
-        self, state_dict=None, storage_meta=None, is_coordinator: bool = True
-    ) -> None:
-        pass
-
-    def create_local_plan(self) -> SavePlan:  # plans are built by the importer
-        raise NotImplementedError
-
-    def create_global_plan(self, all_plans):
-        raise NotImplementedError
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem):
-        return self.resolvers.pop((write_item.index.fqn, tuple(write_item.index.offset or ())))()
+def _write_data(directory: Path, items: list[WriteItem], resolvers: dict) -> list[WriteResult]:
+    """Write ``items`` into ``DATA_FILE`` one at a time, each computed when it is written by its
+    resolver (``resolvers[(key, offsets)]()``), as DCP's ``FileSystemWriter.write_data``
+    does with ``single_file_per_rank`` (each tensor ``torch.save``d at its offset, each bytes
+    object raw), and free each once written: ``write_data`` keeps every tensor written to a file
+    in a dict until the file is closed (the last chunk of each checkpoint key: all but the
+    routed experts), so the import's memory grew with the checkpoint (measured: +0.30 GiB over
+    a 1.2 GiB checkpoint of 40 layers). Returns the ``WriteResult``s for ``writer.finish``."""
+    results = []
+    with open(directory / DATA_FILE, "wb") as f:
+        for item in items:
+            data = resolvers.pop((item.index.fqn, tuple(item.index.offset or ())))()
+            offset = f.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                f.write(data.getbuffer())
+            else:
+                if data.untyped_storage().nbytes() != data.nbytes:
+                    data = data.clone()  # torch.save writes the whole storage of a view
+                torch.save(data, f)
+            length = f.tell() - offset
+            results.append(WriteResult(item.index, length, _StorageInfo(DATA_FILE, offset, length)))
+            del data  # before the next tensor is read
+    return results
 
 
 def _bytes_of(obj) -> io.BytesIO:
@@ -460,18 +466,14 @@ def _import(
     sub = iteration_dir_name(iteration)
     with atomic_output_dir(output, overwrite) as tmp:
         ckpt = tmp / sub
-        writer = FileSystemWriter(
-            str(ckpt), single_file_per_rank=True, thread_count=1, sync_files=False
-        )
+        writer = FileSystemWriter(str(ckpt), sync_files=False)
         writer.set_up_storage_writer(True)
-        (plan,) = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(items))])
-        planner = _StreamingSavePlanner(resolvers)
+        writer.prepare_local_plan(SavePlan(items))  # creates the directory
         bar = Progress(total, "import", enabled=progress)
         stream = Timer()
         try:
-            fut = writer.write_data(planner.finish_plan(plan), planner)
-            fut.wait()
-            writer.finish(Metadata(state_dict_metadata=state_md), [fut.value()])
+            results = _write_data(ckpt, items, resolvers)
+            writer.finish(Metadata(state_dict_metadata=state_md), [results])
         finally:
             bar.close()
         stream_s = stream.elapsed()

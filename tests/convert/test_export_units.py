@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -669,6 +670,35 @@ def test_import_writes_a_release_save_root(tiny):
     assert len(objects) == 17  # 6 dense linears + 4 experts x 2 linears + the common state
     assert "decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in objects
     assert no_leftovers(tiny.root)
+
+
+def test_import_holds_one_tensor_at_a_time(tiny, tmp_path, monkeypatch):
+    """Each tensor is freed once it is written: DCP's ``FileSystemWriter.write_data`` kept every
+    tensor written to a file until the file was closed (the last of each checkpoint key), so the
+    import's memory grew with the checkpoint."""
+    from megatron_latentmoe.convert import importer
+
+    write = importer._write_data
+    storages, held = [], []
+
+    def tracking(resolve):
+        def tracked():
+            held.append(sum(r() is not None for r in storages))
+            data = resolve()
+            if isinstance(data, torch.Tensor):
+                storages.append(weakref.ref(data.untyped_storage()))
+            return data
+
+        return tracked
+
+    def write_tracked(directory, items, resolvers):
+        return write(directory, items, {k: tracking(f) for k, f in resolvers.items()})
+
+    monkeypatch.setattr(importer, "_write_data", write_tracked)
+    import_checkpoint(tiny.root / "hf", tmp_path / "mg", progress=False)
+    assert len(storages) == N_MEGATRON_TENSORS  # one chunk each (the experts' too)
+    assert max(held) == 0
+    assert [r() for r in storages] == [None] * len(storages)
 
 
 def test_import_at_an_iteration_in_bf16(tiny, tmp_path):
