@@ -588,7 +588,7 @@ def export_checkpoint(
                             bar.update(n)
                             expert_bytes += n if tm.expert is not None else 0
                             summary.tensors += 1
-                del tensors
+                del tensors, read  # the iterator holds the batch too, while the next is read
             writer.close()
         finally:
             bar.close()

@@ -505,6 +505,31 @@ def test_fp16_export_keeps_the_expert_bias_fp32_and_one_read_batch_per_tensor(ti
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"
 
 
+def test_export_frees_each_read_batch_before_reading_the_next(tiny, tmp_path, monkeypatch):
+    """Peak memory is one read batch plus a tensor, not two batches: before the next batch is
+    read, the tensors of a batch are freed but the last one converted (the loop's variables);
+    the iterator over a batch held all of them."""
+    read = DistCheckpointReader.read_locations
+    storages, held = [], []
+
+    def tracking(self, locs):
+        held.append(sum(r() is not None for r in storages))
+        out = read(self, locs)
+        storages.extend(weakref.ref(t.untyped_storage()) for t in out)
+        return out
+
+    monkeypatch.setattr(DistCheckpointReader, "read_locations", tracking)
+    export_checkpoint(
+        tiny.root / "mg",
+        tmp_path / "out",
+        tokenizer_dir=None,
+        read_batch_bytes=16_000,
+        progress=False,
+    )
+    assert (len(held), len(storages)) == (7, N_MEGATRON_TENSORS)  # 28 tensors in 7 batches
+    assert max(held) == 1
+
+
 def test_token_ids_of_a_megatron_training_checkpoint(tiny, tmp_path, monkeypatch):
     """A megatron.training checkpoint (common state: its args, no model description) takes bos /
     eos / pad from the tokenizer it ships; described by ``config_file``, that file's ids stay."""
