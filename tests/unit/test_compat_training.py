@@ -207,6 +207,79 @@ def test_layout_change_load(megatron_training, monkeypatch):
     assert (args.no_load_optim, args.no_load_rng) == (True, False) and not loaded
 
 
+def test_only_a_persistent_saves_error_goes_to_the_save_error_handler(
+    megatron_training, monkeypatch
+):
+    """on_save_error: the error of a ``--save`` checkpoint's save goes to the handler with the
+    iteration, then is re-raised; a non-persistent save's (another folder, not --save's disk)
+    and an interrupt are re-raised without it."""
+    _, mtraining = megatron_training
+    failure, handled = OSError(28, "No space left on device"), []
+
+    def save_checkpoint(iteration, *a, **kw):
+        raise failure
+
+    monkeypatch.setattr(mtraining, "save_checkpoint", save_checkpoint)
+    ctraining.begin_run()
+    ctraining.on_save_error(lambda err, iteration: handled.append((err, iteration)))
+    for kw, seen in (({}, [(failure, 4)]), ({"non_persistent_ckpt": True}, [])):
+        with pytest.raises(OSError) as raised:
+            mtraining.save_checkpoint(4, "model", **kw)
+        assert raised.value is failure and handled == seen, kw
+        handled.clear()
+    failure = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        mtraining.save_checkpoint(4, "model")
+    assert handled == []
+
+
+def test_a_distributed_checkpoint_is_loaded_in_its_format_and_the_run_saves_in_its_own(
+    megatron_training, monkeypatch
+):
+    """load_distributed_checkpoint_as_such: inside Megatron's load, from the detection (its
+    first ``_load_base_checkpoint``) on, ``ckpt_format`` is torch_dist for a distributed
+    checkpoint (the state dict is built from it), the run's (torch) for a legacy one; afterwards
+    the run's again, after a failed load too; outside a load (``load_args_from_checkpoint``) it
+    is left alone."""
+    import megatron.training.checkpointing as checkpointing
+
+    _, mtraining = megatron_training
+    args = types.SimpleNamespace(ckpt_format="torch")
+    found, seen = [], []
+
+    def load_base_checkpoint(load_dir, args, rank0=False, **kw):
+        return {}, "iter_0000003", False, found[0]
+
+    def load_checkpoint(model, *a, **kw):
+        checkpointing._load_base_checkpoint("ck", args, rank0=True)  # the detection
+        seen.append(args.ckpt_format)  # what Megatron builds the state dict from
+        checkpointing._load_base_checkpoint("ck", args, rank0=False)
+        if model == "broken":
+            raise RuntimeError("torn checkpoint")
+        return 3, 0
+
+    monkeypatch.setattr(checkpointing, "_load_base_checkpoint", load_base_checkpoint)
+    monkeypatch.setattr(mtraining, "load_checkpoint", load_checkpoint)
+    ctraining.begin_run()
+    ctraining.load_distributed_checkpoint_as_such(args)
+    kind = checkpointing.CheckpointType
+    for found[:], model, during in (
+        ([kind.GLOBAL], "model", "torch_dist"),
+        ([kind.LOCAL], "model", "torch_dist"),
+        ([kind.LEGACY], "model", "torch"),
+        ([kind.GLOBAL], "broken", "torch_dist"),
+    ):
+        if model == "broken":
+            with pytest.raises(RuntimeError, match="torn checkpoint"):
+                mtraining.load_checkpoint(model, "opt", "sched")
+        else:
+            assert mtraining.load_checkpoint(model, "opt", "sched") == (3, 0)
+        assert (seen.pop(), args.ckpt_format) == (during, "torch"), found
+    found[:] = [kind.GLOBAL]
+    checkpointing._load_base_checkpoint("ck", args, rank0=True)
+    assert args.ckpt_format == "torch"
+
+
 def test_optional_checkpoint_keys_absent_from_the_checkpoint_are_skipped(
     megatron_training, monkeypatch
 ):
