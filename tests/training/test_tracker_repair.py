@@ -213,6 +213,12 @@ def test_the_non_persistent_folders_are_tested_in_the_format_they_are_saved_in(t
     repair_non_persistent_checkpoints(args)
     assert tracker.read_bytes() == b"4"
     assert sorted(os.listdir(tracker.parent)) == [iteration_dir_name(4), TRACKER_FILE]
+    # a torch_dist run (--auto-detect-ckpt-format or not) on them: megatron-core 0.19.2 loads a
+    # non-persistent checkpoint as torch_dist alone ("CheckpointingException: Checkpoint
+    # directory None does not exist" for this one), so none is complete: the tracker goes
+    args.ckpt_format = "torch_dist"
+    repair_non_persistent_checkpoints(args)
+    assert sorted(os.listdir(tracker.parent)) == [iteration_dir_name(4)]
 
 
 def test_no_non_persistent_tracker_is_touched_where_megatron_reads_none(tmp_path):
@@ -488,14 +494,22 @@ def test_a_cut_save_tracker_names_a_complete_checkpoint_of_another_format(tmp_pa
 
 
 def test_the_folder_the_tracker_names_is_left_to_the_load_checks(tmp_path):
-    """``--save`` is ``--load``: the tracker is ``--load``'s repair's; a folder it names is not
-    removed (the load checks judge it), another unfinished one is."""
+    """``--save`` is ``--load``: the tracker is ``--load``'s repair's, in the run's format; a
+    folder it names is not removed (the load checks judge it), another unfinished one is, and a
+    complete checkpoint of another format (torch_dcp in a torch_dist run) does not make it name
+    that one, as a repair in every format would."""
     save = tmp_path / "save"
     for i in (4, 6):
         (save / iteration_dir_name(i)).mkdir(parents=True)
+    _dcp_save(save, 2, torch_dist=False)
     (save / TRACKER_FILE).write_text("4")
+    assert repair_checkpoint_tracker(str(save), "torch_dist") is None  # --load's: left
     repair_save_folder(_save_args(tmp_path, load=str(save)))
-    assert sorted(p.name for p in save.iterdir()) == [iteration_dir_name(4), TRACKER_FILE]
+    assert sorted(p.name for p in save.iterdir()) == [
+        iteration_dir_name(2),
+        iteration_dir_name(4),
+        TRACKER_FILE,
+    ]
     assert (save / TRACKER_FILE).read_text() == "4"
 
 
