@@ -1093,6 +1093,46 @@ def test_a_transformer_config_check_names_the_flags_of_its_fields():
     ), message
 
 
+def test_a_config_check_names_the_deprecated_flag_given_and_a_pipeline_check_the_split():
+    """A TransformerConfig check naming ``moe_router_padding_for_quantization`` names
+    ``--moe-router-padding-for-fp8`` where that deprecated flag set the field (megatron-core
+    0.19.2's ``__post_init__``), the field's own flag where that was given; a check whose text
+    is about pipeline stages (raised outside ``pipeline_parallel_layer_layout``) names the flags
+    of the pipeline split."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.training.megatron_refusals import megatron_config_refusal
+
+    def refusal(args, text):
+        try:
+            raise ValueError(text)
+        except ValueError as err:
+            return megatron_config_refusal(args, err)
+
+    padding = "fp8/fp4 must be specified when moe_router_padding_for_quantization is True."
+    for fp8, quantization, given in (
+        (True, False, "--moe-router-padding-for-fp8"),
+        (False, True, "--moe-router-padding-for-quantization"),
+    ):
+        args = SimpleNamespace(
+            moe_router_padding_for_fp8=fp8, moe_router_padding_for_quantization=quantization
+        )
+        assert refusal(args, padding) == (
+            f"{padding} (moe_router_padding_for_quantization: {given})"
+        )
+    args = SimpleNamespace(num_layers=7, pipeline_model_parallel_size=4)
+    args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = 1
+    middle = (  # its text, as megatron-core 0.19.2 spells it
+        "number of layers at middle stage: 5 must be divisible bythe middle pipeline model "
+        "parallel size 2"
+    )
+    assert refusal(args, middle) == (
+        "--num-layers 7 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+        "--decoder-last-pipeline-num-layers 1: Megatron's TransformerConfig refused this "
+        f"pipeline split: {middle}"
+    )
+
+
 def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
     """Megatron's ``validate_args`` sets ``--expert-tensor-parallel-size`` to the tensor-parallel
     size when it is not given: EP 4 x ETP (TP) 2 x PP 1 = 8 does not divide 4 processes."""
