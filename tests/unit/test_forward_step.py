@@ -505,7 +505,10 @@ def test_every_rank_builds_its_datasets(monkeypatch, mock_data):
         tokenizer_model="/tok",
         vocab_file=None,
         vocab_size=None,
-        padded_vocab_size=4224,
+        padded_vocab_size=4352,  # a checkpoint's (--use-checkpoint-args), saved at TP 2
+        make_vocab_size_divisible_by=128,  # this run pads 4100 to 4224: not what the model has
+        tensor_model_parallel_size=1,
+        rank=0,
     )
     tokenizer = SimpleNamespace(vocab_size=4100)
     monkeypatch.setattr(megatron.training, "get_args", lambda: args)
@@ -520,7 +523,7 @@ def test_every_rank_builds_its_datasets(monkeypatch, mock_data):
         type=dataset_type, sizes=[8, 2, 1], on_rank=True, config=("config", tokenizer)
     )
     # the ids the batches of these datasets may hold: the tokenizer's (get_batch checks them)
-    assert (fs._VOCABULARY.size, fs._VOCABULARY.padded) == (4100, 4224)
+    assert (fs._VOCABULARY.size, fs._VOCABULARY.padded) == (4100, 4352)
     assert fs._VOCABULARY.tokenizer == "HuggingFaceTokenizer /tok"
     assert fs._DATA == ("the data" if mock_data else "--data-path /data/corpus")
     assert fs.train_valid_test_datasets_provider.is_distributed is True
