@@ -228,7 +228,7 @@ def load_distributed_checkpoint_as_such(args) -> None:
 
     def _load_base_checkpoint(*a, **kw):
         result = original_base(*a, **kw)
-        if loading and kw.get("rank0") and result[3] in distributed:
+        if loading and result[3] in distributed:
             args.ckpt_format = "torch_dist"
         return result
 
