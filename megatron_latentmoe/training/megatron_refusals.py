@@ -200,8 +200,7 @@ def megatron_refusal(args, err: Exception) -> str:
         "eval_global_batch_size" in str(err)
         and args.eval_global_batch_size == batch
         and args.eval_micro_batch_size == micro
-        and batch % (micro * dp)
-    ):  # the eval sizes were not given: they are the training ones
+    ):  # the eval sizes were not given: the assert refused the training ones
         return (
             f"--global-batch-size {batch} is not allowed with --micro-batch-size {micro} x "
             f"{dp} data-parallel ranks (WORLD_SIZE={args.world_size} / the model-parallel "
