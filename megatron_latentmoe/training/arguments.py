@@ -583,6 +583,29 @@ def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
             "checkpoint in --save whose iteration the last non-persistent save followed; allowed: "
             "one of the two"
         )
+    interval = getattr(args, "non_persistent_save_interval", None)
+    if (
+        interval
+        and getattr(args, "non_persistent_ckpt_type", None) == "global"
+        and args.ckpt_format != "torch_dist"
+    ):
+        # megatron-core 0.19.2 saves a global non-persistent checkpoint in --ckpt-format and
+        # loads one only as torch_dist (_load_global_dist_base_checkpoint): with torch a bare
+        # AssertionError at its first non-persistent save (CPU, one rank, measured); a torch_dcp
+        # one (fsdp_dtensor: the same torch DCP save) fails the resume with "CheckpointingException:
+        # LOAD/non_persistent/iter_N is not a distributed checkpoint" (Megatron's load of one,
+        # measured on CPU; the same folder as a persistent checkpoint loads)
+        failure = (
+            "fails at its first non-persistent save"
+            if args.ckpt_format == "torch"
+            else f"saves them in {args.ckpt_format} and loads them only as torch_dist, so a "
+            "resume from one fails"
+        )
+        raise FlagError(
+            f"--non-persistent-save-interval {interval} with --non-persistent-ckpt-type global "
+            f"is not allowed with --ckpt-format {args.ckpt_format}: megatron-core 0.19.2 "
+            f"{failure}; allowed: --ckpt-format torch_dist, or no --non-persistent-save-interval"
+        )
     if not args.async_save:
         return
     if args.ckpt_format == "torch":

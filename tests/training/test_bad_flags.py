@@ -402,6 +402,29 @@ CASES = {
         ],
         ["--save-retain-interval 20 is not allowed with --non-persistent-ckpt-type global"],
     ),
+    # before: Megatron loads a global non-persistent checkpoint only as torch_dist; a torch_dcp
+    # one failed the resume ("... is not a distributed checkpoint"); on CPU validate_args'
+    # "--ckpt-format torch_dcp is only tested with FSDP" came first (with a GPU and FSDP2: none)
+    "global_non_persistent_saves_in_torch_dcp": (
+        ["--ckpt-format", "torch_dcp", "--save-interval", "4"]
+        + ["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global"],
+        [
+            "--non-persistent-save-interval 2 with --non-persistent-ckpt-type global is not "
+            "allowed with --ckpt-format torch_dcp: megatron-core 0.19.2 saves them in torch_dcp "
+            "and loads them only as torch_dist, so a resume from one fails; allowed: "
+            "--ckpt-format torch_dist, or no --non-persistent-save-interval"
+        ],
+    ),
+    "global_non_persistent_saves_in_torch": (  # else an AssertionError at that save, mid-run
+        ["--ckpt-format", "torch", "--save-interval", "4"]
+        + ["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global"],
+        [
+            "--non-persistent-save-interval 2 with --non-persistent-ckpt-type global is not "
+            "allowed with --ckpt-format torch: megatron-core 0.19.2 fails at its first "
+            "non-persistent save; allowed: --ckpt-format torch_dist, or no "
+            "--non-persistent-save-interval"
+        ],
+    ),
     # before: Megatron's "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than
     # one"; with it set, a TypeError traceback at the model's FSDP2 wrapping
     "torch_fsdp2_without_a_gpu": (
