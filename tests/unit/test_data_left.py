@@ -83,6 +83,13 @@ def test_a_plain_resume_past_this_runs_training_data_is_refused():
     )
     resumed = _data_args(iteration=16, train_iters=20, consumed_valid_samples=0)
     assert data_left.data_left_refusal(resumed, 160, None) is None  # 128 + 32: sized for 160
+    # a resume that reads nothing more still needs its offset inside the data: Megatron's
+    # sampler asserts offset < length ("no samples left to consume: 128, 128")
+    ended = _data_args(iteration=16, train_iters=16, consumed_valid_samples=0)
+    assert "reads 0 more, but this run's training data holds 128 samples" in (
+        data_left.data_left_refusal(ended, 128, None)
+    )
+    assert data_left.data_left_refusal(ended, 129, None) is None
 
 
 def test_a_release_whose_evaluated_samples_pass_the_validation_data_is_refused():
@@ -99,6 +106,7 @@ def test_a_release_whose_evaluated_samples_pass_the_validation_data_is_refused()
         f"consume'; {RELEASE_WAYS}"
     )
     assert data_left.data_left_refusal(args, 99, 129) is None
+    assert "validation data holds 128 samples" in data_left.data_left_refusal(args, 99, 128)
     assert data_left.data_left_refusal(args, 99, None) is None
     assert data_left.data_left_refusal(_data_args(full_validation=True), 9999, 113) is None
 
@@ -119,6 +127,10 @@ def test_the_datasets_provider_refuses_datasets_that_cannot_serve_the_offset(mon
     assert checked([136, 1, 0]) == ([0] * 136, [0], None)  # 128 + 8 samples: fits
     with pytest.raises(data_left.DataLeftError, match="training data holds 135 samples"):
         checked([135, 1, 0])
+    # --multiple-validation-sets: a list of validation datasets, not one of 1 sample
+    args.consumed_valid_samples = 128
+    listed = data_left.checks_data_left(lambda n: ([0] * n[0], [[0] * n[1]], None))
+    assert listed([136, 1, 0]) == ([0] * 136, [[0]], None)
 
 
 def test_a_phase_is_checked_for_its_validation_data_not_its_training_offset():
@@ -129,6 +141,11 @@ def test_a_phase_is_checked_for_its_validation_data_not_its_training_offset():
     phase = _data_args(iteration=16, train_iters=32, phase_transition_iterations=[16, 24])
     assert data_left.data_left_refusal(phase, 64, 200) is None  # training: the phase's 64 of 64
     assert "validation data holds 113 samples" in data_left.data_left_refusal(phase, 64, 113)
+    # the transition at the loaded iteration is behind it (Megatron checks its transitions
+    # after each step): the run exits at 24, evaluating 2 x 16 at 20 and 24, 128 + 32 of 160
+    phase.eval_iters = 2
+    assert data_left.data_left_refusal(phase, 64, 160) is None
+    assert "evaluates 32 more (2 evaluations" in data_left.data_left_refusal(phase, 64, 159)
 
 
 def test_cyclic_and_external_data_loaders_are_not_checked():
@@ -169,6 +186,10 @@ def test_validation_data_that_runs_out_in_the_middle_of_an_evaluation_is_refused
     exits = _data_args(train_iters=8, consumed_train_samples=0, eval_iters=2, exit_interval=4)
     assert data_left.data_left_refusal(exits, 999, 144) is None
     assert "evaluates 16 more (1 evaluation of" in data_left.data_left_refusal(exits, 999, 143)
+    # --exit-interval 8 = --train-iters: it exits at 8 too, with no final evaluation: 32
+    exits.exit_interval = 8
+    assert data_left.data_left_refusal(exits, 999, 160) is None
+    assert "evaluates 32 more (2 evaluations" in data_left.data_left_refusal(exits, 999, 159)
     # --eval-iters 0 or --full-validation: nothing read past the offset
     assert data_left.data_left_refusal(_data_args(train_iters=8, eval_iters=0), 999, 129) is None
     full = _data_args(train_iters=8, eval_iters=2, full_validation=True)
