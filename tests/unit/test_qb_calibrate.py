@@ -323,6 +323,24 @@ def test_a_layers_solve_sets_its_bias_and_counts_its_unpadded_tokens():
     assert result.best_iter == history.index(min(history)) > 0
 
 
+def test_the_best_iterate_is_kept_and_reported_not_the_last():
+    """On one batch the damped updates reach their lowest MaxVio before the last update and
+    route worse after it: the layer keeps that best iterate's bias and reports its MaxVio and
+    update number, not the last iterate's (nor the last that beat the start)."""
+    from types import SimpleNamespace
+
+    scores = _scores(1)
+    hist = CenteredQuantileHistogram(N, K, num_bins=1000)
+    router = SimpleNamespace(layer_number=1, qb_histogram=hist, expert_bias=torch.zeros(N))
+    result = QBCalibration._solve(router, [(scores, None)], None)
+    _, history = calibrate_bias(
+        CenteredQuantileHistogram(N, K, num_bins=1000), torch.zeros(N), [(scores, None)]
+    )
+    assert min(history) < history[-1] < history[0]  # the premise: the last is not the best
+    assert result.max_vio_after == min(history) == _max_vio(scores, router.expert_bias)
+    assert result.best_iter == history.index(min(history)) < QB_CALIBRATION_ITERS
+
+
 def test_rescoring_defaults_and_a_run_resumed_past_its_window(monkeypatch):
     """One solve per rescored step by default; a run resumed past the window neither defers the
     step end nor keeps the batches; a pipeline stage without a QB router (dense layers only)
