@@ -185,7 +185,6 @@ class BalanceLogger:
             group = self._dp_group()
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(loss, group=group)
-            table[-1, 0] = 1
             table[-1, 1:3] = loss
         self._loss = None
         group = self._pp_group()
