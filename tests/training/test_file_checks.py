@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from megatron_latentmoe.checkpoint_layout import TRACKER_FILE, iteration_dir_name
 
 from . import dcp_checkpoint, mounted_tmpfs
@@ -233,3 +235,54 @@ def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(
     both = erofs(jsonl)
     both.__context__ = OSError(errno.ENOSPC, "No space left on device", jsonl)
     assert write_disk_failure_error(both, folders).startswith(f"the disk filled up writing {jsonl}")
+
+
+def test_a_full_disk_whose_error_lost_the_enospc_is_told_by_the_disk(tmp_path):
+    """megatron-core's DCP writer keeps only the error's type: a save's error without ENOSPC on
+    a disk with no block left (``statvfs``'s ``f_bavail``; a real full tmpfs) is a full disk."""
+    import errno
+
+    from megatron_latentmoe.training.file_checks import disk_failure
+
+    lost = RuntimeError("Worker failure: An error is caught while starting worker 0, error: ...")
+    with mounted_tmpfs(tmp_path / "full", "size=64k") as full:
+        with pytest.raises(OSError) as filled, open(full / "fill", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        assert filled.value.errno == errno.ENOSPC and os.statvfs(full).f_bavail == 0
+        assert disk_failure(lost, str(full)) == errno.ENOSPC
+
+
+def test_the_ranks_agree_on_a_save_disk_failure_a_full_disk_first(tmp_path, monkeypatch):
+    """A ``CheckpointException`` reaches every rank: they agree (one MAX all-reduce) and a full
+    disk wins over a read-only one seen elsewhere; rank 0 says it, every rank waits in the
+    barrier. Another error is this rank's alone: a rank other than 0 leaves it (re-raised)."""
+    import errno
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_latentmoe.training import file_checks
+
+    lines, calls = [], []
+    monkeypatch.setattr(file_checks, "error", lines.append)
+    monkeypatch.setattr(file_checks, "disk_failure", lambda err, save: errno.EROFS)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    # this rank saw a read-only disk, another rank a full one
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda flags, op: flags.fill_(1))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setenv("RANK", "0")
+    args = SimpleNamespace(save=str(tmp_path), ckpt_format="torch_dist")
+    with pytest.raises(file_checks.SaveDiskFailure):
+        file_checks.stop_if_save_disk_failed(args, CheckpointException("write", {}), 2)
+    assert len(lines) == 1 and calls == ["barrier"]
+    assert lines[0].startswith(
+        f"--save {tmp_path}: the disk filled up while saving the checkpoint of iteration 2 ("
+    ), lines
+
+    monkeypatch.setenv("RANK", "1")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert file_checks.stop_if_save_disk_failed(args, full, 2) is None
+    assert len(lines) == 1 and calls == ["barrier"]
