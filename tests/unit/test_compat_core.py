@@ -59,6 +59,10 @@ def test_distributed_optimizer_state_dict_reads_the_step_once_adam_stepped(core_
     stand-in must be gone)."""
     opt, params = _distributed_optimizer(steps=0)
     assert [g["step"] for g in opt.state_dict()["optimizer"]["param_groups"]] == [0.0]
+    # a save reads each parameter's state through the defaultdict: an empty entry, still fresh
+    # (an --fp16 run whose steps the loss scaler all skipped failed its second save)
+    assert opt.optimizer.state[params[0]] == {}
+    assert [g["step"] for g in opt.state_dict()["optimizer"]["param_groups"]] == [0.0]
     for p in params:
         p.grad = torch.ones_like(p)
     opt.optimizer.step()

@@ -85,6 +85,13 @@ def test_a_batch_with_an_id_outside_the_vocabulary_is_refused(monkeypatch, key):
         "(HuggingFaceTokenizer /tok) has 300 ids (allowed: 0..299; the embedding's rows "
         "300..383 are padding): the dataset was made with another tokenizer. Remake it."
     )
+    # CP 2: the id sits in CP rank 1's share (position 3); rank 0 refuses the batch alike
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: object())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda g=None: 0)
+    with pytest.raises(fs.OutOfVocabularyError, match="holds token id 300"):
+        get_batch(batch, pre_process=True)
     fs.set_vocabulary(None)
     get_batch(batch, pre_process=True)  # not checked
 
