@@ -286,3 +286,30 @@ def test_the_ranks_agree_on_a_save_disk_failure_a_full_disk_first(tmp_path, monk
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert file_checks.stop_if_save_disk_failed(args, full, 2) is None
     assert len(lines) == 1 and calls == ["barrier"]
+
+
+def test_a_checkpoint_of_bf16_weights_counts_adams_fp32_main_weights():
+    """:func:`checkpoint_bytes` with Adam: fp32 weights save two fp32 moments per trained
+    weight (in their ``--exp-avg(-sq)-dtype``); bf16 weights also fp32 main weights (three);
+    ``--no-save-optim`` the weights alone."""
+    import torch
+
+    from megatron_latentmoe.convert import ModelArch
+    from megatron_latentmoe.training.file_checks import checkpoint_bytes
+    from tests.convert._workers import TEST_ARCH
+
+    args = ModelArch(**TEST_ARCH).megatron_args_namespace()
+    args.optimizer = "adam"
+    sizes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for no_save_optim in (False, True):
+            args.params_dtype, args.no_save_optim = dtype, no_save_optim
+            sizes[dtype, no_save_optim] = checkpoint_bytes(args)
+    trained = (sizes[torch.float32, True] - sizes[torch.bfloat16, True]) // 2  # 4 - 2 bytes each
+    assert trained > 0
+    assert sizes[torch.float32, False] - sizes[torch.float32, True] == 8 * trained
+    assert sizes[torch.bfloat16, False] - sizes[torch.bfloat16, True] == 12 * trained
+    # --exp-avg-dtype / --exp-avg-sq-dtype bf16: the moments in 2 bytes each
+    args.params_dtype, args.no_save_optim = torch.float32, False
+    args.exp_avg_dtype = args.exp_avg_sq_dtype = torch.bfloat16
+    assert checkpoint_bytes(args) - sizes[torch.float32, True] == 4 * trained
