@@ -207,7 +207,7 @@ class BalanceLogger:
                 continue
             entry = {"layer": index + 1}
             entry.update((key, cast(row[c])) for c, (key, cast) in enumerate(_METRICS, 1))
-            if with_loads and table.shape[1] > _FIXED_COLUMNS:
+            if with_loads:
                 entry["loads"] = [int(x) for x in row[_FIXED_COLUMNS:].tolist()]
             layers.append(entry)
         loss_sum, loss_count = float(table[-1, 1]), float(table[-1, 2])
