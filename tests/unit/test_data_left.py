@@ -174,6 +174,13 @@ def test_validation_data_that_runs_out_in_the_middle_of_an_evaluation_is_refused
         "every rank with a StopIteration in the evaluation that reaches its end; "
         f"{RELEASE_WAYS}"
     )
+    # --eval-global-batch-size 4 (Megatron's evaluation batch): 3 x 2 x 4 = 24 of 152
+    halved = _data_args(train_iters=8, consumed_train_samples=0, eval_iters=2)
+    halved.eval_global_batch_size = 4
+    assert data_left.data_left_refusal(halved, 999, 152) is None
+    assert "evaluates 24 more (3 evaluations of --eval-iters 2 x 4 samples)" in (
+        data_left.data_left_refusal(halved, 999, 151)
+    )
     # a resume of iteration 4: the evaluations at 8 and after the loop
     resumed = _data_args(iteration=4, train_iters=8, consumed_train_samples=0, eval_iters=2)
     assert data_left.data_left_refusal(resumed, 999, 160) is None
