@@ -99,3 +99,34 @@ def test_config_overrides_apply(mx, how):
     # a config given as a path is read like the folder's own
     by_path = _load(how, folder, config=str(folder / "config.json"))
     assert len(by_path.model.layers) == 3 and torch.equal(_logits(by_path), want)
+
+
+@pytest.mark.parametrize("how", ["auto", "class"])
+def test_the_dtype_asked_for_applies(mx, how):
+    """``dtype=torch.bfloat16``: the experts dequantize straight into bf16 like every other
+    weight; the router's QB bias stays fp32."""
+    folder, want = mx
+    model = _load(how, folder, dtype=torch.bfloat16)
+    block = model.model.layers[1].block_sparse_moe
+    assert model.dtype == block.experts[0].w1.weight.dtype == torch.bfloat16
+    assert block.gate.e_score_correction_bias.dtype == torch.float32
+    got = _logits(model).float()
+    assert (got - want).norm() / want.norm() < 0.05
+
+
+def test_only_the_mxfp4_format_is_dequantized_on_load():
+    """Another ``quantization_config`` (another compressed-tensors format, say) goes to
+    transformers' own quantizer: dropping it would load its packed weights as plain ones."""
+    from megatron_latentmoe.hf.modeling_stable_latentmoe import _is_mxfp4_experts
+
+    class AsObject:  # what transformers holds once it parsed config.json
+        def __init__(self, d):
+            self.d = d
+
+        def to_dict(self):
+            return self.d
+
+    ours = mxfp4.quantization_config()
+    other = {**ours, "format": "float-quantized"}
+    assert _is_mxfp4_experts(ours) and _is_mxfp4_experts(AsObject(ours))
+    assert not any(map(_is_mxfp4_experts, (other, AsObject(other), None, {})))

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from transformers import DataCollatorWithFlattening  # noqa: E402
-from transformers.cache_utils import StaticCache  # noqa: E402
+from transformers.cache_utils import DynamicCache, StaticCache  # noqa: E402
 
 from megatron_latentmoe.hf import StableLatentMoEForCausalLM, copy_remote_code  # noqa: E402
 from megatron_latentmoe.hf import modeling_stable_latentmoe as modeling  # noqa: E402
@@ -525,13 +525,21 @@ def test_attention_dropout_applies_in_training_only(impl):
 
 
 def test_checkpointing_drops_the_cache_only_when_gradients_are_recorded():
-    """Training with gradient checkpointing returns no cache (recomputation cannot refill it);
-    without checkpointing, or under no_grad in train mode, or in eval mode, there is one."""
+    """Training with gradient checkpointing returns no cache (recomputation cannot refill it) and
+    leaves a cache passed in as it was; without checkpointing, or under no_grad in train mode, or
+    in eval mode, there is one."""
     model = make_model("sdpa").train()
     ids = torch.randint(3, model.config.vocab_size, (2, 5))
     assert modeling._cache_of(model(ids, use_cache=True)).get_seq_length() == 5
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert modeling._cache_of(model(ids, use_cache=True)) is None
+    given = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :3], cache=given, use_cache=True)
+        plain = model(ids, use_cache=False).logits
+    out = model(ids, cache=given, use_cache=True)  # the cache passed in is set aside: unused
+    assert modeling._cache_of(out) is None and given.get_seq_length() == 3
+    torch.testing.assert_close(out.logits, plain, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         assert modeling._cache_of(model(ids, use_cache=True)).get_seq_length() == 5
     model.eval()

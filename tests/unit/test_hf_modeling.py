@@ -631,6 +631,9 @@ def test_record_routing_on_the_model():
     rec = model.model.recorded_routing()
     assert sorted(rec) == [1, 2]
     assert all(r.topk_indices.shape == (10, 2) for r in rec.values())
+    model.model.set_record_routing(False)  # stops recording and drops the routing kept
+    model(torch.randint(0, cfg.vocab_size, (2, 5)), use_cache=False)
+    assert model.model.recorded_routing() == {1: None, 2: None}
 
 
 def _save_with_code(model, path: Path) -> None:
