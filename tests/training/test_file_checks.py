@@ -181,6 +181,18 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
         "--data-cache-path a folder on a larger disk"
     )
     assert write_disk_failure_error(enospc("/elsewhere/f"), folders).endswith("; free space there")
+    sibling = str(tmp_path / "ckpt-old" / "f")  # next to --save's folder, not in it
+    assert write_disk_failure_error(enospc(sibling), folders).endswith("; free space there")
+    copy = OSError(errno.ENOSPC, "No space left on device", "/src/f", None, jsonl)
+    assert write_disk_failure_error(copy, folders).startswith(f"the disk filled up writing {jsonl}")
+    nested = [("--tensorboard-dir", str(runs)), ("--data-cache-path", str(runs / "cache"))]
+    assert write_disk_failure_error(enospc(str(runs / "cache" / "x.npy")), nested).endswith(
+        "give --data-cache-path a folder on a larger disk"  # the innermost folder's flag
+    )
+    loop = RuntimeError("outer")
+    loop.__cause__ = RuntimeError("inner")
+    loop.__cause__.__context__ = loop  # a chain that comes back on itself: no RecursionError
+    assert write_disk_failure_error(loop, folders) is None
     # TensorBoard's writer thread: no file name; the folder on a full disk is named
     real = shutil.disk_usage
 
@@ -201,13 +213,16 @@ def test_a_full_disk_outside_a_save_is_one_line_naming_the_file_and_its_flag(tmp
     assert write_disk_failure_error(ValueError("x"), folders) is None
 
 
-def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(tmp_path):
+def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(
+    tmp_path, monkeypatch
+):
     """EROFS out of a write (ext4 ``errors=remount-ro`` after a disk error: a traceback before;
     the real one under tools/preprocess_data.py: tests/unit/test_data.py): the file the error
     names, with the flag that moves it, or the caller's folder it knows was ``written``;
     ``statvfs`` cannot tell which folder (ext4's ``emergency_ro`` keeps ``ST_RDONLY`` off), so
     a nameless one of a run is no folder's. A full disk wins where the error holds both."""
     import errno
+    import shutil
 
     from megatron_latentmoe.files import write_disk_failure_error
 
@@ -228,10 +243,14 @@ def test_a_file_system_turned_read_only_is_one_line_naming_the_file_or_its_flag(
         "checked (the kernel log says why), remount it read-write or give --save a folder on "
         "another disk"
     )
-    assert write_disk_failure_error(erofs(), folders) == (
+    nameless = (
         "the file system turned read-only writing a file of the run (the error names none); "
         "once the disk is checked (the kernel log says why), remount it read-write"
     )
+    assert write_disk_failure_error(erofs(), folders) == nameless
+    full = shutil.disk_usage(tmp_path)._replace(free=0)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    assert write_disk_failure_error(erofs(), folders) == nameless  # a full disk is no clue
     both = erofs(jsonl)
     both.__context__ = OSError(errno.ENOSPC, "No space left on device", jsonl)
     assert write_disk_failure_error(both, folders).startswith(f"the disk filled up writing {jsonl}")
