@@ -466,7 +466,7 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
                 f"moe_layer_freq={freq!r} is not allowed: 1 or [0] * k + [1] * (2 - k) "
                 "(num_layers=2): only the first layers may be dense, as in the HF model",
             )
-            for freq in ([1, 0], 2)
+            for freq in ([1, 0], 2, [0, 0])
         ),
     ],
 )

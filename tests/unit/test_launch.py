@@ -191,6 +191,18 @@ def test_no_error_file_without_torchrun(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_file_that_cannot_be_written_leaves_nothing_and_raises_nothing(
+    tmp_path, monkeypatch
+):
+    """torchrun's ``<N/A>`` then: no traceback over the rank's one line, no temporary left."""
+    for path in (tmp_path / "gone" / "error.json", tmp_path / "a_folder"):  # open, rename fail
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        (tmp_path / "a_folder").mkdir(exist_ok=True)
+        error_file.tell_launcher("refused")
+    assert [p.name for p in tmp_path.iterdir()] == ["a_folder"]
+    assert list((tmp_path / "a_folder").iterdir()) == []
+
+
 def test_a_line_said_first_stays_when_the_rank_then_stops_because_of_a_peer(tmp_path, monkeypatch):
     """Rank 0 said its save's full disk, then a peer went away in the ranks' barrier: the
     peer-stopped line (marked, stamped at the end of its second) replaced the cause before."""
