@@ -313,6 +313,19 @@ def test_checkpoint_tensors_must_be_floating_point(tiny, monkeypatch):
     )
 
 
+def test_a_router_without_expert_bias_is_not_counted_as_a_located_tensor(tiny, monkeypatch):
+    """The count match_checkpoint returns (the export summary's megatron_tensors) is of the
+    tensors the checkpoint stores: a router trained without an expert bias has none (its HF bias
+    is written as zeros, not read)."""
+    reader = DistCheckpointReader(tiny.root / "mg")
+    keys = reader.model_keys
+    monkeypatch.setattr(
+        reader, "model_keys", lambda: [k for k in keys() if not k.endswith(".expert_bias")]
+    )
+    aux = ModelArch(**dict(TINY, moe_router_load_balancing_type="aux_loss"))
+    assert match_checkpoint(reader, aux, "ck") == N_MEGATRON_TENSORS - 1  # the one MoE layer's
+
+
 def test_read_batches_fill_up_to_the_budget():
     def maps(*numels):
         return [SimpleNamespace(name=i, numel=lambda n=n: n) for i, n in enumerate(numels)]
