@@ -959,6 +959,13 @@ def test_import_refuses_hf_directories_that_do_not_match_their_config(tmp_path):
         "  missing tensor 'model.embed_tokens.weight'",
         "  missing tensor 'model.layers.0.input_layernorm.weight'",
     ]
+    shapes = dict(hf for tm in iter_tensor_maps(arch) for hf in tm.hf)
+    kept = {name: torch.zeros(shape) for name, shape in list(shapes.items())[11:]}
+    save_file({**kept, "x": torch.zeros(1)}, str(hf / "model.safetensors"))
+    with pytest.raises(ConversionError) as info:
+        import_checkpoint(hf, tmp_path / "mg", progress=False)
+    lines = str(info.value).splitlines()  # 11 missing + 1 unexpected: all shown, no "0 more"
+    assert len(lines) == 1 + 12 and lines[-1].startswith("  unexpected tensor(s)")
     (hf / INDEX_FILE).write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
     _import_fails(
         hf,
