@@ -344,15 +344,18 @@ def test_picture_shows_the_first_and_the_last_window(tmp_path, monkeypatch):
 
 
 def test_a_layer_entry_missing_a_field_is_left_out_of_the_picture(tmp_path, monkeypatch):
-    """A hand-edited or foreign line: a layer without max_vio or without its number, loads that
-    are not numbers, "layers" that is not a list. The rest is drawn (no KeyError): each layer's
-    thin MaxVio line has the iterations that carry its max_vio."""
+    """A hand-edited or foreign line: a layer without max_vio, with a text there or without its
+    number, loads that are not numbers, "layers" that is not a list. The rest is drawn (no
+    KeyError, no TypeError): each layer's thin MaxVio line has the iterations that carry its
+    max_vio as a number."""
     pytest.importorskip("matplotlib")
     records = [_record(1, 2.5, 1), _record(2, 0.8, 0), _record(3, 1.2, 2), _record(4, 0.5, 0)]
     del records[1]["layers"][0]["max_vio"]
     records[2]["layers"].append({"max_vio": 7.0, "loads": [1, 1, 1, 1]})  # no layer number
     records[2]["layers"][0]["loads"] = [1, None, 2, 3]
     records[3]["layers"] = None
+    records.append(_record(5, 0.5, 0))
+    records[4]["layers"][0].update(max_vio="n/a", loads=None)
     figures = _drawn(monkeypatch)
     plot_balance.plot(records, str(tmp_path / "p.png"), window=10)
     (fig,) = figures
