@@ -399,6 +399,24 @@ def test_hf_metadata_keeps_each_token_id_in_its_place(tmp_path):
     )
 
 
+def test_adopted_token_ids_keep_the_models_where_the_tokenizer_has_none(tmp_path):
+    """adopt_token_ids (a megatron.training checkpoint) takes bos / eos / pad from the tokenizer;
+    one the tokenizer does not define (here pad) keeps the model description's, not None."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "a", "<s>", "</s>"]
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>")),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    ).save_pretrained(tmp_path)
+    arch = ModelArch(**dict(TINY, bos_token_id=0, eos_token_id=0, pad_token_id=1))
+    _, adopted, _ = prepare_hf_metadata(arch, F32, str(tmp_path), adopt_token_ids=True)
+    assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (2, 3, 1)
+
+
 # ------------------------------------------------------------------------- export end to end
 def test_export_writes_exactly_the_hf_tensors_it_was_given(tiny):
     out = tiny.root / "out"
