@@ -148,6 +148,22 @@ def test_a_title_page_no_chapter_follows_is_a_document_of_its_own():
     ]
 
 
+def test_a_book_without_its_short_name_heads_its_chapters_by_its_osis_id():
+    """Chapters are headed with their book's short name (its x-usfm-toc2 milestone); a book
+    without one falls back on its OSIS id, not on the name of the book before it."""
+    tool = _load_tool("train_tokenizer")
+    markup = (
+        '<div type="book" osisID="Gen" sID="b1"/><milestone type="x-usfm-toc2" n="Genesis"/>'
+        '<chapter osisID="Gen.1" sID="c1" n="1"/>In the beginning.'
+        '<div type="book" osisID="Exod" sID="b2"/>'
+        '<chapter osisID="Exod.1" sID="c2" n="1"/>These are the names.'
+    )
+    assert tool.osis_to_documents(markup) == [
+        {"id": "Gen.1", "text": "Genesis 1\n\nIn the beginning."},
+        {"id": "Exod.1", "text": "Exod 1\n\nThese are the names."},
+    ]
+
+
 @pytest.mark.parametrize(
     "members, message",
     [
