@@ -33,8 +33,17 @@ class LatentProjection(torch.nn.Module):
         super().__init__()
         if bias:
             raise not_allowed("bias", True, "False (the latent projections are bias-free)")
+        # Where Megatron's own linears put theirs: on the GPU unless --use-cpu-initialization
+        # (allocated on the CPU, the init below drew from the CPU RNG, which the tracker's fork
+        # does not swap on CUDA, instead of the data-parallel stream).
+        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
         self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype)
+            torch.empty(
+                output_size,
+                input_size,
+                dtype=config.params_dtype,
+                device=torch.cuda.current_device() if on_gpu else "cpu",
+            )
         )
         if config.perform_initialization:
             # Same values on every TP rank: draw from the data-parallel RNG stream, which is
