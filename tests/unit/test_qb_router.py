@@ -318,6 +318,59 @@ def _run(rank, world_size):
             probs[k] = (got, torch.zeros_like(s).scatter(1, idx, w))
     out["probs"] = probs
 
+    # 14. qb_mean_input is optional in a checkpoint both ways: one without it loads into a
+    # rescoring run (persistent key) as "unknown" (NaN), whatever the router held; one with it
+    # loads into a run without rescoring (non-persistent key)
+    lay, _ = _layer(moe_qb_rescore_iters=5)
+    state = {k: v for k, v in lay.router.state_dict().items() if k != "qb_mean_input"}
+    lay.router.qb_mean_input.fill_(3.0)
+    lay.router.load_state_dict(state)  # strict
+    out["mean_input_loaded_without_key"] = lay.router.qb_mean_input.clone()
+    plain, _ = _layer()
+    plain.router.load_state_dict({**state, "qb_mean_input": torch.ones(64)})  # strict
+    out["mean_input_loaded_unexpected"] = plain.router.qb_mean_input.clone()
+
+    # 15. forward-only passes without autograd: a QB rescoring pass observes the non-padding
+    # tokens (and counts no load), a calibration pass keeps every micro-batch's fp32 scores with
+    # its valid-token mask; neither applies (nor logs) the losses beside QB
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    lay, _ = _layer(
+        moe_router_load_balancing_type=["quantile_histogram", "seq_aux_loss"],
+        moe_aux_loss_coeff=[0.0, 1e-2],
+        moe_qb_absorb_coeff=0.3,
+    )
+    lay.router.expert_bias.copy_(0.3 * torch.randn(lay.router.expert_bias.shape))  # loss != 0
+    lay.train()
+    lay.router.qb_rescoring = True
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    with torch.no_grad():
+        lay(x, padding_mask=padding)
+    out["rescoring"] = _observed(lay)
+    out["rescoring_logged"] = sorted(k for k, e in tracker.metrics.items() if e.values.any())
+    lay.router.qb_rescoring = False
+    lay.router.qb_calibration_scores = []
+    with torch.no_grad():
+        lay(x, padding_mask=padding)
+    ((scores, valid),) = lay.router.qb_calibration_scores
+    logits = x.reshape(-1, 64) @ lay.router.weight.T
+    out["calibration"] = (scores, torch.sigmoid(logits), valid, ~padding.T.reshape(-1))
+    lay.router.qb_calibration_scores = None
+
+    # 16. a step end without drift correction (update_balance(drift_correction=False): the
+    # rescoring step's solve) arms none: after a weight change the next forward keeps its bias
+    lay, _ = _layer()
+    lay.train()
+    y, _ = lay(x.clone().requires_grad_())
+    y.sum().backward()
+    update_balance([lay], drift_correction=False)
+    solved = lay.router.expert_bias.clone()
+    with torch.no_grad():
+        lay.router.weight.add_(0.05 * torch.randn_like(lay.router.weight))
+    y, _ = lay(x.clone().requires_grad_())
+    out["no_drift_correction"] = (lay.router.expert_bias.clone(), solved)
+
     return out
 
 
@@ -513,3 +566,33 @@ def test_routed_weights_are_the_raw_scores_renormalised_when_k_above_1(result, k
     got, want = result["probs"][k]
     assert int((got != 0).sum(dim=1).min()) == k
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_checkpoint_without_the_mean_input_leaves_it_unknown(result):
+    """A strict load of a router state without ``qb_mean_input`` into a rescoring run (which
+    checkpoints it) neither fails nor keeps the value the router held: it is NaN (unknown), so
+    QB rescoring does not arm the drift correction at a stale mean; the key in a checkpoint loads
+    into a run without rescoring, where it is not state (the router's value stays NaN)."""
+    assert torch.isnan(result["mean_input_loaded_without_key"]).all()
+    assert torch.isnan(result["mean_input_loaded_unexpected"]).all()
+
+
+def test_rescoring_observes_and_calibration_keeps_the_valid_tokens(result):
+    """A QB rescoring pass (no autograd) observes the non-padding tokens and counts no load; a
+    calibration pass keeps the fp32 scores of every token with the non-padding mask (the
+    calibration's histogram skips padding by it). The losses beside QB (an aux loss, the
+    absorption loss) are a training forward's only: the rescoring pass logs none."""
+    tokens, _, loads = result["rescoring"]
+    assert tokens == SEQ * BATCH - 3 * BATCH and int(loads.sum()) == 0
+    assert result["rescoring_logged"] == []  # no aux / absorption loss from a rescoring pass
+    scores, expected, valid, not_padding = result["calibration"]
+    assert scores.dtype == torch.float32 and torch.allclose(scores, expected, atol=1e-6)
+    assert valid is not None and torch.equal(valid, not_padding) and not valid.all()
+
+
+def test_a_step_end_without_drift_correction_arms_none(result):
+    """``update_balance(drift_correction=False)`` (the rescored step's solve, whose histogram
+    was observed under the weights the next batch uses) leaves the next forward's bias as solved,
+    even though the router weight changed in between."""
+    after, solved = result["no_drift_correction"]
+    assert solved.abs().sum() > 0 and torch.equal(after, solved)
