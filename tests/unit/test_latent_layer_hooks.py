@@ -151,3 +151,23 @@ def test_latent_projections_take_megatrons_input_and_output_layer_init():
     (stds,) = run_distributed(_latent_projection_init_stds, 1)
     for got, want in zip(stds, (0.02, 0.02 / (2 * 8) ** 0.5), strict=True):
         assert abs(got / want - 1) < 0.1, (stds, want)
+
+
+def test_a_latent_projection_follows_sequence_parallel_and_refuses_a_bias():
+    """Built directly (no process group): the ``sequence_parallel`` tag is the config's (True
+    here: Megatron's finalize_model_grads then sums W_down / W_up's gradient over the TP ranks,
+    each of which projected its own sequence slice), and ``bias=True`` is one line naming it."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from megatron_latentmoe.moe.latent_projection import LatentProjection
+
+    cfg = SimpleNamespace(
+        params_dtype=torch.float32, perform_initialization=False, sequence_parallel=True
+    )
+    proj = LatentProjection(8, 4, config=cfg, init_method=None)
+    assert proj.weight.sequence_parallel is True and proj.weight.shape == (4, 8)
+    with pytest.raises(ValueError, match=r"^bias=True is not allowed: False \(the latent"):
+        LatentProjection(8, 4, config=cfg, init_method=None, bias=True)
