@@ -843,3 +843,29 @@ def test_centred_histogram_refuses_odd_bins_and_a_sigma_outside_0_1():
         with pytest.raises(ValueError, match=rf"^sigma={sigma!r}; allowed: float in \(0, 1\]$"):
             CenteredQuantileHistogram(4, 1, 10, sigma=sigma)
     assert CenteredQuantileHistogram(4, 1, 10, sigma=1.0).sigma == 1.0
+
+
+@pytest.mark.parametrize("cls", HIST_CLASSES)
+def test_bin_helpers_with_another_bias_leave_the_open_window_binning(cls):
+    """``bin_index`` / ``bin_bounds`` given another bias bin under it for that call only: the
+    window that ``observe`` opened keeps binning by its own bias (the next micro-batch's counts
+    are as if the helpers had not been called)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(32, 4, generator=g)
+    bias = torch.tensor([0.1, -0.1, 0.0, 0.0])
+    h, ref = cls(4, 1, 50), cls(4, 1, 50)
+    for hist in (h, ref):
+        hist.observe(s, bias)
+    other = bias + torch.tensor([0.5, -0.5, 0.0, 0.0])
+    h.bin_index(torch.zeros(1, 4), other)
+    h.bin_bounds(torch.zeros(4, dtype=torch.int64), other)
+    for hist in (h, ref):
+        hist.observe(s, bias)
+    assert torch.equal(h.counts, ref.counts)
+
+
+def test_a_valid_mask_on_another_device_is_refused_naming_it():
+    hist = QuantileHistogram(4, 1, 50)
+    valid = torch.ones(3, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"^valid_M\.device=meta; allowed: scores_ME\.device=cpu"):
+        hist.observe(torch.rand(3, 4), torch.zeros(4), valid_M=valid)
