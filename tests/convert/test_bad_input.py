@@ -582,14 +582,12 @@ def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(
     tmp_path, capsys, monkeypatch
 ):
     """ENOSPC in the converter's own writes (faked: export's safetensors shard write, import's
-    torch_dist write, export's copy of the remote code raise it once a file of the output is
-    begun): one line naming --output and the free space, exit 2, the temporary directory
-    removed, the output absent or, under --overwrite, as it was (an OSError traceback, exit 1,
-    before); EROFS likewise. A copy's error names the source first: the line names the file
-    being written."""
+    torch.save of a tensor into its torch_dist data file, export's copy of the remote code raise
+    it once a file of the output is begun): one line naming --output and the free space, exit 2,
+    the temporary directory removed, the output absent or, under --overwrite, as it was (an
+    OSError traceback, exit 1, before); EROFS likewise. A copy's error names the source first:
+    the line names the file being written."""
     import errno
-
-    import torch.distributed.checkpoint.filesystem as dcp_files
 
     from megatron_latentmoe import files
     from megatron_latentmoe.convert import cli, export
@@ -611,7 +609,7 @@ def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(
 
     shard_write = export.ShardedSafetensorsWriter.write
     monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", full_after_one(shard_write))
-    monkeypatch.setattr(dcp_files, "_write_item", full_after_one(dcp_files._write_item))
+    monkeypatch.setattr(torch, "save", full_after_one(torch.save))  # import's tensor writes
     capsys.readouterr()  # save_pretrained's progress bar
     line = (
         f"error: the disk filled up writing in --output {out} (0.0 MB free); free space there "
@@ -665,8 +663,6 @@ def test_a_signal_anywhere_in_a_conversion_is_one_line_and_leaves_no_partial_out
     output absent or, under --overwrite, as it was; during the --verify that follows: the line
     says the output is complete. (Ctrl-C printed two lines there; SIGTERM outside the output's
     writing ended the process without a word, exit -15.)"""
-    import torch.distributed.checkpoint.filesystem as dcp_files
-
     from megatron_latentmoe.convert import cli, export, verify
 
     hf, ckpt, out = tmp_path / "hf", tmp_path / "mg", tmp_path / "out"
@@ -686,7 +682,7 @@ def test_a_signal_anywhere_in_a_conversion_is_one_line_and_leaves_no_partial_out
 
     shard_write = export.ShardedSafetensorsWriter.write
     monkeypatch.setattr(export.ShardedSafetensorsWriter, "write", signalled(shard_write))
-    monkeypatch.setattr(dcp_files, "_write_item", signalled(dcp_files._write_item))
+    monkeypatch.setattr(torch, "save", signalled(torch.save))  # import's tensor writes
     capsys.readouterr()  # save_pretrained's progress bar
     what = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[signum]
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
