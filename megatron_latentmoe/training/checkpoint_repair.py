@@ -45,7 +45,18 @@ def complete_checkpoint(path: str, ckpt_format: str) -> bool:
     detects each folder's format for a torch_dist run (``_get_checkpoint_format``) and loads a
     legacy one (:func:`.resume.format_refusal`); by the torch_dist rule alone a tracker cut next to
     one was not repaired and Megatron's load of it printed "ERROR: Invalid metadata file" and exited
-    0, having trained nothing, and ``--ckpt-step`` of one was refused."""
+    0, having trained nothing, and ``--ckpt-step`` of one was refused.
+
+    A folder removed while it is read is not complete: rank 0 removes the unfinished ones at
+    start-up (:func:`repair_save_folder`) while the other ranks look at ``--load``'s (its
+    ``os.listdir`` raised FileNotFoundError on rank 1 of a 2-rank resume after a kill mid-save)."""
+    try:
+        return _complete_checkpoint(path, ckpt_format)
+    except FileNotFoundError:
+        return False
+
+
+def _complete_checkpoint(path: str, ckpt_format: str) -> bool:
     found = checkpoint_format(path)
     if ckpt_format == AUTO_FORMAT:
         ckpt_format = found or "torch_dcp"

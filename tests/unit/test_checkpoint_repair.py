@@ -41,6 +41,38 @@ def test_a_torch_dcp_checkpoint_is_complete_with_its_metadata_file(tmp_path, ckp
     assert (tmp_path / TRACKER_FILE).read_text() == "2"
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch", "auto"])
+def test_a_folder_removed_while_it_is_read_is_not_complete(tmp_path, monkeypatch, ckpt_format):
+    """Rank 0 removes the unfinished folders at start-up while the other ranks check --load's
+    tracker (``write=False``): one gone between their checks is not complete, and the answer is
+    the complete one (it was a FileNotFoundError on rank 1 of a 2-rank resume, test_resume's
+    distributed-optimizer kill)."""
+    import os
+    import shutil
+
+    done = tmp_path / iteration_dir_name(5)
+    done.mkdir()
+    for name in ("metadata.json", ".metadata", "mp_rank_00"):
+        (done / name).write_text("{}")
+    cut = tmp_path / iteration_dir_name(10)
+    cut.mkdir()
+    (cut / "__0_0.distcp").write_text("shard")
+    (tmp_path / TRACKER_FILE).write_text("5")
+    listdir = os.listdir
+
+    def removed_first(path):  # rank 0's rmtree, just after this rank saw the folder
+        if str(path) == str(cut):
+            shutil.rmtree(cut)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", removed_first)
+    assert not checkpoint_repair.complete_checkpoint(str(cut), ckpt_format)
+    cut.mkdir()
+    (cut / "__0_0.distcp").write_text("shard")
+    got = checkpoint_repair.repair_checkpoint_tracker(str(tmp_path), ckpt_format, write=False)
+    assert got == 5 and not cut.exists()
+
+
 def test_a_checkpoint_of_another_format_is_complete_when_not_empty(tmp_path):
     path = tmp_path / iteration_dir_name(2)
     assert not checkpoint_repair.complete_checkpoint(str(path), "torch")  # absent
