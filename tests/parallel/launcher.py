@@ -5,7 +5,9 @@ gloo world (FileStore in a temporary directory: no ports), applies
 :func:`megatron_latentmoe.compat.apply_cpu_compat` in each, runs ``fn(rank, world_size, *args,
 **kwargs)`` and returns the per-rank results ordered by rank. ``fn`` must be importable
 (module-level) and its result picklable; CPU tensors are fine. A child's exception fails the
-call with the child's traceback in the message; hung ranks are killed after ``timeout``.
+call with the child's traceback in the message; hung ranks are killed after ``timeout``, and the
+message then holds the Python stack of every thread of each hung rank (``faulthandler``, on
+SIGUSR1) at the moment it was given up: where a rare hang waited.
 
 This module imports only the standard library and torch at top level so that children start
 fast; megatron is imported when first needed (by the shims or by ``fn``'s module).
@@ -17,10 +19,12 @@ state dict into the one the calling rank's ``model`` expects under the current
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_module
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -40,13 +44,20 @@ CHILD_ENV = {
     "NO_VCS_VERSION": "1",  # megatron.core.package_info otherwise runs `git rev-parse`
 }
 _GRACE_S = 10.0  # how long the other ranks may still report after one failed
+_STACK_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
 
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the ranks' tracebacks."""
 
 
+def _stack_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks.{rank}"
+
+
 def _child(rank, world_size, store_path, timeout, fn, args, kwargs, results):
+    stacks = open(_stack_path(store_path, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         torch.set_num_threads(1)
         torch.distributed.init_process_group(
@@ -113,7 +124,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
-            outcome = _collect(procs, results, timeout)
+            outcome = _collect(procs, results, timeout, os.path.join(tmp, "store"))
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -128,8 +139,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
 
 
-def _collect(procs, results, timeout):
-    """{rank: (ok, pickled result or error text)} for every rank, in the order they ended."""
+def _collect(procs, results, timeout, store_path):
+    """{rank: (ok, pickled result or error text)} for every rank, in the order they ended; a rank
+    given up on carries its threads' stacks (:func:`_hung_stacks`)."""
     deadline = time.monotonic() + timeout
     outcome, dead_since = {}, {}
     while len(outcome) < len(procs):
@@ -143,18 +155,36 @@ def _collect(procs, results, timeout):
                     if now - dead_since.setdefault(r, now) > 1.0:  # its result is not in flight
                         outcome[r] = (False, f"exited with code {proc.exitcode} and no result")
             if now > deadline:
-                for r in range(len(procs)):
-                    outcome.setdefault(
-                        r,
-                        (
-                            False,
-                            "killed: no result before the timeout, or "
-                            "within the grace period after a failure",
-                        ),
+                hung = [r for r in range(len(procs)) if r not in outcome]
+                stacks = _hung_stacks([procs[r] for r in hung], store_path, hung)
+                for r in hung:
+                    outcome[r] = (
+                        False,
+                        "killed: no result before the timeout, or within the grace period "
+                        f"after a failure; its threads then:\n{stacks[r]}",
                     )
         if not all(ok for ok, _ in outcome.values()):  # others may hang in a collective now
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     return outcome
+
+
+def _hung_stacks(procs, store_path: str, ranks: list[int]) -> dict[int, str]:
+    """{rank: the Python stacks of every thread of that (live) rank}: each gets SIGUSR1, on which
+    its ``faulthandler`` writes them to its stack file, and ``_STACK_WAIT_S`` to do so."""
+    for proc in procs:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(_STACK_WAIT_S)
+    out = {}
+    for rank, proc in zip(ranks, procs, strict=True):
+        try:
+            with open(_stack_path(store_path, rank)) as f:
+                out[rank] = f.read().strip() or "(no stack written)"
+        except OSError as err:
+            out[rank] = f"(no stack file: {err})"
+        if proc.exitcode is not None:
+            out[rank] = f"(exited with code {proc.exitcode}) " + out[rank]
+    return out
 
 
 # ------------------------------------------------------------------------------------------
