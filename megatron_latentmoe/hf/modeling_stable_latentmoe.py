@@ -268,6 +268,45 @@ def build_attention_mask(
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
+def _check_custom_attention_mask(
+    mask: torch.Tensor, batch: int, heads: int, q_len: int, past_len: int
+) -> None:
+    """Refuse, in one line, an ``attention_mask`` that is neither a 2D padding mask nor a 4D
+    mask [batch or 1, heads or 1, q_len, >= past_len + q_len] of bools or floats. Shapes and
+    dtype only (no host sync)."""
+    keys = past_len + q_len
+    if not (
+        mask.dim() == 4
+        and mask.shape[0] in (1, batch)
+        and mask.shape[1] in (1, heads)
+        and mask.shape[2] == q_len
+        and mask.shape[3] >= keys
+    ):
+        raise ValueError(
+            f"StableLatentMoEModel: attention_mask of shape {tuple(mask.shape)} is not allowed; "
+            f"expected a 2D padding mask or a 4D mask of shape ({batch} or 1, {heads} or 1, "
+            f"{q_len}, >= {keys}) = (batch, heads, queries, past + current keys or more)"
+        )
+    if not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise ValueError(
+            f"StableLatentMoEModel: a 4D attention_mask of dtype {mask.dtype} is not allowed; "
+            "expected torch.bool (True = attend) or a float dtype (additive: 0 = attend, "
+            "negative = not)"
+        )
+
+
+def fit_custom_attention_mask(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """A custom boolean 4D mask [B or 1, 1 or H, S, W] (True = may attend) fitted to
+    ``kv_length`` keys: columns past ``kv_length`` are dropped, missing ones (a static cache's
+    unwritten slots) are not attended. Rows with nothing visible are opened completely, as in
+    ``build_attention_mask``."""
+    if mask.shape[-1] >= kv_length:
+        mask = mask[..., :kv_length]
+    else:
+        mask = F.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
 # ========================================================================================= modules
 class StableLatentMoERMSNorm(nn.Module):
     """RMSNorm with fp32 math (see ``rms_norm``)."""
@@ -481,7 +520,7 @@ def eager_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit softmax attention for q [B, H, S, D], k / v [B, KV, L, D] and a boolean mask
-    [B or 1, 1, S, >= L] (True = attend). Softmax in fp32 (fp64 for fp64).
+    [B or 1, 1 or H, S, L] (True = attend). Softmax in fp32 (fp64 for fp64).
 
     Returns (output [B, S, H, D], attention weights [B, H, S, L] in ``query.dtype``), the
     signature of transformers' attention interface."""
@@ -489,7 +528,7 @@ def eager_attention_forward(
     value = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], float("-inf"))
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
     probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
@@ -724,9 +763,12 @@ class StableLatentMoEPreTrainedModel(PreTrainedModel):
       ``torch.compile`` (a graph break, no recompilation per routing); compiling without
       fullgraph works;
     * context parallelism: not declared (never exercised here);
-    * static cache and custom 4D masks (boolean, or additive float: 0 = attend, any negative
-      value = not; the mask is made boolean, so soft additive biases are not supported) have no
-      flag in transformers 5.x; they are tested like the rest.
+    * static cache and custom 4D masks have no flag in transformers 5.x; they are tested like the
+      rest. A 4D mask is boolean, or additive float (0 = attend, any negative value = not; it is
+      made boolean, so soft additive biases are not supported; integer masks are refused as
+      ambiguous), of shape [B or 1, 1 or H, S, W] with W >= past + S keys: wider masks are cut to
+      the keys, and with a static cache the slots past W are not attended (transformers' own
+      models take exactly the keys' width); other shapes are refused in one line.
     """
 
     config_class = StableLatentMoEConfig
@@ -903,14 +945,16 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
                 q_len, position_ids if positions_given else None, cu_seq_lens_q
             )
 
-        mask_builder = None
-        if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask is not None and attention_mask.dim() != 2:
+            _check_custom_attention_mask(
+                attention_mask, bsz, self.config.num_attention_heads, q_len, past_len
+            )
             mask = attention_mask
             if not mask.dtype == torch.bool:
                 # additive float mask: 0 = attend, negative = not (finfo.min, -inf, or the -1e4 /
                 # -1e9 of other conventions, which a finfo.min / 2 threshold would let through)
                 mask = mask >= 0
-            mask = mask | ~mask.any(dim=-1, keepdim=True)  # keep fully masked rows finite
+            mask_builder = partial(fit_custom_attention_mask, mask)
         else:
             padding_mask = attention_mask
             if padding_mask is not None and bool(padding_mask.all()):
@@ -921,7 +965,7 @@ class StableLatentMoEModel(StableLatentMoEPreTrainedModel):
                 padding_mask=padding_mask,
                 document_ids=document_ids,
             )
-            mask = mask_builder(past_len + q_len)
+        mask = mask_builder(past_len + q_len)
 
         position_embeddings = rope_cos_sin(
             position_ids, self.config.head_dim, float(self.config.rope_theta), inputs_embeds.dtype

@@ -350,6 +350,87 @@ def test_custom_4d_mask_with_fully_masked_padding_rows(impl):
     torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-10)
 
 
+def _left_padded_causal(pad: torch.Tensor, past: int = 0) -> torch.Tensor:
+    """[B, 1, S, past + S] boolean causal mask hiding the keys where ``pad`` [B, past + S] is
+    False; the pad queries' rows are left fully masked."""
+    total = pad.shape[1]
+    causal = torch.ones(total, total, dtype=torch.bool).tril()[past:]
+    return causal[None, None] & pad[:, None, None, :] & pad[:, None, past:, None]
+
+
+def test_custom_4d_mask_wider_than_the_keys_is_cut_to_them():
+    """A 4D mask with columns past the keys: they are dropped, the same in eager and SDPA (fp64,
+    1e-10), and the real tokens get the 2D-mask logits. A pad query that sees only the extra
+    columns is opened after the cut (else its NaN row poisons the later layers)."""
+    ids = torch.randint(3, 61, (2, 6), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones_like(ids, dtype=torch.bool)
+    pad[0, :2] = False
+    wide = torch.cat([_left_padded_causal(pad), torch.ones(2, 1, 6, 3, dtype=torch.bool)], -1)
+    logits = {}
+    for impl in ("eager", "sdpa"):
+        model = make_model(impl)
+        with torch.no_grad():
+            logits[impl] = model(ids, attention_mask=wide, use_cache=False).logits
+            want = model(ids, attention_mask=pad.long(), use_cache=False).logits
+        assert bool(torch.isfinite(logits[impl]).all())
+        torch.testing.assert_close(logits[impl][0, 2:], want[0, 2:], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(logits[impl][1], want[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits["eager"], logits["sdpa"], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_static_cache_with_exact_width_4d_masks_equals_the_dynamic_cache(impl):
+    """4D masks as wide as the past + current tokens, narrower than the static cache's slots:
+    the unwritten slots are not attended, so a left-padded prompt and two decoding steps give the
+    real tokens the DynamicCache logits, which are the 2D-mask ones (fp64, 1e-10)."""
+    model = make_model(impl)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=gen)
+    pad = torch.ones_like(ids, dtype=torch.bool)
+    pad[0, :2] = False
+    # (new tokens, their mask over the past + new ones)
+    steps = [(slice(0, 5), _left_padded_causal(pad[:, :5]))]
+    steps += [(slice(n, n + 1), _left_padded_causal(pad[:, : n + 1], past=n)) for n in (5, 6)]
+    runs = {}
+    with torch.no_grad():
+        for name, cache in (
+            ("static", StaticCache(config=model.config, max_cache_len=16)),
+            ("dynamic", DynamicCache(config=model.config)),
+        ):
+            step_logits = [model(ids[:, s], attention_mask=m, cache=cache).logits for s, m in steps]
+            runs[name] = torch.cat(step_logits, 1)
+        want = model(ids, attention_mask=pad.long(), use_cache=False).logits
+    for got in (runs["static"], runs["dynamic"]):  # the pad queries' logits are never read
+        torch.testing.assert_close(got[0, 2:], want[0, 2:], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "expected"),
+    [
+        # narrower than the past + new keys
+        ((2, 1, 3, 6), torch.bool, r"shape \(2, 1, 3, 6\) .* \(2 or 1, 4 or 1, 3, >= 7\)"),
+        ((2, 1, 2, 9), torch.bool, r"shape \(2, 1, 2, 9\) "),  # query length
+        ((3, 1, 3, 7), torch.bool, r"shape \(3, 1, 3, 7\) "),  # batch
+        ((2, 2, 3, 7), torch.bool, r"shape \(2, 2, 3, 7\) "),  # heads
+        ((2, 3, 7), torch.bool, r"shape \(2, 3, 7\) .* a 2D padding mask or a 4D mask"),
+        ((2, 1, 3, 7), torch.long, r"dtype torch.int64 .* torch.bool .* float"),
+    ],
+)
+def test_attention_mask_of_a_wrong_shape_or_dtype_is_refused_in_one_line(shape, dtype, expected):
+    """With 4 cached tokens and 3 new ones (batch 2, 4 heads) a mask must be 2D or
+    [2 or 1, 4 or 1, 3, >= 7], boolean or float (an integer 0/1 mask is ambiguous)."""
+    model = make_model("eager")
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :4], cache=cache)
+        with pytest.raises(ValueError, match=expected) as err:
+            model(ids[:, 4:], attention_mask=torch.ones(shape, dtype=dtype), cache=cache)
+    assert "\n" not in str(err.value) and "attention_mask" in str(err.value)
+    assert cache.get_seq_length() == 4  # refused before any layer wrote to the cache
+
+
 # ============================================================================ static cache, compile
 def test_static_cache_forward_equals_full_forward():
     model = make_model("sdpa")
