@@ -4,8 +4,9 @@ Shared by the parallel equivalence tests: ``build`` makes a rank's model chunks 
 with Stable LatentMoE layers), their DDP wrappers and Megatron Adam; a fixed global batch
 (``GLOBAL_BATCH`` sequences of ``SEQ`` tokens, vocab ``VOCAB``) is split over data-parallel ranks
 in micro-batches of 1 and run through Megatron's forward-backward schedule (1F1B with PP,
-interleaved 1F1B with virtual stages); ``train_step`` returns the loss, the reduced gradients
-(``main_grad``) of each model chunk, the optimizer's grad norm and the loss after the step.
+interleaved 1F1B with virtual stages), optionally with the fixed ``padding`` mask for the routers;
+``train_step`` returns the loss, the reduced gradients (``main_grad``) of each model chunk, the
+optimizer's grad norm and the loss after the step.
 """
 
 from __future__ import annotations
@@ -28,12 +29,27 @@ def batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def forward_step(data_iterator, model):
+def padding():
+    """The global batch's padding mask [GLOBAL_BATCH, SEQ] (True = padding, the routers' only:
+    the loss still averages over every token): positions 29-31, 0-16 and 12-31 of sequences 1-3,
+    so the two sequence-parallel halves of a micro-batch hold different non-padding counts
+    (16 + 16, 16 + 13, 0 + 15, 12 + 0), one of them none, but 44 each over the step (the drift
+    correction's mean router input averages the ranks' means unweighted: moe/balance_step.py)."""
     import torch
 
-    tokens, labels = next(data_iterator)
+    mask = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.bool)
+    for i, (start, end) in enumerate(((0, 0), (29, 32), (0, 17), (12, 32))):
+        mask[i, start:end] = True
+    return mask
+
+
+def forward_step(data_iterator, model):
+    """Run one micro-batch ``(tokens, labels, padding_mask or None)``."""
+    import torch
+
+    tokens, labels, padding_mask = next(data_iterator)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None, labels=labels)
+    output = model(tokens, position_ids, None, labels=labels, padding_mask=padding_mask)
     return output, loss_func
 
 
@@ -42,18 +58,23 @@ def loss_func(per_token_loss):
     return loss, {"lm loss": loss.clone().detach()}
 
 
-def run_schedule(ddps, forward_only):
-    """Run this DP rank's micro-batches (size 1) through this rank's model chunks ``ddps`` (one
-    per virtual pipeline stage); return the global-batch loss on last stages, else None."""
+def run_schedule(ddps, forward_only, padded=False):
+    """Run this DP rank's micro-batches (size 1; with ``padding()`` when ``padded``) through this
+    rank's model chunks ``ddps`` (one per virtual pipeline stage); return the global-batch loss on
+    last stages, else None."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tokens, labels = batch()
+    mask = padding() if padded else None
     per_rank = GLOBAL_BATCH // dp
     mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    micro_batches = [(tokens[i : i + 1], labels[i : i + 1]) for i in mine]
+    micro_batches = [
+        (tokens[i : i + 1], labels[i : i + 1], None if mask is None else mask[i : i + 1])
+        for i in mine
+    ]
     iterators = [iter(micro_batches) for _ in ddps]  # every chunk reads the same micro-batches
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -71,19 +92,20 @@ def run_schedule(ddps, forward_only):
     return loss.item() / dp
 
 
-def train_step(models, ddps, optimizer):
-    """One step of this rank's model chunks (lists, one entry per virtual pipeline stage).
+def train_step(models, ddps, optimizer, padded=False):
+    """One step of this rank's model chunks (lists, one entry per virtual pipeline stage), with
+    ``padding()`` when ``padded``.
 
     Returns the loss before, ``[{name: reduced grad} per chunk]``, the grad norm, the loss after.
     """
     for ddp in ddps:
         ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = run_schedule(ddps, forward_only=False)
+    loss = run_schedule(ddps, forward_only=False, padded=padded)
     grads = [{n: p.main_grad.detach().clone() for n, p in m.named_parameters()} for m in models]
     ok, grad_norm, _ = optimizer.step()
     assert ok
-    return loss, grads, grad_norm, run_schedule(ddps, forward_only=True)
+    return loss, grads, grad_norm, run_schedule(ddps, forward_only=True, padded=padded)
 
 
 def build(dispatcher, tp=1, pp=1, ep=1, etp=1, vpp=None, layers=2, seed=1234, **extra):

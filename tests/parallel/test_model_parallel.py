@@ -18,10 +18,14 @@ first stage without router) PP2 and PP2 x EP2, on a 4-layer model against its ow
 process.
 MXFP4 QAT of the routed experts (m_e = 64): TP2+SP (ETP2: w2's MXFP4 blocks inside each shard),
 EP2 with recompute, PP2 (world 2) and TP2 x EP2 with ETP2 (world 4), against a QAT single process.
-QB's absorption loss from a non-zero bias: TP2+SP and EP2 (world 2).
+QB's absorption loss from a non-zero bias: TP2+SP and EP2 (world 2), and TP2+SP with padding
+in the micro-batches (its mean score over the non-padding tokens of the TP group, which the two
+sequence halves hold in different numbers), against a single process with the same padding.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -67,12 +71,14 @@ LAYOUTS_QAT = {
     4: {"TP2xEP2-ETP2 QAT": dict(tp=2, pp=1, ep=2, etp=2, **QAT)},
 }
 # QB's absorption loss (moe_qb_absorb_coeff) from a non-zero starting bias (a zero bias gives it
-# no gradient): its mean score is over the tokens of the whole TP x CP group, like Megatron's aux
-# losses, so TP2+SP must give one process's router gradient.
+# no gradient): its mean score is over the (non-padding) tokens of the whole TP x CP group, like
+# Megatron's aux losses, so TP2+SP must give one process's router gradient. ``padded``: a layout
+# option, the micro-batches carry ``megatron_step.padding()``.
 ABSORB = dict(moe_qb_absorb_coeff=0.5)
 LAYOUTS_ABSORB = {
     "TP2+SP absorb": dict(tp=2, pp=1, ep=1, etp=2, **ABSORB),
     "EP2 absorb": dict(tp=1, pp=1, ep=2, etp=1, **ABSORB),
+    "TP2+SP absorb padded": dict(tp=2, pp=1, ep=1, etp=2, padded=True, **ABSORB),
 }
 # Uneven stages (--decoder-first-pipeline-num-layers 1): the first stage holds only the dense
 # layer, no router; the second the 3 MoE layers.
@@ -92,11 +98,12 @@ def _biases(model):
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.expert_bias")}
 
 
-def _reference(rank, world_size, layers, extra):
+def _reference(rank, world_size, layers, extra, paddings):
+    """The single process's step per ``(dispatcher, padded)``, ``padded`` in ``paddings``."""
     import torch
 
     out = {}
-    for dispatcher in DISPATCHERS:
+    for dispatcher, padded in itertools.product(DISPATCHERS, paddings):
         (model,), ddps, optimizer = build(dispatcher, layers=layers, **extra)
         if extra.get("moe_qb_absorb_coeff"):
             g = torch.Generator().manual_seed(5)
@@ -108,8 +115,8 @@ def _reference(rank, world_size, layers, extra):
             k: v.detach().clone() if torch.is_tensor(v) else v
             for k, v in model.state_dict().items()
         }
-        loss, (grads,), grad_norm, loss_after = train_step([model], ddps, optimizer)
-        out[dispatcher] = dict(
+        loss, (grads,), grad_norm, loss_after = train_step([model], ddps, optimizer, padded)
+        out[dispatcher, padded] = dict(
             state=full,
             loss=loss,
             grads=grads,
@@ -126,12 +133,14 @@ def _layouts(rank, world_size, layouts, reference):
 
     results = {}
     for name, layout in layouts.items():
+        layout = dict(layout)
+        padded = layout.pop("padded", False)
         for dispatcher in DISPATCHERS:
-            ref = reference[dispatcher]
+            ref = reference[dispatcher, padded]
             models, ddps, optimizer = build(dispatcher, **layout)
             for model in models:
                 model.load_state_dict(shard_state_dict_for_rank(ref["state"], model), strict=True)
-            loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer)
+            loss, grads, grad_norm, loss_after = train_step(models, ddps, optimizer, padded)
             err = {**step_errors(ref, loss, grad_norm, loss_after), "grads": 0.0, "bias_bins": 0.0}
             bin_width = 2.0 / BINS  # the histogram range is 2 + spread wide
             for model, chunk_grads in zip(models, grads, strict=True):
@@ -149,8 +158,8 @@ def _layouts(rank, world_size, layouts, reference):
     return results
 
 
-def _single_process(layers, **extra):
-    (ref,) = run_distributed(_reference, 1, layers, extra)
+def _single_process(layers, paddings=(False,), **extra):
+    (ref,) = run_distributed(_reference, 1, layers, extra, paddings)
     for r in ref.values():
         assert r["loss_after"] < r["loss"]
         assert any(b.abs().max() > 0 for b in r["bias"].values()), "QB should move the bias"
@@ -169,7 +178,7 @@ def reference_qat():
 
 @pytest.fixture(scope="module")
 def reference_absorb():
-    return _single_process(layers=2, **ABSORB)
+    return _single_process(layers=2, paddings=(False, True), **ABSORB)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,9 @@ def _pool():
         # a skewed token distribution, so that the initial router prefers some experts
         tokens = torch.randint(0, VOCAB // 8, (GLOBAL_BATCH, SEQ + 1), generator=g)
         for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank):
-            out.append((tokens[i : i + 1, :-1].contiguous(), tokens[i : i + 1, 1:].contiguous()))
+            out.append(
+                (tokens[i : i + 1, :-1].contiguous(), tokens[i : i + 1, 1:].contiguous(), None)
+            )
     return out, per_rank
 
 
