@@ -181,31 +181,6 @@ class _QuantileHistogramBase:
     def _bounds(self, c_E: torch.Tensor):
         raise NotImplementedError
 
-    def _window_range(self, bias_E: torch.Tensor | None):
-        if bias_E is not None:
-            return self._make_range(bias_E.detach().float())
-        if self._range is None:
-            raise ValueError("bias_E=None with no open window; allowed: pass the bias in force")
-        return self._range
-
-    def bin_index(self, r_ME: torch.Tensor, bias_E: torch.Tensor | None = None) -> torch.Tensor:
-        """int64 bin of each ``r_ME`` [m, n] under the window's (or ``bias_E``'s) binning."""
-        saved, self._range = self._range, self._window_range(bias_E)
-        try:
-            return self._finite_clamp_(self._bin_index_(r_ME.detach().float().clone())).to(
-                torch.int64
-            )
-        finally:
-            self._range = saved
-
-    def bin_bounds(self, c_E: torch.Tensor, bias_E: torch.Tensor | None = None):
-        """(lower edge, width) [n] fp32 of bin ``c_E[j]`` of each expert j."""
-        saved, self._range = self._range, self._window_range(bias_E)
-        try:
-            return self._bounds(c_E)
-        finally:
-            self._range = saved
-
     def _finite_clamp_(self, idx: torch.Tensor) -> torch.Tensor:
         idx.nan_to_num_(nan=0.0, posinf=self.num_bins - 1.0, neginf=0.0)  # NaN is flagged apart
         return idx.clamp_(0.0, self.num_bins - 1.0)
