@@ -552,7 +552,7 @@ def export_checkpoint(
         arch, model_dtype, tok, adopt_token_ids=trained_by_megatron
     )
     if verify_seq_len is not None and verify_text:
-        verify_text_ids(tok, verify_text, verify_seq_len)
+        verify_text_ids(tok, verify_text, verify_seq_len, arch.vocab_size)
     if packed_experts:
         hf_config.quantization_config = mxfp4.quantization_config()
     expert_bytes = 0

@@ -390,7 +390,7 @@ def import_checkpoint(
         if verify_seq_len is not None:
             check_verify_length(hf.arch, verify_seq_len)
             if verify_text:
-                verify_text_ids(hf.dir, verify_text, verify_seq_len)
+                verify_text_ids(hf.dir, verify_text, verify_seq_len, hf.arch.vocab_size)
         return _import(hf, output, timer, out_dtype, dtype, iteration, overwrite, progress)
     finally:
         hf.close()

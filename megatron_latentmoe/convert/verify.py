@@ -9,7 +9,8 @@
 * HF side: ``AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=True,
   dtype=float32)`` -- the files a user downloads, the remote code included.
 * Tokens: real text from the shipped corpus, tokenised by the exported tokenizer (falls back to
-  seeded random ids, reported, if the tokenizer's ids do not fit the model's vocabulary).
+  seeded random ids, reported, if the tokenizer's ids do not fit the model's vocabulary), or the
+  ``--verify-text`` given (refused, never replaced, if its ids do not fit).
 
 Reported: max |delta logits|, mean |delta|, cosine similarity of the flattened logits, and whether
 greedy generation of N tokens (Megatron: full re-forward each step; HF: ``generate`` with its KV
@@ -234,20 +235,21 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, str]:
     """[batch, seq_len] token ids of real text (tokenised by the export's tokenizer). Without a
     usable tokenizer, seeded random ids (said in the returned source); an explicit ``text`` that
-    cannot give ``seq_len`` tokens raises :class:`ConversionError` (:func:`verify_text_ids`)."""
+    cannot give ``seq_len`` tokens of the vocabulary raises :class:`ConversionError`
+    (:func:`verify_text_ids`): the prompt the user asked for, or none."""
     if text:
-        rows = [verify_text_ids(hf_dir, text, seq_len)[:seq_len]] * batch
+        rows = [verify_text_ids(hf_dir, text, seq_len, vocab_size)] * batch
+        return torch.tensor(rows, dtype=torch.long), "real text, exported tokenizer"
     try:
-        if not text:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
-            rows = []
-            for t in _corpus_texts(batch, seq_len):
-                ids = tok(t, add_special_tokens=False)["input_ids"]
-                if len(ids) < seq_len:
-                    raise ValueError("text too short")
-                rows.append(ids[:seq_len])
+        tok = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)
+        rows = []
+        for t in _corpus_texts(batch, seq_len):
+            ids = tok(t, add_special_tokens=False)["input_ids"]
+            if len(ids) < seq_len:
+                raise ValueError("text too short")
+            rows.append(ids[:seq_len])
         tokens = torch.tensor(rows, dtype=torch.long)
         if int(tokens.max()) < vocab_size:
             return tokens, "real text, exported tokenizer"
@@ -258,14 +260,17 @@ def sample_tokens(
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
 
 
-def verify_text_ids(tokenizer_dir: str | os.PathLike | None, text: str, seq_len: int) -> list:
-    """The token ids of an explicit ``--verify-text`` under the tokenizer in ``tokenizer_dir``
-    (the export's; None: ``--tokenizer none``). Raises :class:`ConversionError` naming
-    --verify-text, in one line, if no tokenizer loads from there or the text gives fewer than
-    ``seq_len`` tokens. The conversions call it with the tokenizer they ship (export) or read
-    (import) before their output is begun: ``import --verify --verify-text 'Hi'`` (and an export
-    with ``--tokenizer none``) wrote the whole output and was refused only then, the latter in
-    the tokenizer's many-line message."""
+def verify_text_ids(
+    tokenizer_dir: str | os.PathLike | None, text: str, seq_len: int, vocab_size: int
+) -> list:
+    """The prompt of an explicit ``--verify-text``: its first ``seq_len`` token ids under the
+    tokenizer in ``tokenizer_dir`` (the export's; None: ``--tokenizer none``). Raises
+    :class:`ConversionError` naming --verify-text, in one line, if no tokenizer loads from there,
+    the text gives fewer than ``seq_len`` tokens or one of them is not below ``vocab_size`` (the
+    model's: the comparison fell back to random ids, the text asked for unused). The conversions
+    call it with the tokenizer they ship (export) or read (import) before their output is begun:
+    ``import --verify --verify-text 'Hi'`` (and an export with ``--tokenizer none``) wrote the
+    whole output and was refused only then, the latter in the tokenizer's many-line message."""
     allowed = f"allowed: a text of at least {seq_len} tokens (--verify-seq-len)"
     if tokenizer_dir is None:
         raise ConversionError(
@@ -287,7 +292,15 @@ def verify_text_ids(tokenizer_dir: str | os.PathLike | None, text: str, seq_len:
             f"--verify-text {_preview(text)} gives {len(ids)} tokens under the tokenizer of "
             f"{str(tokenizer_dir)!r}; {allowed}"
         )
-    return ids
+    prompt = ids[:seq_len]
+    if max(prompt) >= vocab_size:
+        raise ConversionError(
+            f"--verify-text {_preview(text)} gives token id {max(prompt)} under the tokenizer of "
+            f"{str(tokenizer_dir)!r}, outside the model's vocab_size={vocab_size}; allowed: a "
+            f"text whose first {seq_len} tokens (--verify-seq-len) are ids below {vocab_size}, "
+            "or no --verify-text"
+        )
+    return prompt
 
 
 def _preview(text: str, n: int = 40) -> str:
@@ -459,7 +472,7 @@ def verify_export(
     check_same_vocabulary(arch, hf_dir, reader.path)
     check_hf_files(hf_dir)
     if text:  # before the models are loaded (it was refused after both)
-        verify_text_ids(hf_dir, text, seq_len)
+        verify_text_ids(hf_dir, text, seq_len, arch.vocab_size)
     torch.manual_seed(0)
     qat = hf_expert_weight_qat(hf_dir)
     mg = load_megatron_model(reader.path, arch, qat)

@@ -578,6 +578,40 @@ def test_a_verify_text_too_short_is_refused_before_any_output_or_model(
         cli.main([*argv, "--verify", "--no-progress"])
 
 
+def test_a_verify_text_outside_the_vocabulary_is_refused_before_any_output_or_model(
+    tmp_path, capsys, monkeypatch
+):
+    """``--verify-text`` whose prompt has a token id beyond the model's vocab_size under the HF
+    directory's tokenizer (a 300-token model with the 4096-token tokenizer): one line naming
+    --verify-text, exit 2, before the import's output is begun or a model built (the comparison
+    ran on seeded random ids instead of the text asked for). An export cannot ship such a
+    tokenizer (refused: more tokens than vocab_size)."""
+    from megatron_latentmoe.convert import cli, importer, verify
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "mg"
+    _tiny_hf_export(hf, vocab_size=300)
+    import_checkpoint(hf, ckpt, progress=False)
+    monkeypatch.setattr(importer, "atomic_output_dir", lambda *a: pytest.fail("output begun"))
+    monkeypatch.setattr(verify, "load_megatron_model", lambda *a: pytest.fail("model built"))
+    capsys.readouterr()  # save_pretrained's progress bar
+    text = ["--verify-text", "a b c d e f g h"]  # ids 66 271 285 290 319 273 304 269
+    for argv in (
+        ["import", "--hf", str(hf), "--output", str(tmp_path / "out"), "--verify", "--no-progress"],
+        ["verify", "--checkpoint", str(ckpt), "--hf", str(hf)],
+    ):
+        assert cli.main([*argv, *text, "--verify-seq-len", "5"]) == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr() == (
+            "",
+            f"error: --verify-text 'a b c d e f g h' gives token id 319 under the tokenizer of "
+            f"{str(hf)!r}, outside the model's vocab_size=300; allowed: a text whose first 5 "
+            "tokens (--verify-seq-len) are ids below 300, or no --verify-text\n",
+        )
+        assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
+        # its first 4 tokens fit: on to the conversion / the models
+        with pytest.raises(pytest.fail.Exception, match="output begun|model built"):
+            cli.main([*argv, *text, "--verify-seq-len", "4"])
+
+
 def test_a_full_disk_under_a_conversion_is_one_line_and_leaves_no_output(
     tmp_path, capsys, monkeypatch
 ):
@@ -835,14 +869,14 @@ def test_generate_tool_refuses_an_export_without_tokenizer(workspace, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def _tiny_hf_export(path):
-    """A small random model saved as an export is (config, weights, remote code, tokenizer),
-    without the workspace's training run; returns the model (eval, fp32)."""
+def _tiny_hf_export(path, vocab_size=4096):
+    """A small random model saved as an export is (config, weights, remote code, the shipped
+    4096-token tokenizer), without the workspace's training run; returns the model (eval, fp32)."""
     from megatron_latentmoe.data.corpus import default_tokenizer_dir
     from megatron_latentmoe.hf import StableLatentMoEForCausalLM
     from tests.unit.test_hf_modeling import _save_with_code, randomize_, tiny_config
 
-    cfg = tiny_config(vocab_size=4096, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    cfg = tiny_config(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=1)
     model = StableLatentMoEForCausalLM(cfg).eval()
     randomize_(model, std=0.3, seed=5)
     _save_with_code(model, path)

@@ -209,7 +209,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
         ("open_checkpoint", (tmp_path / "ck", None), {}),
         ("check_same_vocabulary", (arch, tmp_path, reader.path), {}),
         ("check_hf_files", (tmp_path,), {}),
-        ("verify_text_ids", (tmp_path, "t", 64), {}),  # before the models are loaded
+        ("verify_text_ids", (tmp_path, "t", 64, FakeMegatron.V), {}),  # before the models
         ("hf_expert_weight_qat", (tmp_path,), {}),
         ("load_megatron_model", (reader.path, arch, "none"), {}),
         ("load_hf_model", (tmp_path,), {}),
@@ -400,6 +400,18 @@ def test_verify_tokens_real_text_or_seeded_random_ids(tmp_path, monkeypatch):
     assert tokens.tolist() == [ids[:5]] * 2
     tokens, _ = verify.sample_tokens(tok_dir, 4096, batch=1, seq_len=len(ids), text=text)
     assert tokens.tolist() == [ids]  # exactly seq_len tokens suffice
+    # the text's ids beyond the vocabulary: refused (random ids replaced the text asked for);
+    # only the prompt's count (the 5 first: ids up to 1351, the 12th is 2520)
+    assert (max(ids[:5]), max(ids)) == (1351, 2520)
+    tokens, source = verify.sample_tokens(tok_dir, 1352, batch=1, seq_len=5, text=text)
+    assert (tokens.tolist(), source) == ([ids[:5]], "real text, exported tokenizer")
+    with pytest.raises(ConversionError) as info:
+        verify.sample_tokens(tok_dir, 1351, batch=1, seq_len=5, text=text)
+    assert str(info.value) == (
+        f"--verify-text {text[:40] + '...'!r} gives token id 1351 under the tokenizer of "
+        f"{str(tok_dir)!r}, outside the model's vocab_size=1351; allowed: a text whose first 5 "
+        "tokens (--verify-seq-len) are ids below 1351, or no --verify-text"
+    )
     with pytest.raises(
         ConversionError, match=f"gives {len(ids)} tokens .* at least {len(ids) + 1}"
     ):
