@@ -471,14 +471,14 @@ def verify_export(
     check_verify_length(arch, seq_len)
     check_same_vocabulary(arch, hf_dir, reader.path)
     check_hf_files(hf_dir)
-    if text:  # before the models are loaded (it was refused after both)
-        verify_text_ids(hf_dir, text, seq_len, arch.vocab_size)
+    # before the models are loaded: a refused --verify-text was refused after both; one
+    # tokenizer load (the text was tokenised again after a check of its own)
+    tokens, source = sample_tokens(hf_dir, arch.vocab_size, batch, seq_len, text)
     torch.manual_seed(0)
     qat = hf_expert_weight_qat(hf_dir)
     mg = load_megatron_model(reader.path, arch, qat)
     hf = load_hf_model(hf_dir)
     precision = match_stored_precision(mg, hf, arch, reader, hf_dir, mxfp4_experts=qat == "mxfp4")
-    tokens, source = sample_tokens(hf_dir, arch.vocab_size, batch, seq_len, text)
     lm = megatron_logits(mg, tokens)
     with torch.no_grad():
         lh = hf(tokens).logits.float()

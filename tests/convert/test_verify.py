@@ -194,7 +194,7 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
     fake("open_checkpoint", (reader, arch, "", {}))
     fake("check_same_vocabulary", None)
     fake("check_hf_files", None)
-    fake("verify_text_ids", None)
+    fake("verify_text_ids", None)  # sample_tokens' own check: never called apart
     fake("hf_expert_weight_qat", "none")
     fake("load_megatron_model", mg)
     fake("load_hf_model", hf)
@@ -209,12 +209,12 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
         ("open_checkpoint", (tmp_path / "ck", None), {}),
         ("check_same_vocabulary", (arch, tmp_path, reader.path), {}),
         ("check_hf_files", (tmp_path,), {}),
-        ("verify_text_ids", (tmp_path, "t", 64, FakeMegatron.V), {}),  # before the models
+        # the tokens before the models are loaded, the tokenizer once
+        ("sample_tokens", (tmp_path, FakeMegatron.V, 2, 64, "t"), {}),
         ("hf_expert_weight_qat", (tmp_path,), {}),
         ("load_megatron_model", (reader.path, arch, "none"), {}),
         ("load_hf_model", (tmp_path,), {}),
         ("match_stored_precision", (mg, hf, arch, reader, tmp_path), {"mxfp4_experts": False}),
-        ("sample_tokens", (tmp_path, FakeMegatron.V, 2, 64, "t"), {}),
         ("hf_greedy", (hf, tokens, 3), {}),
     ]
     assert report.seconds == 2.5
