@@ -322,6 +322,7 @@ def _run(args) -> int:
                 read_batch_bytes=args.read_batch_mb << 20,
                 expert_dtype=args.expert_dtype,
                 verify_seq_len=args.verify_seq_len if args.verify else None,
+                verify_tokens=args.verify_tokens,
                 verify_text=args.verify_text if args.verify else None,
             )
             dirs = (args.checkpoint, args.output, args.megatron_config)
@@ -343,6 +344,7 @@ def _run(args) -> int:
                 overwrite=args.overwrite,
                 progress=False if args.no_progress else None,
                 verify_seq_len=args.verify_seq_len if args.verify else None,
+                verify_tokens=args.verify_tokens,
                 verify_text=args.verify_text if args.verify else None,
             )
             dirs = (args.output, args.hf, None)

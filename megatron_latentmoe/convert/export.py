@@ -52,6 +52,7 @@ from .names import TensorMap, hf_dtype_for, iter_tensor_maps
 from .options import (
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_READ_BATCH_MB,
+    DEFAULT_VERIFY_TOKENS,
     DTYPE_CHOICES,
     DTYPE_TORCH_NAMES,
     EXPERT_DTYPES,
@@ -497,6 +498,7 @@ def export_checkpoint(
     read_batch_bytes: int = DEFAULT_READ_BATCH_MB << 20,
     expert_dtype: str = "auto",
     verify_seq_len: int | None = None,
+    verify_tokens: int = DEFAULT_VERIFY_TOKENS,
     verify_text: str | None = None,
 ) -> ConversionSummary:
     """Export a Megatron ``torch_dist`` checkpoint to an HF directory (see module docstring).
@@ -506,8 +508,9 @@ def export_checkpoint(
     experts MXFP4-packed, see the module docstring). ``tokenizer_dir``: ``"default"`` = the training
     run's (see the module docstring), a directory, or None = none. ``progress``: a byte bar on
     stderr, None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt
-    length of a ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as
-    the checkpoint's model description is read, before anything is written; ``verify_text``: its
+    length of a ``--verify`` to follow, refused with its ``verify_tokens``
+    (:func:`~.verify.check_verify_length`) as soon as the checkpoint's model description is read,
+    before anything is written; ``verify_text``: its
     prompt, refused (:func:`~.verify.verify_text_ids`) under the tokenizer to ship, too. Raises
     :class:`ConversionError` on bad input; never leaves a partial output directory.
     """
@@ -520,7 +523,7 @@ def export_checkpoint(
         raise not_allowed("max_shard_size", max_shard_size, "a positive size", ConversionError)
     reader, arch, config_source, common = open_checkpoint(checkpoint, config_file)
     if verify_seq_len is not None:
-        check_verify_length(arch, verify_seq_len)
+        check_verify_length(arch, verify_seq_len, verify_tokens)
     check_not_an_input(output, "--checkpoint", reader.path)  # the iteration a save root names
     packed_experts = check_expert_dtype(expert_dtype, arch)
     name = str(reader.path)

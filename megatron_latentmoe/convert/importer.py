@@ -70,6 +70,7 @@ from .names import (
     iter_tensor_maps,
     primary_checkpoint_key,
 )
+from .options import DEFAULT_VERIFY_TOKENS
 from .summary import (
     ConversionSummary,
     Progress,
@@ -365,6 +366,7 @@ def import_checkpoint(
     overwrite: bool = False,
     progress: bool | None = None,
     verify_seq_len: int | None = None,
+    verify_tokens: int = DEFAULT_VERIFY_TOKENS,
     verify_text: str | None = None,
 ) -> ConversionSummary:
     """Convert an HF Stable LatentMoE directory into a layout-free Megatron ``torch_dist`` save
@@ -373,8 +375,9 @@ def import_checkpoint(
     ``dtype``: ``auto`` keeps the HF tensors' dtypes; the expert bias is always fp32.
     ``iteration``: None writes a ``release`` checkpoint. ``progress``: a byte bar on stderr,
     None = on a terminal only (``summary.Progress``). ``verify_seq_len``: the prompt length of a
-    ``--verify`` to follow, refused (:func:`~.verify.check_verify_length`) as soon as config.json
-    is read, before anything is written; ``verify_text``: its prompt, refused
+    ``--verify`` to follow, refused with its ``verify_tokens``
+    (:func:`~.verify.check_verify_length`) as soon as config.json is read, before anything is
+    written; ``verify_text``: its prompt, refused
     (:func:`~.verify.verify_text_ids`) under the HF directory's tokenizer, too.
     """
     timer = Timer()
@@ -388,7 +391,7 @@ def import_checkpoint(
     hf = HFCheckpointReader(hf_dir)
     try:
         if verify_seq_len is not None:
-            check_verify_length(hf.arch, verify_seq_len)
+            check_verify_length(hf.arch, verify_seq_len, verify_tokens)
             if verify_text:
                 verify_text_ids(hf.dir, verify_text, verify_seq_len, hf.arch.vocab_size)
         return _import(hf, output, timer, out_dtype, dtype, iteration, overwrite, progress)

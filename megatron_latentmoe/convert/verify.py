@@ -348,18 +348,20 @@ def check_verify_options(
         raise not_allowed("atol (--verify-atol)", atol, "a positive finite number", ConversionError)
 
 
-def check_verify_length(arch: ModelArch, seq_len: int) -> None:
-    """Raise :class:`ConversionError` naming --verify-seq-len if the prompt is longer than the
-    model's max_position_embeddings (Megatron's max_sequence_length): the audit's
-    ``verify --verify-seq-len 100000`` was an out-of-memory RuntimeError traceback from the
-    attention, at a length the model was not built for."""
-    limit = arch.max_position_embeddings
-    if seq_len > limit:
-        raise not_allowed(
-            "seq_len (--verify-seq-len)",
-            seq_len,
-            f"at most {limit}, the model's max_position_embeddings (max_sequence_length)",
-            ConversionError,
+def check_verify_length(arch: ModelArch, seq_len: int, new_tokens: int) -> None:
+    """Raise :class:`ConversionError` naming --verify-seq-len and --verify-tokens if the prompt
+    and the greedy tokens after it are longer than the model's max_position_embeddings
+    (Megatron's max_sequence_length): the audit's ``verify --verify-seq-len 100000`` was an
+    out-of-memory RuntimeError traceback from the attention, and a prompt at the limit compared
+    the generated tokens at positions the model was not built for, silently (measured: the test
+    model's 256 positions, ``--verify-seq-len 256 --verify-tokens 8``: PASS, with transformers'
+    "exceeded the model's predefined maximum length" reminder alone)."""
+    limit, total = arch.max_position_embeddings, seq_len + new_tokens
+    if total > limit:
+        raise ConversionError(
+            f"--verify-seq-len {seq_len} + --verify-tokens {new_tokens} = {total} tokens is not "
+            f"allowed: at most {limit}, the model's max_position_embeddings (max_sequence_length): "
+            "the greedy tokens continue the prompt"
         )
 
 
@@ -468,7 +470,7 @@ def verify_export(
     check_hf_dir(hf_dir)
     t0 = time.perf_counter()
     reader, arch, _, _ = open_checkpoint(checkpoint, config_file)
-    check_verify_length(arch, seq_len)
+    check_verify_length(arch, seq_len, new_tokens)
     check_same_vocabulary(arch, hf_dir, reader.path)
     check_hf_files(hf_dir)
     # before the models are loaded: a refused --verify-text was refused after both; one

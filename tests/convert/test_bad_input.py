@@ -466,7 +466,7 @@ def test_verify_against_unreadable_hf_weights_is_bad_input(tmp_path, capsys, mon
     weights = hf / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     capsys.readouterr()  # save_pretrained's progress bar
-    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf)]
+    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf), "--verify-seq-len", "32"]
     assert cli.main(argv) == cli.EXIT_BAD_INPUT
     assert capsys.readouterr().err == (
         f"error: safetensors file {str(weights)!r} cannot be read: header longer than the file\n"
@@ -480,10 +480,11 @@ def test_verify_against_unreadable_hf_weights_is_bad_input(tmp_path, capsys, mon
 
 
 def test_verify_seq_len_beyond_the_models_positions_is_refused(tmp_path, capsys, monkeypatch):
-    """``verify --verify-seq-len`` above the model's max_position_embeddings (64 here): one line
-    naming the flag, the value and the limit, exit 2, before either model is built (the audit's
-    --verify-seq-len 100000 was an out-of-memory RuntimeError traceback); the limit itself is
-    checked no further here (its run is the workspace's verify)."""
+    """``verify --verify-seq-len`` + ``--verify-tokens`` above the model's max_position_embeddings
+    (64 here): one line naming both flags, their values and the limit, exit 2, before either
+    model is built (the audit's --verify-seq-len 100000 was an out-of-memory RuntimeError
+    traceback; a prompt at the limit compared the greedy tokens beyond it, silently); the limit
+    itself is checked no further here (its run is the workspace's verify)."""
     from megatron_latentmoe.convert import cli, verify
 
     hf, ckpt = tmp_path / "hf", tmp_path / "mg"
@@ -491,23 +492,25 @@ def test_verify_seq_len_beyond_the_models_positions_is_refused(tmp_path, capsys,
     import_checkpoint(hf, ckpt, progress=False)
     monkeypatch.setattr(verify, "load_megatron_model", lambda *a: pytest.fail("model built"))
     capsys.readouterr()  # save_pretrained's progress bar
-    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf), "--verify-seq-len", "65"]
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    argv = ["verify", "--checkpoint", str(ckpt), "--hf", str(hf), "--verify-tokens", "4"]
+    assert cli.main([*argv, "--verify-seq-len", "61"]) == cli.EXIT_BAD_INPUT
     assert capsys.readouterr().err == (
-        "error: seq_len (--verify-seq-len)=65 is not allowed: at most 64, the model's "
-        "max_position_embeddings (max_sequence_length)\n"
+        "error: --verify-seq-len 61 + --verify-tokens 4 = 65 tokens is not allowed: at most 64, "
+        "the model's max_position_embeddings (max_sequence_length): the greedy tokens continue "
+        "the prompt\n"
     )
-    argv[-1] = "64"  # the limit passes the check: on to the models
+    # the limit passes the check: on to the models
     with pytest.raises(pytest.fail.Exception, match="model built"):
-        cli.main(argv)
+        cli.main([*argv, "--verify-seq-len", "60"])
 
 
 def test_conversion_refuses_a_verify_seq_len_beyond_the_models_positions_first(
     tmp_path, capsys, monkeypatch
 ):
-    """``export`` / ``import --verify --verify-seq-len`` above max_position_embeddings (64 here)
-    is refused in the same line, exit 2, as soon as the model description is read: no output
-    directory is begun (it was refused after the whole conversion had been written)."""
+    """``export`` / ``import --verify`` whose --verify-seq-len + --verify-tokens (the default 32
+    here) is above max_position_embeddings (64 here) is refused in the same line, exit 2, as
+    soon as the model description is read: no output directory is begun (it was refused after
+    the whole conversion had been written)."""
     from megatron_latentmoe.convert import cli, export, importer
 
     hf, ckpt = tmp_path / "hf", tmp_path / "mg"
@@ -517,18 +520,19 @@ def test_conversion_refuses_a_verify_seq_len_beyond_the_models_positions_first(
         monkeypatch.setattr(module, "atomic_output_dir", lambda *a: pytest.fail("output begun"))
     capsys.readouterr()  # save_pretrained's progress bar
     line = (
-        "error: seq_len (--verify-seq-len)=65 is not allowed: at most 64, the model's "
-        "max_position_embeddings (max_sequence_length)\n"
+        "error: --verify-seq-len 33 + --verify-tokens 32 = 65 tokens is not allowed: at most 64, "
+        "the model's max_position_embeddings (max_sequence_length): the greedy tokens continue "
+        "the prompt\n"
     )
     out = tmp_path / "out"
     for source in (["export", "--checkpoint", str(ckpt)], ["import", "--hf", str(hf)]):
         argv = [*source, "--output", str(out), "--verify", "--no-progress"]
-        assert cli.main([*argv, "--verify-seq-len", "65"]) == cli.EXIT_BAD_INPUT
+        assert cli.main([*argv, "--verify-seq-len", "33"]) == cli.EXIT_BAD_INPUT
         assert capsys.readouterr() == ("", line)
         assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]
         # the limit passes: on to the conversion (stopped where its output would begin)
         with pytest.raises(pytest.fail.Exception, match="output begun"):
-            cli.main([*argv, "--verify-seq-len", "64"])
+            cli.main([*argv, "--verify-seq-len", "32"])
 
 
 def test_a_verify_text_too_short_is_refused_before_any_output_or_model(
@@ -575,7 +579,7 @@ def test_a_verify_text_too_short_is_refused_before_any_output_or_model(
         "shipped, or no --verify-text\n",
     )
     with pytest.raises(pytest.fail.Exception, match="output begun"):  # random ids: no text
-        cli.main([*argv, "--verify", "--no-progress"])
+        cli.main([*argv, "--verify", "--no-progress", "--verify-seq-len", "32"])
 
 
 def test_a_verify_text_outside_the_vocabulary_is_refused_before_any_output_or_model(
@@ -746,6 +750,7 @@ def test_a_signal_anywhere_in_a_conversion_is_one_line_and_leaves_no_partial_out
     monkeypatch.setattr(verify, "verify_export", signalled(lambda *a, **k: None))
     begun.append("verify")
     argv = ["export", "--checkpoint", str(ckpt), "--output", str(out), "--no-progress", "--verify"]
+    argv += ["--verify-seq-len", "32"]  # + the default 32 greedy tokens: the model's 64 positions
     assert cli.main(argv) == 128 + signum
     stdout, stderr = capsys.readouterr()
     assert stdout.startswith(f"export: {ckpt}/release -> {out}\n")

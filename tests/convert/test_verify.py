@@ -180,7 +180,8 @@ def _fake_verify(monkeypatch, tmp_path, gh, mh, delta=0.0):
     tokens = torch.tensor([[1, 2], [4, 0]])
     lm = verify.megatron_logits(FakeMegatron(), tokens)
     hf = FakeHF(lm + delta)
-    arch = type("Arch", (), {"vocab_size": FakeMegatron.V, "max_position_embeddings": 64})()
+    # 64 + 3 positions: the prompt (the default 64 tokens) and the 3 greedy ones, the limit
+    arch = type("Arch", (), {"vocab_size": FakeMegatron.V, "max_position_embeddings": 67})()
     reader = type("Reader", (), {"path": tmp_path / "ck"})()
     calls = []
 
@@ -348,6 +349,23 @@ def test_expert_qat_follows_the_exports_quantization_config(tmp_path):
     cfg = {"quantization_config": mxfp4.quantization_config()}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert verify.hf_expert_weight_qat(tmp_path) == "mxfp4"
+
+
+def test_verify_length_counts_the_prompt_and_the_greedy_tokens():
+    """--verify-seq-len + --verify-tokens up to max_position_embeddings: the greedy tokens
+    continue the prompt (a prompt at the limit compared them beyond it, silently)."""
+    arch = _workers.arch()
+    assert arch.max_position_embeddings == 256
+    verify.check_verify_length(arch, 224, 32)
+    verify.check_verify_length(arch, 255, 1)
+    for seq_len, new_tokens in ((225, 32), (256, 1), (1, 256)):
+        with pytest.raises(ConversionError) as info:
+            verify.check_verify_length(arch, seq_len, new_tokens)
+        assert str(info.value) == (
+            f"--verify-seq-len {seq_len} + --verify-tokens {new_tokens} = "
+            f"{seq_len + new_tokens} tokens is not allowed: at most 256, the model's "
+            "max_position_embeddings (max_sequence_length): the greedy tokens continue the prompt"
+        )
 
 
 def test_hf_directory_and_vocabulary_checks(tmp_path):
@@ -892,6 +910,7 @@ def test_cli_export_hands_every_flag_to_the_conversion(recorders, capsys):
             read_batch_bytes=1 << 20,
             expert_dtype="mxfp4",
             verify_seq_len=None,
+            verify_tokens=32,
             verify_text=None,
         ),
     )
@@ -924,7 +943,8 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
     flags = dict(atol=0.5, new_tokens=4, batch=6, seq_len=5, text="t")
     assert check.calls == [(("ck", "out"), dict(config_file="m.json", **flags))]
     # refused by the conversion before its output if too long / too short
-    assert (export.calls[0][1]["verify_seq_len"], export.calls[0][1]["verify_text"]) == (5, "t")
+    conversion = export.calls[0][1]
+    assert [conversion[f"verify_{k}"] for k in ("seq_len", "tokens", "text")] == [5, 4, "t"]
     assert json.loads(js.read_text()) == {
         "summary": as_json(export.result.to_dict()),
         "verify": as_json(check.result.to_dict()),
@@ -948,6 +968,7 @@ def test_cli_verify_after_a_conversion_and_the_summary_json(recorders, tmp_path,
                 overwrite=True,
                 progress=None,
                 verify_seq_len=64,
+                verify_tokens=32,
                 verify_text=None,
             ),
         )
