@@ -80,6 +80,11 @@ _QB_MIN_BINS_WHY = {
 EXPERT_WEIGHT_QATS = ("none", "mxfp4")
 """``moe_expert_weight_qat``: off, or fake-quantize the routed experts' weights to MXFP4."""
 
+ACTIVATION_FUNC_ALLOWED = (
+    "F.silu, the default: hidden_act chooses the activation ('situ' or 'swiglu')"
+)
+"""What ``activation_func`` allows: SiTU-GLU and SwiGLU are both hidden_act's."""
+
 HF_FIXED = {
     "moe_router_activation_func": "sigmoid",
     "moe_renormalize": True,
@@ -121,6 +126,13 @@ MEGATRON_FIXED = {
     "moe_router_force_biased": (
         (None,),
         "None (benchmark-only biased random routing; the HF model routes by the router's scores)",
+    ),
+    # Megatron's own GLU options (hidden_act=swiglu trains with them): the HF model's SwiGLU
+    # computes silu(gate) * up alone
+    "glu_linear_offset": ((0.0,), "0.0 (the HF model's SwiGLU adds no offset to its up branch)"),
+    "activation_func_clamp_value": (
+        (None,),
+        "None (the HF model's SwiGLU clamps neither branch)",
     ),
 }
 """Megatron fields whose other values the HF model does not implement: (the values allowed, the
@@ -476,11 +488,7 @@ def check_stable_latentmoe(get: Callable[[str], Any]) -> None:
     _check_fixed(get, MODEL_FIXED, unset_ok=False)  # None as the rows say: normalization's refused
     act = get("activation_func")
     if act is not None and getattr(act, "__name__", None) != "silu":
-        raise ConfigError(
-            "activation_func",
-            getattr(act, "__name__", act),
-            "F.silu, the default: hidden_act chooses the activation ('situ' or 'swiglu')",
-        )
+        raise ConfigError("activation_func", getattr(act, "__name__", act), ACTIVATION_FUNC_ALLOWED)
     if get("hidden_act") == "situ":
         # Megatron's fused expert / activation kernels implement SwiGLU only: with these on,
         # the experts would silently run SwiGLU or fail deep inside TE (the grouped-GEMM shared
@@ -674,6 +682,11 @@ def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
     _check_fixed(get, MEGATRON_FIXED, unset_ok=True)
+    act = get("activation_func")
+    if isinstance(act, str) and act != "silu":  # a config file's, by name: it was left unread
+        # and the model exported with hidden_act's activation (a function is the config's,
+        # checked by check_stable_latentmoe)
+        raise ConfigError("activation_func", act, ACTIVATION_FUNC_ALLOWED)
     freq, layers = get("moe_layer_freq"), get("num_layers")
     if _is_int(layers) and (isinstance(freq, (list, tuple)) or (_is_int(freq) and freq > 1)):
         pattern = moe_layer_pattern(freq, layers)

@@ -601,6 +601,36 @@ def test_megatron_options_the_hf_model_lacks_are_refused_by_name(name, value, al
     assert str(err.value) == f"checkpoint args: {name}={value!r} is not allowed: {allowed}"
 
 
+def test_an_activation_the_hf_model_lacks_is_refused_by_name(tmp_path):
+    """Megatron's GLU clamp / offset, which a hidden_act=swiglu run trains with, and a config
+    file's activation_func other than silu: the HF model computes silu(gate) * up (or
+    SiTU-GLU) alone, and each was exported as that model, silently. The args' hidden_act is
+    the activation a run of ours trained (--swiglu is always set, other activations refused)."""
+    swiglu = dict(_workers.TEST_ARCH, hidden_act="swiglu")
+    for name, value, allowed in (
+        ("glu_linear_offset", 1.0, "0.0 (the HF model's SwiGLU adds no offset to its up branch)"),
+        ("activation_func_clamp_value", 7.0, "None (the HF model's SwiGLU clamps neither branch)"),
+    ):
+        ns = ModelArch(**swiglu).megatron_args_namespace()
+        assert ModelArch.from_megatron_args(ns).hidden_act == "swiglu"
+        setattr(ns, name, value)
+        with pytest.raises(ConversionError) as err:
+            ModelArch.from_megatron_args(ns)
+        assert str(err.value) == f"checkpoint args: {name}={value!r} is not allowed: {allowed}"
+    path = tmp_path / "c.json"
+    for act in ("silu", "gelu"):
+        path.write_text(json.dumps(dict(_workers.MEGATRON_CFG, activation_func=act)))
+        if act == "silu":
+            assert arch_from_config_file(path) == _workers.arch()
+            continue
+        with pytest.raises(ConversionError) as err:
+            arch_from_config_file(path)
+        assert str(err.value) == (
+            f"config file {str(path)!r}: activation_func='gelu' is not allowed: F.silu, the "
+            "default: hidden_act chooses the activation ('situ' or 'swiglu')"
+        )
+
+
 def test_dense_first_layers_given_by_moe_layer_freq(tmp_path):
     """Megatron's own way to make the first k layers dense, ``--moe-layer-freq
     "([0]*k+[1]*rest)"`` (first_k_dense_replace left at 0), builds the same model as
