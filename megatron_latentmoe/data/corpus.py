@@ -366,6 +366,7 @@ def main(argv: list | None = None) -> int:
     )
     p.add_argument("--workers", type=int, default=1)
     from megatron_latentmoe.cli_errors import one_line_errors
+    from megatron_latentmoe.files import folder_refusal
 
     from .errors import PreprocessError
     from .indexed import output_names_refusal
@@ -381,6 +382,14 @@ def main(argv: list | None = None) -> int:
         if refusal is not None:
             p.exit(2, f"{p.prog}: error: {refusal}\n")
         out_dir, name = os.path.split(os.path.abspath(args.output_prefix))
+    # a folder it cannot write in, named as tools/preprocess_data.py and the entry point name it
+    # (exit 2, before the tokenizer loads; it was exit 1 naming prepare_default_dataset's
+    # output_dir): as they, even where it holds an up-to-date dataset
+    refusal = folder_refusal(
+        "--output-prefix" if args.output_prefix else DEFAULT_CACHE_ORIGIN, out_dir
+    )
+    if refusal is not None:
+        p.exit(2, f"{p.prog}: error: {refusal}\n")
     stop = StopOnSignals()
     try:
         with stop:

@@ -1146,8 +1146,12 @@ def test_an_output_on_a_read_only_file_system_is_named_as_the_tools_name_it(tmp_
             with pytest.raises(PreprocessError) as e:
                 preprocess_jsonl(src, prefix)
             assert str(e.value) == f"output_prefix={str(prefix)!r}: {advice}"
-        assert corpus.main(["--output-prefix", str(ro / "ds")]) == 1
-        assert capsys.readouterr().err == f"error: output_dir={str(ro)!r}: {advice}\n"
+        with pytest.raises(SystemExit) as e:  # before anything is tokenized, as the tools
+            corpus.main(["--output-prefix", str(ro / "ds")])
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (
+            f"python -m megatron_latentmoe.data.corpus: error: --output-prefix {ro}: {advice}\n"
+        )
 
 
 @pytest.mark.parametrize(
@@ -2262,36 +2266,32 @@ def test_default_corpus_sequences_skips_blank_documents_as_the_preprocessor_does
 
 
 @pytest.mark.parametrize(
-    "argv, code, message",
+    "argv, message",
     [
         (
             ["--output-prefix", "{d}/ds", "--workers", "0"],
-            2,
             "python -m megatron_latentmoe.data.corpus: error: argument --workers: expected an "
             "integer >= 1, got 0 (all flags: --help)",
         ),
         (
             ["--bogus"],
-            2,
             "python -m megatron_latentmoe.data.corpus: error: unrecognized arguments: --bogus "
             "(all flags: --help)",
         ),
-        (
+        (  # was exit 1 naming prepare_default_dataset's output_dir='{d}/afile'
             ["--output-prefix", "{d}/afile/name"],
-            1,
-            "error: output_dir='{d}/afile': {d}/afile is not a folder; give a folder this run "
-            "can create or write in",
+            "python -m megatron_latentmoe.data.corpus: error: --output-prefix {d}/afile: "
+            "{d}/afile is not a folder; give a folder this run can create or write in",
         ),
         (  # was written as {d}/out.bin beside the folder; then exit 1 naming output_prefix
             ["--output-prefix", "{d}/out/"],
-            2,
             "python -m megatron_latentmoe.data.corpus: error: --output-prefix {d}/out/: names a "
             "folder, not a file-name prefix: give e.g. '{d}/out/my_corpus' (writes my_corpus.bin "
             "/ my_corpus.idx)",
         ),
     ],
 )
-def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, code, message):
+def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, message):
     """python -m megatron_latentmoe.data.corpus: a bad flag, --workers 0, an output folder that
     is a file or a prefix that names a folder is one line (they were the usage text, a
     PreprocessError traceback, a FileExistsError traceback and DIR.bin written beside DIR/);
@@ -2300,14 +2300,28 @@ def test_default_dataset_cli_bad_flag_is_one_line(tmp_path, capsys, argv, code, 
 
     (tmp_path / "afile").write_text("a file where the folder should go")
     argv = [a.format(d=tmp_path) for a in argv]
-    if code == 2:
-        with pytest.raises(SystemExit) as e:
-            corpus.main(argv)
-        assert e.value.code == 2
-    else:
-        assert corpus.main(argv) == 1
+    with pytest.raises(SystemExit) as e:
+        corpus.main(argv)
+    assert e.value.code == 2
     assert capsys.readouterr().err == message.format(d=tmp_path) + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_default_dataset_cli_names_an_unusable_cache_folder(tmp_path, capsys, monkeypatch):
+    """Without --output-prefix the folder is the shipped corpus's cache folder, named as the
+    entry point names it (it was exit 1 naming prepare_default_dataset's output_dir)."""
+    from megatron_latentmoe.data import corpus
+
+    (tmp_path / "afile").write_text("a file where the cache folder should go")
+    monkeypatch.setenv("MEGATRON_LATENTMOE_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(SystemExit) as e:
+        corpus.main([])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"python -m megatron_latentmoe.data.corpus: error: {corpus.DEFAULT_CACHE_ORIGIN} "
+        f"{tmp_path}/afile/data: {tmp_path}/afile is not a folder; give a folder this run can "
+        "create or write in\n"
+    )
 
 
 def test_default_dataset_cli_on_a_full_disk_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
