@@ -556,8 +556,17 @@ def package_installed(package: str) -> bool:
 
 
 def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:
-    """Megatron flags that megatron-core 0.19.2 accepts and then ignores, or fails on only at the
-    first checkpoint save (after the run has trained)."""
+    """Megatron flags that megatron-core 0.19.2 accepts and then ignores, or fails on only once
+    it has built the model, or at the first checkpoint save (after the run has trained)."""
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        # OptimizerParamScheduler asserts it once the model is built, with --load or without:
+        # "AssertionError: both override and use-checkpoint are set." (CPU, 1 rank, measured)
+        raise FlagError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are not "
+            "allowed together (megatron-core 0.19.2 fails on them after building the model); "
+            "allowed: one of the two (the first trains on with this run's learning-rate "
+            "schedule, the second with the checkpoint's)"
+        )
     if args.rampup_batch_size:
         # TrainingConfig still parses it, but no code path hands it to the micro-batch
         # calculator: every step trains --global-batch-size from iteration 1

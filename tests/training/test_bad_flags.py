@@ -493,6 +493,15 @@ CASES = {
             "--step-batch-size-schedule 'THRESHOLD:BATCH ...' without --global-batch-size"
         ],
     ),
+    "both_schedule_flags": (  # OptimizerParamScheduler's assert once the model is built
+        ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+        [
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are not "
+            "allowed together (megatron-core 0.19.2 fails on them after building the model); "
+            "allowed: one of the two (the first trains on with this run's learning-rate "
+            "schedule, the second with the checkpoint's)"
+        ],
+    ),
     "megatron_value_error": (  # validate_args' ValueError, as one line (a traceback before)
         ["--step-batch-size-schedule", "0:8 4096:16"],
         [
