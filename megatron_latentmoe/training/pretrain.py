@@ -317,6 +317,7 @@ def _main(check_only: bool = False) -> int:
         resumed_by_args,
         saved_args,
         shape_refusal,
+        take_checkpoint_lr,
     )
 
     apply_tensorboard_compat()  # --tensorboard-dir's writer thread: its failure said once
@@ -373,7 +374,11 @@ def _main(check_only: bool = False) -> int:
                 print0(f"[{PROG}] WARNING: {warning}")
         optional_keys = fresh_routing_state(args, saved)
         # another LR than the checkpoint's: lr_refusal has required --override-opt_param-scheduler
+        # (this run's values, loaded) or --use-checkpoint-opt_param-scheduler (the checkpoint's)
         if not model_only and restores_optimizer(args, saved):
+            warning = take_checkpoint_lr(args, saved)
+            if warning:
+                print0(f"[{PROG}] WARNING: {warning}")
             load_optimizer_with_new_lr(saved, args)
         restores = not model_only and not (args.no_load_optim and args.no_load_rng)
         if restores and saved is not None and layout_changed(args, saved):

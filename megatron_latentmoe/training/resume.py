@@ -574,38 +574,48 @@ LR_ARGS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr")
 """The args megatron-core 0.19.2 keys an optimizer's param groups by (its
 ``param_group_identifier_keys``: ``max_lr``, ``min_lr``; the weight-decay ones are set by
 per-group overrides only): another value loads through
-:func:`..compat.training.load_optimizer_with_new_lr`."""
+:func:`..compat.training.load_optimizer_with_new_lr`, or is replaced by the checkpoint's
+(:func:`take_checkpoint_lr`)."""
+
+
+def _lr_changes(args, saved) -> list[str]:
+    """The :data:`LR_ARGS` the checkpoint (its args ``saved``) holds another value of than this
+    run, each as ``--lr 0.001 (this run: 0.0005)``."""
+    from megatron_latentmoe.training.arguments import flag_for_field
+
+    return [
+        f"{flag_for_field(dest)} {getattr(saved, dest, None)} (this run: {getattr(args, dest)})"
+        for dest in LR_ARGS
+        if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None)
+    ]
 
 
 def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     """One line where this run restores the optimizer (no ``--no-load-optim``; the caller leaves
     out the loads of the model alone) of a checkpoint (its args ``saved``) saved with another
-    ``--lr`` / ``--min-lr`` / ``--decoupled-lr`` / ``--decoupled-min-lr`` and no
-    ``--override-opt_param-scheduler`` is given. With it the param groups load with this run's
-    values (:func:`..compat.training.load_optimizer_with_new_lr`; without it megatron-core
-    0.19.2 failed with "ValueError: Could not find parameter group with key (None, 0.0005,
-    0.0001, ...)", the distributed optimizer "KeyError: (None, 0.0005, ...)", a traceback on every
-    rank; measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4) and its ``OptimizerParamScheduler`` takes
-    this run's schedule, which it would otherwise refuse as another one. ``--decoupled-lr`` given
-    in one run only is refused with it too: the embedding and output layer then have a param
-    group of their own in one run only (megatron-core 0.19.2's ``get_standard_config_overrides``),
-    which its pairing cannot match (measured: tiny.sh, 1 rank, plain optimizer, saved with
-    --decoupled-lr 2e-3, resumed without: "ValueError: Cannot merge two lists with different
-    lengths (3 and 2, encountered at level ('optimizer', 'param_groups'))"; another
-    --decoupled-lr in both runs loads and trains). Not where a layout change starts the optimizer
-    over (:func:`restores_optimizer`)."""
-    if not restores_optimizer(args, saved):
+    ``--lr`` / ``--min-lr`` / ``--decoupled-lr`` / ``--decoupled-min-lr`` and neither
+    ``--override-opt_param-scheduler`` nor ``--use-checkpoint-opt_param-scheduler`` is given.
+    With the first the param groups load with this run's values
+    (:func:`..compat.training.load_optimizer_with_new_lr`; without it megatron-core 0.19.2
+    failed with "ValueError: Could not find parameter group with key (None, 0.0005, 0.0001,
+    ...)", the distributed optimizer "KeyError: (None, 0.0005, ...)", a traceback on every rank;
+    measured: tiny.sh, 1 rank, --lr 1e-3 -> 5e-4) and its ``OptimizerParamScheduler`` takes this
+    run's schedule, which it would otherwise refuse as another one; with the second this run
+    takes the checkpoint's values (:func:`take_checkpoint_lr`; before, the same refusal, which
+    named only the first). ``--decoupled-lr`` given in one run only is refused with the first:
+    the embedding and output layer then have a param group of their own in one run only
+    (megatron-core 0.19.2's ``get_standard_config_overrides``), which its pairing cannot match
+    (measured: tiny.sh, 1 rank, plain optimizer, saved with --decoupled-lr 2e-3, resumed
+    without: "ValueError: Cannot merge two lists with different lengths (3 and 2, encountered
+    at level ('optimizer', 'param_groups'))"; another --decoupled-lr in both runs loads and
+    trains). Not where a layout change starts the optimizer over (:func:`restores_optimizer`)."""
+    if not restores_optimizer(args, saved) or args.use_checkpoint_opt_param_scheduler:
         return None
-    from megatron_latentmoe.training.arguments import flag_for_field
-
-    differ = [
-        f"{flag_for_field(dest)} {getattr(saved, dest, None)} (this run: {getattr(args, dest)})"
-        for dest in LR_ARGS
-        if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None)
-    ]
+    differ = _lr_changes(args, saved)
     if not differ:
         return None
     head = f"{flag} {load_dir}: the checkpoint's optimizer was saved with {', '.join(differ)}"
+    keep = "--use-checkpoint-opt_param-scheduler to train on with the checkpoint's"
     fresh = (
         "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
         "schedule start anew, the iteration number goes on)"
@@ -614,13 +624,42 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
         return (
             f"{head}: with --decoupled-lr in one run only the embedding and output layer have "
             "a parameter group of their own in one run only, which megatron-core 0.19.2 cannot "
-            f"match; give the checkpoint's --decoupled-lr, or add {fresh}"
+            f"match; give the checkpoint's --decoupled-lr, or use {keep} learning rates, or add "
+            + fresh
         )
     if args.override_opt_param_scheduler:
         return None
     return (
         f"{head}: add --override-opt_param-scheduler to train on with this run's learning rates "
-        "and schedule, the Adam moments kept; or give the checkpoint's values, or add " + fresh
+        f"and schedule, or {keep}, the Adam moments kept; or give the checkpoint's values, or "
+        "add " + fresh
+    )
+
+
+def take_checkpoint_lr(args, saved) -> str | None:
+    """``--use-checkpoint-opt_param-scheduler`` where this run restores the checkpoint's
+    optimizer (its args ``saved``; the caller checks :func:`restores_optimizer`): this run's
+    :data:`LR_ARGS` are set to the checkpoint's, so megatron-core 0.19.2 builds the param groups
+    as the run that saved it did (its pairing finds them, the decoupled one included) and its
+    ``OptimizerParamScheduler``, which this flag makes take the checkpoint's schedule, steps
+    them by it: the run logs the learning rates an uninterrupted run would have, and its own
+    checkpoints record them (a later resume pairs them again). Measured: tiny.sh, 1 rank, saved
+    at iteration 2 with --lr 1e-3 --min-lr 1e-4, resumed with --lr 5e-4 --min-lr 5e-5
+    --decoupled-lr 2e-3: iteration 3 logs the saving run's 2.452233e-04 and its checkpoint equals
+    the saving run's; the args left as given, "KeyError: (None, 0.002, 5e-05, ...)" (distributed
+    optimizer). Returns the warning that says which flags go unused (None: the checkpoint's
+    values are this run's, or the flag is not given)."""
+    if not args.use_checkpoint_opt_param_scheduler:
+        return None
+    differ = _lr_changes(args, saved)
+    if not differ:
+        return None
+    for dest in LR_ARGS:
+        if hasattr(saved, dest):
+            setattr(args, dest, getattr(saved, dest))
+    return (
+        "--use-checkpoint-opt_param-scheduler: this run's learning rates are not used, the "
+        f"checkpoint's schedule goes on with its own: {', '.join(differ)}"
     )
 
 

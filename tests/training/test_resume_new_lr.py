@@ -7,11 +7,14 @@ KeyError traceback); with it the checkpoint loads: re-saved right after the load
 ``--ckpt-convert-save``) every tensor, the Adam moments included, equals the saved one exactly,
 and iteration 3 logs the new values' cosine schedule at the checkpoint's step. For the plain
 optimizer and the distributed one (fully reshardable format), and for the latter with a layout
-change too (saved at EP2 on 2 ranks, resumed at EP1).
+change too (saved at EP2 on 2 ranks, resumed at EP1). With ``--use-checkpoint-opt_param-scheduler``
+in place of the override the run takes the checkpoint's values (its ``--decoupled-lr`` too) and
+trains on as the saving run did.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -52,13 +55,29 @@ def _tensors(folder):
     return {k: v for k, v in checkpoint_tensors(folder).items() if "rng_state" not in k}
 
 
+def _logged_loss(output: str, iteration: int) -> str:
+    """The lm loss Megatron logged at ``iteration``, as printed."""
+    found = re.search(rf"iteration\s+{iteration}/.*?lm loss: ([0-9.eE+-]+)", output)
+    assert found, output[-3000:]
+    return found.group(1)
+
+
+@functools.cache
+def _saved(kind: str):
+    """The checkpoint folder (one checkpoint an iteration) of a 4-iteration run with tiny.sh's
+    LR (``kind``: the optimizer) and that run's output, for this module's tests."""
+    ckpt = scratch_dir() / f"new_lr_{kind}" / "ckpt"
+    args = ONE_RANK + OPTIMIZERS[kind]
+    saving = run_entry(args + ["--save", str(ckpt), "--save-interval", "1"], nproc=1).check()
+    assert _logged_lr(saving.output, 3) == pytest.approx(_cosine_lr(1e-3, 1e-4, 3), rel=1e-6)
+    return ckpt, saving.output
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_another_lr_loads_the_adam_moments_with_override(kind):
-    base = scratch_dir() / f"new_lr_{kind}"
-    ckpt = base / "ckpt"
+    ckpt, _ = _saved(kind)
+    base = ckpt.parent
     args = ONE_RANK + OPTIMIZERS[kind]
-    saving = run_entry(args + ["--save", str(ckpt), "--save-interval", "2"], nproc=1).check()
-    assert _logged_lr(saving.output, 3) == pytest.approx(_cosine_lr(1e-3, 1e-4, 3), rel=1e-6)
     resume = args + NEW_LR + ["--load", str(ckpt), "--ckpt-step", "2"]
 
     refused = run_entry(resume, nproc=1)
@@ -67,9 +86,10 @@ def test_another_lr_loads_the_adam_moments_with_override(kind):
     assert len(lines) == 1 and lines[0].endswith(
         f"--load {ckpt}: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
         "--min-lr 0.0001 (this run: 5e-05): add --override-opt_param-scheduler to train on with "
-        "this run's learning rates and schedule, the Adam moments kept; or give the "
-        "checkpoint's values, or add --no-load-optim to train on with this run's (the Adam "
-        "moments and the learning-rate schedule start anew, the iteration number goes on)"
+        "this run's learning rates and schedule, or --use-checkpoint-opt_param-scheduler to "
+        "train on with the checkpoint's, the Adam moments kept; or give the checkpoint's values, "
+        "or add --no-load-optim to train on with this run's (the Adam moments and the "
+        "learning-rate schedule start anew, the iteration number goes on)"
     ), lines
 
     resume.append("--override-opt_param-scheduler")
@@ -87,6 +107,35 @@ def test_another_lr_loads_the_adam_moments_with_override(kind):
     step = run_entry(resume, nproc=1).check()
     assert "at iteration 2" in step.output
     assert _logged_lr(step.output, 3) == pytest.approx(_cosine_lr(5e-4, 5e-5, 3), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_another_lr_with_the_checkpoints_schedule_trains_on_as_the_saving_run(kind):
+    """--use-checkpoint-opt_param-scheduler with other LRs, --decoupled-lr given in this run
+    only included: the run takes the checkpoint's values (one warning naming them; refused
+    before, naming only --override-opt_param-scheduler), so its param groups are the saving
+    run's: resumed at iteration 2 it logs the saving run's learning rates at iterations 3 and 4
+    (the checkpoint's cosine schedule, where this run's --lr would log 1.226116e-04 at 3) and
+    loss at 3, and its checkpoint of iteration 3 -- weights, QB biases, Adam moments -- equals
+    the saving run's exactly."""
+    ckpt, saving = _saved(kind)
+    kept = ckpt.parent / "kept"
+    resume = ONE_RANK + OPTIMIZERS[kind] + NEW_LR + ["--decoupled-lr", "2e-3"]
+    resume += ["--load", str(ckpt), "--ckpt-step", "2", "--use-checkpoint-opt_param-scheduler"]
+    run = run_entry(resume + ["--save", str(kept), "--save-interval", "3"], nproc=1).check()
+    assert (
+        "WARNING: --use-checkpoint-opt_param-scheduler: this run's learning rates are not used, "
+        "the checkpoint's schedule goes on with its own: --lr 0.001 (this run: 0.0005), --min-lr "
+        "0.0001 (this run: 5e-05), --decoupled-lr None (this run: 0.002)\n"
+    ) in run.output
+    assert "at iteration 2" in run.output
+    for i in (3, 4):
+        assert _logged_lr(run.output, i) == _logged_lr(saving, i)
+    assert _logged_lr(run.output, 3) == pytest.approx(_cosine_lr(1e-3, 1e-4, 3), rel=1e-6)
+    assert _logged_loss(run.output, 3) == _logged_loss(saving, 3)
+    saved, resaved = _tensors(iter_dir(ckpt, 3)), _tensors(iter_dir(kept, 3))
+    assert len([k for k in saved if "exp_avg" in k]) > 10 and sorted(resaved) == sorted(saved)
+    assert not [k for k in saved if not resaved[k].equal(saved[k])]
 
 
 def test_another_lr_with_a_layout_change_reshards_the_adam_moments():

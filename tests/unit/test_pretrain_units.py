@@ -115,6 +115,7 @@ class _Run:
             finetune=False,
             no_load_optim=False,
             no_load_rng=False,
+            use_checkpoint_opt_param_scheduler=False,
             ckpt_format="torch_dist",
             moe_qb_rescore_iters=0,
             moe_qb_rescore_solves=1,
@@ -406,6 +407,44 @@ def test_main_refuses_another_lr_without_the_schedule_override(monkeypatch, tmp_
     assert run.named("pretrain") == run.named("load_optimizer_with_new_lr") == []
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "add --override-opt_param-scheduler to train on" in err
+
+
+@pytest.mark.parametrize("no_load_optim", [False, True])
+def test_main_trains_on_with_the_checkpoints_lr_under_its_schedule_flag(
+    monkeypatch, tmp_path, capsys, no_load_optim
+):
+    """Another --lr / --min-lr with --use-checkpoint-opt_param-scheduler, the optimizer restored:
+    this run's LR args become the checkpoint's before Megatron builds the optimizer
+    (resume.take_checkpoint_lr), so load_optimizer_with_new_lr has nothing to rename, and one
+    warning on stdout names them; with --no-load-optim (Megatron loads no schedule) the run keeps
+    its own values, silently."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _tree(root, [4], "4")
+    lrs = dict(lr=5e-4, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
+    run = _Run(
+        monkeypatch,
+        tmp_path,
+        load=str(root),
+        ckpt_format="torch_dcp",
+        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=True,
+        no_load_optim=no_load_optim,
+        **lrs,
+    )
+    run.saved = SimpleNamespace(
+        **{**dict.fromkeys(resume.LAYOUT_FIELDS, 1), **lrs, "lr": 1e-3, "min_lr": 2e-5}
+    )
+    assert run() == 0
+    out = capsys.readouterr().out
+    taken = "this run's learning rates are not used, the checkpoint's schedule goes on with its"
+    if no_load_optim:
+        assert (run.args.lr, run.args.min_lr) == (5e-4, 1e-4) and taken not in out
+        assert run.named("load_optimizer_with_new_lr") == []
+        return
+    assert (run.args.lr, run.args.min_lr) == (1e-3, 2e-5)
+    assert run.named("load_optimizer_with_new_lr") == [(run.saved, run.args)]
+    assert out.count(taken) == 1
 
 
 def test_main_plans_no_layout_change_for_a_release_checkpoint(monkeypatch, tmp_path):

@@ -596,12 +596,13 @@ def test_the_fresh_router_state_warning_names_both_balancers():
     assert resume.fresh_routing_state_warning(run, saved, "ck", resumed=False).endswith("loaded)")
 
 
-def test_a_checkpoint_whose_optimizer_has_another_lr_needs_the_schedule_override():
+def test_a_checkpoint_whose_optimizer_has_another_lr_needs_a_schedule_flag():
     """Another --lr / --min-lr where the optimizer is restored: one line naming
     --override-opt_param-scheduler (with it the run loads the moments:
-    compat.training.load_optimizer_with_new_lr); --decoupled-lr in one run only is refused
-    with or without it; nothing to say with --no-load-optim or where a layout change starts the
-    optimizer over."""
+    compat.training.load_optimizer_with_new_lr) and --use-checkpoint-opt_param-scheduler (the
+    checkpoint's values: take_checkpoint_lr); --decoupled-lr in one run only is refused with
+    or without the first, not with the second; nothing to say with --no-load-optim or where a
+    layout change starts the optimizer over."""
     saved = SimpleNamespace(lr=1e-3, min_lr=1e-4, decoupled_lr=None, decoupled_min_lr=None)
     run = SimpleNamespace(
         lr=5e-4,
@@ -610,13 +611,21 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_needs_the_schedule_override
         decoupled_min_lr=None,
         no_load_optim=False,
         override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=False,
     )
     assert resume.lr_refusal(run, saved, "ck") == (
         "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005): "
         "add --override-opt_param-scheduler to train on with this run's learning rates and "
-        "schedule, the Adam moments kept; or give the checkpoint's values, or add "
-        "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
-        "schedule start anew, the iteration number goes on)"
+        "schedule, or --use-checkpoint-opt_param-scheduler to train on with the checkpoint's, "
+        "the Adam moments kept; or give the checkpoint's values, or add --no-load-optim to train "
+        "on with this run's (the Adam moments and the learning-rate schedule start anew, the "
+        "iteration number goes on)"
+    )
+    keep = SimpleNamespace(**{**vars(run), "use_checkpoint_opt_param_scheduler": True})
+    assert resume.lr_refusal(keep, saved, "ck") is None
+    assert (
+        resume.lr_refusal(SimpleNamespace(**{**vars(keep), "decoupled_lr": 2e-3}), saved, "ck")
+        is None
     )
     assert resume.lr_refusal(SimpleNamespace(**{**vars(run), "lr": 1e-3}), saved, "ck") is None
     assert "--min-lr 0.0001 (this run: 5e-05):" in resume.lr_refusal(
@@ -629,9 +638,10 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_needs_the_schedule_override
         "--load ck: the checkpoint's optimizer was saved with --lr 0.001 (this run: 0.0005), "
         "--decoupled-lr None (this run: 0.002): with --decoupled-lr in one run only the "
         "embedding and output layer have a parameter group of their own in one run only, which "
-        "megatron-core 0.19.2 cannot match; give the checkpoint's --decoupled-lr, or add "
-        "--no-load-optim to train on with this run's (the Adam moments and the learning-rate "
-        "schedule start anew, the iteration number goes on)"
+        "megatron-core 0.19.2 cannot match; give the checkpoint's --decoupled-lr, or use "
+        "--use-checkpoint-opt_param-scheduler to train on with the checkpoint's learning rates, "
+        "or add --no-load-optim to train on with this run's (the Adam moments and the "
+        "learning-rate schedule start anew, the iteration number goes on)"
     )
     saved.decoupled_lr = 1e-3  # in both runs: another value loads like --lr
     assert resume.lr_refusal(decoupled, saved, "ck") is None
@@ -649,6 +659,37 @@ def test_a_checkpoint_whose_optimizer_has_another_lr_needs_the_schedule_override
         a.use_distributed_optimizer = a.dist_ckpt_optim_fully_reshardable = True
     assert resume.lr_refusal(run, saved, "ck").startswith("--load ck: the checkpoint's optimizer")
     assert resume.lr_refusal(run, None, "ck") is None
+
+
+def test_the_checkpoints_schedule_flag_takes_the_checkpoints_lr():
+    """--use-checkpoint-opt_param-scheduler: this run's LR args become the checkpoint's (its
+    --decoupled-lr None included: Megatron then builds the saving run's param groups), and the
+    warning names each one this run gave otherwise; an older checkpoint's args without
+    --decoupled-min-lr leave this run's; without the flag, or with the checkpoint's values,
+    nothing changes and nothing is said."""
+    saved = SimpleNamespace(lr=1e-3, min_lr=1e-4, decoupled_lr=None)
+    args = SimpleNamespace(
+        lr=5e-4,
+        min_lr=1e-4,
+        decoupled_lr=2e-3,
+        decoupled_min_lr=3e-5,
+        use_checkpoint_opt_param_scheduler=False,
+    )
+    assert resume.take_checkpoint_lr(args, saved) is None and args.lr == 5e-4
+    args.use_checkpoint_opt_param_scheduler = True
+    assert resume.take_checkpoint_lr(args, saved) == (
+        "--use-checkpoint-opt_param-scheduler: this run's learning rates are not used, the "
+        "checkpoint's schedule goes on with its own: --lr 0.001 (this run: 0.0005), "
+        "--decoupled-lr None (this run: 0.002)"
+    )
+    assert vars(args) == dict(
+        lr=1e-3,
+        min_lr=1e-4,
+        decoupled_lr=None,
+        decoupled_min_lr=3e-5,
+        use_checkpoint_opt_param_scheduler=True,
+    )
+    assert resume.take_checkpoint_lr(args, saved) is None
 
 
 def test_a_no_save_optim_checkpoint_is_refused_only_where_its_optimizer_would_be_loaded():
