@@ -9,7 +9,7 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
   groups, seeded RNG tracker);
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
 * per run (:func:`begin_run` reverts the previous run's): :func:`exclude_from_step_time`,
-  :func:`wrap_train_step`, :func:`install_layout_change_load`,
+  :func:`log_each_iteration_once`, :func:`wrap_train_step`, :func:`install_layout_change_load`,
   :func:`load_optional_checkpoint_keys`, :func:`load_distributed_checkpoint_as_such`,
   :func:`load_optimizer_with_new_lr` and :func:`on_save_error`.
 """
@@ -148,6 +148,38 @@ def exclude_from_step_time(wrap: Callable[[Callable], Callable]) -> None:
 
     for name in ("save_checkpoint_and_time", "evaluate_and_print_results"):
         _patch_run(mtraining, name, wrap(getattr(mtraining, name)))
+
+
+def log_each_iteration_once() -> None:
+    """``megatron.training.training.training_log`` resets its interval sums (losses, iteration
+    counts, the interval timer) after a run's first iteration where that iteration ends a
+    ``--log-interval`` (Megatron-LM's fix of NVIDIA/Megatron-LM#6237, PR 7092, after 0.19.2).
+    megatron-core 0.19.2 prints every run's first iteration and never resets there, so the next
+    printed line averaged that iteration in: with ``--log-interval 1`` every run's second line,
+    a fresh run's iteration 2 and a run resumed at 2 its iteration 4 (measured, tiny.sh on one
+    rank: "lm loss: 8.133631E+00", the mean of iterations 3 and 4, where the uninterrupted run
+    and the balance JSONL have 8.076569E+00). A first iteration inside an interval still stays
+    in it. Here that iteration is logged as a regular one, so with
+    ``--log-timers-to-tensorboard`` its iteration time goes to TensorBoard too."""
+    import megatron.training.training as mtraining
+
+    original = mtraining.training_log
+
+    @functools.wraps(original)
+    def training_log(loss_dict, total_loss_dict, lr, iteration, *a, is_first_iteration=False, **kw):
+        if iteration % mtraining.get_args().log_interval == 0:
+            is_first_iteration = False
+        return original(
+            loss_dict,
+            total_loss_dict,
+            lr,
+            iteration,
+            *a,
+            is_first_iteration=is_first_iteration,
+            **kw,
+        )
+
+    _patch_run(mtraining, "training_log", training_log)
 
 
 def on_save_error(handle: Callable[[BaseException, int], None]) -> None:

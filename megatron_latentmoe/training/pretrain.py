@@ -208,6 +208,7 @@ def _main(check_only: bool = False) -> int:
         load_distributed_checkpoint_as_such,
         load_optimizer_with_new_lr,
         load_optional_checkpoint_keys,
+        log_each_iteration_once,
         on_save_error,
         wrap_train_step,
     )
@@ -404,6 +405,7 @@ def _main(check_only: bool = False) -> int:
     fstep.set_batch_recorder(rescore)
     install_finalize_hook(make_finalize_model_grads_func(balance_logger, rescore))
     exclude_from_step_time(balance_logger.excluded)
+    log_each_iteration_once()
     if args.save:
         on_save_error(partial(stop_if_save_disk_failed, args))
     datasets_provider = checks_data_left(fstep.train_valid_test_datasets_provider)

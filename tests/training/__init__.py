@@ -181,6 +181,15 @@ def error_lines(output: str) -> list[str]:
     ]
 
 
+def logged_loss(output: str, iteration: int) -> str:
+    """The lm loss Megatron printed for ``iteration`` in a run's ``output``, as printed."""
+    import re
+
+    found = re.search(rf"iteration\s+{iteration}/.*?lm loss: ([0-9.eE+-]+)", output)
+    assert found, output[-3000:]
+    return found.group(1)
+
+
 def run_entry(
     extra: list[str],
     nproc: int = 2,

@@ -49,6 +49,7 @@ from . import (
     copy_checkpoints,
     iter_dir,
     kill_during_save,
+    logged_loss,
     read_jsonl,
     reference_run,
     run_and_kill,
@@ -349,7 +350,8 @@ def test_ep1_distributed_optimizer_state_loads_into_pp2_ep2_with_a_dense_only_st
 )
 def test_resume_in_the_same_layout_is_exact(name, flags, nproc):
     """4 iterations with checkpoints at 2 and 4; a run resumed from 2 logs the same losses at
-    iterations 3 and 4 and saves the same weights, QB biases and Adam state at 4."""
+    iterations 3 and 4 (the JSONL's and the printed lines) and saves the same weights, QB biases
+    and Adam state at 4."""
     base = scratch_dir() / f"same_layout_{name}"
     args = flags + ["--train-iters", "4", "--save-interval", "2", "--log-interval", "1"]
     whole = run_entry(
@@ -367,6 +369,14 @@ def test_resume_in_the_same_layout_is_exact(name, flags, nproc):
     assert sorted(got) == [3, 4], sorted(got)
     assert [got[i]["loss"] for i in (3, 4)] == [ref[i]["loss"] for i in (3, 4)], whole.output[
         -2000:
+    ]
+    # and prints them: each line its iteration's own loss (megatron-core 0.19.2 printed the mean
+    # of a run's first two iterations as the second's: compat.training.log_each_iteration_once)
+    # (to the printed 7 digits: the JSONL's sum over ranks may round the 7th otherwise)
+    for i, output in ((2, whole.output), (3, run.output), (4, run.output)):
+        assert float(logged_loss(output, i)) == pytest.approx(ref[i]["loss"], rel=1e-6), i
+    assert [logged_loss(run.output, i) for i in (3, 4)] == [
+        logged_loss(whole.output, i) for i in (3, 4)
     ]
     saved, resaved = (checkpoint_tensors(iter_dir(d, 4)) for d in (base / "whole", ckpt))
     assert sorted(saved) == sorted(resaved)

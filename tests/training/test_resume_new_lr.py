@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from . import checkpoint_tensors, error_lines, iter_dir, run_entry, scratch_dir
+from . import checkpoint_tensors, error_lines, iter_dir, logged_loss, run_entry, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +53,6 @@ def _cosine_lr(max_lr: float, min_lr: float, iteration: int) -> float:
 
 def _tensors(folder):
     return {k: v for k, v in checkpoint_tensors(folder).items() if "rng_state" not in k}
-
-
-def _logged_loss(output: str, iteration: int) -> str:
-    """The lm loss Megatron logged at ``iteration``, as printed."""
-    found = re.search(rf"iteration\s+{iteration}/.*?lm loss: ([0-9.eE+-]+)", output)
-    assert found, output[-3000:]
-    return found.group(1)
 
 
 @functools.cache
@@ -132,7 +125,7 @@ def test_another_lr_with_the_checkpoints_schedule_trains_on_as_the_saving_run(ki
     for i in (3, 4):
         assert _logged_lr(run.output, i) == _logged_lr(saving, i)
     assert _logged_lr(run.output, 3) == pytest.approx(_cosine_lr(1e-3, 1e-4, 3), rel=1e-6)
-    assert _logged_loss(run.output, 3) == _logged_loss(saving, 3)
+    assert logged_loss(run.output, 3) == logged_loss(saving, 3)
     saved, resaved = _tensors(iter_dir(ckpt, 3)), _tensors(iter_dir(kept, 3))
     assert len([k for k in saved if "exp_avg" in k]) > 10 and sorted(resaved) == sorted(saved)
     assert not [k for k in saved if not resaved[k].equal(saved[k])]
