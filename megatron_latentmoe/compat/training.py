@@ -4,7 +4,8 @@ Every rebinding goes through :mod:`.registry` (version-checked, revertible):
 
 * :func:`cpu_training_defaults`: flags that need CUDA kernels, switched off on CPU (no patch);
 * :func:`apply_cpu_training_compat`: ``initialize_megatron`` gets ``allow_no_cuda``, the CUDA
-  fusion warm-up is skipped, ``validate_args``' GPU-architecture query answers 0;
+  fusion warm-up is skipped, ``validate_args``' GPU-architecture query answers 0, building the
+  data iterators keeps the CPU generator's state;
 * :func:`init_cpu_world`: what ``initialize_megatron`` skips without a GPU (gloo world, parallel
   groups, seeded RNG tracker);
 * :func:`parse_with_our_flags`: every parse of the command line includes our flags;
@@ -57,6 +58,25 @@ def _shim_cpu_training() -> None:
         return original(*a, **kw)
 
     registry.patch(_CPU_GROUP, mtraining, "initialize_megatron", initialize_megatron)
+
+    import torch
+
+    build_iterators = mtraining.build_train_valid_test_data_iterators
+
+    @functools.wraps(build_iterators)
+    def build_train_valid_test_data_iterators(*a, **kw):
+        state = torch.get_rng_state()
+        try:
+            return build_iterators(*a, **kw)
+        finally:
+            torch.set_rng_state(state)
+
+    registry.patch(
+        _CPU_GROUP,
+        mtraining,
+        "build_train_valid_test_data_iterators",
+        build_train_valid_test_data_iterators,
+    )
     registry.patch(_CPU_GROUP, mtraining, "set_jit_fusion_options", lambda *a, **kw: None)
     registry.patch(_CPU_GROUP, margs, "get_device_arch_version", lambda: 0)
 
@@ -69,6 +89,12 @@ def apply_cpu_training_compat() -> None:
       tensors: nothing to warm on CPU (:func:`cpu_training_defaults` switches the fusions off).
     * ``validate_args`` asks the GPU architecture for TP/CP > 1: report "pre-Blackwell" (0), so
       Megatron applies its CUDA_DEVICE_MAX_CONNECTIONS=1 rule (the entry point sets it).
+    * ``build_train_valid_test_data_iterators`` leaves the CPU generator as it found it: it runs
+      after the checkpoint's RNG state is loaded, and each ``iter(DataLoader)`` draws its base
+      seed from that generator (workers or not), which on CPU is also the "CUDA" one the
+      dropouts draw from (:mod:`.cpu`): a run resumed with ``--hidden-dropout 0.1`` started
+      iteration 3 from another state than the uninterrupted run (loss 8.211238 against 8.209346,
+      tiny.sh on one rank, resumed at 2). On a GPU the dropouts draw from the CUDA generator.
     """
     registry.apply_group(_CPU_GROUP, [_shim_cpu_training])
 

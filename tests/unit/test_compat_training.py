@@ -59,17 +59,26 @@ def test_cpu_training_defaults_switch_off_cuda_kernels():
 
 def test_cpu_training_compat(megatron_training, monkeypatch):
     """initialize_megatron gets allow_no_cuda, the CUDA fusion warm-up does nothing, the GPU
-    architecture query answers 0 (pre-Blackwell); applying twice patches once."""
+    architecture query answers 0 (pre-Blackwell), building the data iterators leaves the CPU
+    generator as it was; applying twice patches once."""
+    import torch
+
     margs, mtraining = megatron_training
     calls = []
     monkeypatch.setattr(mtraining, "initialize_megatron", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(
+        mtraining, "build_train_valid_test_data_iterators", lambda provider: torch.rand(3)
+    )
     ctraining.apply_cpu_training_compat()
     ctraining.apply_cpu_training_compat()
     mtraining.initialize_megatron(store="store", skip_random_seed=True)  # as pretrain calls it
     assert calls == [((), {"store": "store", "skip_random_seed": True, "allow_no_cuda": True})]
     assert mtraining.set_jit_fusion_options(tp_size=2) is None
     assert margs.get_device_arch_version() == 0
-    assert len(registry.patched(ctraining._CPU_GROUP)) == 3
+    state = torch.get_rng_state()
+    drawn = mtraining.build_train_valid_test_data_iterators(None)
+    assert torch.get_rng_state().equal(state) and torch.rand(3).equal(drawn)
+    assert len(registry.patched(ctraining._CPU_GROUP)) == 4
 
 
 def _world_args(**kw):
@@ -439,4 +448,4 @@ def test_every_patch_refuses_an_untested_megatron_core(megatron_training, monkey
     for apply in applies:
         with pytest.warns(RuntimeWarning, match="found 0.18.0"):
             apply()
-    assert [len(registry.patched(group)) for group in GROUPS] == [3, 1, 10]
+    assert [len(registry.patched(group)) for group in GROUPS] == [4, 1, 10]
