@@ -78,6 +78,7 @@ MAIN_STEPS = (
     "set_batch_recorder",
     "install_finalize_hook",
     "exclude_from_step_time",
+    "log_each_iteration_once",
     "pretrain",
 )
 """What ``main`` does, in order, on a machine without CUDA."""
@@ -155,6 +156,7 @@ class _Run:
             (compat_training, "begin_run"),
             (compat_training, "init_cpu_world"),
             (compat_training, "exclude_from_step_time"),
+            (compat_training, "log_each_iteration_once"),
             (compat_training, "load_optional_checkpoint_keys"),
             (compat_training, "load_optimizer_with_new_lr"),
             (compat_training, "wrap_train_step"),
