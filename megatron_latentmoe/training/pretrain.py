@@ -319,6 +319,7 @@ def _main(check_only: bool = False) -> int:
         saved_args,
         shape_refusal,
         take_checkpoint_lr,
+        unused_checkpoint_schedule_warning,
     )
 
     apply_tensorboard_compat()  # --tensorboard-dir's writer thread: its failure said once
@@ -370,6 +371,7 @@ def _main(check_only: bool = False) -> int:
             release_data_warning(args, saved, path, load_arg),
             fresh_routing_state_warning(args, saved, load_dir, flag, resumed=not model_only),
             activation_warning(args, saved, load_dir, flag),
+            unused_checkpoint_schedule_warning(args, saved, model_only),
         ):
             if warning:
                 print0(f"[{PROG}] WARNING: {warning}")

@@ -636,6 +636,30 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     )
 
 
+def unused_checkpoint_schedule_warning(args, saved, model_only: bool) -> str | None:
+    """``--use-checkpoint-opt_param-scheduler`` where megatron-core 0.19.2 loads no scheduler
+    state (it comes with the optimizer's): the model alone (``model_only``: ``--finetune``,
+    ``--pretrained-checkpoint``, a release), ``--no-load-optim``, or a layout change that starts
+    the optimizer over (:func:`restores_optimizer`). The flag then does nothing and this run's
+    schedule flags apply, silently before; the warning says so (None: the state is loaded, or
+    the flag is not given)."""
+    if not args.use_checkpoint_opt_param_scheduler or saved is None:
+        return None
+    if model_only:
+        why = "this run loads the checkpoint's model alone (--finetune, --pretrained-checkpoint "
+        why += "or a release checkpoint)"
+    elif args.no_load_optim:
+        why = "--no-load-optim loads no optimizer state"
+    elif not restores_optimizer(args, saved):
+        why = "the optimizer starts over on this run's parallel layout"
+    else:
+        return None
+    return (
+        f"--use-checkpoint-opt_param-scheduler does nothing here: {why}, and the learning-rate "
+        "schedule comes with the optimizer state; this run's schedule flags apply"
+    )
+
+
 def take_checkpoint_lr(args, saved) -> str | None:
     """``--use-checkpoint-opt_param-scheduler`` where this run restores the checkpoint's
     optimizer (its args ``saved``; the caller checks :func:`restores_optimizer`): this run's

@@ -419,7 +419,7 @@ def test_main_trains_on_with_the_checkpoints_lr_under_its_schedule_flag(
     this run's LR args become the checkpoint's before Megatron builds the optimizer
     (resume.take_checkpoint_lr), so load_optimizer_with_new_lr has nothing to rename, and one
     warning on stdout names them; with --no-load-optim (Megatron loads no schedule) the run keeps
-    its own values, silently."""
+    its own values, and one warning says the flag does nothing."""
     root = tmp_path / "ckpt"
     root.mkdir()
     _tree(root, [4], "4")
@@ -442,6 +442,7 @@ def test_main_trains_on_with_the_checkpoints_lr_under_its_schedule_flag(
     taken = "this run's learning rates are not used, the checkpoint's schedule goes on with its"
     if no_load_optim:
         assert (run.args.lr, run.args.min_lr) == (5e-4, 1e-4) and taken not in out
+        assert out.count("--use-checkpoint-opt_param-scheduler does nothing here: --no-load") == 1
         assert run.named("load_optimizer_with_new_lr") == []
         return
     assert (run.args.lr, run.args.min_lr) == (1e-3, 2e-5)

@@ -692,6 +692,37 @@ def test_the_checkpoints_schedule_flag_takes_the_checkpoints_lr():
     assert resume.take_checkpoint_lr(args, saved) is None
 
 
+def test_the_checkpoints_schedule_flag_is_said_to_do_nothing_where_no_schedule_loads():
+    """--use-checkpoint-opt_param-scheduler where megatron-core 0.19.2 loads no scheduler state
+    (the model alone, --no-load-optim, a layout change the plain optimizer starts over on): one
+    warning naming why; none where the state loads, without the flag or without saved args."""
+    saved = SimpleNamespace(expert_model_parallel_size=2)
+    args = SimpleNamespace(
+        use_checkpoint_opt_param_scheduler=True, no_load_optim=False, expert_model_parallel_size=2
+    )
+    tail = (
+        ", and the learning-rate schedule comes with the optimizer state; this run's schedule "
+        "flags apply"
+    )
+    head = "--use-checkpoint-opt_param-scheduler does nothing here: "
+    assert resume.unused_checkpoint_schedule_warning(args, saved, model_only=False) is None
+    assert resume.unused_checkpoint_schedule_warning(args, saved, model_only=True) == (
+        head + "this run loads the checkpoint's model alone (--finetune, --pretrained-checkpoint "
+        "or a release checkpoint)" + tail
+    )
+    args.expert_model_parallel_size = 1  # plain optimizer: starts over on another layout
+    assert resume.unused_checkpoint_schedule_warning(args, saved, model_only=False) == (
+        head + "the optimizer starts over on this run's parallel layout" + tail
+    )
+    args.no_load_optim = True
+    assert resume.unused_checkpoint_schedule_warning(args, saved, model_only=False) == (
+        head + "--no-load-optim loads no optimizer state" + tail
+    )
+    assert resume.unused_checkpoint_schedule_warning(args, None, model_only=False) is None
+    args.use_checkpoint_opt_param_scheduler = False
+    assert resume.unused_checkpoint_schedule_warning(args, saved, model_only=True) is None
+
+
 def test_a_no_save_optim_checkpoint_is_refused_only_where_its_optimizer_would_be_loaded():
     """A --no-save-optim checkpoint: refused where megatron-core 0.19.2 would load its (absent)
     optimizer state, not where a layout change starts the optimizer over (plain optimizer, or
