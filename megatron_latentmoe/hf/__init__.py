@@ -2,9 +2,11 @@
 checkpoints.
 
 ``configuration_stable_latentmoe.py`` and ``modeling_stable_latentmoe.py`` import only torch and
-transformers (and each other); :func:`copy_remote_code` puts them next to a checkpoint so that
+transformers (and each other); they must sit next to a checkpoint so that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` resolves the ``auto_map``
-that :class:`StableLatentMoEConfig` writes into config.json by default.
+that :class:`StableLatentMoEConfig` writes into config.json by default. The model classes'
+``save_pretrained`` writes them itself; :func:`copy_remote_code` does it for a folder written
+otherwise (a config and weight shards written without ``save_pretrained``).
 """
 
 from __future__ import annotations

@@ -1081,6 +1081,13 @@ class StableLatentMoEForCausalLM(StableLatentMoEPreTrainedModel, GenerationMixin
         return out if return_dict else out.to_tuple()
 
 
+# As transformers does for the classes it loads with trust_remote_code: save_pretrained (and so
+# Trainer.save_model, or a PEFT merge_and_unload() model's) writes this file and the configuration
+# one next to config.json, whose auto_map names them: every saved folder loads with Auto* classes.
+StableLatentMoEModel.register_for_auto_class("AutoModel")
+StableLatentMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
 __all__ = [
     "MoERouting",
     "StableLatentMoEAttention",

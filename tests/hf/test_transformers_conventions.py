@@ -10,8 +10,10 @@ computation (naive softmax attention, the unpacked run, the run without checkpoi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +23,18 @@ transformers = pytest.importorskip("transformers")
 from transformers import DataCollatorWithFlattening  # noqa: E402
 from transformers.cache_utils import DynamicCache, StaticCache  # noqa: E402
 
-from megatron_latentmoe.hf import StableLatentMoEForCausalLM, copy_remote_code  # noqa: E402
+from megatron_latentmoe.hf import (  # noqa: E402
+    AUTO_MAP,
+    REMOTE_CODE_FILES,
+    StableLatentMoEForCausalLM,
+    copy_remote_code,
+)
 from megatron_latentmoe.hf import modeling_stable_latentmoe as modeling  # noqa: E402
 from tests.unit.test_hf_modeling import randomize_, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+
+HF_DIR = Path(modeling.__file__).parent
 
 
 def make_model(
@@ -737,6 +746,34 @@ def test_resize_token_embeddings_keeps_the_old_logits_and_round_trips(tmp_path, 
     with torch.no_grad():  # the same weights; fp64 GEMMs may sum in another order (alignment)
         logits = loaded.eval()(resized, use_cache=False).logits
     torch.testing.assert_close(logits, out.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_save_pretrained_writes_the_remote_code_its_config_names(tmp_path):
+    """A model built from this package saves as one loaded with ``trust_remote_code`` does:
+    ``save_pretrained`` (and so ``Trainer.save_model`` and a PEFT ``merge_and_unload()`` model's)
+    writes the two remote-code files that config.json's ``auto_map`` names, so the folder loads
+    with ``AutoModelForCausalLM`` / ``AutoModel`` as it is (before, it held config.json, whose
+    ``auto_map`` named files it did not have: from_pretrained failed with an OSError)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    model = make_model("sdpa", dtype=torch.float32)
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6)
+    )
+    model.save_pretrained(tmp_path / "lm")
+    model.model.save_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        expected = {"lm": model(ids).logits, "base": model.model(ids).last_hidden_state}
+    for sub, auto in (("lm", AutoModelForCausalLM), ("base", AutoModel)):
+        folder = tmp_path / sub
+        for name in REMOTE_CODE_FILES:
+            assert (folder / name).read_bytes() == (HF_DIR / name).read_bytes(), name
+        assert json.loads((folder / "config.json").read_text())["auto_map"] == AUTO_MAP
+        loaded = auto.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+        assert type(loaded).__module__ != modeling.__name__  # the copied code, not this package
+        with torch.no_grad():
+            out = loaded(ids)
+        assert torch.equal(out[0], expected[sub])
 
 
 def test_loss_divides_by_num_items_in_batch_for_gradient_accumulation():
