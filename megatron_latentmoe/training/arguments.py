@@ -298,6 +298,14 @@ def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
         )
     if impl == "transformer_engine" and not has_cuda:
         raise FlagError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+    if args.use_flash_attn:
+        # megatron-core 0.19.2 parses it and reads it nowhere: the attention stays what
+        # --attention-backend and --transformer-impl choose (measured: the same losses)
+        raise FlagError(
+            "--use-flash-attn is not allowed: megatron-core 0.19.2 parses it but no code reads "
+            "it (the attention would not change); allowed: --attention-backend flash with "
+            "--transformer-impl transformer_engine"
+        )
     _check_attention_backend(args.attention_backend, impl)
     if args.fp8 is not None or args.fp4 is not None:
         flag = "--fp8-format" if args.fp8 is not None else "--fp4-format"
@@ -393,6 +401,15 @@ def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
             "--use-megatron-fsdp needs a CUDA GPU: Megatron-FSDP puts its buffers on the CUDA "
             "device; allowed without a GPU: no --use-megatron-fsdp (--use-distributed-optimizer "
             "shards the optimizer state)"
+        )
+    if args.log_memory_to_tensorboard and not has_cuda:
+        # else megatron-core 0.19.2's training_log reads torch.cuda.memory_stats(), empty without
+        # a GPU: "KeyError: 'reserved_bytes.all.current'" at the first TensorBoard write, on the
+        # last rank (CPU, 1 rank, measured)
+        raise FlagError(
+            "--log-memory-to-tensorboard needs a CUDA GPU: megatron-core 0.19.2 logs the CUDA "
+            "memory allocator's statistics, which a run without a GPU does not have; allowed "
+            "without a GPU: off"
         )
     tp = args.tensor_model_parallel_size
     if tp > 1 and not args.sequence_parallel:

@@ -446,6 +446,26 @@ CASES = {
             "shards the optimizer state)"
         ],
     ),
+    # before: "KeyError: 'reserved_bytes.all.current'" (torch.cuda.memory_stats() is empty
+    # without a GPU) at the first TensorBoard write, on the last rank
+    "memory_logging_without_a_gpu": (
+        ["--log-memory-to-tensorboard", "--tensorboard-dir", str(scratch_dir() / "tb_memory")]
+        + ["--save-interval", "1000", "--train-iters", "2"],
+        [
+            "--log-memory-to-tensorboard needs a CUDA GPU: megatron-core 0.19.2 logs the CUDA "
+            "memory allocator's statistics, which a run without a GPU does not have; allowed "
+            "without a GPU: off"
+        ],
+    ),
+    # before: it trained, and the attention was what it would have been without it
+    "flash_attn_flag_that_megatron_ignores": (
+        ["--use-flash-attn", "--save-interval", "1000", "--train-iters", "2"],
+        [
+            "--use-flash-attn is not allowed: megatron-core 0.19.2 parses it but no code reads "
+            "it (the attention would not change); allowed: --attention-backend flash with "
+            "--transformer-impl transformer_engine"
+        ],
+    ),
     "tensor_parallel_without_sequence_parallel": (
         ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
         ["--tensor-model-parallel-size 2 with MoE needs --sequence-parallel (Megatron)"],
@@ -672,6 +692,7 @@ HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
     "persistent_checkpoint_worker_without_a_gpu",
     "torch_fsdp2_without_a_gpu",
+    "memory_logging_without_a_gpu",
 }
 
 
@@ -1218,6 +1239,7 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
             None,
         ),
         (["--fp8-format", "e4m3"], True, True, None),  # TE chosen by default on a GPU with TE
+        (["--log-memory-to-tensorboard"], True, True, None),  # a GPU has its memory statistics
         (["--attention-backend", "flash"], True, True, None),  # a TE kernel, with TE
         (["--use-precision-aware-optimizer", "--use-distributed-optimizer"], True, True, None),
         (  # megatron-core 0.19.2 takes it only with --spec local, which this entry point refuses
