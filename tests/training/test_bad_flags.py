@@ -1315,6 +1315,8 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
 
     _pretend_installed(monkeypatch, "nvidia_resiliency_ext", False)
     args = SimpleNamespace(
+        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=False,
         rampup_batch_size=None,
         async_save=True,
         ckpt_format="torch_dist",
