@@ -298,14 +298,6 @@ def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
         )
     if impl == "transformer_engine" and not has_cuda:
         raise FlagError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
-    if args.use_flash_attn:
-        # megatron-core 0.19.2 parses it and reads it nowhere: the attention stays what
-        # --attention-backend and --transformer-impl choose (measured: the same losses)
-        raise FlagError(
-            "--use-flash-attn is not allowed: megatron-core 0.19.2 parses it but no code reads "
-            "it (the attention would not change); allowed: --attention-backend flash with "
-            "--transformer-impl transformer_engine"
-        )
     _check_attention_backend(args.attention_backend, impl)
     if args.fp8 is not None or args.fp4 is not None:
         flag = "--fp8-format" if args.fp8 is not None else "--fp4-format"
@@ -570,6 +562,23 @@ def package_installed(package: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(package) is not None
+
+
+def ignored_flag_warning(args) -> str | None:
+    """The warning for ``--use-flash-attn``, which megatron-core 0.19.2 parses and reads nowhere:
+    the attention stays what ``--attention-backend`` and ``--transformer-impl`` choose (measured:
+    the same losses with and without it). A warning, not a refusal: Megatron's older launch
+    scripts carry it, and on a GPU the default ``--attention-backend auto`` already picks
+    FlashAttention where TE has it. None without the flag."""
+    if not args.use_flash_attn:
+        return None
+    backend = args.attention_backend
+    return (
+        "--use-flash-attn does nothing: megatron-core 0.19.2 parses it but no code reads it; "
+        f"the attention is --attention-backend {getattr(backend, 'name', backend)} with "
+        f"--transformer-impl {args.transformer_impl} (FlashAttention: --attention-backend flash "
+        "or auto with --transformer-impl transformer_engine on a GPU)"
+    )
 
 
 def _check_checkpointing_and_schedule(args, has_cuda: bool) -> None:

@@ -325,11 +325,12 @@ def _main(check_only: bool = False) -> int:
     apply_tensorboard_compat()  # --tensorboard-dir's writer thread: its failure said once
     set_global_variables(args)  # the padded vocabulary: checkpoint_bytes reads it
     if rank() == 0:
+        from megatron_latentmoe.training.arguments import ignored_flag_warning
         from megatron_latentmoe.training.file_checks import save_space_warning
 
-        warning = save_space_warning(args)
-        if warning:
-            print(f"[{PROG}] WARNING: {warning}", flush=True)
+        for warning in (save_space_warning(args), ignored_flag_warning(args)):
+            if warning:
+                print(f"[{PROG}] WARNING: {warning}", flush=True)
     model_cfg = model_config_from_args(args, transformer_config)
     cfg_container = pretrain_cfg_container_from_args(args, model_cfg)
 

@@ -458,14 +458,6 @@ CASES = {
         ],
     ),
     # before: it trained, and the attention was what it would have been without it
-    "flash_attn_flag_that_megatron_ignores": (
-        ["--use-flash-attn", "--save-interval", "1000", "--train-iters", "2"],
-        [
-            "--use-flash-attn is not allowed: megatron-core 0.19.2 parses it but no code reads "
-            "it (the attention would not change); allowed: --attention-backend flash with "
-            "--transformer-impl transformer_engine"
-        ],
-    ),
     "tensor_parallel_without_sequence_parallel": (
         ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
         ["--tensor-model-parallel-size 2 with MoE needs --sequence-parallel (Megatron)"],

@@ -117,6 +117,7 @@ class _Run:
             no_load_optim=False,
             no_load_rng=False,
             use_checkpoint_opt_param_scheduler=False,
+            use_flash_attn=False,
             ckpt_format="torch_dist",
             moe_qb_rescore_iters=0,
             moe_qb_rescore_solves=1,
@@ -448,6 +449,29 @@ def test_main_trains_on_with_the_checkpoints_lr_under_its_schedule_flag(
     assert (run.args.lr, run.args.min_lr) == (1e-3, 2e-5)
     assert run.named("load_optimizer_with_new_lr") == [(run.saved, run.args)]
     assert out.count(taken) == 1
+
+
+def test_main_warns_once_that_use_flash_attn_does_nothing(monkeypatch, tmp_path, capsys):
+    """--use-flash-attn, parsed by megatron-core 0.19.2 and read nowhere: the run goes on (older
+    launch scripts carry it) with one warning naming the attention it runs instead."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    run = _Run(
+        monkeypatch,
+        tmp_path,
+        use_flash_attn=True,
+        attention_backend=AttnBackend.auto,
+        transformer_impl="local",
+    )
+    assert run() == 0
+    out = capsys.readouterr().out
+    assert out.count("WARNING: --use-flash-attn does nothing") == 1, out
+    assert (
+        "[pretrain_stable_latentmoe] WARNING: --use-flash-attn does nothing: megatron-core 0.19.2 "
+        "parses it but no code reads it; the attention is --attention-backend auto with "
+        "--transformer-impl local (FlashAttention: --attention-backend flash or auto with "
+        "--transformer-impl transformer_engine on a GPU)"
+    ) in out.splitlines()
 
 
 def test_main_plans_no_layout_change_for_a_release_checkpoint(monkeypatch, tmp_path):
