@@ -433,6 +433,10 @@ def _main(check_only: bool = False) -> int:
             ModelType.encoder_or_decoder,
             fstep.forward_step,
         )
+    except SystemExit:  # Megatron's early exits (--exit-interval, --exit-duration-in-mins, the
+        # signal handler), after their save: sys.exit inside pretrain skipped the summary
+        _print_summary(balance_logger)
+        raise
     except SaveDiskFailure:  # rank 0 has said so
         return 2
     except DataLeftError as err:  # every rank alike: said once
@@ -464,13 +468,18 @@ def _main(check_only: bool = False) -> int:
         error(line)  # each rank that hit it
         return 2
 
+    _print_summary(balance_logger)
+    print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
+    return _end_world()
+
+
+def _print_summary(balance_logger) -> None:
+    """The balance summary of the iterations trained, on the rank that logs them."""
     if balance_logger.is_logging_rank and balance_logger.history:
         from megatron_latentmoe.training.balance_summary import summarize, summary_lines
 
         lines = summary_lines(summarize(balance_logger.history))
         print("\n".join([f"[{PROG}] summary: {lines[0]}", *lines[1:]]), flush=True)
-    print0(f"[{PROG}] done in {time.time() - t_start:.1f} s")
-    return _end_world()
 
 
 def _started_cpu_world(args) -> bool:

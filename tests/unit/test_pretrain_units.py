@@ -703,6 +703,19 @@ def test_main_prints_the_balance_summary_on_the_logging_rank(
     assert (out[1:3] == summary) is printed and len(out) == (4 if printed else 2)
 
 
+def test_main_prints_the_balance_summary_before_megatrons_early_exit(monkeypatch, tmp_path, capsys):
+    """--exit-interval / --exit-duration-in-mins / the signal handler: megatron-core 0.19.2 saves
+    and calls sys.exit inside pretrain; the summary of the iterations trained is printed before
+    the exit goes on with its status (it was not printed)."""
+    run = _Run(monkeypatch, tmp_path)
+    run.logger.history, run.raises = [1], SystemExit(0)
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["[pretrain_stable_latentmoe] summary: ('summary', 1)", "second line"]
+
+
 @pytest.mark.parametrize("rank, made", [("1", True), ("0", False)])
 def test_the_balance_logger_follows_the_flags(monkeypatch, tmp_path, rank, made):
     """The last rank (it writes the JSONL records) makes the file's folder; the logger counts
