@@ -684,6 +684,7 @@ HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
     "persistent_checkpoint_worker_without_a_gpu",
     "torch_fsdp2_without_a_gpu",
+    "megatron_fsdp_without_a_gpu",
     "memory_logging_without_a_gpu",
 }
 
