@@ -681,6 +681,15 @@ def moe_layer_pattern(freq: int | list, num_layers: int) -> list[int]:
 def check_hf_exportable(get: Callable[[str], Any]) -> None:
     """What the HF model (K3 naming) cannot express in a config that trains: raises
     :class:`ConfigError`. The converter refuses such a checkpoint; training warns at start-up."""
+    latent = get("moe_latent_size")
+    if not latent:  # first: the cause, before the rules a plain Megatron MoE may break
+        raise ConfigError(
+            "moe_latent_size",
+            latent,
+            "a positive integer (the HF model is the Stable LatentMoE block, its routed experts "
+            "in a latent of this width); unset, the MoE layers are Megatron's MoELayer (QB as a "
+            "drop-in), which the HF model does not implement",
+        )
     _check_fixed(get, MEGATRON_FIXED, unset_ok=True)
     act = get("activation_func")
     if isinstance(act, str) and act != "silu":  # a config file's, by name: it was left unread

@@ -197,13 +197,7 @@ class ModelArch:
             check_hf_exportable(raw)  # MEGATRON_FIXED, on the fields as Megatron names them
         except ConfigError as err:
             raise ConversionError(f"{source}: {err}") from None
-        for name in (
-            "num_experts",
-            "moe_latent_size",
-            "hidden_size",
-            "num_attention_heads",
-            "num_layers",
-        ):
+        for name in ("num_experts", "hidden_size", "num_attention_heads", "num_layers"):
             if not get(BY_NAME[name]):
                 raise not_allowed(
                     f"{source}: {BY_NAME[name].megatron}",

@@ -268,7 +268,7 @@ def _check_model_config(args) -> None:
     try:
         check_hf_exportable(arg)
     except ConfigError as err:
-        if args.moe_latent_size and os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0":
             print(
                 f"[{PROG}] warning: this model trains, but the HF converter "
                 f"will refuse its checkpoints: {flag_message(err)}",

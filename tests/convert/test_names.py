@@ -824,11 +824,19 @@ def test_megatron_side_refusals_and_fallbacks():
         assert refusal(**{key: value}) == (
             f"Megatron config: {key}={value!r} is not allowed: {allowed}"
         )
-    for key in ("num_moe_experts", "moe_latent_size"):
-        for value in (None, 0):  # 0 is refused like None, with the same words
-            assert refusal(**{key: value}) == (
-                f"Megatron config: {key}={value} is not allowed: a positive integer (a Stable "
-                "LatentMoE model)"
+    for value in (None, 0):  # 0 is refused like None, with the same words
+        assert refusal(num_moe_experts=value) == (
+            f"Megatron config: num_moe_experts={value} is not allowed: a positive integer (a "
+            "Stable LatentMoE model)"
+        )
+        # QB as a drop-in for a Megatron MoE (its softmax router refused too): named for the
+        # latent, the cause (it was named for the router, and then for the latent once fixed)
+        for drop_in in ({}, dict(moe_router_score_function="softmax")):
+            assert refusal(moe_latent_size=value, **drop_in) == (
+                f"Megatron config: moe_latent_size={value} is not allowed: a positive integer "
+                "(the HF model is the Stable LatentMoE block, its routed experts in a latent of "
+                "this width); unset, the MoE layers are Megatron's MoELayer (QB as a drop-in), "
+                "which the HF model does not implement"
             )
     # an int moe_layer_freq is Megatron's "layer i is MoE when i % freq == 0": 4 on 4 layers
     # makes only layer 0 MoE

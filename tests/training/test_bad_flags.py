@@ -846,6 +846,25 @@ def test_a_shared_width_the_export_refuses_trains_with_a_warning():
     assert proc.stdout.count(warning) == 1, proc.stdout[-3000:]
 
 
+def test_qb_as_a_drop_in_for_a_megatron_moe_trains_with_a_warning():
+    """Without --moe-latent-size the MoE layers are Megatron's MoELayer (README: QB is a drop-in):
+    it trains, and says at start-up, once, that the converter will refuse its checkpoints (it
+    said nothing: the refusal came only at export)."""
+    args = list(tiny_args())
+    at = args.index("--moe-latent-size")
+    assert args[at : at + 3] == ["--moe-latent-size", "64", "--moe-latent-norm"]
+    del args[at : at + 3]
+    proc = _run([str(ENTRY), "--check-flags", *args])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    warning = (
+        "warning: this model trains, but the HF converter will refuse its checkpoints: "
+        "--moe-latent-size None is not allowed: a positive integer (the HF model is the Stable "
+        "LatentMoE block, its routed experts in a latent of this width); unset, the MoE layers "
+        "are Megatron's MoELayer (QB as a drop-in), which the HF model does not implement"
+    )
+    assert proc.stdout.count(warning) == 1, proc.stdout[-3000:]
+
+
 def test_the_launch_scripts_example_passes_the_flag_check():
     """examples/run_torchrun.sh's header command, as printed, passes the check the script makes
     before it starts the ranks (its ``--save`` without ``--save-interval`` was refused)."""

@@ -429,7 +429,9 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
         check_hf_exportable(lambda name: getattr(cfg, name, None))
     check_hf_exportable(lambda name: getattr(tiny_config(), name, None))  # 96 = 2 x 48
     # flags not yet through Megatron's config: an unset expert width is ffn_hidden_size's
-    unset = dict(moe_shared_expert_intermediate_size=96, moe_ffn_hidden_size=None)
+    unset = dict(
+        moe_shared_expert_intermediate_size=96, moe_ffn_hidden_size=None, moe_latent_size=32
+    )
     with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_size=128"):
         check_hf_exportable({**unset, "ffn_hidden_size": 128}.get)
     check_hf_exportable({**unset, "ffn_hidden_size": 48}.get)
@@ -459,6 +461,23 @@ def test_a_shared_width_the_hf_model_cannot_express_trains():
             "its per-expert qb_beta: the HF model selects on sigmoid scores plus "
             "e_score_correction_bias, which cannot express it (quantile_histogram, ours, keeps "
             "that bias)",
+        ),
+        *(
+            (  # QB as a drop-in for a Megatron MoE (its MoELayer), with a softmax router or not:
+                # named for the latent, the cause (training did not warn; the converter named the
+                # router, and then the latent once fixed)
+                dict(moe_latent_size=None, **router),
+                "moe_latent_size=None is not allowed: a positive integer (the HF model is the "
+                "Stable LatentMoE block, its routed experts in a latent of this width); unset, "
+                "the MoE layers are Megatron's MoELayer (QB as a drop-in), which the HF model "
+                "does not implement",
+            )
+            for router in (
+                {},
+                dict(
+                    moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax"
+                ),
+            )
         ),
         *(
             (
