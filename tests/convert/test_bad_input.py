@@ -355,6 +355,34 @@ def test_cli_reports_bad_input_with_exit_status_2(workspace, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_a_plain_megatron_moe_naming_its_latent(workspace, tmp_path, capsys):
+    """QB as a drop-in for a Megatron MoE (no moe_latent_size; a softmax router besides): export
+    and verify exit 2 with one line naming the latent, the cause, and write nothing (the line
+    named the router, and then the latent once fixed)."""
+    from megatron_latentmoe.convert import cli
+
+    cfg = tmp_path / "megatron.json"
+    drop_in = dict(_workers.MEGATRON_CFG, moe_router_score_function="softmax")
+    del drop_in["moe_latent_size"]
+    cfg.write_text(json.dumps(drop_in))
+    out = tmp_path / "out"
+    for argv in (
+        ["export", "--output", str(out), "--no-progress"],
+        ["verify", "--hf", workspace.path("hf_main")],
+    ):
+        code = cli.main(
+            [*argv, "--checkpoint", workspace.path("ck_single"), "--megatron-config", str(cfg)]
+        )
+        assert code == cli.EXIT_BAD_INPUT
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: config file {str(cfg)!r}: moe_latent_size=None is not allowed: a positive "
+            "integer (the HF model is the Stable LatentMoE block, its routed experts in a latent "
+            "of this width); unset, the MoE layers are Megatron's MoELayer (QB as a drop-in), "
+            "which the HF model does not implement"
+        )
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
 def test_cli_help_imports_no_torch():
     """``--help`` answers at once: the parser takes its defaults and choices from
     ``convert/options.py`` and imports neither torch nor megatron / transformers."""
