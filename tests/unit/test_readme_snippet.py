@@ -247,14 +247,14 @@ def test_every_flag_the_readme_names_is_one_of_its_programs(doc):
     for program in programs:
         parser = _parser_for(program)
         if parser is None:
-            known |= set(re.findall(r"--[a-z][a-z0-9-]*", (REPO / program).read_text("utf-8")))
+            known |= set(re.findall(r"--[a-z][a-z0-9_-]*", (REPO / program).read_text("utf-8")))
             continue
         known |= set(parser._option_string_actions)
         for action in parser._actions:  # a command's subcommands (the converter's)
             if isinstance(action, argparse._SubParsersAction):
                 for sub in action.choices.values():
                     known |= set(sub._option_string_actions)
-    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", doc.read_text(encoding="utf-8")))
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", doc.read_text(encoding="utf-8")))
     unknown = [
         flag
         for flag in sorted(named - known)
