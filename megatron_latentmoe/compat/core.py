@@ -220,11 +220,39 @@ def _one_step(saved: list[dict]) -> None:
             state.setdefault("common_step", common[0])
 
 
+def _shim_scheduler_load_sets_the_restored_weight_decay() -> None:
+    """A resume with ``--use-checkpoint-opt_param-scheduler`` steps with the checkpoint's weight
+    decay from its first iteration.
+
+    ``OptimizerParamScheduler.load_state_dict`` restores the LR schedule, then steps the
+    optimizer's param groups to the checkpoint's step (setting their LR and weight decay), and
+    restores the weight-decay schedule (``start_wd``, ``end_wd``, ``wd_incr_steps``,
+    ``wd_incr_style``) only after that. With ``--use-checkpoint-opt_param-scheduler`` and another
+    ``--weight-decay`` (or ``--start-weight-decay``, ``--end-weight-decay``,
+    ``--weight-decay-incr-style``) than the checkpoint's, the first optimizer step of the resumed
+    run applied this run's weight decay and the next ones the checkpoint's (``train_step`` steps
+    the optimizer before the scheduler). Proposed upstream after 0.19.2 (NVIDIA/Megatron-LM PR
+    7468, open: step after restoring everything). Here the param groups are set once more from
+    the restored schedule (a step of 0); where the restored values are this run's (the
+    checkpoint's equal them, or ``--override-opt_param-scheduler``) that sets what the load set.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    original = OptimizerParamScheduler.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        self.step(increment=0)
+
+    registry.patch(GROUP, OptimizerParamScheduler, "load_state_dict", load_state_dict)
+
+
 _SHIMS = (
     _shim_torch_norm_sequence_parallel,
     _shim_dataset_helpers,
     _shim_distributed_optimizer_torch_adam_step,
     _shim_chained_optimizer_regroup,
+    _shim_scheduler_load_sets_the_restored_weight_decay,
 )
 
 

@@ -110,10 +110,13 @@ def test_another_lr_with_the_checkpoints_schedule_trains_on_as_the_saving_run(ki
     run's: resumed at iteration 2 it logs the saving run's learning rates at iterations 3 and 4
     (the checkpoint's cosine schedule, where this run's --lr would log 1.226116e-04 at 3) and
     loss at 3, and its checkpoint of iteration 3 -- weights, QB biases, Adam moments -- equals
-    the saving run's exactly."""
+    the saving run's exactly. Another --weight-decay (0.1, tiny.sh's 0.01) too: iteration 3
+    steps with the checkpoint's (compat.core's scheduler shim; megatron-core 0.19.2 stepped
+    with this run's there, and the checkpoint's from iteration 4)."""
     ckpt, saving = _saved(kind)
     kept = ckpt.parent / "kept"
     resume = ONE_RANK + OPTIMIZERS[kind] + NEW_LR + ["--decoupled-lr", "2e-3"]
+    resume += ["--weight-decay", "0.1"]
     resume += ["--load", str(ckpt), "--ckpt-step", "2", "--use-checkpoint-opt_param-scheduler"]
     run = run_entry(resume + ["--save", str(kept), "--save-interval", "3"], nproc=1).check()
     assert (

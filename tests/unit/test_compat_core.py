@@ -212,3 +212,49 @@ def test_one_step_for_all_saved_optimizers():
     saved = [{"optimizer": {"state": {"common_step": 9}}}, {"state": {}, "param_groups": []}]
     core._one_step(saved)
     assert [saved[0]["optimizer"]["state"], saved[1]["state"]] == [{"common_step": 9}] * 2
+
+
+# ------------------------------------------------------------------ LR / weight-decay scheduler
+def _scheduler(weight_decay: float, **flags):
+    """An OptimizerParamScheduler over a decayed param group and a no-decay one (``wd_mult``
+    0), weight decay ``weight_decay`` throughout, cosine LR over 40 samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
+    return OptimizerParamScheduler(
+        types.SimpleNamespace(param_groups=groups),
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=40,
+        lr_decay_style="cosine",
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=40,
+        wd_incr_style="constant",
+        **flags,
+    )
+
+
+def _set(scheduler, key: str) -> list[float]:
+    return [g[key] for g in scheduler.optimizer.param_groups]
+
+
+def test_scheduler_load_sets_the_checkpoints_weight_decay(core_compat):
+    """--use-checkpoint-opt_param-scheduler with another weight decay than the checkpoint's:
+    right after the load (before the resumed run's first optimizer step) the param groups carry
+    the checkpoint's weight decay and the LR of its step (megatron-core 0.19.2 left this run's
+    weight decay there for that step); with --override-opt_param-scheduler, this run's."""
+    saving = _scheduler(0.01)
+    saving.step(increment=16)
+    resumed = _scheduler(0.1, use_checkpoint_opt_param_scheduler=True)
+    resumed.load_state_dict(saving.state_dict())
+    assert _set(resumed, "weight_decay") == [0.01, 0.0]
+    assert _set(resumed, "lr") == _set(saving, "lr")
+    overridden = _scheduler(
+        0.1, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True
+    )
+    overridden.load_state_dict(saving.state_dict())
+    assert _set(overridden, "weight_decay") == [0.1, 0.0]
+    assert _set(overridden, "lr") == _set(saving, "lr")
