@@ -247,12 +247,50 @@ def _shim_scheduler_load_sets_the_restored_weight_decay() -> None:
     registry.patch(GROUP, OptimizerParamScheduler, "load_state_dict", load_state_dict)
 
 
+def _shim_aux_loss_local_token_count() -> None:
+    """The aux losses' local token count stays this rank's where padding is masked.
+
+    ``moe_utils.get_tokens_per_expert_and_token_count`` (what ``TopKRouter``'s ``aux_loss``,
+    ``seq_aux_loss`` and ``global_aux_loss`` call) all-reduces the per-expert counts over the
+    loss's group (TP x CP; TP x DP x CP for ``global_aux_loss``) with Megatron's in-place
+    all-reduce, and then, with a padding mask (our ``forward_step`` passes one where a
+    micro-batch has masked tokens), takes the local token count from the reduced counts: the
+    group's count. ``--calculate-per-token-loss`` scales the aux loss by that local count
+    (``attach_and_log_load_balancing_loss``): its gradient was the group size times too large
+    (reported upstream after 0.19.2: NVIDIA/Megatron-LM#7452, "router local count
+    overwritten"). The loss itself takes the global counts and is unchanged; without a padding
+    mask the local count is the routing map's rows, as before. Here the local count is taken
+    from the routing map itself.
+    """
+    from megatron.core.transformer.moe import router
+
+    original = router.get_tokens_per_expert_and_token_count
+
+    def get_tokens_per_expert_and_token_count(
+        routing_map, reduce_group, topk=None, with_padding_mask=False
+    ):
+        global_tokens_per_expert, local_num_tokens, total_num_tokens = original(
+            routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask
+        )
+        if with_padding_mask:
+            local_num_tokens = routing_map.sum() / topk
+        return global_tokens_per_expert, local_num_tokens, total_num_tokens
+
+    registry.patch(
+        GROUP,
+        router,
+        "get_tokens_per_expert_and_token_count",
+        get_tokens_per_expert_and_token_count,
+    )
+
+
 _SHIMS = (
     _shim_torch_norm_sequence_parallel,
     _shim_dataset_helpers,
     _shim_distributed_optimizer_torch_adam_step,
     _shim_chained_optimizer_regroup,
     _shim_scheduler_load_sets_the_restored_weight_decay,
+    _shim_aux_loss_local_token_count,
 )
 
 
