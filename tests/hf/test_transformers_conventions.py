@@ -423,6 +423,7 @@ def test_static_cache_with_exact_width_4d_masks_equals_the_dynamic_cache(impl):
         ((3, 1, 3, 7), torch.bool, r"shape \(3, 1, 3, 7\) "),  # batch
         ((2, 2, 3, 7), torch.bool, r"shape \(2, 2, 3, 7\) "),  # heads
         ((2, 3, 7), torch.bool, r"shape \(2, 3, 7\) .* a 2D padding mask or a 4D mask"),
+        ((2, 1, 3), torch.bool, r"shape \(2, 1, 3\) "),  # 3D, its dims as a 4D mask's first
         ((2, 1, 3, 7), torch.long, r"dtype torch.int64 .* torch.bool .* float"),
     ],
 )
