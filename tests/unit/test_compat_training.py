@@ -185,6 +185,40 @@ def test_run_patches_wrap_megatrons_and_begin_run_drops_them(megatron_training, 
     assert [getattr(mtraining, n) for n in names] == [originals[n] for n in names]
 
 
+def test_a_first_iteration_that_ends_a_log_interval_is_logged_as_a_regular_one(
+    megatron_training, monkeypatch
+):
+    """log_each_iteration_once: Megatron's training_log is told that a run's first iteration is
+    a regular one where it ends a --log-interval (its sums are then reset after it is printed);
+    inside an interval it stays the first one; the other arguments are handed on as given."""
+    _, mtraining = megatron_training
+    seen, args = [], types.SimpleNamespace(log_interval=1)
+
+    def training_log(*a, is_first_iteration=False, **kw):
+        seen.append((a, is_first_iteration, kw))
+        return "logged"
+
+    monkeypatch.setattr(mtraining, "training_log", training_log)
+    monkeypatch.setattr(mtraining, "get_args", lambda: args)
+    ctraining.begin_run()
+    ctraining.log_each_iteration_once()
+    # (log interval, iteration, is_first_iteration given, handed to Megatron)
+    for interval, iteration, first, handed in [(1, 3, True, False), (2, 4, True, False)] + [
+        (2, 3, True, True),
+        (2, 5, False, False),
+    ]:
+        args.log_interval = interval
+        logged = mtraining.training_log(
+            "losses", "sums", 1e-3, iteration, 1.0, is_first_iteration=first, pg_collection="pg"
+        )
+        assert logged == "logged"
+        assert seen.pop() == (
+            ("losses", "sums", 1e-3, iteration, 1.0),
+            handed,
+            {"pg_collection": "pg"},
+        ), (interval, iteration, first)
+
+
 def test_layout_change_load(megatron_training, monkeypatch):
     """During the load: no RNG state, the optimizer only where it may be loaded (and never
     against --no-load-optim); the flags are the user's again afterwards, after a failed load
