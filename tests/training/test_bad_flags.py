@@ -1345,6 +1345,31 @@ def test_async_save_with_nvrx_needs_it_installed(monkeypatch):
     arguments._check_checkpointing_and_schedule(args, has_cuda=True)
 
 
+@pytest.mark.parametrize(
+    ("override", "use_checkpoint"), [(True, True), (True, False), (False, True)]
+)
+def test_the_two_schedule_flags_are_refused_together_only(override, use_checkpoint):
+    """--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: together one line
+    (the both_schedule_flags case); either alone is allowed (a resume with another --lr takes
+    one of them)."""
+    from types import SimpleNamespace
+
+    from megatron_latentmoe.cli_errors import FlagError
+    from megatron_latentmoe.training import arguments
+
+    args = SimpleNamespace(
+        override_opt_param_scheduler=override,
+        use_checkpoint_opt_param_scheduler=use_checkpoint,
+        rampup_batch_size=None,
+        async_save=False,
+    )
+    if override and use_checkpoint:
+        with pytest.raises(FlagError, match="^--override-opt_param-scheduler and --use-checkpoint"):
+            arguments._check_checkpointing_and_schedule(args, has_cuda=False)
+    else:
+        arguments._check_checkpointing_and_schedule(args, has_cuda=False)
+
+
 def _pretend_installed(monkeypatch, package: str, installed: bool) -> None:
     """``importlib.util.find_spec(package)`` answers as if ``package`` were (not) installed."""
     find_spec = importlib.util.find_spec
