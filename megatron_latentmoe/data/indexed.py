@@ -30,9 +30,12 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +86,19 @@ def _worker_init(
 ) -> None:
     if subprocess_worker:  # N processes x Rust threads would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Ctrl-C in a terminal reaches the whole process group: the main process stops the run
+        # and lets each worker finish its batch and exit (each worker printed a KeyboardInterrupt
+        # traceback; one killed while writing its result left the result queue's lock held)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         tok = load_tokenizer(tokenizer, trust_remote_code)
     except Exception as e:
         if not subprocess_worker:
             raise
-        # A raising pool initializer makes the pool start a new worker, forever: the run would
-        # hang. Kept for the first batch to report (_encode_batch). The main process loaded the
-        # same tokenizer, so this is rare (a tokenizer's own code that fails in a child process).
+        # A raising initializer breaks the executor with "A process in the process pool was
+        # terminated abruptly", not why (multiprocessing.Pool restarted such a worker forever).
+        # Kept for the first batch to report (_encode_batch). The main process loaded the same
+        # tokenizer, so this is rare (a tokenizer's own code that fails in a child process).
         why = e if isinstance(e, PreprocessError) else f"{type(e).__name__}: {e}"
         _W["error"] = f"in a worker process: {why}"
         return
@@ -138,16 +146,26 @@ def _encode_batch(batch: tuple[int, list[bytes]]):
     return (n_docs, out, skipped)
 
 
-def _bounded_imap(pool, batches, max_pending: int):
-    """Ordered ``pool.imap`` that reads ahead only ``max_pending`` batches (``imap`` would queue
-    the whole input in memory)."""
+def _bounded_map(pool: ProcessPoolExecutor, batches, workers: int, before_error: Callable):
+    """Ordered map over ``pool`` that reads ahead only ``2 * workers`` batches (``pool.map``
+    would submit the whole input at once). A worker that died (killed: out of memory, a signal
+    to it alone) is a :class:`PreprocessError`, after ``before_error()`` (which raises if the
+    run was being stopped anyway)."""
     pending: collections.deque = collections.deque()
-    for b in batches:
-        pending.append(pool.apply_async(_encode_batch, (b,)))
-        if len(pending) >= max_pending:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for b in batches:
+            pending.append(pool.submit(_encode_batch, b))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        before_error()
+        raise PreprocessError(
+            f"workers={workers}: a worker process died before its batch was done "
+            "(killed by a signal, e.g. out of memory); rerun, with fewer workers if memory is "
+            "short"
+        ) from None
 
 
 def output_names_problem(output_prefix: str, keys: Sequence[str]) -> tuple[str, str] | None:
@@ -336,13 +354,15 @@ def preprocess_jsonl(
             _worker_init(tok, keys, append_eod, str(input_path))
             encode = lambda batches: map(_encode_batch, batches)  # noqa: E731
         else:
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(
+            pool = ProcessPoolExecutor(
                 workers,
+                mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_init,
                 initargs=(tok_arg, keys, append_eod, str(input_path), True, trust_remote_code),
             )
-            encode = lambda batches: _bounded_imap(pool, batches, 2 * workers)  # noqa: E731
+            encode = lambda batches: _bounded_map(  # noqa: E731
+                pool, batches, workers, stop_if_interrupted
+            )
 
         from tqdm.auto import tqdm
 
@@ -396,8 +416,7 @@ def preprocess_jsonl(
                     next_log = (n_docs // log_every + 1) * log_every
                 stop_if_interrupted()
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.shutdown()
             pool = None
         for k in keys:
             if not builders[k].sequence_lengths:
@@ -415,9 +434,10 @@ def preprocess_jsonl(
             committed = True
     finally:
         _W.clear()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        if pool is not None:  # the workers finish their batch and exit: not terminated (a
+            # multiprocessing.Pool's terminate() killed one while it wrote its result, holding
+            # the result queue's lock, and its join() then waited for that lock forever)
+            pool.shutdown(cancel_futures=True)
         for b in builders.values():
             with contextlib.suppress(Exception):
                 b.data_file.close()

@@ -654,6 +654,69 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
     assert files[2] == files[1]
 
 
+def test_an_error_with_batches_in_flight_lets_the_workers_exit_not_killed(tmp_path, monkeypatch):
+    """A run that stops on an error while --workers 2 tokenize (here the writer's first
+    document fails, 4 batches in flight): each worker finishes its batch and exits 0, nothing
+    written. ``multiprocessing.Pool.terminate()`` killed them (exit -15): one killed while it
+    wrote its result kept the result queue's lock, and the pool's join then waited for that lock
+    forever (a fresh clone's test run hung so, in the full-disk test below)."""
+    import errno
+    import multiprocessing
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in iter_corpus_texts()][:2000])
+    workers = []
+
+    def fail(self, *args, **kwargs):
+        workers.extend(multiprocessing.active_children())
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_document", fail)
+    with pytest.raises(OSError, match="Input/output error"):
+        preprocess_jsonl(src, tmp_path / "ds", workers=2, progress=False)
+    assert [p.exitcode for p in workers] == [0, 0]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_a_worker_killed_mid_run_is_one_error_not_a_hang(tmp_path, monkeypatch):
+    """A worker killed while the run goes on (the kernel's out-of-memory killer, a signal to it
+    alone): one PreprocessError naming the workers, nothing written. ``multiprocessing.Pool``
+    started another worker and waited forever for the killed one's batch (or, had it no batch,
+    wrote the dataset as if nothing happened). A hang here fails the session in 120 s with every
+    thread's stack (faulthandler) rather than silently."""
+    import faulthandler
+    import multiprocessing
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    texts = [t for t in iter_corpus_texts()][:3000]  # 12 batches of 256 lines, 4 in flight
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    add, killed = IndexedDatasetBuilder.add_document, []
+
+    def kill_a_worker_first(self, *args, **kwargs):
+        if not killed:
+            worker = multiprocessing.active_children()[0]
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join()
+            killed.append(worker.exitcode)
+        add(self, *args, **kwargs)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_document", kill_a_worker_first)
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
+    try:
+        with pytest.raises(PreprocessError) as e:
+            preprocess_jsonl(src, tmp_path / "ds", workers=2, progress=False)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert killed == [-signal.SIGKILL]
+    assert str(e.value) == (
+        "workers=2: a worker process died before its batch was done (killed by a signal, e.g. "
+        "out of memory); rerun, with fewer workers if memory is short"
+    )
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 def _megatron_tokenizer_parser():
     """megatron.training's tokenizer flags, as Megatron-LM's tools/preprocess_data.py adds them."""
     import argparse
@@ -1567,10 +1630,12 @@ def test_one_key_may_hold_a_path_separator(tmp_path):
 
 
 def _signal_while_tokenizing(
-    tmp_path, name: str, sig: int, command: list[str] | None = None
+    tmp_path, name: str, sig: int, command: list[str] | None = None, group: bool = False
 ) -> tuple[int, str]:
     """Run the CLI on the whole corpus (``command``: another one, given ``--output-prefix``),
-    send ``sig`` once its temporary .bin exists; returns the exit status and stderr."""
+    send ``sig`` once its temporary .bin exists (``group``: 0.5 s after it holds tokens, the
+    workers busy, to the whole process group, as a terminal's Ctrl-C); returns the exit status
+    and stderr."""
     if command is None:
         src = tmp_path / "big.jsonl"
         _write_jsonl(src, [{"text": t} for t in iter_corpus_texts()])
@@ -1581,14 +1646,16 @@ def _signal_while_tokenizing(
         stderr=subprocess.PIPE,
         text=True,
         env=OFFLINE_ENV,
+        start_new_session=group,
     )
     try:
         deadline = time.time() + 120
-        while not list(tmp_path.glob(f"{name}.bin.tmp*")):
+        while not [f for f in tmp_path.glob(f"{name}.bin.tmp*") if f.stat().st_size or not group]:
             assert p.poll() is None, "finished before the signal"
             assert time.time() < deadline
             time.sleep(0.01)
-        p.send_signal(sig)
+        time.sleep(0.5 if group else 0)
+        os.killpg(p.pid, sig) if group else p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
@@ -1650,6 +1717,18 @@ def test_sigterm_removes_the_temporaries_and_exits_143(tmp_path):
     code, err = _signal_while_tokenizing(tmp_path, "termed", signal.SIGTERM)
     assert code == 143, err
     assert "interrupted: nothing written" in err and "Traceback" not in err, err
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_ctrl_c_to_the_workers_too_is_one_line_exit_130(tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group, --workers 2 included, as they
+    tokenize: one line, exit 130, nothing written (each worker printed its own
+    KeyboardInterrupt traceback)."""
+    src = _write_jsonl(tmp_path / "big.jsonl", [{"text": t} for t in iter_corpus_texts()])
+    command = [sys.executable, str(CLI), "--input", str(src), "--workers", "2"]
+    code, err = _signal_while_tokenizing(tmp_path, "ds", signal.SIGINT, command, group=True)
+    assert (code, err.splitlines()[-1]) == (130, StopOnSignals.INTERRUPTED), err
+    assert "Traceback" not in err, err
     assert sorted(f.name for f in tmp_path.iterdir()) == ["big.jsonl"]
 
 
