@@ -99,27 +99,38 @@ def _token_group(routers: list[BalanceCountingRouter]) -> dist.ProcessGroup | No
     return next(iter(groups.values()))
 
 
-# The mean router input travels in the integer all-reduce as fixed point: each rank adds its
-# local mean * 2**12, clamped to +-(2**4 - 1) (RMS-normed inputs sit far inside), so the sum over
-# up to balancing.MAX_RANKS (2**15 - 1) ranks stays inside int32 (the histogram header's rank
-# count is checked against it); resolution 2.4e-4. One more word counts the ranks that routed
-# tokens: the sum is divided by it, so a rank whose micro-batches were all padding (local mean
-# undefined, sent as 0) does not pull the global mean towards 0. The result is the ranks' means
-# averaged, not weighted by their token counts (it would take a wider sum per feature): the drift
-# correction's reference point, where ranks that routed tokens differ only by their loss-masked
-# tokens.
+# The mean router input travels in the integer all-reduce as each rank's SUM of router inputs in
+# fixed point (x = round(sum * 2**12), resolution 2.4e-4 per token sum), two int32 words per
+# feature: lo = x mod 2**16 and hi = floor(x / 2**16). Summed over up to balancing.MAX_RANKS
+# (2**15 - 1) ranks (the histogram header's rank count is checked against it), the lo words stay
+# below 2**31, and the hi words too: a rank's sum is clamped to +-15 per token (RMS-normed inputs
+# sit far inside), so |hi| <= 15/16 of its tokens, and the step's tokens are checked below 2**31
+# (balancing.py). Divided by the summed token count, that is the mean over every token routed
+# this step, whichever rank routed it, as one process's: the ranks' means averaged put TP2+SP's
+# drift-corrected bias 0.80 of a histogram bin off one process's where the sequence-parallel
+# halves held 44 and 31 non-padding tokens (now 5e-5: tests/parallel/test_model_parallel.py);
+# a rank whose micro-batches were all padding adds 0 to both.
 _FIXED_SCALE = 2.0**12
-_FIXED_CLAMP = 2.0**4 - 1
+_FIXED_CLAMP = 15.0
+_LO = 2**16
 
 
-def _to_fixed(x: torch.Tensor) -> torch.Tensor:
-    return (x.clamp(-_FIXED_CLAMP, _FIXED_CLAMP) * _FIXED_SCALE).round().to(torch.int32)
+def _to_fixed(sum_D: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[2D] int32: the lo words, then the hi words, of ``sum_D`` (``tokens``: the 0-d number of
+    tokens summed) in fixed point."""
+    bound = _FIXED_CLAMP * tokens.to(torch.float64)
+    x = (sum_D.double().clamp(-bound, bound) * _FIXED_SCALE).round().to(torch.int64)
+    return torch.cat([torch.remainder(x, _LO), torch.div(x, _LO, rounding_mode="floor")]).to(
+        torch.int32
+    )
 
 
-def _from_fixed(words: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """Mean of the ranks' fixed-point means; ``ranks``: the (0-d) number of ranks that routed
-    tokens (0: no token this step, the mean reads 0). No host read."""
-    return words.to(torch.float32) / (_FIXED_SCALE * ranks.clamp(min=1).to(torch.float32))
+def _from_fixed(words: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[D] float32 mean from the summed words of :func:`_to_fixed` and the summed (0-d) token
+    count (0: no token this step, the mean reads 0). No host read."""
+    lo, hi = words.to(torch.int64).chunk(2)
+    total = (hi * _LO + lo).double()
+    return (total / (_FIXED_SCALE * tokens.clamp(min=1).double())).float()
 
 
 @torch.no_grad()
@@ -139,9 +150,7 @@ def update_balance(
     for r in routers:
         parts = []
         if isinstance(r, QuantileBalancingRouter):
-            mean_D = r.step_input_sum_D / r.step_tokens.clamp(min=1)
-            has_tokens = (r.step_tokens > 0).to(torch.int32).view(1)
-            parts = [r.qb_histogram.pack(), _to_fixed(mean_D), has_tokens]
+            parts = [r.qb_histogram.pack(), _to_fixed(r.step_input_sum_D, r.step_tokens)]
         # int32 words: a layer's routed copies per expert and its tokens are <= the global
         # tokens per step, which a QB router's histogram checks against 2**31 - 1 (balancing.py);
         # other routers have no such check (their counts would wrap beyond 2**31 - 1 tokens)
@@ -155,11 +164,9 @@ def update_balance(
         router.step_loads_E.zero_()
         router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
-            d = router.step_input_sum_D.numel()
-            hist_words = part.numel() - n - 1 - d - 1
+            hist_words = part.numel() - n - 1 - 2 * router.step_input_sum_D.numel()
             solved.append(_solve_deferred(router, part[:hist_words]))
-            mean_words, ranks_with_tokens = part[hist_words : hist_words + d], part[hist_words + d]
-            router.qb_mean_input.copy_(_from_fixed(mean_words, ranks_with_tokens))
+            router.qb_mean_input.copy_(_from_fixed(part[hist_words : -n - 1], part[-1]))
             if drift_correction:
                 router.set_drift_reference()
             router.qb_histogram.reset()

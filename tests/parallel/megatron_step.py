@@ -31,14 +31,15 @@ def batch():
 
 def padding():
     """The global batch's padding mask [GLOBAL_BATCH, SEQ] (True = padding, the routers' only:
-    the loss still averages over every token): positions 29-31, 0-16 and 12-31 of sequences 1-3,
+    the loss still averages over every token): positions 16-31, 0-16 and 12-31 of sequences 1-3,
     so the two sequence-parallel halves of a micro-batch hold different non-padding counts
-    (16 + 16, 16 + 13, 0 + 15, 12 + 0), one of them none, but 44 each over the step (the drift
-    correction's mean router input averages the ranks' means unweighted: moe/balance_step.py)."""
+    (16 + 16, 16 + 0, 0 + 15, 12 + 0), some none, and 44 + 31 over the step (the drift
+    correction's mean router input is over every routed token, the ranks' token counts its
+    weights: their means averaged put TP2+SP's bias 0.80 of a bin off one process's)."""
     import torch
 
     mask = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.bool)
-    for i, (start, end) in enumerate(((0, 0), (29, 32), (0, 17), (12, 32))):
+    for i, (start, end) in enumerate(((0, 0), (16, 32), (0, 17), (12, 32))):
         mask[i, start:end] = True
     return mask
 

@@ -189,7 +189,10 @@ def reference_4_layers():
 def _check_with_bias(per_rank):
     bias = [max(e.pop("bias_bins") for e in rank_result.values()) for rank_result in per_rank]
     print("max |bias - single process| in bins:", max(bias))
-    assert max(bias) <= 1.0
+    # measured <= 5e-5 in every layout (float sums in another order); the drift correction's
+    # mean router input averaged over the ranks' means, not their tokens, put "TP2+SP absorb
+    # padded" at 0.80 (this bound was 1.0 then)
+    assert max(bias) <= 0.01
     check_layouts(per_rank)
 
 

@@ -10,9 +10,8 @@ process that observed the whole global batch:
 * the all-reduced counts equal the single-process counts, as integers, for every layer, and so
   do the all-reduced routed loads per expert (what MaxVio is computed from);
 * every rank ends with the same bias, bit for bit, equal to the single-process solve;
-* exactly one all-reduce per step for all layers, of L·(n·B + header + d + 1 + n + 1) integers
-  (histogram, mean router input in fixed point and the ranks that routed tokens, loads, tokens),
-  whatever the number of tokens;
+* exactly one all-reduce per step for all layers, of L·(n·B + header + 2d + n + 1) integers
+  (histogram, summed router input in fixed point, loads, tokens), whatever the number of tokens;
 * the same with QB as a drop-in router in Megatron's own ``MoELayer`` (no latent projections);
 * a model built with its own process groups (``pg_collection``) reduces over its ``dp_cp``
   group, not over parallel_state's.
@@ -238,13 +237,15 @@ def test_all_reduce_size_is_independent_of_the_batch():
 
     runs = run_distributed(_run_layouts, 2, [({"ep": 2}, 16), ({"ep": 2}, 96)])
     sizes = {s["numel"] for rank_runs in runs for steps in rank_runs for s in steps}
-    hidden = 64  # tiny_config's hidden size: the mean router input rides along in fixed point
-    # (+ 1: the number of ranks that routed tokens, its denominator)
-    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + hidden + 1 + EXPERTS + 1)}
+    hidden = 64  # tiny_config's hidden size: the summed router input rides along in fixed point,
+    # two words per feature
+    assert sizes == {LAYERS * (EXPERTS * BINS + len(HEADER_FIELDS) + 2 * hidden + EXPERTS + 1)}
 
 
-def _run_mean_input(rank, world_size):
-    """Rank 0 routes 40 tokens; rank 1 a micro-batch of padding only (e.g. the tail of the data)."""
+def _run_mean_input(rank, world_size, valid_on_rank1):
+    """Rank 0 routes 40 tokens around +1; rank 1 the first ``valid_on_rank1`` of its 40 (the rest
+    padding: the tail of the data, or of a sequence-parallel half), around -1. Returns the global
+    mean router input as read by this rank and the exact mean over both ranks' routed tokens."""
     from megatron_latentmoe.compat import initialize_parallel_cpu
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.moe.balance_step import update_balance
@@ -255,18 +256,24 @@ def _run_mean_input(rank, world_size):
     torch.manual_seed(0)
     layer = get_stable_latentmoe_mlp_spec(cfg)(config=cfg, layer_number=1)
     layer.train()
-    x = torch.randn(10, 4, 64, generator=torch.Generator().manual_seed(rank)) + 1.0
-    padding = torch.full((4, 10), rank == 1)  # [batch, seq], True = padding
-    y, _ = layer(x.clone().requires_grad_(), padding_mask=padding)
+    xs = [torch.randn(10, 4, 64, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    xs = [xs[0] + 1.0, xs[1] - 1.0]
+    paddings = [torch.zeros(4, 10, dtype=torch.bool), torch.ones(4, 10, dtype=torch.bool)]
+    paddings[1].view(-1)[:valid_on_rank1] = False  # [batch, seq], True = padding
+    y, _ = layer(xs[rank].clone().requires_grad_(), padding_mask=paddings[rank])
     y.sum().backward()
     update_balance([layer])
-    return layer.router.qb_mean_input.clone(), x.transpose(0, 1)[~padding].mean(dim=0)
+    routed = torch.cat([x.transpose(0, 1)[~p] for x, p in zip(xs, paddings, strict=True)])
+    return layer.router.qb_mean_input.clone(), routed.mean(dim=0)
 
 
-def test_mean_router_input_leaves_out_ranks_without_tokens():
+@pytest.mark.parametrize("valid_on_rank1", [0, 8])
+def test_mean_router_input_is_the_mean_over_every_routed_token(valid_on_rank1):
     """The drift correction's global mean router input (``router.qb_mean_input``) is the mean
-    over the tokens routed this step: a rank whose micro-batches were all padding adds nothing
-    to it (it used to count as a rank with mean 0: the mean came out halved here)."""
-    (mean0, true0), (mean1, _) = run_distributed(_run_mean_input, 2)
+    over the tokens routed this step, as one process's, whichever rank routed them: weighted by
+    the ranks' token counts (40 and 8: the ranks' means averaged were 0.67 off on average, 1.03
+    at most), and a rank whose micro-batches were all padding adds nothing (it used to count as a
+    rank with mean 0: the mean came out halved)."""
+    (mean0, true0), (mean1, _) = run_distributed(_run_mean_input, 2, valid_on_rank1)
     assert torch.equal(mean0, mean1)  # every rank reads the same
-    torch.testing.assert_close(mean0, true0, rtol=0, atol=2.5e-4)  # fixed point: 2**-12
+    torch.testing.assert_close(mean0, true0, rtol=0, atol=1e-5)  # fixed point: 2**-12 / tokens

@@ -34,9 +34,11 @@ def test_metrics_of_a_step_without_tokens_and_of_a_mean_load_of_one():
 
 
 def test_mean_router_input_fixed_point_words():
-    """The mean router input rides the integer all-reduce as round(clamp(x, +-15) * 2**12) per
-    rank; the sum over MAX_RANKS ranks stays inside int32, and the reader divides by the number
-    of ranks that routed tokens (never by 0)."""
+    """The mean router input rides the integer all-reduce as each rank's summed input,
+    x = round(clamp(sum, +-15 per token) * 2**12), in two words per feature: x mod 2**16, then
+    floor(x / 2**16). Summed over ranks the reader gets the mean over every token, weighted by
+    the ranks' token counts (never a division by 0); over MAX_RANKS ranks at the clamp and the
+    most tokens a step may hold, both words stay inside int32."""
     from megatron_latentmoe.balancing import INT32_MAX, MAX_RANKS
     from megatron_latentmoe.moe.balance_step import (
         _FIXED_CLAMP,
@@ -46,15 +48,24 @@ def test_mean_router_input_fixed_point_words():
     )
 
     assert (_FIXED_SCALE, _FIXED_CLAMP) == (4096.0, 15.0)
-    assert _FIXED_CLAMP * _FIXED_SCALE * MAX_RANKS <= INT32_MAX
-    words = _to_fixed(torch.tensor([1.0, -20.0, 20.0, 0.3, -0.3]))
+    words = _to_fixed(torch.tensor([1.0, -20.0, 20.0, 0.3, -0.3]), torch.tensor(1))
     assert words.dtype == torch.int32
-    assert words.tolist() == [4096, -61440, 61440, 1229, -1229]
-    # two ranks' words summed, both routed tokens: the mean of their means
-    rank_a, rank_b = _to_fixed(torch.tensor([1.0, 0.5])), _to_fixed(torch.tensor([3.0, -0.5]))
-    mean = _from_fixed(rank_a + rank_b, torch.tensor(2))
-    assert mean.dtype == torch.float32 and mean.tolist() == [2.0, 0.0]
-    assert _from_fixed(torch.zeros(2, dtype=torch.int32), torch.tensor(0)).tolist() == [0.0, 0.0]
+    # x = [4096, -61440 (clamped), 61440 (clamped), 1229, -1229]
+    assert words.tolist() == [4096, 4096, 61440, 1229, 64307] + [0, -1, 0, 0, -1]
+    # two ranks: 3 tokens summing to (3, 1.5, 1e4) and 1 token (-1, 0.5, -15): weighted by 3 and 1
+    rank_a = _to_fixed(torch.tensor([3.0, 1.5, 1e4]), torch.tensor(3))
+    rank_b = _to_fixed(torch.tensor([-1.0, 0.5, -15.0]), torch.tensor(1))
+    mean = _from_fixed(rank_a + rank_b, torch.tensor(4))
+    assert mean.dtype == torch.float32 and mean.tolist() == [0.5, 0.5, (45 - 15) / 4]
+    assert _from_fixed(torch.zeros(4, dtype=torch.int32), torch.tensor(0)).tolist() == [0.0, 0.0]
+    # MAX_RANKS ranks, INT32_MAX tokens in all, every input at +15 or -15: exact, inside int32
+    tokens = INT32_MAX // MAX_RANKS
+    for sign in (1.0, -1.0):
+        rank = _to_fixed(torch.tensor([sign * _FIXED_CLAMP * tokens]), torch.tensor(tokens))
+        total = rank.to(torch.int64) * MAX_RANKS  # the all-reduce's sum, before any wrap
+        assert total.abs().max() <= INT32_MAX, total
+        mean = _from_fixed(total.to(torch.int32), torch.tensor(tokens * MAX_RANKS))
+        assert mean.tolist() == [sign * _FIXED_CLAMP]
 
 
 def test_routers_of_different_token_groups_are_refused():
