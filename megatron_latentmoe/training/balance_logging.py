@@ -276,7 +276,11 @@ def _line_break_after_cut_line(path: str) -> str:
 
 
 def _scalars(record: dict, per_layer: bool) -> dict[str, float]:
-    """The TensorBoard / W&B scalars of a step record (NaN and missing values left out)."""
+    """The TensorBoard / W&B scalars of a step record (NaN and missing values left out). The
+    per-layer tags ``balance/maxvio_layer_<N>`` number layers as the JSONL's ``layer`` and the
+    console do: Megatron's ``layer_number``, from 1. Megatron's own per-layer tags
+    (``moe/<name>_layer_<i>``, ``--moe-per-layer-logging``) count from 0: i = N - 1. Kept so: one
+    number per layer across this package's outputs, the one Megatron's modules carry."""
     scalars = {
         f"balance/{key}": record[key]
         for key in _TB_KEYS
