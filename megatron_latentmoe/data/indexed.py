@@ -79,6 +79,21 @@ class PreprocessSummary:
 # ------------------------------------------------------ Workers: parse + tokenize a batch of lines
 
 _W: dict = {}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker is killed when the process that started it dies (``PR_SET_PDEATHSIG``):
+    a main process killed by SIGKILL (``kill -9``, the out-of-memory killer) left its workers
+    waiting for their next batch forever, each holding a tokenizer. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+        os._exit(1)
 
 
 def _worker_init(
@@ -90,6 +105,7 @@ def _worker_init(
         # and lets each worker finish its batch and exit (each worker printed a KeyboardInterrupt
         # traceback; one killed while writing its result left the result queue's lock held)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent()
     try:
         tok = load_tokenizer(tokenizer, trust_remote_code)
     except Exception as e:

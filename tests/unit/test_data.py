@@ -1663,6 +1663,54 @@ def _signal_while_tokenizing(
     return p.returncode, err
 
 
+def test_workers_die_with_a_killed_main_process(tmp_path):
+    """``kill -9`` of tools/preprocess_data.py --workers 2 while it tokenizes (the out-of-memory
+    killer does the same): its worker processes go too, within 10 s (they waited for their next
+    batch forever, each holding a tokenizer)."""
+
+    def stats() -> dict[int, tuple[str, int]]:
+        """pid: (state, parent pid) of every process."""
+        out = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            except OSError:  # gone meanwhile
+                continue
+            out[int(stat.parent.name)] = (state, int(ppid))
+        return out
+
+    def running(pids) -> list[int]:  # a zombie is dead, only not yet reaped
+        now = stats()
+        return [pid for pid in pids if pid in now and now[pid][0] != "Z"]
+
+    src = _write_jsonl(tmp_path / "big.jsonl", [{"text": t} for t in iter_corpus_texts()])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "ds"), "--workers", "2"]
+    p = subprocess.Popen(
+        [sys.executable, str(CLI), *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=OFFLINE_ENV,
+    )
+    children = []
+    try:
+        deadline = time.time() + 120
+        while not [f for f in tmp_path.glob("ds.bin.tmp*") if f.stat().st_size]:
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        children = [pid for pid, (_, ppid) in stats().items() if ppid == p.pid]
+        assert len(children) >= 2, children  # the workers (and multiprocessing's tracker)
+        p.kill()
+        p.wait(timeout=60)
+        deadline = time.time() + 10
+        while running(children) and time.time() < deadline:
+            time.sleep(0.05)
+        assert running(children) == []
+    finally:
+        p.kill()
+        for pid in running(children):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_killed_run_leaves_no_dataset(tmp_path):
     """SIGKILL while tokenizing: no <prefix>.bin/.idx appear, only its .bin.tmp<pid>, which the
     flag check names as a stopped preprocess run's (it was the no-dataset line alone); a prefix
