@@ -324,6 +324,25 @@ def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
             import fused_weight_gradient_mlp_cuda  # noqa: F401
         except ImportError:
             args.gradient_accumulation_fusion = False
+    recompute = getattr(args, "recompute_modules", None) or []
+    selective = args.recompute_granularity == "selective"
+    if selective and "moe_act" in recompute and impl != "transformer_engine":
+        # megatron-core 0.19.2's TransformerConfig takes it only with moe_grouped_gemm, which
+        # needs TE's layers (below): one refusal naming all it needs, not one flag at a time
+        needs, allowed = (
+            (
+                "--transformer-impl transformer_engine (TE's layers, on a CUDA GPU)",
+                f"with --transformer-impl {impl}",
+            )
+            if have_te
+            else ("Transformer Engine, which is not installed", "without TE")
+        )
+        raise FlagError(
+            "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core 0.19.2 "
+            f"recomputes the activation of grouped-GEMM experts only), which needs {needs}; "
+            f"allowed {allowed}: core_attn, mlp, moe, shared_experts, or "
+            "--recompute-granularity full"
+        )
     if args.moe_grouped_gemm and impl != "transformer_engine":
         raise FlagError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
     args.moe_grouped_gemm = impl == "transformer_engine"  # the TE spec uses grouped-GEMM experts
@@ -364,8 +383,7 @@ def _check_backend(args, has_cuda: bool, have_te: bool) -> None:
             "(Megatron's local attention has no context parallelism); allowed with "
             f"--transformer-impl {impl}: 1"
         )
-    recompute = getattr(args, "recompute_modules", None) or []
-    if args.recompute_granularity == "selective" and "layernorm" in recompute and not have_te:
+    if selective and "layernorm" in recompute and not have_te:
         # megatron-core 0.19.2's CheckpointWithoutOutput sets fp8 = (fp8 is not None), True
         # for its default fp8=False, and then reads TE's FP8GlobalStateManager: a NameError
         # in the first forward without TE

@@ -588,6 +588,10 @@ CASES = {
         ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"],
         ["--recompute-modules layernorm needs Transformer Engine", "core_attn, mlp, moe"],
     ),
+    "moe_act_recompute_without_te": (  # else refused for --moe-grouped-gemm, then for TE
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+        ["--recompute-modules moe_act needs --moe-grouped-gemm", "needs Transformer Engine"],
+    ),
     "context_parallel_with_local_attention": (  # else an assert while the model is built
         ["--context-parallel-size", "2", "--expert-model-parallel-size", "1"],
         ["--context-parallel-size 2 needs --transformer-impl transformer_engine", "local: 1"],
@@ -679,6 +683,7 @@ WITHOUT_TE = {
     "transformer_engine_not_installed",
     "flash_attention_backend_with_local_layers",
     "precision_aware_optimizer_without_te",
+    "moe_act_recompute_without_te",
 }
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
@@ -1246,6 +1251,32 @@ def test_the_expert_grid_defaults_its_tensor_parallel_size_to_tps():
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+            True,
+            True,
+            None,
+        ),
+        (  # else refused for --moe-grouped-gemm, then for TE: all it needs in one line
+            ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+            True,
+            False,
+            "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core 0.19.2 "
+            "recomputes the activation of grouped-GEMM experts only), which needs Transformer "
+            "Engine, which is not installed; allowed without TE: core_attn, mlp, moe, "
+            "shared_experts, or --recompute-granularity full",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+            + ["--transformer-impl", "local"],
+            True,
+            True,
+            "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core 0.19.2 "
+            "recomputes the activation of grouped-GEMM experts only), which needs "
+            "--transformer-impl transformer_engine (TE's layers, on a CUDA GPU); allowed with "
+            "--transformer-impl local: core_attn, mlp, moe, shared_experts, or "
+            "--recompute-granularity full",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
             True,
             True,
             None,
