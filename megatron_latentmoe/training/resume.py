@@ -578,16 +578,32 @@ per-group overrides only): another value loads through
 (:func:`take_checkpoint_lr`)."""
 
 
-def _lr_changes(args, saved) -> list[str]:
-    """The :data:`LR_ARGS` the checkpoint (its args ``saved``) holds another value of than this
+WD_ARGS = ("start_weight_decay", "end_weight_decay", "weight_decay_incr_style")
+"""The weight-decay schedule megatron-core 0.19.2's ``OptimizerParamScheduler`` takes from the
+checkpoint with ``--use-checkpoint-opt_param-scheduler`` (its ``start_wd``, ``end_wd``,
+``wd_incr_style``, besides the LR schedule; ``validate_args`` sets both ends to
+``--weight-decay`` for the constant style). Not keys of the param groups: another value loads
+as it is (measured: test_resume_new_lr, --weight-decay 0.1 resumed from tiny.sh's 0.01)."""
+
+
+def _changes(args, saved, dests) -> list[str]:
+    """The args ``dests`` the checkpoint (its args ``saved``) holds another value of than this
     run, each as ``--lr 0.001 (this run: 0.0005)``."""
     from megatron_latentmoe.training.arguments import flag_for_field
 
     return [
         f"{flag_for_field(dest)} {getattr(saved, dest, None)} (this run: {getattr(args, dest)})"
-        for dest in LR_ARGS
+        for dest in dests
         if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None)
     ]
+
+
+def _wd_changes(args, saved) -> list[str]:
+    """The weight-decay schedule the checkpoint holds another one of than this run
+    (:func:`_changes`): ``--weight-decay`` where both keep it constant (the flag given), else
+    each of :data:`WD_ARGS`."""
+    constant = all(getattr(a, "weight_decay_incr_style", None) == "constant" for a in (args, saved))
+    return _changes(args, saved, ("weight_decay",) if constant else WD_ARGS)
 
 
 def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
@@ -611,7 +627,7 @@ def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     trains). Not where a layout change starts the optimizer over (:func:`restores_optimizer`)."""
     if not restores_optimizer(args, saved) or args.use_checkpoint_opt_param_scheduler:
         return None
-    differ = _lr_changes(args, saved)
+    differ = _changes(args, saved, LR_ARGS)
     if not differ:
         return None
     head = f"{flag} {load_dir}: the checkpoint's optimizer was saved with {', '.join(differ)}"
@@ -671,19 +687,26 @@ def take_checkpoint_lr(args, saved) -> str | None:
     at iteration 2 with --lr 1e-3 --min-lr 1e-4, resumed with --lr 5e-4 --min-lr 5e-5
     --decoupled-lr 2e-3: iteration 3 logs the saving run's 2.452233e-04 and its checkpoint equals
     the saving run's; the args left as given, "KeyError: (None, 0.002, 5e-05, ...)" (distributed
-    optimizer). Returns the warning that says which flags go unused (None: the checkpoint's
-    values are this run's, or the flag is not given)."""
+    optimizer). The scheduler takes the checkpoint's weight-decay schedule too (:data:`WD_ARGS`),
+    which the param groups do not pair by: those args are left as given. Returns the warning
+    that says which flags go unused (None: the checkpoint's values are this run's, or the flag
+    is not given)."""
     if not args.use_checkpoint_opt_param_scheduler:
         return None
-    differ = _lr_changes(args, saved)
-    if not differ:
+    lr_differ, wd_differ = _changes(args, saved, LR_ARGS), _wd_changes(args, saved)
+    if not lr_differ and not wd_differ:
         return None
     for dest in LR_ARGS:
         if hasattr(saved, dest):
             setattr(args, dest, getattr(saved, dest))
+    unused = {
+        (True, False): "learning rates are",
+        (False, True): "weight decay is",
+        (True, True): "learning rates and weight decay are",
+    }[bool(lr_differ), bool(wd_differ)]
     return (
-        "--use-checkpoint-opt_param-scheduler: this run's learning rates are not used, the "
-        f"checkpoint's schedule goes on with its own: {', '.join(differ)}"
+        f"--use-checkpoint-opt_param-scheduler: this run's {unused} not used, the checkpoint's "
+        f"schedule goes on with its own: {', '.join(lr_differ + wd_differ)}"
     )
 
 

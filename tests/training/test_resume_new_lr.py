@@ -120,9 +120,10 @@ def test_another_lr_with_the_checkpoints_schedule_trains_on_as_the_saving_run(ki
     resume += ["--load", str(ckpt), "--ckpt-step", "2", "--use-checkpoint-opt_param-scheduler"]
     run = run_entry(resume + ["--save", str(kept), "--save-interval", "3"], nproc=1).check()
     assert (
-        "WARNING: --use-checkpoint-opt_param-scheduler: this run's learning rates are not used, "
-        "the checkpoint's schedule goes on with its own: --lr 0.001 (this run: 0.0005), --min-lr "
-        "0.0001 (this run: 5e-05), --decoupled-lr None (this run: 0.002)\n"
+        "WARNING: --use-checkpoint-opt_param-scheduler: this run's learning rates and weight "
+        "decay are not used, the checkpoint's schedule goes on with its own: --lr 0.001 (this "
+        "run: 0.0005), --min-lr 0.0001 (this run: 5e-05), --decoupled-lr None (this run: 0.002), "
+        "--weight-decay 0.01 (this run: 0.1)\n"
     ) in run.output
     assert "at iteration 2" in run.output
     for i in (3, 4):
