@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_latentmoe.error_file import tell_launcher
+from megatron_latentmoe.error_file import say_once
 
 
 class FlagError(ValueError):
@@ -17,13 +17,12 @@ class FlagError(ValueError):
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
     """A misspelt flag or a bad value is argparse's one error line, without the usage text
     argparse prints first (Megatron's parser has ~700 flags: the usage is ~800 lines, with the
-    error at the very end). The line goes to torchrun's error file too
-    (:func:`megatron_latentmoe.error_file.tell_launcher`: a rank of the entry point under plain
-    torchrun)."""
+    error at the very end). Every rank has it alike: under torchrun rank 0 alone prints it and
+    every rank writes it to torchrun's error file (:func:`megatron_latentmoe.error_file.say_once`:
+    the entry point's ranks under plain torchrun)."""
 
     def error(message: str):
-        line = f"{parser.prog}: error: {message} (all flags: --help)"
-        tell_launcher(line)
-        parser.exit(2, line + "\n")
+        say_once(f"{parser.prog}: error: {message} (all flags: --help)")
+        parser.exit(2)
 
     parser.error = error

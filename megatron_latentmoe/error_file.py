@@ -1,11 +1,12 @@
 """torchrun's error file: where a process torchrun started leaves its one-line error, so that
 torchrun's failure table shows that line (``error_file: .../error.json``, ``traceback :
 pretrain_stable_latentmoe: error: ...``) instead of ``error_file: <N/A>`` and "To enable
-traceback see ...". Its writers: the entry point's errors (``training.console.error``) and every
-command line's argparse error (:mod:`megatron_latentmoe.cli_errors`: a misspelt flag under plain
-torchrun); its reader besides torchrun: ``training.launch``. An unexpected exception's traceback
-reaches it through torch's ``record`` instead (``training.pretrain.process_main``). Below
-``data/`` and ``training/`` (``cli_errors`` imports it): plain Python, no Megatron, no torch.
+traceback see ...". Its writers: the entry point's errors (``training.console.error``; a bad
+flag's, the same on every rank, through :func:`say_once`) and every command line's argparse
+error (:mod:`megatron_latentmoe.cli_errors`: a misspelt flag under plain torchrun); its reader
+besides torchrun: ``training.launch``. An unexpected exception's traceback reaches it through
+torch's ``record`` instead (``training.pretrain.process_main``). Below ``data/`` and
+``training/`` (``cli_errors`` imports it): plain Python, no Megatron, no torch.
 
 Which rank failed first: torchrun takes the smallest error-file timestamp, in whole seconds,
 ties to the lowest local rank. A rank that stopped because another one did stamps its file at the
@@ -19,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import sys
 import time
 
 AFTER_PEER = "another_rank_stopped"
@@ -52,3 +55,42 @@ def tell_launcher(line: str, after_peer: bool = False) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+PEER_EXIT_WAIT_S = 30.0
+"""How long a rank other than 0 waits, after an error every rank has alike (:func:`say_once`),
+for torchrun to end it once rank 0 has exited with the line."""
+
+
+class _Ended(Exception):
+    """torchrun's SIGTERM, in :func:`say_once`'s wait."""
+
+
+def _ended(signum, frame):
+    raise _Ended
+
+
+def say_once(line: str) -> None:
+    """An error line every rank of a run has alike, before any collective (a bad flag: it
+    depends only on the flags and on files every rank reads): under torchrun printed to stderr
+    by rank 0 alone (N ranks printed it N times), elsewhere by each process (a tool's, which may
+    see another launcher's ``RANK``); written to torchrun's error file by every rank
+    (:func:`tell_launcher`: its table shows the line whichever rank it names).
+
+    Under torchrun a rank other than 0 first waits, up to :data:`PEER_EXIT_WAIT_S`, for torchrun
+    to end it (its SIGTERM ends the wait alone: the rank returns, to exit as rank 0 does):
+    torchrun ends the other ranks once one exits (polling every 0.1 s), so a rank that exited
+    first could end rank 0 before its line was printed (measured: rank 0 two seconds slower,
+    the line printed by no rank), and the first rank's error file is the root cause torchrun
+    names (``training.launch`` too): rank 0's, which printed the line."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    else:
+        previous = signal.signal(signal.SIGTERM, _ended)
+        try:
+            time.sleep(PEER_EXIT_WAIT_S)
+        except _Ended:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    tell_launcher(line)

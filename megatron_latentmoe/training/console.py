@@ -1,14 +1,14 @@
 """The entry point's name and its rank-0 printing, for :mod:`.pretrain` and the modules that
 speak for it (:mod:`.resume`, :mod:`.checkpoint_repair`, :mod:`.file_checks`): every line a run
 prints starts with ``[pretrain_stable_latentmoe]`` or ``pretrain_stable_latentmoe: error:``
-(:func:`error`, which also gives the line to torchrun). Plain Python."""
+(:func:`error`, :func:`error_once`, which also give the line to torchrun). Plain Python."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from megatron_latentmoe.error_file import tell_launcher
+from megatron_latentmoe.error_file import say_once, tell_launcher
 
 PROG = "pretrain_stable_latentmoe"
 
@@ -31,6 +31,13 @@ def error(line: str, after_peer: bool = False) -> None:
     full = f"{PROG}: error: {line}"
     print(full, file=sys.stderr, flush=True)
     tell_launcher(full, after_peer=after_peer)
+
+
+def error_once(line: str) -> None:
+    """:func:`error` for a refusal every rank makes alike before any collective (a bad flag):
+    printed by rank 0 alone, written to torchrun's error file by every rank
+    (:func:`megatron_latentmoe.error_file.say_once`)."""
+    say_once(f"{PROG}: error: {line}")
 
 
 def peer_stopped_error(err: BaseException) -> str | None:

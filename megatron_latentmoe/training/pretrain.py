@@ -41,6 +41,7 @@ from functools import partial
 from megatron_latentmoe.training.console import (
     PROG,
     error,
+    error_once,
     peer_stopped_error,
     print0,
     rank,
@@ -230,8 +231,8 @@ def _main(check_only: bool = False) -> int:
     begin_run()
     try:
         args, transformer_config, cpu_notes, default_data_dir = checked_args(has_cuda)
-    except FlagError as err:
-        error(str(err))
+    except FlagError as err:  # the same on every rank: said once
+        error_once(str(err))
         return 2
     if check_only:
         return 0

@@ -26,6 +26,7 @@ from . import (
     REPO,
     args_file_args,
     environment,
+    error_lines,
     run_entry,
     scratch_dir,
     tiny_args,
@@ -835,6 +836,34 @@ def test_plain_torchrun_shows_a_misspelt_flags_one_line():
         "  traceback : pretrain_stable_latentmoe.py: error: unrecognized arguments: "
         "--train-itres 3 (all flags: --help)"
     ) in root, run.output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            CASES["latent_not_divisible_by_tp"][0],
+            "pretrain_stable_latentmoe: error: --moe-latent-size 63 is not allowed: a multiple of "
+            "--tensor-model-parallel-size 2",
+        ),
+        (
+            ["--train-itres", "3"],
+            "pretrain_stable_latentmoe.py: error: unrecognized arguments: --train-itres 3 (all "
+            "flags: --help)",
+        ),
+    ],
+)
+def test_two_ranks_print_a_bad_flags_line_once(flags, line):
+    """A bad flag (our check's FlagError, argparse's error) is refused alike by every rank before
+    any collective: under torchrun with 2 ranks the line is printed once, by rank 0 (each rank
+    printed it: 1024 times at scale), and both ranks exit 2 with it in their error files
+    (torchrun's table shows it for each, rank 0 the root cause)."""
+    run = run_entry(flags)
+    assert error_lines(run.output) == [line], run.output[-3000:]
+    assert re.findall(r"^\s+exitcode\s+: (\S+)", run.output, re.M) == ["2", "2"], run.output
+    assert run.output.count(f"  traceback : {line}\n") == 2, run.output[-3000:]
+    root = run.output[run.output.index("Root Cause (first observed failure):") :]
+    assert "  rank      : 0 (local_rank: 0)" in root, run.output[-3000:]
 
 
 def test_a_shared_width_the_export_refuses_trains_with_a_warning():

@@ -5,6 +5,7 @@ through which a rank's one-line error reaches torchrun's table (``error_file.tel
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -105,6 +106,72 @@ def test_torchrun_shows_the_ranks_one_line_error_and_the_rank_that_failed_first(
     assert "  rank      : 1 (local_rank: 1)" in root, out[-3000:]
     assert "  traceback : pretrain_stable_latentmoe: error: the one line a refusal prints" in root
     assert "  traceback : pretrain_stable_latentmoe: error: rank 0: another rank" in out
+
+
+SAID_ONCE_SCRIPT = """
+import os, sys, time
+from megatron_latentmoe.error_file import say_once
+if os.environ["RANK"] == "0":
+    time.sleep(2)  # the slower rank: rank 1 refuses first
+say_once("prog: error: the line every rank has")
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", LAUNCH])
+def test_a_line_every_rank_has_is_printed_once_by_rank_0(tmp_path, launcher):
+    """``error_file.say_once`` (a bad flag: the same on every rank) under torchrun, rank 0 the
+    slower to refuse: rank 0 alone prints the line (each rank did), every rank exits 2 with it in
+    its error file, and the rank torchrun and the launcher name is rank 0. Rank 1 waits for
+    torchrun's SIGTERM: had it exited at once, torchrun (its 0.1 s poll) ended rank 0 before
+    rank 0 printed the line, and named rank 1, which printed nothing."""
+    script = tmp_path / "rank.py"
+    script.write_text(SAID_ONCE_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**environment(), "PYTHONPATH": str(REPO)},  # the script imports this checkout
+        timeout=100,
+    )
+    out, line = proc.stdout, "prog: error: the line every rank has"
+    assert out.splitlines().count(line) == 1, out[-3000:]
+    if launcher == LAUNCH:
+        assert out.splitlines()[-1] == "[launch] rank 0 exited with code 2 (its output is above)"
+        assert proc.returncode == 2, out[-3000:]
+        return
+    assert re.findall(r"^\s+exitcode\s+: (\S+)", out, re.M) == ["2", "2"], out[-3000:]
+    assert out.count(f"  traceback : {line}\n") == 2, out[-3000:]
+    root = out[out.index("Root Cause (first observed failure):") :]
+    assert "  rank      : 0 (local_rank: 0)" in root, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "rank, torchrun, printed",
+    [(None, False, True), ("1", False, True), ("0", True, True), ("1", True, False)],
+)
+def test_a_line_every_rank_has_is_printed_by_rank_0_and_written_by_each(
+    tmp_path, monkeypatch, capsys, rank, torchrun, printed
+):
+    """``say_once`` in one process: under torchrun (``TORCHELASTIC_RUN_ID``) rank 0 alone prints
+    the line, and a rank other than 0 returns when its wait ends (here 0.01 s: no SIGTERM
+    comes); without torchrun every process prints it (a tool's, whatever ``RANK`` says). Every
+    rank writes it to its error file."""
+    monkeypatch.delenv("RANK", raising=False)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(error_file, "PEER_EXIT_WAIT_S", 0.01)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    error_file.say_once("prog: error: refused")
+    assert capsys.readouterr().err == ("prog: error: refused\n" if printed else "")
+    message = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    assert message == "prog: error: refused"
 
 
 def _failure(tmp_path, rank: int, exitcode: int, line: str | None, after_peer: bool = False):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_latentmoe import error_file
 from megatron_latentmoe.checkpoint_layout import RELEASE, TRACKER_FILE
 from megatron_latentmoe.training import checkpoint_repair, console, pretrain, resume
 
@@ -281,6 +282,13 @@ def test_main_stops_at_a_bad_flag_or_after_the_check(monkeypatch, tmp_path, caps
         err == "pretrain_stable_latentmoe: error: --train-iters 0 is not allowed; allowed: >= 1\n"
     )
     assert out == "" and [e[0] for e in run.events][2:] == ["begin_run", "checked_args"]
+    # the same refusal on every rank: under torchrun rank 0 alone prints it (error_file.say_once;
+    # no torchrun here to end the other rank's wait)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setattr(error_file, "PEER_EXIT_WAIT_S", 0.01)
+    assert run() == 2 and capsys.readouterr() == ("", "")
+    monkeypatch.setenv("RANK", "0")
     run.flag_error = None
     run.events.clear()
     assert run(check_only=True) == 0
