@@ -82,13 +82,15 @@ def say_once(line: str) -> None:
     torchrun ends the other ranks once one exits (polling every 0.1 s), so a rank that exited
     first could end rank 0 before its line was printed (measured: rank 0 two seconds slower,
     the line printed by no rank), and the first rank's error file is the root cause torchrun
-    names (``training.launch`` too): rank 0's, which printed the line."""
+    names (``training.launch`` too): rank 0's, which printed the line. A rank whose wait runs
+    out prints the line itself: rank 0 did not stop alike (e.g. a file only this node sees)."""
     if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
     else:
         previous = signal.signal(signal.SIGTERM, _ended)
         try:
             time.sleep(PEER_EXIT_WAIT_S)
+            print(line, file=sys.stderr, flush=True)
         except _Ended:
             pass
         finally:

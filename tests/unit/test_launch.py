@@ -149,16 +149,26 @@ def test_a_line_every_rank_has_is_printed_once_by_rank_0(tmp_path, launcher):
 
 
 @pytest.mark.parametrize(
-    "rank, torchrun, printed",
-    [(None, False, True), ("1", False, True), ("0", True, True), ("1", True, False)],
+    "rank, torchrun, ended, printed",
+    [
+        (None, False, False, True),
+        ("1", False, False, True),
+        ("0", True, False, True),
+        ("1", True, True, False),
+        ("1", True, False, True),
+    ],
 )
 def test_a_line_every_rank_has_is_printed_by_rank_0_and_written_by_each(
-    tmp_path, monkeypatch, capsys, rank, torchrun, printed
+    tmp_path, monkeypatch, capsys, rank, torchrun, ended, printed
 ):
     """``say_once`` in one process: under torchrun (``TORCHELASTIC_RUN_ID``) rank 0 alone prints
-    the line, and a rank other than 0 returns when its wait ends (here 0.01 s: no SIGTERM
-    comes); without torchrun every process prints it (a tool's, whatever ``RANK`` says). Every
-    rank writes it to its error file."""
+    the line, and a rank other than 0 returns when torchrun's SIGTERM ends its wait (``ended``),
+    or prints the line itself when the wait runs out (rank 0 did not stop alike: a file only
+    its node sees); without torchrun every process prints it (a tool's, whatever ``RANK``
+    says). Every rank writes it to its error file."""
+    import signal
+    import threading
+
     monkeypatch.delenv("RANK", raising=False)
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
@@ -166,9 +176,13 @@ def test_a_line_every_rank_has_is_printed_by_rank_0_and_written_by_each(
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
     else:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(error_file, "PEER_EXIT_WAIT_S", 0.01)
+    monkeypatch.setattr(error_file, "PEER_EXIT_WAIT_S", 30.0 if ended else 0.01)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    previous = signal.getsignal(signal.SIGTERM)
+    if ended:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
     error_file.say_once("prog: error: refused")
+    assert signal.getsignal(signal.SIGTERM) is previous
     assert capsys.readouterr().err == ("prog: error: refused\n" if printed else "")
     message = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
     assert message == "prog: error: refused"
