@@ -71,8 +71,9 @@ def _ended(signum, frame):
 
 
 def say_once(line: str) -> None:
-    """An error line every rank of a run has alike, before any collective (a bad flag: it
-    depends only on the flags and on files every rank reads): under torchrun printed to stderr
+    """An error line every rank of a run has alike (a bad flag: it depends only on the flags and
+    on files every rank reads; a loaded checkpoint's schedule or data offset, which every rank
+    checks alike): under torchrun printed to stderr
     by rank 0 alone (N ranks printed it N times), elsewhere by each process (a tool's, which may
     see another launcher's ``RANK``); written to torchrun's error file by every rank
     (:func:`tell_launcher`: its table shows the line whichever rank it names).
@@ -84,15 +85,19 @@ def say_once(line: str) -> None:
     the line printed by no rank), and the first rank's error file is the root cause torchrun
     names (``training.launch`` too): rank 0's, which printed the line. A rank whose wait runs
     out prints the line itself: rank 0 did not stop alike (e.g. a file only this node sees)."""
-    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("RANK", "0") == "0":
+    torchrun_rank = os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0"
+    if not torchrun_rank or not _ended_by_torchrun():
         print(line, file=sys.stderr, flush=True)
-    else:
-        previous = signal.signal(signal.SIGTERM, _ended)
-        try:
-            time.sleep(PEER_EXIT_WAIT_S)
-            print(line, file=sys.stderr, flush=True)
-        except _Ended:
-            pass
-        finally:
-            signal.signal(signal.SIGTERM, previous)
     tell_launcher(line)
+
+
+def _ended_by_torchrun() -> bool:
+    """Wait up to :data:`PEER_EXIT_WAIT_S` for torchrun's SIGTERM; whether it came."""
+    previous = signal.signal(signal.SIGTERM, _ended)
+    try:
+        time.sleep(PEER_EXIT_WAIT_S)
+        return False
+    except _Ended:
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, previous)

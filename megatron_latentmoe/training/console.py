@@ -34,7 +34,7 @@ def error(line: str, after_peer: bool = False) -> None:
 
 
 def error_once(line: str) -> None:
-    """:func:`error` for a refusal every rank makes alike before any collective (a bad flag):
+    """:func:`error` for a refusal every rank makes alike (a bad flag, a checkpoint's schedule):
     printed by rank 0 alone, written to torchrun's error file by every rank
     (:func:`megatron_latentmoe.error_file.say_once`)."""
     say_once(f"{PROG}: error: {line}")

@@ -441,8 +441,7 @@ def _main(check_only: bool = False) -> int:
     except SaveDiskFailure:  # rank 0 has said so
         return 2
     except DataLeftError as err:  # every rank alike: said once
-        if rank() == 0:
-            error(str(err))
+        error_once(str(err))
         return 2
     except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
         error(str(err))
@@ -451,7 +450,7 @@ def _main(check_only: bool = False) -> int:
         if not str(err).startswith("OptimizerParamScheduler:"):
             raise
         # Megatron's check on load (every rank hits it identically): say what to do about it.
-        error(
+        error_once(
             "the checkpoint's LR / weight-decay schedule differs from this run's "
             f"flags ({err}). Pass --override-opt_param-scheduler to continue with this run's "
             "schedule (e.g. a longer --train-iters), or --use-checkpoint-opt_param-scheduler to "

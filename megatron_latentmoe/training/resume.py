@@ -688,15 +688,18 @@ def take_checkpoint_lr(args, saved) -> str | None:
     --decoupled-lr 2e-3: iteration 3 logs the saving run's 2.452233e-04 and its checkpoint equals
     the saving run's; the args left as given, "KeyError: (None, 0.002, 5e-05, ...)" (distributed
     optimizer). The scheduler takes the checkpoint's weight-decay schedule too (:data:`WD_ARGS`),
-    which the param groups do not pair by: those args are left as given. Returns the warning
-    that says which flags go unused (None: the checkpoint's values are this run's, or the flag
-    is not given)."""
+    which the param groups do not pair by; those args are set to the checkpoint's all the same,
+    so that this run's checkpoints record the schedule their scheduler state holds: left as
+    given, a later resume with this flag and the same --weight-decay again compared it with
+    this run's recorded one and said nothing, while the schedule kept the first checkpoint's.
+    Returns the warning that says which flags go unused (None: the checkpoint's values are this
+    run's, or the flag is not given)."""
     if not args.use_checkpoint_opt_param_scheduler:
         return None
     lr_differ, wd_differ = _changes(args, saved, LR_ARGS), _wd_changes(args, saved)
     if not lr_differ and not wd_differ:
         return None
-    for dest in LR_ARGS:
+    for dest in (*LR_ARGS, "weight_decay", *WD_ARGS):
         if hasattr(saved, dest):
             setattr(args, dest, getattr(saved, dest))
     unused = {

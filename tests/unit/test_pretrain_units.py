@@ -283,10 +283,10 @@ def test_main_stops_at_a_bad_flag_or_after_the_check(monkeypatch, tmp_path, caps
     )
     assert out == "" and [e[0] for e in run.events][2:] == ["begin_run", "checked_args"]
     # the same refusal on every rank: under torchrun rank 0 alone prints it (error_file.say_once;
-    # no torchrun here to end the other rank's wait)
+    # torchrun's SIGTERM ends the other rank's wait)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
-    monkeypatch.setattr(error_file, "PEER_EXIT_WAIT_S", 0.01)
+    monkeypatch.setattr(error_file, "_ended_by_torchrun", lambda: True)
     assert run() == 2 and capsys.readouterr() == ("", "")
     monkeypatch.setenv("RANK", "0")
     run.flag_error = None
@@ -655,6 +655,8 @@ def test_main_stops_at_a_data_offset_its_datasets_cannot_serve_in_one_line(
 
     run = _Run(monkeypatch, tmp_path)
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setattr(error_file, "_ended_by_torchrun", lambda: True)  # torchrun's SIGTERM
     run.raises = DataLeftError("--load /c: a release checkpoint without --finetune continues")
     assert run() == 2
     assert capsys.readouterr().err == (

@@ -696,8 +696,9 @@ def test_the_checkpoints_schedule_flag_names_the_weight_decay_it_does_not_use():
     """--use-checkpoint-opt_param-scheduler: megatron-core 0.19.2's scheduler takes the
     checkpoint's weight-decay schedule too (start_wd, end_wd, wd_incr_style), so the warning
     names another one: --weight-decay where both runs keep it constant (validate_args sets both
-    ends to it), else each end and the style; the args are left as given (not param-group
-    keys). The same weight decay adds nothing to the learning rates' warning."""
+    ends to it), else each end and the style; the args become the checkpoint's, as the learning
+    rates do (this run's checkpoints then record the schedule their scheduler holds). The same
+    weight decay adds nothing to the learning rates' warning."""
     wd = dict(
         weight_decay=0.01,
         start_weight_decay=0.01,
@@ -712,16 +713,15 @@ def test_the_checkpoints_schedule_flag_names_the_weight_decay_it_does_not_use():
         "--use-checkpoint-opt_param-scheduler: this run's weight decay is not used, the "
         "checkpoint's schedule goes on with its own: --weight-decay 0.01 (this run: 0.1)"
     )
-    assert vars(args) == dict(
-        lr=1e-3, min_lr=1e-4, use_checkpoint_opt_param_scheduler=True, **constant
-    )
-    args.lr = 5e-4
+    assert vars(args) == dict(lr=1e-3, min_lr=1e-4, use_checkpoint_opt_param_scheduler=True, **wd)
+    assert resume.take_checkpoint_lr(args, saved) is None
+    vars(args).update(constant, lr=5e-4)
     assert resume.take_checkpoint_lr(args, saved) == (
         "--use-checkpoint-opt_param-scheduler: this run's learning rates and weight decay are "
         "not used, the checkpoint's schedule goes on with its own: --lr 0.001 (this run: "
         "0.0005), --weight-decay 0.01 (this run: 0.1)"
     )
-    vars(args).update(wd, weight_decay=0.05, start_weight_decay=0.0, end_weight_decay=0.1)
+    vars(args).update(weight_decay=0.05, start_weight_decay=0.0, end_weight_decay=0.1)
     args.weight_decay_incr_style = "linear"
     assert resume.take_checkpoint_lr(args, saved) == (
         "--use-checkpoint-opt_param-scheduler: this run's weight decay is not used, the "
