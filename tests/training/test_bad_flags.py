@@ -685,6 +685,7 @@ WITHOUT_TE = {
     "flash_attention_backend_with_local_layers",
     "precision_aware_optimizer_without_te",
     "moe_act_recompute_without_te",
+    "layernorm_recompute_without_te",
 }
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 WITHOUT_GPU = {  # refusals only without a GPU
