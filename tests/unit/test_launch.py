@@ -74,6 +74,23 @@ sys.exit(1)
 """
 
 
+def _two_ranks(tmp_path, launcher: str, script_text: str, *flags: str):
+    """``script_text`` run as 2 ranks by ``launcher`` (torchrun's module or ours, ``flags``
+    before ``--nproc-per-node``): the finished process, stdout and stderr together."""
+    script = tmp_path / "rank.py"
+    script.write_text(script_text)
+    return subprocess.run(
+        [sys.executable, "-m", launcher, "--standalone", *flags, "--nproc-per-node", "2"]
+        + [str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**environment(), "PYTHONPATH": str(REPO)},  # the script imports this checkout
+        timeout=100,
+    )
+
+
 @pytest.mark.parametrize(
     "launcher", ["torch.distributed.run", "megatron_latentmoe.training.launch"]
 )
@@ -83,18 +100,7 @@ def test_torchrun_shows_the_ranks_one_line_error_and_the_rank_that_failed_first(
     the root cause: here rank 0, which only saw rank 1 stop. Both ranks fail within torchrun's
     --monitor-interval, so that it sees them in one poll, as when a rank's peers see it go at
     once."""
-    script = tmp_path / "rank.py"
-    script.write_text(ERROR_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, "-m", launcher, "--standalone", "--monitor-interval", "2"]
-        + ["--nproc-per-node", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env={**environment(), "PYTHONPATH": str(REPO)},  # the script imports this checkout
-        timeout=100,
-    )
+    proc = _two_ranks(tmp_path, launcher, ERROR_SCRIPT, "--monitor-interval", "2")
     out = proc.stdout
     if launcher == LAUNCH:
         assert out.splitlines()[-1] == "[launch] rank 1 exited with code 2 (its output is above)"
@@ -125,17 +131,7 @@ def test_a_line_every_rank_has_is_printed_once_by_rank_0(tmp_path, launcher):
     its error file, and the rank torchrun and the launcher name is rank 0. Rank 1 waits for
     torchrun's SIGTERM: had it exited at once, torchrun (its 0.1 s poll) ended rank 0 before
     rank 0 printed the line, and named rank 1, which printed nothing."""
-    script = tmp_path / "rank.py"
-    script.write_text(SAID_ONCE_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env={**environment(), "PYTHONPATH": str(REPO)},  # the script imports this checkout
-        timeout=100,
-    )
+    proc = _two_ranks(tmp_path, launcher, SAID_ONCE_SCRIPT)
     out, line = proc.stdout, "prog: error: the line every rank has"
     assert out.splitlines().count(line) == 1, out[-3000:]
     if launcher == LAUNCH:
