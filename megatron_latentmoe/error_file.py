@@ -1,11 +1,11 @@
 """torchrun's error file: where a process torchrun started leaves its one-line error, so that
 torchrun's failure table shows that line (``error_file: .../error.json``, ``traceback :
 pretrain_stable_latentmoe: error: ...``) instead of ``error_file: <N/A>`` and "To enable
-traceback see ...". Its writers: the entry point's errors (``training.console.error``; a bad
-flag's, the same on every rank, through :func:`say_once`) and every command line's argparse
-error (:mod:`megatron_latentmoe.cli_errors`: a misspelt flag under plain torchrun); its reader
-besides torchrun: ``training.launch``. An unexpected exception's traceback reaches it through
-torch's ``record`` instead (``training.pretrain.process_main``). Below ``data/`` and
+traceback see ...". Its writers: the entry point's errors (``training.console.error``; one
+that every rank has alike, a bad flag's, through :func:`say_once`) and every command line's
+argparse error (:mod:`megatron_latentmoe.cli_errors`: a misspelt flag under plain torchrun); its
+reader besides torchrun: ``training.launch``. An unexpected exception's traceback reaches it
+through torch's ``record`` instead (``training.pretrain.process_main``). Below ``data/`` and
 ``training/`` (``cli_errors`` imports it): plain Python, no Megatron, no torch.
 
 Which rank failed first: torchrun takes the smallest error-file timestamp, in whole seconds,
@@ -73,10 +73,10 @@ def _ended(signum, frame):
 def say_once(line: str) -> None:
     """An error line every rank of a run has alike (a bad flag: it depends only on the flags and
     on files every rank reads; a loaded checkpoint's schedule or data offset, which every rank
-    checks alike): under torchrun printed to stderr
-    by rank 0 alone (N ranks printed it N times), elsewhere by each process (a tool's, which may
-    see another launcher's ``RANK``); written to torchrun's error file by every rank
-    (:func:`tell_launcher`: its table shows the line whichever rank it names).
+    checks alike): under torchrun printed to stderr by rank 0 alone (N ranks printed it N
+    times), elsewhere by each process (a tool's, which may see another launcher's ``RANK``);
+    written to torchrun's error file by every rank (:func:`tell_launcher`: its table shows the
+    line whichever rank it names).
 
     Under torchrun a rank other than 0 first waits, up to :data:`PEER_EXIT_WAIT_S`, for torchrun
     to end it (its SIGTERM ends the wait alone: the rank returns, to exit as rank 0 does):
