@@ -606,6 +606,44 @@ def _wd_changes(args, saved) -> list[str]:
     return _changes(args, saved, ("weight_decay",) if constant else WD_ARGS)
 
 
+def _schedule_lengths(a) -> dict[str, float] | None:
+    """The lengths, in samples, megatron-core 0.19.2's ``OptimizerParamScheduler`` takes from a
+    checkpoint with ``--use-checkpoint-opt_param-scheduler`` besides the values (its
+    ``lr_warmup_steps``, ``lr_decay_steps``, ``wd_incr_steps``), from the args ``a`` as
+    ``megatron.training.get_optimizer_param_scheduler`` computes them (None: args without them,
+    an older checkpoint's). Sample-based where ``--train-samples`` is given: Megatron sets
+    ``train_iters`` from it as it builds the scheduler, so a checkpoint's args hold both."""
+    try:
+        if a.train_samples:
+            decay = a.lr_decay_samples or a.train_samples
+            wd_incr, warmup = a.train_samples, a.lr_warmup_samples
+        else:
+            decay = (a.lr_decay_iters or a.train_iters) * a.global_batch_size
+            wd_incr = a.train_iters * a.global_batch_size
+            warmup = a.lr_warmup_iters * a.global_batch_size
+        if a.lr_warmup_fraction is not None:
+            warmup = a.lr_warmup_fraction * decay
+    except (AttributeError, TypeError):
+        return None
+    return {"LR warmup": warmup, "LR decay": decay, "WD schedule": wd_incr}
+
+
+def _schedule_changes(args, saved) -> list[str]:
+    """The checkpoint's schedule lengths and LR decay style this run's flags give others of
+    (--train-iters, --lr-decay-iters, --lr-warmup-*, --global-batch-size, or their sample
+    counterparts), each as ``LR decay over 9600 samples (this run: 19200)``; the weight decay's
+    length only where a schedule makes it matter (not both constant)."""
+    out = _changes(args, saved, ("lr_decay_style",))
+    mine, theirs = _schedule_lengths(args), _schedule_lengths(saved)
+    if mine is None or theirs is None:
+        return out
+    constant = all(getattr(a, "weight_decay_incr_style", None) == "constant" for a in (args, saved))
+    for name, value in theirs.items():
+        if mine[name] != value and not (name == "WD schedule" and constant):
+            out.append(f"{name} over {value:.0f} samples (this run: {mine[name]:.0f})")
+    return out
+
+
 def lr_refusal(args, saved, load_dir: str, flag: str = "--load") -> str | None:
     """One line where this run restores the optimizer (no ``--no-load-optim``; the caller leaves
     out the loads of the model alone) of a checkpoint (its args ``saved``) saved with another
@@ -692,24 +730,29 @@ def take_checkpoint_lr(args, saved) -> str | None:
     so that this run's checkpoints record the schedule their scheduler state holds: left as
     given, a later resume with this flag and the same --weight-decay again compared it with
     this run's recorded one and said nothing, while the schedule kept the first checkpoint's.
-    Returns the warning that says which flags go unused (None: the checkpoint's values are this
-    run's, or the flag is not given)."""
+    The checkpoint's schedule lengths and LR decay style (:func:`_schedule_changes`) are named
+    too, their flags left as given (--train-iters still ends the run). Returns the warning that
+    says which flags go unused (None: the checkpoint's values are this run's, or the flag is not
+    given)."""
     if not args.use_checkpoint_opt_param_scheduler:
         return None
-    lr_differ, wd_differ = _changes(args, saved, LR_ARGS), _wd_changes(args, saved)
-    if not lr_differ and not wd_differ:
+    differ = {
+        "learning rates": _changes(args, saved, LR_ARGS),
+        "weight decay": _wd_changes(args, saved),
+        "schedule lengths": _schedule_changes(args, saved),
+    }
+    names = [name for name, changes in differ.items() if changes]
+    if not names:
         return None
     for dest in (*LR_ARGS, "weight_decay", *WD_ARGS):
         if hasattr(saved, dest):
             setattr(args, dest, getattr(saved, dest))
-    unused = {
-        (True, False): "learning rates are",
-        (False, True): "weight decay is",
-        (True, True): "learning rates and weight decay are",
-    }[bool(lr_differ), bool(wd_differ)]
+    unused = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    verb = "is" if names == ["weight decay"] else "are"
     return (
-        f"--use-checkpoint-opt_param-scheduler: this run's {unused} not used, the checkpoint's "
-        f"schedule goes on with its own: {', '.join(lr_differ + wd_differ)}"
+        f"--use-checkpoint-opt_param-scheduler: this run's {unused} {verb} not used, the "
+        "checkpoint's schedule goes on with its own: "
+        + ", ".join(c for changes in differ.values() for c in changes)
     )
 
 

@@ -738,6 +738,59 @@ def test_the_checkpoints_schedule_flag_names_the_weight_decay_it_does_not_use():
     )
 
 
+def test_the_checkpoints_schedule_flag_names_the_schedule_lengths_it_does_not_use():
+    """--use-checkpoint-opt_param-scheduler: megatron-core 0.19.2's scheduler takes the
+    checkpoint's warmup and decay lengths (in samples, from --train-iters / --lr-decay-iters /
+    --lr-warmup-* x --global-batch-size, or --train-samples and its kin) and decay style too: a
+    longer --train-iters, a warmup fraction, another style are named, their flags left as given
+    (--train-iters still ends the run). The weight decay's length only where it is not constant
+    in both. The saving run's args hold lr_decay_iters as Megatron set it (= its train_iters);
+    a sample-based checkpoint's hold train_iters too (set from --train-samples)."""
+    common = dict(
+        lr=1e-3,
+        min_lr=1e-4,
+        weight_decay=0.01,
+        start_weight_decay=0.01,
+        end_weight_decay=0.01,
+        weight_decay_incr_style="constant",
+        lr_decay_style="cosine",
+        lr_warmup_iters=0,
+        lr_warmup_fraction=None,
+        global_batch_size=32,
+        train_samples=None,
+    )
+    saved = SimpleNamespace(**common, train_iters=300, lr_decay_iters=300)
+    args = SimpleNamespace(**common, train_iters=300, lr_decay_iters=None)
+    args.use_checkpoint_opt_param_scheduler = True
+    assert resume.take_checkpoint_lr(args, saved) is None
+    args.train_iters = 600
+    head = "--use-checkpoint-opt_param-scheduler: this run's "
+    assert resume.take_checkpoint_lr(args, saved) == (
+        head + "schedule lengths are not used, the checkpoint's schedule goes on with its own: "
+        "LR decay over 9600 samples (this run: 19200)"
+    )
+    assert (args.train_iters, args.lr_decay_iters) == (600, None)
+    vars(args).update(lr_warmup_fraction=0.1, lr_decay_style="linear", lr=5e-4)
+    args.weight_decay_incr_style = "linear"
+    assert resume.take_checkpoint_lr(args, saved) == (
+        head + "learning rates, weight decay and schedule lengths are not used, the "
+        "checkpoint's schedule goes on with its own: --lr 0.001 (this run: 0.0005), "
+        "--weight-decay-incr-style constant (this run: linear), --lr-decay-style cosine (this "
+        "run: linear), LR warmup over 0 samples (this run: 1920), LR decay over 9600 samples "
+        "(this run: 19200), WD schedule over 9600 samples (this run: 19200)"
+    )
+    samples = dict(common, train_samples=9600, lr_decay_samples=None, lr_warmup_samples=0)
+    saved = SimpleNamespace(**samples, train_iters=300, lr_decay_iters=None)
+    args = SimpleNamespace(**samples, train_iters=None, lr_decay_iters=None)
+    args.use_checkpoint_opt_param_scheduler = True
+    assert resume.take_checkpoint_lr(args, saved) is None
+    args.lr_warmup_samples = 320
+    assert resume.take_checkpoint_lr(args, saved) == (
+        head + "schedule lengths are not used, the checkpoint's schedule goes on with its own: "
+        "LR warmup over 0 samples (this run: 320)"
+    )
+
+
 def test_the_checkpoints_schedule_flag_is_said_to_do_nothing_where_no_schedule_loads():
     """--use-checkpoint-opt_param-scheduler where megatron-core 0.19.2 loads no scheduler state
     (the model alone, --no-load-optim, a layout change the plain optimizer starts over on): one
