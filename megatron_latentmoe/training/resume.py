@@ -598,12 +598,17 @@ def _changes(args, saved, dests) -> list[str]:
     ]
 
 
+def _constant_wd(args, saved) -> bool:
+    """Whether this run and the checkpoint (its args ``saved``) both keep the weight decay
+    constant (``--weight-decay-incr-style constant``)."""
+    return all(getattr(a, "weight_decay_incr_style", None) == "constant" for a in (args, saved))
+
+
 def _wd_changes(args, saved) -> list[str]:
     """The weight-decay schedule the checkpoint holds another one of than this run
     (:func:`_changes`): ``--weight-decay`` where both keep it constant (the flag given), else
     each of :data:`WD_ARGS`."""
-    constant = all(getattr(a, "weight_decay_incr_style", None) == "constant" for a in (args, saved))
-    return _changes(args, saved, ("weight_decay",) if constant else WD_ARGS)
+    return _changes(args, saved, ("weight_decay",) if _constant_wd(args, saved) else WD_ARGS)
 
 
 def _schedule_lengths(a) -> dict[str, float] | None:
@@ -637,7 +642,7 @@ def _schedule_changes(args, saved) -> list[str]:
     mine, theirs = _schedule_lengths(args), _schedule_lengths(saved)
     if mine is None or theirs is None:
         return out
-    constant = all(getattr(a, "weight_decay_incr_style", None) == "constant" for a in (args, saved))
+    constant = _constant_wd(args, saved)
     for name, value in theirs.items():
         if mine[name] != value and not (name == "WD schedule" and constant):
             out.append(f"{name} over {value:.0f} samples (this run: {mine[name]:.0f})")
