@@ -73,7 +73,6 @@ SOLVES_4 = ["--moe-qb-rescore-solves", "4"]
 # run only when listed: a 10x faster sign update, and the rows of the d 512 and 4x-batch races
 ON_REQUEST = (
     "sign 1e-2",
-    "QB centered + rescore 1-50 + calibrate (ours)",
     "QB centered + rescore 1-50 x 4 solves + calibrate (ours)",
     "QB centered + seq_aux_loss + rescore x 2 solves + calibrate (ours)",
     "QB centered + seq_aux_loss + rescore x 4 solves + calibrate (ours)",
@@ -94,9 +93,9 @@ METHODS = {
     "QB centered + absorb 1 + rescore 1-50 + calibrate (ours)": QB_ABSORB
     + RESCORE_WARMUP
     + CALIBRATE,
-    "QB centered + seq_aux_loss + rescore + calibrate (ours)": QB_SEQ_AUX + RESCORE + CALIBRATE,
-    # the recipe without its absorption loss: the wide race's (k3_sparse_wide.sh) control
+    # the recommended flags (README): the d 128 recipe without its absorption loss
     "QB centered + rescore 1-50 + calibrate (ours)": QB + CENTERED + RESCORE_WARMUP + CALIBRATE,
+    "QB centered + seq_aux_loss + rescore + calibrate (ours)": QB_SEQ_AUX + RESCORE + CALIBRATE,
     "QB centered + rescore 1-50 x 4 solves + calibrate (ours)": QB
     + CENTERED
     + RESCORE_WARMUP

@@ -144,6 +144,17 @@ def test_a_relative_args_file_is_made_absolute_and_on_request_methods_left_out(m
     assert args.methods[0] == "none" and not set(args.methods) & set(race.ON_REQUEST)
 
 
+def test_the_committed_race_is_what_the_readmes_command_writes():
+    """benchmarks/results/training_balance.json (the README's table and picture) holds every
+    default method in the default order, over the README's seeds: `--seeds 1234 1 2` reproduces it
+    row for row (a row added to METHODS, or to ON_REQUEST, without a re-run fails here)."""
+    results = json.loads((Path(race.RESULTS) / "training_balance.json").read_text())
+    default = [m for m in race.METHODS if m not in race.ON_REQUEST]
+    assert [m["method"] for m in results["methods"]] == default
+    assert results["seeds"] == [1234, 1, 2] and results["iters"] == 300
+    assert all(len(m["final_loss_runs"]) == 3 for m in results["methods"])
+
+
 def test_other_args_files_write_beside_the_races_results():
     """The race of another model never replaces the headline training_balance.json."""
     assert race.results_dir(race.DEFAULT_ARGS_FILE) == race.RESULTS
