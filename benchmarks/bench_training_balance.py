@@ -54,7 +54,8 @@ from megatron_latentmoe.training.balance_summary import read_records  # noqa: E4
 # (1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1 / 3e-1 / 1: final loss 4.749 / 4.731 / 4.704 / 4.711 /
 # 4.695 / 4.664 / 4.663, QB alone 4.716; one run each; global_aux_loss 3e-1 beside QB: 4.680).
 # QB + absorb: c = 0.3 (the scan's best alone) and 1 (with the warm-up rescored, 3 seeds: 4.629
-# and 4.628; at d 512 c = 1 destabilises training: BALANCE_RACE.md).
+# each, c = 0.3 before the 2026-12-07 re-run; at d 512 c = 1 destabilises training:
+# BALANCE_RACE.md).
 QB = ["--moe-router-load-balancing-type", "quantile_histogram"]
 CENTERED = ["--moe-qb-binning", "centered"]
 QB_SEQ_AUX = QB + ["seq_aux_loss", "--moe-aux-loss-coeff", "0", "1"] + CENTERED

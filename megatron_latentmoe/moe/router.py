@@ -320,7 +320,7 @@ class QuantileBalancingRouter(BalanceCountingRouter):
         race (3 seeds, c = 0.3): final loss 0.050 below QB alone, 0.015 above QB + seq_aux_loss 1;
         c = 3 destabilises training (seed 1234: final loss 5.04 against 4.71;
         benchmarks/BALANCE_RACE.md). With the warm-up spike removed (``--moe-qb-rescore-iters 50``)
-        c = 1 ends level with the best aux loss (4.628 against 4.626; without rescoring 4.687). At
+        c = 1 ends level with the best aux loss (4.629 against 4.624; without rescoring 4.690). At
         d 512 (``k3_sparse_wide.sh``) c = 1 destabilises training (final loss +0.20 above
         ``aux_loss`` with rescoring, +0.9 without, while QB alone is level with it): off by
         default and not in the README's recommended flags."""
