@@ -33,7 +33,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "${pip[@]}" --no-deps --ignore-requires-python "$core_req"
   extras="hf,plot,test,train"
   "$vpy" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || extras="$extras,cpu"
-  "${pip[@]}" -e "$repo[$extras]"
+  "${pip[@]}" -e "${repo}[$extras]"
   echo "$want" > "$stamp"
 fi
 echo "$vpy"

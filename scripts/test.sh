@@ -20,4 +20,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:
 # Lint and format first (a second each): the style is part of the test.
 "$vpy" -m ruff check -q .
 "$vpy" -m ruff format --check -q .
+# The shell scripts: shellcheck's errors and warnings (the args files are sourced: see their
+# directives).
+"$(dirname "$vpy")/shellcheck" -x --severity=warning \
+  .ci/run examples/*.sh examples/*.sbatch examples/args/*.sh scripts/*.sh tools/*.sh
 exec "$vpy" -m pytest -q -p no:cacheprovider -n 2 "${@:-tests}"

@@ -21,7 +21,7 @@
 # run with grouped GEMM off (GPU_CHECKS_NO_GROUPED_GEMM=1, --no-grouped-gemm). Each is recorded.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$repo"
+cd "$repo" || exit 2
 mode=full
 usage="usage: bash tools/gpu_checks.sh [--check | --help]; got '$*'"
 [ "$#" -le 1 ] || { echo "$usage" >&2; exit 2; }  # "--check extra" ran the check, extra ignored
@@ -80,7 +80,8 @@ if [ -n "$ext" ] && [ -n "$libstdcxx" ]; then
     prefix="$("$py" -c 'import sys; print(sys.prefix)' 2>/dev/null)"
     for cand in "$prefix"/lib/libstdc++.so.6 /usr/local/lib*/libstdc++.so.6; do
       if [ -f "$cand" ] && strings "$cand" | grep -x "$need_v" > /dev/null; then
-        export LD_LIBRARY_PATH="$(dirname "$cand")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        LD_LIBRARY_PATH="$(dirname "$cand")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export LD_LIBRARY_PATH
         R[glibcxx]="fallback: $libstdcxx lacks $need_v; using $cand via LD_LIBRARY_PATH"; break
       fi
     done

@@ -12,6 +12,7 @@
 # stages: 3 + 14 x 6 + 6 (the first and last stages also hold the embedding / output layer).
 # Data and tokenizer are yours: append --data-path PREFIX --tokenizer-type ... --tokenizer-model ...
 # (K3's vocabulary has 163840 tokens).
+# shellcheck shell=bash source-path=SCRIPTDIR disable=SC2034  # ARGS: read by the sourcing script
 ARGS=(
   # ---- model
   --num-layers 93

@@ -5,6 +5,8 @@
 # expert, 3 layers (layer 1 dense, 2 MoE layers), GQA 4/2 + RoPE, SiTU-GLU, Quantile Balancing.
 # A global batch of 16 x 128 tokens gives each expert 64 tokens per step at perfect balance; one
 # micro-batch of 8 per rank (two of 4 cost ~2x: the 64 local experts run one by one per micro-batch).
+# shellcheck shell=bash source-path=SCRIPTDIR
+# shellcheck source=tiny.sh
 source "$(dirname "${BASH_SOURCE[0]}")/tiny.sh"
 ARGS+=(
   --num-layers 3

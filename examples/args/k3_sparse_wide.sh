@@ -4,6 +4,8 @@
 # per-step work grows far less with d than the model's: benchmarks/bench_step_balancers.py
 # --args-file examples/args/k3_sparse_wide.sh prices every balancer at a less tiny width
 # (benchmarks/BALANCE_RACE.md, tokens/s).
+# shellcheck shell=bash source-path=SCRIPTDIR
+# shellcheck source=k3_sparse_tiny.sh
 source "$(dirname "${BASH_SOURCE[0]}")/k3_sparse_tiny.sh"
 ARGS+=(
   --hidden-size 512 --ffn-hidden-size 1024

@@ -1,6 +1,7 @@
 # Tiny Stable LatentMoE for CPU (2 processes, EP2) and smoke tests. Source it: defines ARGS.
 # Model: 4 layers (layer 1 dense), d=128, latent l=64, 8 experts top-2 + 1 shared, GQA 4/2 + RoPE,
 # SiTU-GLU, Quantile Balancing. Data: the shipped corpus + tokenizer (no --data-path).
+# shellcheck shell=bash source-path=SCRIPTDIR disable=SC2034  # ARGS: read by the sourcing script
 ARGS=(
   # ---- model (SPEC §1-§4 at toy size)
   --num-layers 4
