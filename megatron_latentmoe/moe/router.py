@@ -66,6 +66,10 @@ def token_parallel_group(config, pg_collection):
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
+class NonFiniteBiasError(ValueError):
+    """A checkpoint's ``expert_bias`` holds NaN or inf (refused at load, naming the key)."""
+
+
 class BalanceCountingRouter(TopKRouter):
     """Megatron's ``TopKRouter`` plus a per-step count of the tokens routed to each expert.
 
@@ -118,6 +122,28 @@ class BalanceCountingRouter(TopKRouter):
                 src = new if "meta" in (old.device.type, new.device.type) else old
                 self._buffers[name] = src.to(device=new.device, dtype=torch.float32)
         return out
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        """A non-finite ``expert_bias`` is refused, naming the key and the experts (one host read,
+        at load). Loaded, a NaN bias was the top choice of every token (``topk`` ranks NaN
+        first): Megatron's sign update kept it NaN and routed every token to that expert with a
+        finite loss, step after step; QB stopped at the first step end blaming the scores."""
+        key = prefix + "expert_bias"
+        bias = state_dict.get(key)
+        if isinstance(bias, torch.Tensor) and bias.is_floating_point() and not bias.is_meta:
+            bad = torch.nonzero(~torch.isfinite(bias)).flatten().tolist()
+            if bad:
+                values = [bias.flatten()[i].item() for i in bad[:4]]
+                raise NonFiniteBiasError(
+                    f"{key} (layer {self.layer_number}'s router) = {values} at expert(s) "
+                    f"{bad[:8]}{' ...' if len(bad) > 8 else ''} ({len(bad)} of {bias.numel()}); "
+                    "allowed: finite values (a corrupt checkpoint: load an earlier one)"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None and self.routing_type == "quantile_balancing":

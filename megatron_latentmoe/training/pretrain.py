@@ -276,6 +276,7 @@ def _main(check_only: bool = False) -> int:
 
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.files import write_disk_failure_error
+    from megatron_latentmoe.moe.router import NonFiniteBiasError
     from megatron_latentmoe.training import forward_step as fstep
     from megatron_latentmoe.training.balance_logging import (
         balance_step_end,
@@ -445,6 +446,9 @@ def _main(check_only: bool = False) -> int:
         return 2
     except fstep.OutOfVocabularyError as err:  # a batch's token id (get_batch)
         error(str(err))
+        return 2
+    except NonFiniteBiasError as err:  # a loaded router bias: each rank of its stage
+        error(f"{flag} {path}: {err}" if load_arg else str(err))
         return 2
     except AssertionError as err:
         if not str(err).startswith("OptimizerParamScheduler:"):

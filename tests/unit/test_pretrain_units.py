@@ -643,6 +643,22 @@ def test_main_stops_at_a_batch_outside_the_vocabulary_in_one_line(monkeypatch, t
     )
 
 
+def test_main_refuses_a_loaded_non_finite_router_bias_in_one_line(monkeypatch, tmp_path, capsys):
+    """A router's NaN / inf ``expert_bias`` (``moe/router.py`` refuses it at load): its line with
+    the checkpoint folder, exit 2, where it was a traceback at the first step end (QB) or no error
+    at all (Megatron's sign update)."""
+    from megatron_latentmoe.moe.router import NonFiniteBiasError
+
+    _tree(tmp_path, [4], "4")
+    run = _Run(monkeypatch, tmp_path, load=str(tmp_path))
+    run.raises = NonFiniteBiasError("decoder.layers.1.mlp.router.expert_bias (layer 2's router)")
+    assert run() == 2
+    assert capsys.readouterr().err == (
+        f"pretrain_stable_latentmoe: error: --load {tmp_path}/iter_0000004: "
+        "decoder.layers.1.mlp.router.expert_bias (layer 2's router)\n"
+    )
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_main_stops_at_a_data_offset_its_datasets_cannot_serve_in_one_line(
     monkeypatch, tmp_path, capsys, rank

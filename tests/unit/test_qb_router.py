@@ -371,6 +371,29 @@ def _run(rank, world_size):
     y, _ = lay(x.clone().requires_grad_())
     out["no_drift_correction"] = (lay.router.expert_bias.clone(), solved)
 
+    # 17. a checkpoint whose expert_bias holds NaN / inf (corrupt) is refused at load, naming the
+    # key, the layer and the experts, by the QB router and by Megatron's sign-update router (whose
+    # loaded NaN took every token, step after step, with a finite loss); the bias stays as it was
+    from megatron_latentmoe.moe.router import NonFiniteBiasError
+
+    out["bad_bias"] = {}
+    for name, flags in (
+        ("qb", {}),
+        ("sign", dict(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True)),
+    ):
+        lay, _ = _layer(**flags)
+        before = lay.router.expert_bias.clone()
+        state = dict(lay.state_dict())
+        state["router.expert_bias"] = before.clone()
+        state["router.expert_bias"][2] = float("nan")
+        state["router.expert_bias"][5] = float("-inf")
+        try:
+            lay.load_state_dict(state)
+            error = None
+        except NonFiniteBiasError as err:
+            error = str(err)
+        out["bad_bias"][name] = (error, torch.equal(lay.router.expert_bias, before))
+
     return out
 
 
@@ -596,3 +619,15 @@ def test_a_step_end_without_drift_correction_arms_none(result):
     even though the router weight changed in between."""
     after, solved = result["no_drift_correction"]
     assert solved.abs().sum() > 0 and torch.equal(after, solved)
+
+
+@pytest.mark.parametrize("router", ["qb", "sign"])
+def test_a_checkpoint_bias_with_nan_or_inf_is_refused_at_load(result, router):
+    """Refused before it routes a token: the key, the layer, the values and the experts, and
+    what is allowed; the router's bias is left as it was."""
+    error, unchanged = result["bad_bias"][router]
+    assert error == (
+        "router.expert_bias (layer 1's router) = [nan, -inf] at expert(s) [2, 5] (2 of 8); "
+        "allowed: finite values (a corrupt checkpoint: load an earlier one)"
+    )
+    assert unchanged
