@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from megatron_latentmoe.fields import BY_NAME
+from megatron_latentmoe.fields import BY_NAME, QB_MAX_CELLS
 
 __all__ = [
     "INT32_MAX",
@@ -139,8 +139,10 @@ class _QuantileHistogramBase:
                 raise ValueError(f"{name}={v!r}; allowed: int >= {low}")
         if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < num_experts:
             raise ValueError(f"topk={topk!r}; allowed: int in [1, num_experts-1={num_experts - 1}]")
-        if num_experts * num_bins + len(HEADER_FIELDS) > INT32_MAX:
-            raise ValueError(f"num_experts*num_bins={num_experts * num_bins}; allowed: < 2**31")
+        if num_experts * num_bins > QB_MAX_CELLS:
+            raise ValueError(
+                f"num_experts*num_bins={num_experts * num_bins}; allowed: <= {QB_MAX_CELLS}"
+            )
         self.num_experts, self.topk, self.num_bins = num_experts, topk, num_bins
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=self._device)

@@ -71,6 +71,10 @@ MaxVio of the next fresh batch under the solved bias; 128 experts top-4 on 2048 
 8 top-2 on 512 and 2048): at the minimum MaxVio is within 0.06 of B = 1000's in every case, the
 next size down is not (uniform 384: up to +0.10, 256: see ``_QB_MIN_BINS_WHY``; centered 48: +0.07,
 32: the same), and tiny.sh trained with B = 2, or 4 centered, balanced worse than no QB."""
+QB_MAX_CELLS = 2**31 - 1 - 5
+"""Most cells ``num_moe_experts * moe_qb_num_bins`` of one router's QB histogram: with its 5 header
+words (``balancing.HEADER_FIELDS``; ``tests/unit/test_balancing.py`` pins the sum) a router packs
+at most 2**31 - 1 int32 words for the step-end all-reduce."""
 _QB_MIN_BINS_WHY = {
     "uniform": ("2/B = 0.004", "MaxVio 0.66 at 256 bins against 0.45 at 1000, 128 experts top-4"),
     "centered": ("~0.001 next to the bias", "MaxVio 0.51 at 32 bins against 0.43 at 1000"),
@@ -849,6 +853,15 @@ def _check_quantile_balancing(get: Callable[[str], Any], balancers: list) -> Non
             f"{least} bins: {width}) and router scores spread only ~0.01 over tokens (measured: "
             f"{below})",
             moe_qb_binning=binning,
+        )
+    n = get("num_moe_experts")
+    if bins * n > QB_MAX_CELLS:  # else refused only when the model is built, as a traceback
+        raise ConfigError(
+            "moe_qb_num_bins",
+            bins,
+            f"an integer <= {QB_MAX_CELLS // n} with {{num_moe_experts}} (the histogram's "
+            f"num_moe_experts x moe_qb_num_bins int32 counts: at most {QB_MAX_CELLS})",
+            num_moe_experts=n,
         )
     if binning == "centered" and bins % 2:
         raise ConfigError(

@@ -155,6 +155,10 @@ CASES = {
         ["--moe-qb-binning", "centered", "--moe-qb-num-bins", "2"],
         ["--moe-qb-num-bins 2", ">= 64", "--moe-qb-binning centered"],
     ),
+    "more_qb_bins_than_int32_counts_hold": (  # else a traceback when the model is built
+        ["--moe-qb-num-bins", "300000000"],
+        ["--moe-qb-num-bins 300000000 is not allowed", "<= 268435455", "--num-experts 8"],
+    ),
     "grouped_gemm_shared_expert_with_situ": (  # its fused kernel is SwiGLU, not SiTU-GLU
         ["--use-grouped-gemm-for-shared-expert"],
         ["--use-grouped-gemm-for-shared-expert is not allowed", "--hidden-act situ"],

@@ -604,6 +604,34 @@ def test_too_few_qb_bins_are_refused_saying_why(binning, bins, allowed):
     assert tiny_config(moe_qb_binning=binning, moe_qb_num_bins=least).moe_qb_num_bins == least
 
 
+@pytest.mark.parametrize("binning", ["uniform", "centered"])
+def test_more_qb_bins_than_the_histogram_can_count_are_refused_naming_the_flag(binning):
+    """The histogram's n x B int32 counts and its 5 header words stay within 2**31 - 1 words
+    (``fields.QB_MAX_CELLS``, which ``balancing`` checks at build). The config refuses what the
+    histogram refuses: ``--moe-qb-num-bins 300000000`` with 8 experts passed the flag check and
+    then stopped the model build with a traceback ('num_experts*num_bins=2400000000; allowed:
+    < 2**31')."""
+    from megatron_latentmoe.balancing import HEADER_FIELDS, INT32_MAX, QuantileHistogram
+    from megatron_latentmoe.fields import QB_MAX_CELLS
+
+    assert QB_MAX_CELLS + len(HEADER_FIELDS) == INT32_MAX
+    most = QB_MAX_CELLS // 8  # 268435455 (x 8 = 2147483640)
+    with pytest.raises(ConfigError) as err:
+        tiny_config(moe_qb_binning=binning, moe_qb_num_bins=most + 1)
+    assert str(err.value) == (
+        f"moe_qb_num_bins={most + 1} is not allowed: an integer <= {most} with "
+        "num_moe_experts=8 (the histogram's num_moe_experts x moe_qb_num_bins int32 counts: at "
+        "most 2147483642)"
+    )
+    assert tiny_config(moe_qb_binning=binning, moe_qb_num_bins=most - 1).moe_qb_num_bins == most - 1
+    # the histogram itself draws the line at the same place (no counts are allocated on meta)
+    QuantileHistogram(2, 1, QB_MAX_CELLS // 2, device="meta")
+    with pytest.raises(
+        ValueError, match=r"^num_experts\*num_bins=2147483644; allowed: <= 2147483642$"
+    ):
+        QuantileHistogram(2, 1, QB_MAX_CELLS // 2 + 1, device="meta")
+
+
 @pytest.mark.parametrize("latent", [0, -4, 1.5])
 def test_a_latent_size_that_is_not_a_positive_integer_names_moe_latent_size(latent):
     with pytest.raises(ConfigError) as err:
