@@ -153,7 +153,12 @@ def load_megatron_model(
     loaded = dist_checkpointing.load(sharded, str(path))
     own = set(model.state_dict())
     loaded = {k: v for k, v in loaded.items() if k in own}  # drop the common state (args, ...)
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    from megatron_latentmoe.moe.router import NonFiniteBiasError
+
+    try:
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+    except NonFiniteBiasError as err:  # a corrupt router bias, named
+        raise ConversionError(f"Megatron model load: {err}") from None
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ConversionError(

@@ -305,3 +305,29 @@ MEGATRON_CFG = dict(
     vocab_size=4096,
     max_sequence_length=256,
 )
+
+
+def load_with_nan_bias(rank, world, out_dir: str) -> tuple[str, str | None]:
+    """1 rank: the main model saved with NaN in one router's ``expert_bias`` (expert 3), then
+    loaded as ``verify`` loads it; returns the bias's key and the ConversionError's message."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_latentmoe.compat import initialize_parallel_cpu
+    from megatron_latentmoe.convert import ConversionError
+    from megatron_latentmoe.convert.verify import load_megatron_model
+
+    initialize_parallel_cpu(seed=SEED)
+    a = arch("main")
+    model = _build(a)
+    _randomise(model, SEED)
+    name, bias = next((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))
+    bias[3] = float("nan")
+    path = os.path.join(out_dir, "ck_nan_bias")
+    _save(model, a, path)
+    try:
+        load_megatron_model(path, a)
+        error = None
+    except ConversionError as err:
+        error = str(err)
+    ps.destroy_model_parallel()
+    return name, error

@@ -1043,3 +1043,17 @@ def test_token_ids_come_from_the_tokenizer_only_for_megatron_training_checkpoint
         (no_pad / name).write_text(json.dumps(cfg))
     _, adopted, _ = prepare_hf_metadata(own_ids, torch.float32, str(no_pad), adopt_token_ids=True)
     assert (adopted.bos_token_id, adopted.eos_token_id, adopted.pad_token_id) == (0, 0, 7)
+
+
+def test_verify_refuses_a_checkpoint_whose_router_bias_holds_nan(tmp_path):
+    """A corrupt ``expert_bias`` (NaN at expert 3 of one router) in the checkpoint ``verify``
+    loads: the converter's one error line naming the key, not the router's traceback."""
+    from tests.parallel.launcher import run_distributed
+
+    ((name, error),) = run_distributed(_workers.load_with_nan_bias, 1, str(tmp_path))
+    assert name == "decoder.layers.1.mlp.router.expert_bias"
+    assert error == (
+        "Megatron model load: decoder.layers.1.mlp.router.expert_bias (layer 2's router) = "
+        "[nan] at expert(s) [3] (1 of 8); allowed: finite values (a corrupt checkpoint: load an "
+        "earlier one)"
+    )
