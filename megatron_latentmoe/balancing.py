@@ -44,6 +44,7 @@ __all__ = [
     "QuantileHistogram",
     "CenteredQuantileHistogram",
     "cutoff_route",
+    "non_finite_entries",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -64,6 +65,18 @@ _BIAS_DTYPES = (torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------------- validation
+def non_finite_entries(bias_E: torch.Tensor) -> str | None:
+    """``None`` when every entry of an expert bias is finite; else which are not, for an error line
+    ("[nan] at expert(s) [3] (1 of 8)"). One host read: for checkpoint loads and conversions,
+    never the forward. A NaN bias is every token's top choice (``topk`` ranks NaN first)."""
+    bad = torch.nonzero(~torch.isfinite(bias_E.detach().flatten())).flatten().tolist()
+    if not bad:
+        return None
+    values = [bias_E.flatten()[i].item() for i in bad[:4]]
+    more = " ..." if len(bad) > 8 else ""
+    return f"{values} at expert(s) {bad[:8]}{more} ({len(bad)} of {bias_E.numel()})"
+
+
 def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_latentmoe.balancing import non_finite_entries
 from megatron_latentmoe.data import is_shipped_tokenizer
 from megatron_latentmoe.data.corpus import default_tokenizer_dir
 from megatron_latentmoe.fields import not_allowed
@@ -253,6 +254,18 @@ def cast_checked(name: str, tensor: torch.Tensor, to: torch.dtype, option: str) 
                 ConversionError,
             )
     return out
+
+
+def checked_bias(name: str, tensor: torch.Tensor, tm: TensorMap) -> torch.Tensor:
+    """``tensor`` as it is, unless it is the expert bias (``tm.fp32``) and holds NaN / inf: a
+    ConversionError naming it (converted, a NaN bias would send every token to that expert, and
+    training refuses such a bias at load)."""
+    bad = non_finite_entries(tensor) if tm.fp32 and not tm.zeros else None
+    if bad:
+        raise ConversionError(
+            f"{name} = {bad}; allowed: finite values (a corrupt checkpoint: convert an earlier one)"
+        )
+    return tensor
 
 
 # ----------------------------------------------------------------------------------- checking
@@ -574,6 +587,7 @@ def export_checkpoint(
                 )
                 tensors = [torch.zeros(tm.shape) if tm.zeros else next(read) for tm in batch]
                 for tm, t in zip(batch, tensors, strict=True):
+                    t = checked_bias(tm.megatron, t, tm)
                     for hf_name, hf_t in tm.to_hf(t).items():
                         if packed_experts and tm.expert is not None:
                             try:

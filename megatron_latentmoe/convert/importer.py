@@ -63,7 +63,7 @@ from . import mxfp4
 from .arch import ARCH_STATE_KEY, ModelArch, arch_from_config_file
 from .dist_reader import COMMON_STATE_KEY
 from .errors import ConversionError
-from .export import INDEX_FILE, ST_DTYPE_NAMES, cast_checked, parse_dtype
+from .export import INDEX_FILE, ST_DTYPE_NAMES, cast_checked, checked_bias, parse_dtype
 from .names import (
     check_shape,
     extra_state_key,
@@ -439,7 +439,8 @@ def _import(
         )
 
         def resolve(tm=tm, dt=dt, sizes=sizes):
-            t = cast_checked(tm.megatron, tm.megatron_rows(hf.get, 0, tm.shape[0]), dt, dtype)
+            t = tm.megatron_rows(hf.get, 0, tm.shape[0])
+            t = cast_checked(tm.megatron, checked_bias(tm.hf[0][0], t, tm), dt, dtype)
             t = t.reshape(sizes).contiguous()
             bar.update(t.numel() * t.element_size())
             return t

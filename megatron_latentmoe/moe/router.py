@@ -41,7 +41,12 @@ from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_regi
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_latentmoe.balancing import CenteredQuantileHistogram, QuantileHistogram, cutoff_route
+from megatron_latentmoe.balancing import (
+    CenteredQuantileHistogram,
+    QuantileHistogram,
+    cutoff_route,
+    non_finite_entries,
+)
 
 
 def megatron_device() -> torch.device:
@@ -133,12 +138,10 @@ class BalanceCountingRouter(TopKRouter):
         key = prefix + "expert_bias"
         bias = state_dict.get(key)
         if isinstance(bias, torch.Tensor) and bias.is_floating_point() and not bias.is_meta:
-            bad = torch.nonzero(~torch.isfinite(bias)).flatten().tolist()
+            bad = non_finite_entries(bias)
             if bad:
-                values = [bias.flatten()[i].item() for i in bad[:4]]
                 raise NonFiniteBiasError(
-                    f"{key} (layer {self.layer_number}'s router) = {values} at expert(s) "
-                    f"{bad[:8]}{' ...' if len(bad) > 8 else ''} ({len(bad)} of {bias.numel()}); "
+                    f"{key} (layer {self.layer_number}'s router) = {bad}; "
                     "allowed: finite values (a corrupt checkpoint: load an earlier one)"
                 )
         super()._load_from_state_dict(

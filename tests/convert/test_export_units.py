@@ -1090,3 +1090,32 @@ def test_fp16_import_of_values_beyond_its_range_is_refused(tmp_path):
     import_checkpoint(tmp_path / "hf", tmp_path / "mg", dtype="bf16", progress=False)
     fc1 = DistCheckpointReader(tmp_path / "mg").read("decoder.layers.0.mlp.linear_fc1.weight")
     assert fc1.dtype == torch.bfloat16 and fc1[24:].eq(-1e5).all()  # up_proj: the second half
+
+
+def test_a_non_finite_expert_bias_is_refused_by_import_and_export(tmp_path, monkeypatch):
+    """NaN / inf in an expert bias (``e_score_correction_bias`` / ``router.expert_bias``): import
+    and export each stop with one error naming the tensor and the experts, and write nothing
+    (converted, a NaN bias is every token's top choice; training refuses it at load)."""
+    from megatron_latentmoe.convert import importer
+
+    arch = ModelArch(**TINY)
+    bias = next(tm for tm in iter_tensor_maps(arch) if tm.fp32 and not tm.zeros)
+    (hf_name, shape), *_ = bias.hf
+    bad = torch.zeros(shape)
+    bad[1], bad[3] = float("nan"), float("-inf")
+    write_hf_dir(tmp_path / "hf", arch, extra={hf_name: bad})
+    why = "allowed: finite values (a corrupt checkpoint: convert an earlier one)"
+    _import_fails(
+        tmp_path / "hf",
+        tmp_path / "mg",
+        f"{hf_name} = [nan, -inf] at expert(s) [1, 3] (2 of {shape[0]}); {why}",
+    )
+    # a Megatron checkpoint holding such a bias (written past the import's check) is not exported
+    monkeypatch.setattr(importer, "checked_bias", lambda name, t, tm: t)
+    import_checkpoint(tmp_path / "hf", tmp_path / "mg", progress=False)
+    with pytest.raises(ConversionError) as info:
+        export_checkpoint(tmp_path / "mg", tmp_path / "out", tokenizer_dir=None, progress=False)
+    assert str(info.value) == (
+        f"{bias.megatron} = [nan, -inf] at expert(s) [1, 3] (2 of {shape[0]}); {why}"
+    )
+    assert not os.path.exists(tmp_path / "out") and no_leftovers(tmp_path)
