@@ -260,7 +260,12 @@ def sample_tokens(
             return tokens, "real text, exported tokenizer"
         reason = f"tokenizer ids up to {int(tokens.max())} exceed vocab_size={vocab_size}"
     except Exception as e:  # noqa: BLE001 - no tokenizer / too short text: fall back, and say so
-        reason = f"no usable tokenizer/text ({type(e).__name__}: {e})"
+        from megatron_latentmoe.data.hf_tokenizer import TOKENIZER_FILES, one_line
+
+        reason = f"no usable tokenizer/text ({type(e).__name__}: {one_line(e)})"
+        if not any(os.path.isfile(os.path.join(hf_dir, f)) for f in TOKENIZER_FILES):
+            # an export with --tokenizer none: not transformers' five lines on slow tokenizers
+            reason = f"no tokenizer in {os.fspath(hf_dir)!r}: no {' nor '.join(TOKENIZER_FILES)}"
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g), f"random ids ({reason})"
 

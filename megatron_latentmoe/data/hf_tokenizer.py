@@ -73,16 +73,16 @@ def load_tokenizer(
             _refuse_remote_code(path, e, trust_remote_code)
             raise PreprocessError(
                 f"tokenizer not found: {path!r} is not a folder (nor a cached HF name): "
-                f"{_one_line(e)}"
+                f"{one_line(e)}"
             ) from e
     else:
         try:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except Exception as e:
             _refuse_remote_code(path, e, trust_remote_code)
-            why = _one_line(e)
-            if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-                why = f"no {' nor '.join(_TOKENIZER_FILES)} there ({why})"
+            why = one_line(e)
+            if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                why = f"no {' nor '.join(TOKENIZER_FILES)} there ({why})"
             raise PreprocessError(f"cannot load the tokenizer in {path}: {why}") from e
     # Documents are longer than any model context; silence "sequence length is longer than"
     # warnings.
@@ -90,12 +90,12 @@ def load_tokenizer(
     return tok
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A Hugging Face tokenizer folder holds one of them (an older one may load without: vocab files
 and a config.json; named only when loading failed)."""
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
     """``transformers``' message on one line: an empty folder's ran over five (measured,
     transformers 5.25: "Couldn't instantiate the backend tokenizer from one of: ...")."""
     return " ".join(str(error).split())
