@@ -369,10 +369,25 @@ def _pool_bias(solved, layer, pool, i, g):
 
 
 def race_iteration_1(a):
-    """Per-layer loads of iteration 1 in the race's ``none`` run of this seed (None: not run)."""
-    path = os.path.join(a.race_dir, f"none_seed_{a.seed}.jsonl")
-    if a.global_batch_size or a.load or not os.path.exists(path):
+    """Per-layer loads of iteration 1 in the race's ``none`` run of this seed (None: not run):
+    ``none_seed_S.jsonl`` of a race with ``--seeds``, or ``none.jsonl`` of one without (the
+    default command), trained with its args file's seed (the last ``--seed`` of the flags it
+    recorded, ``none.cmd.json``)."""
+    from bench_training_balance import _slug, record_path
+
+    if a.global_batch_size or a.load:
         return None
+    path = os.path.join(a.race_dir, _slug(f"none seed {a.seed}") + ".jsonl")
+    if not os.path.exists(path):
+        path = os.path.join(a.race_dir, _slug("none") + ".jsonl")
+        try:
+            with open(record_path(path)) as f:
+                flags = json.load(f)
+        except (OSError, ValueError):
+            return None
+        seeds = [flags[i + 1] for i, w in enumerate(flags[:-1]) if w == "--seed"]
+        if not os.path.exists(path) or seeds[-1:] != [str(a.seed)]:
+            return None
     with open(path) as f:
         first = json.loads(f.readline())
     return [layer["loads"] for layer in first["layers"]]

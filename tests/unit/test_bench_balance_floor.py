@@ -95,6 +95,13 @@ def test_batch_1_is_checked_against_the_races_none_run(tmp_path):
     assert floor.race_iteration_1(parsed()) == loads
     assert floor.race_iteration_1(parsed("--global-batch-size", "4")) is None
     assert floor.race_iteration_1(parsed("--load", str(tmp_path))) is None
+    # a race without --seeds (its default command) names the run "none" and trains it with the
+    # args file's seed: the last --seed of the flags it recorded
+    (tmp_path / "none_seed_7.jsonl").rename(tmp_path / "none.jsonl")
+    assert floor.race_iteration_1(parsed()) is None  # no record of its flags
+    for seed, expected in (("7", loads), ("8", None)):
+        (tmp_path / "none.cmd.json").write_text(json.dumps(["--seed", "1", "--seed", seed]))
+        assert floor.race_iteration_1(parsed()) == expected
 
 
 def _variants(g0, g1, pooled=None):
