@@ -918,6 +918,25 @@ def test_the_launch_scripts_example_passes_the_flag_check():
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
+def test_the_readmes_training_commands_pass_the_flag_check(tmp_path):
+    """The README's code-block training commands, their placeholders filled in (a folder for
+    SAVE_DIR), pass the same check: the MXFP4 block exports the checkpoint its run saves, and
+    Megatron refuses --save without --save-interval."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    commands = [
+        line.split("#")[0]
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.startswith("bash examples/run_torchrun.sh ")
+    ]
+    assert commands  # the MXFP4 block's
+    for command in commands:
+        _, _, args_file, *flags = shlex.split(command.replace("SAVE_DIR", str(tmp_path)))
+        proc = _run([str(ENTRY), "--check-flags", *args_file_args(REPO / args_file), *flags])
+        assert proc.returncode == 0, (command, proc.stdout[-3000:])
+
+
 def test_the_shipped_tokenizer_of_a_moved_clone_is_this_installs():
     """A checkpoint's args (``--use-checkpoint-args``) name the shipped tokenizer by the path of
     the clone that trained it; a clone moved or deleted since reads this install's copy (the

@@ -204,6 +204,19 @@ def test_every_readme_command_is_accepted_by_its_program():
     assert _refused(commands) == []
 
 
+def test_a_readme_block_that_converts_a_checkpoint_trains_it_with_save():
+    """A code block that trains and then converts (the MXFP4 block) saves what it converts: its
+    training command had no ``--save``, so the export after it had no SAVE_DIR to read."""
+    checked = 0
+    for block in FENCE.findall(README.read_text(encoding="utf-8")):
+        lines = block.replace("\\\n", " ").splitlines()
+        trains = [line for line in lines if "examples/run_torchrun.sh" in line]
+        for checkpoint in re.findall(r"--checkpoint (\S+)", block) if trains else []:
+            assert any(f"--save {checkpoint}" in line for line in trains), (checkpoint, trains)
+            checked += 1
+    assert checked  # the MXFP4 block: QAT training, then its export
+
+
 @pytest.mark.parametrize(
     "doc, expected",
     [
