@@ -155,6 +155,26 @@ def test_the_committed_race_is_what_the_readmes_command_writes():
     assert all(len(m["final_loss_runs"]) == 3 for m in results["methods"])
 
 
+def test_the_committed_side_by_side_run_is_the_races_and_the_report_says_where_it_goes():
+    """benchmarks/results/bench_step_balancers.json is the race's side-by-side run: the race
+    writes it into its workdir (not into benchmarks/results), where BALANCE_RACE.md says, and
+    its ratios are the table's side-by-side column."""
+    committed = json.loads((Path(race.RESULTS) / "bench_step_balancers.json").read_text())
+    workdir = Path(race.race_workdir(race.DEFAULT_ARGS_FILE)).relative_to(REPO)
+    assert committed["args"]["out"] == str(workdir / "step_balancers.json")
+    assert committed["args"]["steps"] == 60  # the race's --side-by-side-steps default
+    table = json.loads((Path(race.RESULTS) / "training_balance.json").read_text())["methods"]
+    for row in table:
+        if row["method"] in committed["results"]:
+            paired = committed["results"][row["method"]]["ratio_vs_none_paired"]
+            assert row["tokens_per_s_rel_side_by_side"] == paired
+    report = " ".join((REPO / "benchmarks" / "BALANCE_RACE.md").read_text().split())
+    assert (
+        f"the race writes it to its workdir, `{workdir / 'step_balancers.json'}`, committed as "
+        "`benchmarks/results/bench_step_balancers.json`" in report
+    )
+
+
 def test_other_args_files_write_beside_the_races_results():
     """The race of another model never replaces the headline training_balance.json."""
     assert race.results_dir(race.DEFAULT_ARGS_FILE) == race.RESULTS
