@@ -211,6 +211,38 @@ def megatron_refusal(args, err: Exception) -> str:
     if str(err) and str(err) in line:  # its message is given after the line: not twice
         line = line[: line.index(str(err))].rstrip(" '\"").rstrip(",")
     check = f"{os.path.basename(frame.filename)}:{frame.lineno} `{line}`"
-    return f"Megatron's validate_args refused these flags ({check})" + (
-        f": {err}" if str(err) else ""
+    flags = _assert_args_as_flags(args, line)
+    return (
+        f"Megatron's validate_args refused these flags ({check})"
+        + (f": {err}" if str(err) else "")
+        + (f"; this run: {flags}" if flags else "")
     )
+
+
+def _assert_args_as_flags(args, line: str) -> str:
+    """The flags behind the ``args.X`` an assert of ``validate_args`` reads, as this run gives
+    them (``--save-interval not given``, ``--bf16``): its line names attributes, not the flags
+    (``--save`` alone was refused as ``assert args.save_interval is not None``, naming none).
+    Attributes that no flag sets (``validate_args`` computes them) are left out."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_latentmoe.training.arguments import add_stable_latentmoe_args
+
+    parser = add_stable_latentmoe_args(add_megatron_arguments(argparse.ArgumentParser()))
+    actions = {}
+    for action in parser._actions:
+        if action.option_strings:
+            actions.setdefault(action.dest, action)
+    named = []
+    for dest in dict.fromkeys(re.findall(r"\bargs\.(\w+)", line)):
+        action = actions.get(dest)
+        if action is None or not hasattr(args, dest):
+            continue
+        flag, value = action.option_strings[0], getattr(args, dest)
+        if action.nargs == 0:  # a switch: given or not
+            named.append(flag if value != action.default else f"{flag} not given")
+        else:
+            named.append(f"{flag} not given" if value is None else flag_text(flag, value))
+    return ", ".join(named)

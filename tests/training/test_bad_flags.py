@@ -137,7 +137,18 @@ CASES = {
     ),
     "megatron_assert_without_a_message": (  # validate_args' bare assert, as one line
         ["--fp16", "--bf16"],
-        ["Megatron's validate_args refused these flags", "assert not args.bf16"],
+        [
+            "Megatron's validate_args refused these flags",
+            "`assert not args.bf16`); this run: --bf16",  # the flag, not only the attribute
+        ],
+    ),
+    "megatron_assert_names_the_flag_not_given": (  # --save alone: the flag it needs, by name
+        ["--save", "runs/never_written_by_test_bad_flags"],
+        ["`assert args.save_interval is not None`); this run: --save-interval not given"],
+    ),
+    "megatron_assert_names_both_flags_it_compares": (
+        ["--lr", "0.001", "--min-lr", "0.01"],
+        ["`assert args.min_lr <= args.lr`); this run: --min-lr 0.01, --lr 0.001"],
     ),
     "topk_plus_one_exceeds_experts": (
         ["--num-experts", "8", "--moe-router-topk", "8"],
@@ -554,7 +565,7 @@ CASES = {
         [
             "Megatron's validate_args refused these flags",
             "(arguments.py:1333 `assert args.fp16`): lm cross entropy in fp16 only support in "
-            "fp16 mode.",  # the message once, not also inside the quoted line
+            "fp16 mode.; this run: --fp16 not given",  # the message once, not also in the line
         ],
     ),
     "checkpoint_arg_named_as_the_checkpoints": (  # not as a flag the user typed
