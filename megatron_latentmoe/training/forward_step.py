@@ -240,6 +240,9 @@ def _validate_loss(loss: torch.Tensor, check_nan: bool, check_spiky: bool) -> No
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     machine = get_rerun_state_machine()
+    # a copy: the machine keeps a rejected result to compare the re-run's with, and Megatron's
+    # schedule divides the returned loss in place (by its tokens and the micro-batches)
+    loss = loss.detach().clone()
     if check_nan:
         for reject, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
             machine.validate_result(

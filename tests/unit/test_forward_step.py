@@ -287,6 +287,29 @@ def test_a_nan_or_inf_loss_stops_a_cpu_run(bad):
     )
 
 
+@pytest.mark.parametrize("check", ["check_nan", "check_spiky"])
+def test_the_rerun_machine_keeps_the_loss_it_rejected(monkeypatch, check):
+    """--rerun-mode validate_results: the machine keeps the rejected loss to compare the re-run's
+    with. Megatron's schedule then divides the returned loss IN PLACE by its token count and the
+    micro-batches (forward_step_calc_loss); handed the same tensor, the machine compared the
+    re-run's raw sum with that quotient (a CPU run: '4266.87 != 4.1670', 512 tokens x 2
+    micro-batches), so every spike read as not reproducible ('Possible transient error')."""
+    from megatron.core import rerun_state_machine as rsm
+
+    machine = rsm.RerunStateMachine(
+        mode=rsm.RerunMode.VALIDATE_RESULTS,
+        error_injector=rsm.RerunErrorInjector(1, rsm.RerunDiagnostic.CORRECT_RESULT),
+    )
+    machine.state, machine.first_iteration_complete = rsm.RerunState.INITIAL_RUN, True
+    monkeypatch.setattr(rsm, "get_rerun_state_machine", lambda: machine)
+    loss, num_tokens, _ = fs.loss_func(
+        torch.ones(1, 2), torch.tensor([[1.0, 2.0]]), **{check: True}
+    )
+    assert machine.rerun_requested  # the injected error rejected it
+    loss /= num_tokens  # as Megatron's schedule does
+    assert machine.initial_result.item() == 3.0
+
+
 @pytest.fixture
 def megatron_step(monkeypatch):
     """forward_step's Megatron state: args, timers, a one-stage model config, CP and TP 1."""
