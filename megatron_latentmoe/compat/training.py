@@ -26,8 +26,16 @@ from . import registry
 _CPU_GROUP, _FLAGS_GROUP, _RUN_GROUP = "training-cpu", "training-flags", "training-run"
 
 
-def cpu_training_defaults(args) -> list[str]:
-    """Flags that only work with CUDA kernels: switched off on CPU (returns the notes)."""
+def cpu_training_defaults(args, argv: list[str] | None = None) -> list[str]:
+    """Flags that only work with CUDA kernels: switched off on CPU (returns the notes).
+
+    Megatron's default ``--rerun-mode validate_results`` becomes ``disabled`` unless ``argv``
+    (default: ``sys.argv[1:]``) names ``--rerun-mode``: the state machine runs on CPU (its RNG
+    and device calls go through compat/cpu.py), but by default a CPU run's NaN / Inf loss
+    stops the run at once rather than re-running the iteration."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
     notes = []
     for name, value in (
         ("bias_dropout_fusion", False),  # torch.compile'd fused kernels: a C++ build on CPU
@@ -40,8 +48,9 @@ def cpu_training_defaults(args) -> list[str]:
         if getattr(args, name, value) != value:
             setattr(args, name, value)
             notes.append(name)
-    if args.rerun_mode != "disabled":
-        args.rerun_mode = "disabled"  # the rerun state machine keeps CUDA-only state
+    given = any(a == "--rerun-mode" or a.startswith("--rerun-mode=") for a in argv)
+    if args.rerun_mode != "disabled" and not given:
+        args.rerun_mode = "disabled"
         notes.append("rerun_mode=disabled")
     return notes
 

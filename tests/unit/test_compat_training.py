@@ -44,7 +44,7 @@ def test_cpu_training_defaults_switch_off_cuda_kernels():
         cross_entropy_loss_fusion=True,
         rerun_mode="validate_results",
     )  # no bias_swiglu_fusion: a namespace without a flag is left without it
-    notes = ctraining.cpu_training_defaults(args)
+    notes = ctraining.cpu_training_defaults(args, argv=["--rerun-modes"])
     assert notes == [
         "bias_dropout_fusion",
         "apply_rope_fusion",
@@ -54,7 +54,16 @@ def test_cpu_training_defaults_switch_off_cuda_kernels():
     ]
     assert vars(args) == dict.fromkeys(vars(args), False) | {"rerun_mode": "disabled"}
     assert not hasattr(args, "bias_swiglu_fusion")
-    assert ctraining.cpu_training_defaults(args) == []
+    assert ctraining.cpu_training_defaults(args, argv=[]) == []
+
+
+@pytest.mark.parametrize("argv", [["--rerun-mode", "validate_results"], ["--rerun-mode=x"]])
+def test_a_cpu_run_keeps_the_rerun_mode_it_names(argv):
+    """Megatron's rerun state machine runs on CPU (tests/training/test_rerun.py): a run that
+    names --rerun-mode keeps it (it was replaced by 'disabled')."""
+    args = types.SimpleNamespace(rerun_mode="validate_results")
+    assert ctraining.cpu_training_defaults(args, argv=argv) == []
+    assert args.rerun_mode == "validate_results"
 
 
 def test_cpu_training_compat(megatron_training, monkeypatch):
