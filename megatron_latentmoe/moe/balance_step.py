@@ -250,6 +250,42 @@ def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module]) -> None:
     _apply_solved(solved, _read_once(None, solved)[1])  # one host read
 
 
+# What a step end changes that the next step reads: the bias (QB's, Megatron's sign update's),
+# Megatron's own QB beta and QB's mean router input; the armed drift correction is kept beside.
+_STEP_STATE_BUFFERS = ("expert_bias", "qb_beta", "qb_mean_input")
+
+
+@torch.no_grad()
+def save_step_state(model_chunks: Iterable[torch.nn.Module]) -> list:
+    """The routing state an iteration starts from, for :func:`restore_step_state` (copies on the
+    device, no host read): each counting router's step-end buffers and armed drift correction."""
+    state = []
+    for router in balance_routers(model_chunks):
+        buffers = {}
+        for name in _STEP_STATE_BUFFERS:
+            value = getattr(router, name, None)
+            if isinstance(value, torch.Tensor):
+                buffers[name] = value.clone()
+        state.append((router, buffers, getattr(router, "_drift_ref", None)))
+    return state
+
+
+@torch.no_grad()
+def restore_step_state(state: list) -> None:
+    """Put the routers back as :func:`save_step_state` found them, their per-step scratch
+    (histogram, loads, token count, router input sum) empty: the iteration runs again exactly as
+    its first pass did (Megatron's rerun state machine, training/rerun_balance.py)."""
+    for router, buffers, drift_ref in state:
+        for name, value in buffers.items():
+            getattr(router, name).copy_(value)
+        router.step_loads_E.zero_()
+        router.step_tokens.zero_()
+        if isinstance(router, QuantileBalancingRouter):
+            router._drift_ref = drift_ref
+            router.qb_histogram.reset()
+            router.step_input_sum_D.zero_()
+
+
 def finalize_model_grads_with_quantile_balancing(
     model, num_tokens=None, pg_collection=None, force_all_reduce=False
 ):

@@ -124,6 +124,10 @@ class BalanceLogger:
         self._printed_first = False
         self._jsonl_opened = False
         self.history: list[dict] = []  # records of this process (logging rank), for summaries
+        self.hold_records = False
+        """True: a step end keeps its record for :meth:`flush` (a pass Megatron's rerun state
+        machine may run again: training/rerun_balance.py)."""
+        self._held: dict | None = None
 
     # ------------------------------------------------------------------ fed by the forward step
     def mark_forward(self) -> None:
@@ -194,8 +198,27 @@ class BalanceLogger:
         if not self.is_logging_rank:
             return None
         record = self._record(iteration, table.cpu(), with_loads, step_time)
-        self._write(record)
+        if self.hold_records:
+            self._held = record
+        else:
+            self._write(record)
         return record
+
+    def flush(self) -> None:
+        """Write the record a step end held (:attr:`hold_records`), if any."""
+        record, self._held = self._held, None
+        if record is not None:
+            self._write(record)
+
+    def step_state(self) -> tuple:
+        """What a step's passes change here, for :meth:`restore_step_state`."""
+        return self._last_step_end, self._excluded_s, self._loss
+
+    def restore_step_state(self, state: tuple) -> None:
+        """Back to :meth:`step_state`'s: the step's time counts from the previous step end, its
+        loss is the next pass's alone, and the held record of the pass run again is dropped."""
+        self._last_step_end, self._excluded_s, self._loss = state
+        self._held = None
 
     def _record(
         self, iteration: int, table: torch.Tensor, with_loads: bool, step_time: float

@@ -219,7 +219,7 @@ def loss_func(
     pretrain_gpt: ``check_nan`` (``--check-for-nan-in-loss-and-grad``, on by default) stops the
     run on a NaN or Inf local loss, ``check_spiky`` (``--check-for-spiky-loss``) warns on a loss
     10x the largest seen, through Megatron's rerun state machine (with ``--rerun-mode disabled``,
-    the mode CPU runs get, it checks and raises / warns without rerunning)."""
+    CPU runs' default, it checks and raises / warns without rerunning)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)

@@ -301,6 +301,7 @@ def _main(check_only: bool = False) -> int:
     )
     from megatron_latentmoe.training.qb_calibrate import QBCalibration, kept_bias_line
     from megatron_latentmoe.training.qb_rescore import QBRescore
+    from megatron_latentmoe.training.rerun_balance import RerunBalance
     from megatron_latentmoe.training.resume import (
         activation_warning,
         ckpt_step_warning,
@@ -405,6 +406,7 @@ def _main(check_only: bool = False) -> int:
         )
         wrap_train_step(rescore.wrap_train_step)
         optional_keys += TRAINING_STATE_SUFFIXES
+    wrap_train_step(RerunBalance(balance_logger).wrap_train_step)  # outside the rescoring
     if optional_keys:
         load_optional_checkpoint_keys(optional_keys)
     fstep.set_batch_recorder(rescore)

@@ -268,8 +268,9 @@ def test_loss_func_checks_the_loss_for_nan_only_when_asked(monkeypatch):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nan_or_inf_loss_stops_a_cpu_run(bad):
-    """On CPU the run's --rerun-mode is 'disabled' (compat): Megatron's state machine still checks
-    the loss and raises, naming the value and the check (before, the check was skipped there)."""
+    """On CPU the run's --rerun-mode is 'disabled' by default (compat): Megatron's state machine
+    still checks the loss and raises, naming the value and the check (before, the check was
+    skipped there)."""
     from megatron_latentmoe.compat import apply_cpu_compat, apply_python311_compat
 
     apply_python311_compat()

@@ -76,6 +76,7 @@ MAIN_STEPS = (
     "apply_qb_gloo_compat",
     "_make_balance_logger",
     "set_balance_logger",
+    "wrap_train_step",
     "set_batch_recorder",
     "install_finalize_hook",
     "exclude_from_step_time",
@@ -234,6 +235,8 @@ class _Run:
 def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, tmp_path, capsys):
     from megatron.core.enums import ModelType
 
+    from megatron_latentmoe.training.rerun_balance import RerunBalance
+
     run = _Run(monkeypatch, tmp_path)
     assert run() == 0
     container = ("container", ("model config", "transformer config"))
@@ -244,6 +247,10 @@ def test_main_hands_megatron_the_model_datasets_and_step_it_built(monkeypatch, t
     assert run.named("set_global_variables") == run.named("init_cpu_world") == [(run.args,)]
     assert run.named("_make_balance_logger") == [(run.args, "balance.jsonl")]
     assert run.named("set_balance_logger") == [(run.logger,)]
+    ((rerun_wrap,),) = run.named("wrap_train_step")  # the rerun state machine's hooks
+    assert isinstance(rerun_wrap.__self__, RerunBalance)
+    assert rerun_wrap == rerun_wrap.__self__.wrap_train_step
+    assert rerun_wrap.__self__.balance_logger is run.logger
     assert run.named("set_batch_recorder") == [(None,)]
     assert run.named("install_finalize_hook") == [(("finalize", run.logger, None),)]
     assert run.named("exclude_from_step_time") == [("excluded",)]
@@ -327,12 +334,16 @@ def test_main_wires_rescoring_and_calibration(monkeypatch, tmp_path):
     its train-step wrapper outermost (it runs before a rescored first step)."""
     from megatron_latentmoe.convert.names import TRAINING_STATE_SUFFIXES
     from megatron_latentmoe.training import balance_logging
+    from megatron_latentmoe.training.rerun_balance import RerunBalance
 
     flags = dict(moe_qb_rescore_iters=3, moe_qb_rescore_solves=2, moe_qb_calibrate_batches=2)
     run = _Run(monkeypatch, tmp_path, decoder_seq_length=16, **flags)
     assert run() == 0
-    (rescore_wrap,), (calibration_wrap,) = run.named("wrap_train_step")
+    # inside out: rescoring, the rerun hooks (they write the rescored step end's record), and
+    # calibration outermost
+    (rescore_wrap,), (rerun_wrap,), (calibration_wrap,) = run.named("wrap_train_step")
     rescore, calibration = rescore_wrap.__self__, calibration_wrap.__self__
+    assert isinstance(rerun_wrap.__self__, RerunBalance)
     assert rescore_wrap == rescore.wrap_train_step
     assert calibration_wrap == calibration.wrap_train_step
     assert (rescore.iters, rescore.solves) == (3, 2)
