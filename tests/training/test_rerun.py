@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from . import checkpoint_tensors, iter_dir, run_entry, scratch_dir
+from . import LAUNCH, checkpoint_tensors, iter_dir, run_entry, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +67,34 @@ def test_a_rerun_iteration_reproduces_its_first_pass(balancing):
     for key, value in bias.items():
         assert value.abs().sum() > 0, key
         assert value.equal(plain_bias[key]), (key, value, plain_bias[key])
+
+
+def test_a_reproducible_rejection_checkpoints_the_state_before_the_iteration():
+    """A rejected loss the re-run reproduces (injected: 'correct_result'; the NaN check, fatal):
+    Megatron saves a checkpoint to re-run the iteration elsewhere and exits with 16. That
+    checkpoint holds the routing state the iteration started from (before: the bias two step
+    ends on), and no balance record of the iteration."""
+    base = scratch_dir() / "rerun-checkpoint"
+    ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
+    inject = ["--error-injection-rate", "1", "--error-injection-type", "correct_result"]
+    extra = ["--expert-model-parallel-size", "1", "--train-iters", str(ITERS)]
+    extra += ["--rerun-mode", "validate_results", *inject, "--save", str(ckpt)]
+    flags = [*extra, "--save-interval", "100", "--balance-log-file", str(jsonl)]
+    run = run_entry(flags, nproc=1, launcher=LAUNCH)
+    assert run.returncode == 16, run.output[-3000:]
+    assert "unexpected result is reproducible within the tolerance" in run.output
+    assert [json.loads(line)["iteration"] for line in jsonl.read_text().splitlines()] == [1]
+    _, plain_bias, _ = _run_plain_one_iteration()
+    bias = checkpoint_tensors(iter_dir(ckpt, 1), "expert_bias")
+    assert bias and bias.keys() == plain_bias.keys()
+    for key, value in bias.items():
+        assert value.equal(plain_bias[key]), (key, value, plain_bias[key])
+
+
+def _run_plain_one_iteration():
+    base = scratch_dir() / "plain-one"
+    ckpt, jsonl = base / "ckpt", base / "balance.jsonl"
+    extra = ["--expert-model-parallel-size", "1", "--train-iters", "1", "--rerun-mode", "disabled"]
+    extra += ["--save", str(ckpt), "--save-interval", "1", "--balance-log-file", str(jsonl)]
+    run = run_entry(extra, nproc=1).check()
+    return jsonl, checkpoint_tensors(iter_dir(ckpt, 1), "expert_bias"), run.output
