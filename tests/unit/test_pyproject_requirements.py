@@ -49,3 +49,38 @@ def test_bad_arguments_are_one_line_exit_2(argv, message, capsys):
     code, out, err = _main(capsys, *argv)
     assert (code, out) == (2, [])
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def _floor(requirement):
+    """The lowest version a requirement allows (its ``>=`` clause), or None."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    floors = [Version(s.version) for s in Requirement(requirement).specifier if s.operator == ">="]
+    return max(floors, default=None)
+
+
+def test_no_floor_is_below_what_megatron_core_or_torch_require():
+    """A floor under what megatron-core (pinned) or torch ask for can never be installed beside
+    them: ``typing_extensions>=4.8`` was one (torch asks for >= 4.10 and imports ``TypeIs``)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    ours = {
+        canonicalize_name(Requirement(r).name): r
+        for r in PROJECT["dependencies"] + sum(PROJECT["optional-dependencies"].values(), [])
+    }
+    checked = []
+    for dist in ("megatron-core", "torch"):
+        for theirs in requires(dist) or []:
+            req = Requirement(theirs)
+            name = canonicalize_name(req.name)
+            if name not in ours or (req.marker and not req.marker.evaluate({"extra": ""})):
+                continue
+            want, have = _floor(theirs), _floor(ours[name])
+            if want is not None:
+                checked.append(name)
+                assert have is not None and have >= want, f"{ours[name]!r}: {dist} needs {theirs!r}"
+    assert {"torch", "packaging", "typing-extensions"} <= set(checked), checked
