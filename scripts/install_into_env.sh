@@ -10,7 +10,7 @@
 # PYTHONPATH counts, as on the offline GPU machine of tools/gpu_checks.sh); DRY_RUN=1 (pip
 # --dry-run: resolve and report, install nothing).
 # Step 1 installs the package with --no-deps: NVIDIA's containers carry torch as e.g.
-# "2.8.0a0+5228986c39", a pre-release that pyproject's "torch>=2.6" does not accept, so letting
+# "2.8.0a0+5228986c39", a pre-release that pyproject's "torch>=2.10" does not accept, so letting
 # pip resolve torch would try to replace it. Step 2 installs the other dependencies under a
 # constraint file that pins every torch / TE / apex / triton / nvidia-* package already there:
 # pip then either keeps them or fails, never swaps them. Step 3 checks they did not change.
