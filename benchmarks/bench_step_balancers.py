@@ -311,7 +311,6 @@ def run_rank(a):
         apply_cpu_compat,
         apply_python311_compat,
     )
-    from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
     from megatron_latentmoe.compat.training import init_cpu_world
 
     logging.getLogger("megatron").setLevel(logging.ERROR)  # set-up chatter, once per model
@@ -326,7 +325,6 @@ def run_rank(a):
     with contextlib.redirect_stdout(io.StringIO()):
         set_global_variables(first)
     init_cpu_world(first)
-    apply_qb_gloo_compat()
     rank, world = dist.get_rank(), dist.get_world_size()
     for m in a.methods:
         per_method[m][0].padded_vocab_size = first.padded_vocab_size

@@ -1,5 +1,5 @@
 """Compatibility layers: megatron-core 0.19.2 walls on every device (:mod:`.core`), on CPU + gloo
-(:mod:`.cpu`, :mod:`.qb_gloo`) and megatron.training's (:mod:`.training`), TensorBoard's writer
+(:mod:`.cpu`) and megatron.training's (:mod:`.training`), TensorBoard's writer
 thread (:mod:`.tensorboard`), every patch recorded in :mod:`.registry` (version-checked,
 revertible); torch's gloo errors for a peer process gone (:mod:`.gloo_peer`, no patch); torch's
 ``record`` that also records DCP's ``CheckpointException`` (:mod:`.record`, no patch); and

@@ -340,9 +340,6 @@ def _main(check_only: bool = False) -> int:
     if not has_cuda:
         if not _started_cpu_world(args):
             return 1
-        from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
-
-        apply_qb_gloo_compat()
     if load_format(args) == AUTO_FORMAT and args.ckpt_format != "torch_dist":
         load_distributed_checkpoint_as_such(args)
     if args.load and rank() == 0:

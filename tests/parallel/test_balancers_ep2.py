@@ -45,7 +45,6 @@ def _run(rank, world_size):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_latentmoe.compat import initialize_parallel_cpu
-    from megatron_latentmoe.compat.qb_gloo import apply_qb_gloo_compat
     from megatron_latentmoe.config import tiny_config
     from megatron_latentmoe.model import build_gpt_model
     from megatron_latentmoe.moe.balance_step import finalize_model_grads_with_quantile_balancing
@@ -54,7 +53,6 @@ def _run(rank, world_size):
     for name, overrides in BALANCERS.items():
         ps.destroy_model_parallel()
         initialize_parallel_cpu(expert_model_parallel_size=2, seed=7)
-        apply_qb_gloo_compat()
         cfg = tiny_config(
             num_layers=2, first_k_dense_replace=1, expert_model_parallel_size=2, **overrides
         )

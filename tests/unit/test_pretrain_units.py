@@ -73,7 +73,6 @@ MAIN_STEPS = (
     "set_global_variables",
     "save_space_warning",
     "init_cpu_world",
-    "apply_qb_gloo_compat",
     "_make_balance_logger",
     "set_balance_logger",
     "wrap_train_step",
@@ -84,7 +83,7 @@ MAIN_STEPS = (
     "pretrain",
 )
 """What ``main`` does, in order, on a machine without CUDA."""
-CPU_ONLY_STEPS = {"apply_cpu_compat", "init_cpu_world", "apply_qb_gloo_compat"}
+CPU_ONLY_STEPS = {"apply_cpu_compat", "init_cpu_world"}
 """The steps ``main`` leaves out where CUDA is available."""
 
 
@@ -96,7 +95,6 @@ class _Run:
         import torch
 
         from megatron_latentmoe import compat
-        from megatron_latentmoe.compat import qb_gloo
         from megatron_latentmoe.compat import training as compat_training
         from megatron_latentmoe.data import corpus
         from megatron_latentmoe.ops import situ
@@ -165,7 +163,6 @@ class _Run:
             (compat_training, "wrap_train_step"),
             (compat_training, "on_save_error"),
             (file_checks, "save_space_warning"),
-            (qb_gloo, "apply_qb_gloo_compat"),
             (situ, "set_cpu_compile"),
             (forward_step, "set_balance_logger"),
             (forward_step, "set_batch_recorder"),
