@@ -161,16 +161,13 @@ def update_balance(
         n = router.config.num_moe_experts
         router.last_loads_E = part[-n - 1 : -1].to(torch.int64)
         stats.append(BalanceMetrics.stats(router.last_loads_E, part[-1]))
-        router.step_loads_E.zero_()
-        router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
             hist_words = part.numel() - n - 1 - 2 * router.step_input_sum_D.numel()
             solved.append(_solve_deferred(router, part[:hist_words]))
             router.qb_mean_input.copy_(_from_fixed(part[hist_words : -n - 1], part[-1]))
             if drift_correction:
                 router.set_drift_reference()
-            router.qb_histogram.reset()
-            router.step_input_sum_D.zero_()
+        _clear_step_counts(router)
     stats_values, checks = _read_once(torch.stack(stats), solved)  # the one host read
     _apply_solved(solved, checks)
     metrics = []
@@ -234,6 +231,16 @@ def _apply_solved(solved, checks: list[list[int]]) -> None:
 
 
 @torch.no_grad()
+def _clear_step_counts(router) -> None:
+    """Empty a counting router's per-step scratch: its routed loads and token count and, for QB,
+    its histogram and router-input sum (after a step end, and before a re-run pass)."""
+    router.step_loads_E.zero_()
+    router.step_tokens.zero_()
+    if isinstance(router, QuantileBalancingRouter):
+        router.qb_histogram.reset()
+        router.step_input_sum_D.zero_()
+
+
 def solve_quantile_bias(model_chunks: Iterable[torch.nn.Module]) -> None:
     """An extra QB solve inside a rescored step (``--moe-qb-rescore-solves S > 1``,
     training/qb_rescore.py): ONE integer all-reduce of the QB routers' histograms only, each
@@ -278,12 +285,9 @@ def restore_step_state(state: list) -> None:
     for router, buffers, drift_ref in state:
         for name, value in buffers.items():
             getattr(router, name).copy_(value)
-        router.step_loads_E.zero_()
-        router.step_tokens.zero_()
         if isinstance(router, QuantileBalancingRouter):
             router._drift_ref = drift_ref
-            router.qb_histogram.reset()
-            router.step_input_sum_D.zero_()
+        _clear_step_counts(router)
 
 
 def finalize_model_grads_with_quantile_balancing(
